@@ -1,0 +1,68 @@
+// One-sided put with signal: bytes from the local heap to the same kind of place on a peer's heap,
+// then +1 on a signal there, the payload visible before the signal.
+#pragma once
+#include "signal__funcs.h"
+
+namespace jaxgin {
+
+// Whole-CTA copy, 16-byte vectors when both ends allow it, four loads in flight per thread.
+__device__ __forceinline__ void cta_copy(char* dst, const char* src, uint64_t bytes) {
+  const uint64_t t = linear_thread(), n = block_threads();
+  uint64_t copied = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const uint64_t vecs = bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    uint64_t i = t;
+    for (; i + 3 * n < vecs; i += 4 * n) {
+      uint4 a = s[i], b = s[i + n], c = s[i + 2 * n], e = s[i + 3 * n];
+      d[i] = a; d[i + n] = b; d[i + 2 * n] = c; d[i + 3 * n] = e;
+    }
+    for (; i < vecs; i += n) d[i] = s[i];
+    copied = vecs * 16;
+  }
+  for (uint64_t i = copied + t; i < bytes; i += n) dst[i] = src[i];
+}
+
+// CTA-collective: every thread of the CTA must call it with the same arguments.
+__device__ __forceinline__ void put_signal(const jaxgin_context* ctx, uint64_t dst_offset,
+                                           uint64_t src_offset, uint64_t bytes, int peer,
+                                           uint32_t signal, jaxgin_op_tag op) {
+  if (linear_thread() == 0) {
+    check_peer(ctx, peer, op);
+    check_signal(ctx, signal, ctx->signal_count, op);
+  }
+  if (routes_through_gin(ctx, peer)) {
+    __syncthreads();  // the whole CTA's writes to the source are done before the NIC reads it
+    if (linear_thread() == 0) {
+      ncclGin gin(ctx->comm, gin_context_index(ctx));
+      gin.put(ncclTeamWorld(ctx->comm), peer, ctx->window, dst_offset, ctx->window, src_offset, bytes,
+              GinPutSignal{signal, 1});
+    }
+    return;
+  }
+  char* dst = static_cast<char*>(ncclGetPeerPointer(ctx->window, dst_offset, peer));
+  cta_copy(dst, ctx->heap + src_offset, bytes);
+  __syncthreads();  // every thread's stores precede thread 0's release below
+  if (linear_thread() == 0) add_signal(ctx, peer, signal, 1);
+}
+
+}  // namespace jaxgin
+
+namespace jaxgin {
+
+// CTA-collective. Afterwards the sources of this CTA's earlier puts may be overwritten. It does
+// not mean the data arrived: a signal says that.
+__device__ __forceinline__ void flush(const jaxgin_context* ctx) {
+  __syncthreads();
+  if (linear_thread() == 0) {
+    if (ctx->gin_contexts > 0) {
+      ncclGin gin(ctx->comm, gin_context_index(ctx));
+      gin.flush(ncclCoopThread());
+    }
+    __threadfence_system();
+  }
+  __syncthreads();
+}
+
+}  // namespace jaxgin

@@ -1,0 +1,76 @@
+// Signals: monotonically increasing 64-bit counters, one per id and rank.
+//
+// A signal can be bumped by LSA peers (system-scope atomics on a counter in the heap's reserved
+// area) and by GIN peers (NCCL GIN signals of the same id). Its value is the sum of both, so a
+// waiter never needs to know which transport each sender used.
+#pragma once
+#include <cuda/atomic>
+#include "fault__funcs.h"
+#include "transport__funcs.h"
+
+namespace jaxgin {
+
+__device__ __forceinline__ uint64_t* local_signal(const jaxgin_context* ctx, uint32_t signal) {
+  return reinterpret_cast<uint64_t*>(ctx->heap) + signal;
+}
+
+__device__ __forceinline__ void check_signal(const jaxgin_context* ctx, uint32_t signal,
+                                             uint32_t limit, jaxgin_op_tag op) {
+  if (signal >= limit) fail(ctx, JAXGIN_FAULT_BAD_ARGUMENT, op, -1, signal, limit, signal);
+}
+
+__device__ __forceinline__ void check_peer(const jaxgin_context* ctx, int peer, jaxgin_op_tag op) {
+  if (peer < 0 || peer >= ctx->world_size)
+    fail(ctx, JAXGIN_FAULT_BAD_ARGUMENT, op, peer, 0, (uint64_t)ctx->world_size, (uint64_t)peer);
+  if (!is_lsa_peer(ctx, peer) && ctx->gin_contexts == 0)
+    fail(ctx, JAXGIN_FAULT_PEER_UNREACHABLE, op, peer, 0, 0, 0);
+}
+
+// Current value (acquire): every payload whose signal is counted in it is visible afterwards.
+__device__ __forceinline__ uint64_t read_signal(const jaxgin_context* ctx, uint32_t signal) {
+  cuda::atomic_ref<uint64_t, cuda::thread_scope_system> lsa(*local_signal(ctx, signal));
+  uint64_t value = lsa.load(cuda::memory_order_acquire);
+  if (ctx->gin_contexts > 0) {
+    ncclGin gin(ctx->comm, 0);
+    value += gin.readSignal(signal);
+  }
+  return value;
+}
+
+// One thread spins until the signal reaches `expected`; gives up after ctx->timeout_ns.
+__device__ __forceinline__ uint64_t wait_until(const jaxgin_context* ctx, uint32_t signal,
+                                               uint64_t expected, jaxgin_op_tag op, int peer) {
+  uint64_t value = read_signal(ctx, signal);
+  if (value >= expected) return value;
+  const uint64_t deadline = clock_ns() + ctx->timeout_ns;
+  while ((value = read_signal(ctx, signal)) < expected) {
+    if (clock_ns() > deadline) fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, op, peer, signal, expected, value);
+  }
+  return value;
+}
+
+// One thread waits for `count` arrivals beyond those this rank already consumed. The consumed
+// count lives in device memory, so the expected value is right under CUDA-graph replay too.
+__device__ __forceinline__ void wait_arrivals(const jaxgin_context* ctx, uint32_t signal,
+                                              uint64_t count, jaxgin_op_tag op, int peer) {
+  const uint64_t expected = ctx->consumed[signal] + count;
+  wait_until(ctx, signal, expected, op, peer);
+  ctx->consumed[signal] = expected;
+}
+
+// One thread adds `value` to `signal` on `peer`, ordered after every write this thread has
+// observed (callers synchronise the CTA first, so that covers the whole CTA's writes).
+__device__ __forceinline__ void add_signal(const jaxgin_context* ctx, int peer, uint32_t signal,
+                                           uint64_t value) {
+  if (routes_through_gin(ctx, peer)) {
+    ncclGin gin(ctx->comm, gin_context_index(ctx));
+    gin.signal(ncclTeamWorld(ctx->comm), peer, GinBareSignal{signal, value});
+    return;
+  }
+  uint64_t* remote = static_cast<uint64_t*>(
+      ncclGetPeerPointer(ctx->window, (size_t)signal * sizeof(uint64_t), peer));
+  cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
+  cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*remote).fetch_add(value, cuda::memory_order_relaxed);
+}
+
+}  // namespace jaxgin

@@ -1,0 +1,70 @@
+// The C ABI between jaxgin's Python extension (built at install time, no CUDA or NCCL headers) and
+// the CUDA backend library (built on first use by jaxgin/build.py with nvcc, against the headers
+// of the NCCL that is loaded in the process). Plain C types only; bump JAXGIN_BACKEND_ABI on any
+// change so a stale cached backend is refused instead of misread.
+#pragma once
+#include <stdint.h>
+
+#define JAXGIN_BACKEND_ABI 1
+#define JAXGIN_UNIQUE_ID_BYTES 128
+
+// The backend is linked with hidden visibility; only these entry points are exported.
+#define JAXGIN_API __attribute__((visibility("default")))
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct jaxgin_runtime jaxgin_runtime;
+
+typedef struct {
+  int32_t world_size;
+  int32_t local_count;       // GPUs this process drives
+  const int32_t* devices;    // CUDA ordinals, local_count of them
+  const int32_t* ranks;      // global rank of each, local_count of them
+  const char* unique_id;     // JAXGIN_UNIQUE_ID_BYTES bytes from jaxgin_unique_id on one process
+  uint64_t heap_bytes;       // symmetric heap per GPU, reserved signal area included
+  uint32_t signal_count;     // user-visible signals per GPU
+  uint32_t barrier_slots;    // CTAs per kernel that may call the barrier
+  int32_t force_gin;         // route every peer through GIN; fails when the comm has no GIN
+  uint64_t timeout_ns;       // bound on device-side waits
+} jaxgin_runtime_config;
+
+typedef struct {
+  int32_t device, rank, world_size;
+  int32_t lsa_rank, lsa_size;
+  int32_t gin_type;          // NCCL GIN type: 0 none, 2 proxy, 3 GDAKI, ...
+  int32_t gin_contexts;
+  int32_t force_gin;
+  uint64_t heap_bytes, user_offset;
+  uint64_t heap_base;        // device address of the local heap
+  uint64_t context;          // device address of the jaxgin_context kernels receive
+  uint64_t timeout_ns;
+  uint32_t signal_count, barrier_slots;
+} jaxgin_device_info;
+
+// Every function returns 0 on success; otherwise jaxgin_last_error() (thread-local) explains.
+// Status 2 means a kernel failed on the device (that GPU's CUDA context is unusable afterwards).
+#define JAXGIN_STATUS_DEVICE_FAULT 2
+JAXGIN_API int jaxgin_backend_abi(void);
+JAXGIN_API int jaxgin_nccl_versions(int32_t* loaded, int32_t* compiled_against);
+JAXGIN_API const char* jaxgin_last_error(void);
+JAXGIN_API int jaxgin_unique_id(char* out);
+JAXGIN_API int jaxgin_device_memory(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
+JAXGIN_API int jaxgin_runtime_create(const jaxgin_runtime_config* config, jaxgin_runtime** out);
+JAXGIN_API int jaxgin_runtime_device_info(const jaxgin_runtime* rt, int32_t local_index, jaxgin_device_info* out);
+JAXGIN_API int jaxgin_runtime_destroy(jaxgin_runtime* rt);
+// Every rank sends a stamped block to every rank (itself included) and checks what it received,
+// `iterations` times, through the device library (puts with signals, and direct peer stores).
+// mismatches[local_index * world_size + sender] receives the count of wrong 32-bit words.
+JAXGIN_API int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t iterations, uint64_t block_bytes,
+                             uint32_t seed, uint64_t* mismatches);
+
+// Blocks until this process's local GPU `local_index` sees `signal` >= `value`, by running a
+// one-CTA kernel that waits with the device-side timeout (a timeout becomes an error here).
+JAXGIN_API int jaxgin_wait_signal_on_device(jaxgin_runtime* rt, int32_t local_index, uint32_t signal,
+                                            uint64_t value);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,345 @@
+// jaxgin's host runtime: per GPU an NCCL communicator, a symmetric heap window, an NCCL device
+// communicator and the device-resident jaxgin_context that kernels receive.
+#include "runtime.h"
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "errors.h"
+
+namespace jaxgin {
+
+namespace {
+thread_local std::string last_error;
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+constexpr bool kHasCommProperties = true;
+#else
+constexpr bool kHasCommProperties = false;
+#endif
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case JAXGIN_OP_DEVICE_CALL: return "a jaxgin device-library call";
+    case JAXGIN_OP_BARRIER: return "jaxgin barrier";
+    case JAXGIN_OP_SELFTEST: return "jaxgin selftest exchange";
+    default: return "a jaxgin operation";
+  }
+}
+
+void check_versions() {
+  int loaded = 0;
+  ncclGetVersion(&loaded);
+  if (loaded != NCCL_VERSION_CODE)
+    throw Error("this jaxgin backend was compiled against NCCL " + std::to_string(NCCL_VERSION_CODE) +
+                " headers but NCCL " + std::to_string(loaded) +
+                " is loaded; NCCL's device API has no ABI stability, so rebuild (jaxgin does this "
+                "automatically unless JAXGIN_BACKEND points at a prebuilt library)");
+}
+
+void validate(const jaxgin_runtime_config& c) {
+  if (c.world_size < 1 || c.local_count < 1 || c.local_count > c.world_size)
+    throw Error("invalid runtime config: world_size=" + std::to_string(c.world_size) +
+                ", local_count=" + std::to_string(c.local_count));
+  for (int i = 0; i < c.local_count; i++)
+    if (c.ranks[i] < 0 || c.ranks[i] >= c.world_size)
+      throw Error("rank " + std::to_string(c.ranks[i]) + " of local GPU " + std::to_string(i) +
+                  " is outside [0, " + std::to_string(c.world_size) + ")");
+  uint64_t reserved = jaxgin_reserved_bytes(c.signal_count, c.barrier_slots);
+  if (c.heap_bytes <= reserved)
+    throw Error("heap_bytes=" + std::to_string(c.heap_bytes) + " leaves no room: jaxgin reserves " +
+                std::to_string(reserved) + " bytes of the heap for " + std::to_string(c.signal_count) +
+                " signals and " + std::to_string(c.barrier_slots) + " barrier slots");
+}
+
+void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
+  const int dev = s.device;
+  JAXGIN_CUDA(cudaSetDevice(dev), dev);
+  bool gin_available = false;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+  ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
+  JAXGIN_NCCL(ncclCommQueryProperties(s.comm, &props), s.comm, dev);
+  if (!props.deviceApiSupport)
+    throw Error("NCCL reports no Device API support for the communicator on CUDA device " +
+                std::to_string(dev) + " (ncclCommProperties.deviceApiSupport = 0)");
+  s.gin_type = (int)props.ginType;
+  gin_available = props.ginType != NCCL_GIN_TYPE_NONE;
+#endif
+  if (cfg.force_gin && kHasCommProperties && !gin_available)
+    throw Error("force_gin was requested but NCCL reports GIN type NONE for this communicator: GIN "
+                "needs an RDMA NIC (GDAKI or proxy backend) or an NCCL RMA plugin; unset force_gin "
+                "(JAXGIN_FORCE_GIN) to use LSA within the host");
+
+  JAXGIN_NCCL(ncclMemAlloc(&s.heap, cfg.heap_bytes), s.comm, dev);
+  // Signals start at zero on every rank before any rank can reach another's heap: registration
+  // below is collective, so no peer gets our address before this memset completed.
+  JAXGIN_CUDA(cudaMemset(s.heap, 0, cfg.heap_bytes), dev);
+  JAXGIN_CUDA(cudaDeviceSynchronize(), dev);
+  JAXGIN_NCCL(ncclCommWindowRegister(s.comm, s.heap, cfg.heap_bytes, &s.window, NCCL_WIN_COLL_SYMMETRIC),
+              s.comm, dev);
+  if (s.window == nullptr)
+    throw Error("ncclCommWindowRegister returned success with a NULL window on CUDA device " +
+                std::to_string(dev) +
+                ": NCCL cannot create symmetric memory here. It needs CUDA VMM (cuMem) allocations, "
+                "peer access between the GPUs of a host (NVLink or PCIe P2P) and NCCL_WIN_ENABLE "
+                "not set to 0; run with NCCL_DEBUG=INFO to see NCCL's reason");
+
+  const uint32_t signals = cfg.signal_count + cfg.barrier_slots;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+  ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+  if (gin_available) reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+#else
+  ncclDevCommRequirements reqs = {};
+  reqs.ginForceEnable = cfg.force_gin != 0;
+#endif
+  reqs.ginSignalCount = (int)signals;
+  reqs.ginContextCount = 4;
+  JAXGIN_NCCL(ncclDevCommCreate(s.comm, &reqs, &s.dev_comm), s.comm, dev);
+  s.dev_comm_created = true;
+  const int gin_contexts = (int)s.dev_comm.ginContextCount;
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 29, 0)
+  s.gin_type = gin_contexts > 0 ? (int)s.dev_comm.ginTypes[0] : 0;
+#endif
+  if (cfg.force_gin && gin_contexts == 0)
+    throw Error("force_gin was requested but the NCCL device communicator on CUDA device " +
+                std::to_string(dev) + " has no GIN contexts (no RDMA NIC or RMA plugin found)");
+
+  JAXGIN_CUDA(cudaMalloc(&s.consumed, signals * sizeof(uint64_t)), dev);
+  JAXGIN_CUDA(cudaMemset(s.consumed, 0, signals * sizeof(uint64_t)), dev);
+  JAXGIN_CUDA(cudaHostAlloc(&s.fault, sizeof(jaxgin_fault), cudaHostAllocMapped | cudaHostAllocPortable), dev);
+  std::memset(s.fault, 0, sizeof(jaxgin_fault));
+  jaxgin_fault* fault_on_device = nullptr;
+  JAXGIN_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&fault_on_device), s.fault, 0), dev);
+
+  jaxgin_context& c = s.host_context;
+  c.comm = s.dev_comm;
+  c.window = s.window;
+  c.heap = static_cast<char*>(s.heap);
+  c.heap_bytes = cfg.heap_bytes;
+  c.user_offset = jaxgin_reserved_bytes(cfg.signal_count, cfg.barrier_slots);
+  c.consumed = s.consumed;
+  c.fault = fault_on_device;
+  c.timeout_ns = cfg.timeout_ns;
+  c.signal_count = cfg.signal_count;
+  c.barrier_slots = cfg.barrier_slots;
+  c.rank = s.dev_comm.rank;
+  c.world_size = s.dev_comm.nRanks;
+  c.lsa_rank = s.dev_comm.lsaRank;
+  c.lsa_size = s.dev_comm.lsaSize;
+  c.gin_contexts = gin_contexts;
+  c.force_gin = cfg.force_gin;
+  if (c.rank != s.rank)
+    throw Error("NCCL assigned rank " + std::to_string(c.rank) + " where jaxgin asked for " +
+                std::to_string(s.rank));
+  JAXGIN_CUDA(cudaMalloc(&s.context, sizeof(jaxgin_context)), dev);
+  JAXGIN_CUDA(cudaMemcpy(s.context, &c, sizeof(jaxgin_context), cudaMemcpyHostToDevice), dev);
+  JAXGIN_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), dev);
+}
+
+// Best effort, reverse order of setup_device; returns the first error instead of stopping.
+std::string teardown_device(DeviceState& s) {
+  std::string first;
+  auto note = [&](const std::string& what) { if (first.empty()) first = what; };
+  if (cudaSetDevice(s.device) != cudaSuccess) note("cudaSetDevice failed");
+  // A kernel that trapped leaves the CUDA context unusable: then only ncclCommAbort is safe.
+  cudaError_t sync = cudaDeviceSynchronize();
+  const bool broken = sync != cudaSuccess;
+  if (broken) note(std::string("CUDA device ") + std::to_string(s.device) + " is in error: " + cudaGetErrorString(sync));
+  if (!broken) {
+    if (s.stream && cudaStreamDestroy(s.stream) != cudaSuccess) note("cudaStreamDestroy failed");
+    if (s.context && cudaFree(s.context) != cudaSuccess) note("cudaFree(context) failed");
+    if (s.consumed && cudaFree(s.consumed) != cudaSuccess) note("cudaFree(consumed) failed");
+    if (s.fault && cudaFreeHost(s.fault) != cudaSuccess) note("cudaFreeHost(fault) failed");
+    if (s.dev_comm_created && ncclDevCommDestroy(s.comm, &s.dev_comm) != ncclSuccess) note("ncclDevCommDestroy failed");
+    if (s.window && ncclCommWindowDeregister(s.comm, s.window) != ncclSuccess) note("ncclCommWindowDeregister failed");
+    if (s.heap && ncclMemFree(s.heap) != ncclSuccess) note("ncclMemFree failed");
+  }
+  if (s.comm) {
+    if (broken) {
+      ncclCommAbort(s.comm);
+    } else {
+      if (ncclCommFinalize(s.comm) != ncclSuccess) note("ncclCommFinalize failed");
+      if (ncclCommDestroy(s.comm) != ncclSuccess) note("ncclCommDestroy failed");
+    }
+  }
+  s = DeviceState{s.device, s.rank};
+  return first;
+}
+
+void teardown_all(jaxgin_runtime* rt) {
+  for_each_device(rt, [&](DeviceState& s) {
+    std::string e = teardown_device(s);
+    if (!e.empty()) throw Error(e);
+  });
+}
+
+}  // namespace
+
+void set_last_error(const std::string& message) { last_error = message; }
+
+void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>& fn) {
+  std::vector<std::exception_ptr> errors(rt->devices.size());
+  if (rt->devices.size() == 1) {
+    fn(rt->devices[0]);
+    return;
+  }
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < rt->devices.size(); i++)
+    threads.emplace_back([&, i] {
+      try {
+        fn(rt->devices[i]);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+std::string describe_fault(const DeviceState& s) {
+  const jaxgin_fault* f = s.fault;
+  if (f == nullptr || f->code == JAXGIN_FAULT_NONE) return "";
+  std::string where = "rank " + std::to_string(f->rank) + " (CUDA device " + std::to_string(s.device) +
+                      "), CTA " + std::to_string(f->block) + ", in " + op_name(f->op);
+  std::string peer = f->peer >= 0 ? ", peer " + std::to_string(f->peer) : "";
+  switch (f->code) {
+    case JAXGIN_FAULT_WAIT_TIMEOUT:
+      return "device-side wait timed out after " + std::to_string(s.host_context.timeout_ns / 1e9) +
+             " s at " + where + peer + ": signal " + std::to_string(f->signal) + " was expected to reach " +
+             std::to_string(f->expected) + " but stayed at " + std::to_string(f->observed) +
+             " (a peer never sent, ran a different program, or died)";
+    case JAXGIN_FAULT_PEER_UNREACHABLE:
+      return "peer " + std::to_string(f->peer) + " is unreachable from " + where +
+             ": it is not in this rank's LSA (NVLink) team and the communicator has no GIN";
+    case JAXGIN_FAULT_BAD_ARGUMENT:
+      return "argument out of range at " + where + peer + ": got " + std::to_string(f->observed) +
+             ", limit " + std::to_string(f->expected) + " (signal ids < signal_count, peers < world size, "
+             "barrier CTAs < barrier_slots)";
+    default:
+      return "unknown device fault code " + std::to_string(f->code) + " at " + where;
+  }
+}
+
+}  // namespace jaxgin
+
+using jaxgin::c_api;
+using jaxgin::Error;
+
+extern "C" {
+
+int jaxgin_backend_abi(void) { return JAXGIN_BACKEND_ABI; }
+
+const char* jaxgin_last_error(void) { return jaxgin::last_error.c_str(); }
+
+int jaxgin_nccl_versions(int32_t* loaded, int32_t* compiled_against) {
+  return c_api([&] {
+    int v = 0;
+    JAXGIN_NCCL(ncclGetVersion(&v), nullptr, -1);
+    *loaded = v;
+    *compiled_against = NCCL_VERSION_CODE;
+  });
+}
+
+int jaxgin_unique_id(char* out) {
+  return c_api([&] {
+    ncclUniqueId id;
+    JAXGIN_NCCL(ncclGetUniqueId(&id), nullptr, -1);
+    static_assert(sizeof(id) == JAXGIN_UNIQUE_ID_BYTES, "ncclUniqueId size changed");
+    std::memcpy(out, &id, sizeof(id));
+  });
+}
+
+int jaxgin_device_memory(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  return c_api([&] {
+    size_t f = 0, t = 0;
+    JAXGIN_CUDA(cudaSetDevice(device), device);
+    JAXGIN_CUDA(cudaMemGetInfo(&f, &t), device);
+    *free_bytes = f;
+    *total_bytes = t;
+  });
+}
+
+int jaxgin_runtime_create(const jaxgin_runtime_config* config, jaxgin_runtime** out) {
+  return c_api([&] {
+    jaxgin::check_versions();
+    jaxgin::validate(*config);
+    auto rt = std::make_unique<jaxgin_runtime>();
+    rt->config = *config;
+    rt->config.devices = nullptr;
+    rt->config.ranks = nullptr;
+    rt->config.unique_id = nullptr;
+    for (int i = 0; i < config->local_count; i++) {
+      jaxgin::DeviceState s;
+      s.device = config->devices[i];
+      s.rank = config->ranks[i];
+      rt->devices.push_back(s);
+    }
+    ncclUniqueId id;
+    std::memcpy(&id, config->unique_id, sizeof(id));
+    // One NCCL group creates the communicators of all local GPUs (NCCL's rule for one process
+    // driving several GPUs).
+    JAXGIN_NCCL(ncclGroupStart(), nullptr, -1);
+    for (auto& s : rt->devices) {
+      cudaError_t e = cudaSetDevice(s.device);
+      if (e != cudaSuccess) {
+        ncclGroupEnd();
+        jaxgin::throw_cuda(e, "cudaSetDevice", s.device);
+      }
+      ncclCommInitRank(&s.comm, config->world_size, id, s.rank);
+    }
+    ncclResult_t grouped = ncclGroupEnd();
+    if (grouped != ncclSuccess) {
+      for (auto& s : rt->devices)
+        if (s.comm) ncclCommAbort(s.comm);
+      jaxgin::throw_nccl(grouped, "ncclCommInitRank (grouped over the local GPUs)", nullptr, rt->devices[0].device);
+    }
+    try {
+      jaxgin::for_each_device(rt.get(), [&](jaxgin::DeviceState& s) { jaxgin::setup_device(rt->config, s); });
+    } catch (...) {
+      try {
+        jaxgin::teardown_all(rt.get());
+      } catch (...) {
+      }
+      throw;
+    }
+    *out = rt.release();
+  });
+}
+
+int jaxgin_runtime_device_info(const jaxgin_runtime* rt, int32_t local_index, jaxgin_device_info* out) {
+  return c_api([&] {
+    if (local_index < 0 || local_index >= (int)rt->devices.size())
+      throw Error("local GPU index " + std::to_string(local_index) + " out of range");
+    const jaxgin::DeviceState& s = rt->devices[local_index];
+    const jaxgin_context& c = s.host_context;
+    *out = jaxgin_device_info{};
+    out->device = s.device;
+    out->rank = c.rank;
+    out->world_size = c.world_size;
+    out->lsa_rank = c.lsa_rank;
+    out->lsa_size = c.lsa_size;
+    out->gin_type = s.gin_type;
+    out->gin_contexts = c.gin_contexts;
+    out->force_gin = c.force_gin;
+    out->heap_bytes = c.heap_bytes;
+    out->user_offset = c.user_offset;
+    out->heap_base = reinterpret_cast<uint64_t>(s.heap);
+    out->context = reinterpret_cast<uint64_t>(s.context);
+    out->timeout_ns = c.timeout_ns;
+    out->signal_count = c.signal_count;
+    out->barrier_slots = c.barrier_slots;
+  });
+}
+
+int jaxgin_runtime_destroy(jaxgin_runtime* rt) {
+  return c_api([&] {
+    std::unique_ptr<jaxgin_runtime> owned(rt);
+    jaxgin::teardown_all(rt);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,46 @@
+// Host-side state of jaxgin on the GPUs one process drives.
+#pragma once
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <functional>
+#include <vector>
+#include "backend_api.h"
+#include "../device/impl/context__types.h"
+
+namespace jaxgin {
+
+// Everything jaxgin owns on one GPU, in creation order (destroyed in reverse).
+struct DeviceState {
+  int device = -1;
+  int rank = -1;
+  ncclComm_t comm = nullptr;
+  void* heap = nullptr;
+  ncclWindow_t window = nullptr;
+  bool dev_comm_created = false;
+  ncclDevComm dev_comm{};
+  int gin_type = 0;
+  uint64_t* consumed = nullptr;
+  jaxgin_fault* fault = nullptr;  // host-mapped pinned
+  jaxgin_context* context = nullptr;  // device copy of `host_context`
+  jaxgin_context host_context{};
+  cudaStream_t stream = nullptr;
+};
+
+}  // namespace jaxgin
+
+struct jaxgin_runtime {
+  jaxgin_runtime_config config{};
+  std::vector<jaxgin::DeviceState> devices;
+};
+
+namespace jaxgin {
+
+// Runs fn(state) on one thread per local GPU and rethrows the first failure, naming the device.
+// NCCL's collective setup calls (window registration, device communicators) block until every
+// rank arrives, so in a process that drives several GPUs each must run on its own thread.
+void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>& fn);
+
+// A human-readable account of a device-side fault, or "" when none was recorded.
+std::string describe_fault(const DeviceState& state);
+
+}  // namespace jaxgin

@@ -1,0 +1,232 @@
+"""Compiles jaxgin's CUDA code with nvcc against the headers of the NCCL loaded at run time.
+
+NCCL's device API has no ABI stability across releases (struct layouts change between 2.28 and
+2.32), so the device library, the kernels and the host runtime that fills their structs are all
+built here, on the user's machine, against the exact NCCL in use, for the running GPU's arch.
+NVRTC is not an option: it ignores trailing packed/aligned attributes in NCCL's headers and
+silently changes struct layouts. Results are cached on disk, keyed by NCCL version, arch, nvcc
+and a hash of the sources.
+
+Outputs of one build:
+  libjaxgin_backend.so  host runtime + kernels + device library (loaded by jaxgin itself)
+  jaxgin_device.ptx     the device library as relocatable PTX, for linking into Triton kernels
+  jaxgin_device.cubin   the same as a relocatable cubin
+
+Pre-build (for example in a container image) with ``python -m jaxgin.build``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from jaxgin import nccl as nccl_lib
+from jaxgin.errors import ToolchainError
+
+BACKEND_SOURCES = (
+    "device/library.cu",
+    "runtime/runtime.cu",
+    "kernels/selftest_exchange.cu",
+    "kernels/wait_signal.cu",
+)
+DEVICE_LIBRARY_SOURCE = "device/library.cu"
+COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
+
+
+def sources_dir() -> Path:
+    """csrc/ inside an installed wheel, or at the root of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "csrc", here.parent / "csrc"):
+        if (candidate / DEVICE_LIBRARY_SOURCE).exists():
+            return candidate
+    raise ToolchainError(f"jaxgin's CUDA sources are missing (looked in {here / 'csrc'} and {here.parent / 'csrc'})")
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("JAXGIN_CACHE_DIR"):
+        return Path(os.environ["JAXGIN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxgin"
+
+
+def arch_for(compute_capability: str) -> str:
+    """'9.0' -> 'sm_90a': the arch-specific target, since the build is for the running GPU."""
+    major, minor = (int(part) for part in str(compute_capability).split("."))
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def find_nvcc() -> Path:
+    """nvcc from $JAXGIN_NVCC, $CUDA_HOME / $CUDA_PATH, PATH, or PyPI's nvidia-cuda-nvcc."""
+    candidates: list[Path] = []
+    if os.environ.get("JAXGIN_NVCC"):
+        candidates.append(Path(os.environ["JAXGIN_NVCC"]))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "bin" / "nvcc")
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(Path(on_path))
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append(Path(root) / "cu13" / "bin" / "nvcc")
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise ToolchainError(
+        "jaxgin compiles its device code with nvcc against the NCCL in use, and found no nvcc "
+        "(looked at $JAXGIN_NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH and PyPI's nvidia-cuda-nvcc). "
+        "Install it with: pip install 'jaxgin[cuda]' (or nvidia-cuda-nvcc), or set CUDA_HOME to a CUDA toolkit"
+    )
+
+
+def nvcc_version(nvcc: Path) -> str:
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise ToolchainError(f"{nvcc} --version failed:\n{out.stdout}{out.stderr}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifacts:
+    directory: Path
+    backend: Path | None  # None when built for headers without a library (compile check only)
+    ptx: Path
+    cubin: Path
+
+
+def _source_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cu", ".cuh") and "ext" not in p.parts):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(nccl: nccl_lib.NcclInstall, arch: str, nvcc: Path, root: Path) -> str:
+    digest = hashlib.sha256()
+    for part in (
+        _source_digest(root),
+        str(nccl.version),
+        str(nccl.include_dir.resolve()),
+        str(nccl.library.resolve()) if nccl.library else "no-library",
+        arch,
+        nvcc_version(nvcc),
+        " ".join(COMMON_FLAGS),
+    ):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def _run(command: list[str], cwd: Path) -> None:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise ToolchainError(
+            "compiling jaxgin's CUDA code failed.\ncommand: "
+            + " ".join(command)
+            + f"\nexit status {result.returncode}; full compiler output:\n{result.stdout}{result.stderr}"
+        )
+
+
+def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out: Path) -> list[list[str]]:
+    base = [str(nvcc), *COMMON_FLAGS, f"-arch={arch}", f"-I{nccl.include_dir}", f"-I{root}"]
+    library = str(root / DEVICE_LIBRARY_SOURCE)
+    commands = [
+        base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
+        base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")],
+    ]
+    if nccl.library is not None:
+        lib_dir = nccl.library.resolve().parent
+        commands.append(
+            base
+            + ["-shared", *(str(root / s) for s in BACKEND_SOURCES)]
+            + [f"-L{lib_dir}", "-l:libnccl.so.2", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / "libjaxgin_backend.so")]
+        )
+    return commands
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several processes of one job may build at once
+        yield
+
+
+def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False) -> Artifacts:
+    """Builds (or finds in the cache) jaxgin's CUDA code for `nccl` and `arch`."""
+    nccl_lib.check_version(nccl.version, str(nccl.include_dir))
+    nvcc = find_nvcc()
+    root = sources_dir()
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    name = f"nccl{nccl.version_string}-{arch}-{cache_key(nccl, arch, nvcc, root)}"
+    final = cache_dir / name
+    artifacts = Artifacts(
+        final,
+        final / "libjaxgin_backend.so" if nccl.library is not None else None,
+        final / "jaxgin_device.ptx",
+        final / "jaxgin_device.cubin",
+    )
+    with _locked(cache_dir / f"{name}.lock"):
+        if (final / "complete").exists():
+            return artifacts
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+        try:
+            commands = _commands(nvcc, nccl, arch, root, staging)
+            if verbose:
+                for command in commands:
+                    print(" ".join(command), file=sys.stderr)
+            with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+                for future in [pool.submit(_run, c, root) for c in commands]:
+                    future.result()
+            (staging / "complete").write_text(f"nvcc: {nvcc}\n")
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return artifacts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxgin.build",
+        description="Pre-build jaxgin's CUDA backend and device library into the cache.",
+    )
+    parser.add_argument("--arch", help="target such as sm_90a (default: the first visible GPU's)")
+    parser.add_argument("--nccl-include", type=Path, help="NCCL include dir (default: the NCCL jaxgin would load)")
+    parser.add_argument("--nccl-library", type=Path, help="libnccl.so.2 to link the backend against")
+    parser.add_argument("--cache-dir", type=Path, help=f"default: {default_cache_dir()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the nvcc commands")
+    args = parser.parse_args(argv)
+    if args.nccl_include:
+        nccl = nccl_lib.NcclInstall(nccl_lib.header_version(args.nccl_include), args.nccl_include, args.nccl_library)
+    else:
+        nccl = nccl_lib.load()
+    arch = args.arch
+    if arch is None:
+        import jax
+
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        if not gpus:
+            parser.error("no GPU visible to JAX: pass --arch (for example --arch sm_90a)")
+        arch = arch_for(gpus[0].compute_capability)
+    artifacts = build(nccl, arch, cache_dir=args.cache_dir, verbose=args.verbose)
+    print(f"NCCL {nccl.version_string} ({nccl.include_dir}), {arch}:")
+    for path in (artifacts.backend, artifacts.ptx, artifacts.cubin):
+        if path is not None:
+            print(f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""jaxgin's lifetime in a process: initialize(), finalize(), info().
+
+On GPUs, initialize() brings up, for every GPU this process drives, an NCCL communicator, a
+symmetric heap registered as an NCCL window, an NCCL device communicator and the device-resident
+context kernels receive. Ranks follow JAX's global device order (``jax.devices()``), so the
+device at index i of a 1-D ``Mesh`` over ``jax.devices()`` is rank i. With several processes the
+NCCL unique id travels through the ``jax.distributed`` key-value store.
+
+On a CPU backend it selects the reference mode: no NCCL, and every jaxgin op lowers to pure JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import jax
+
+from jaxgin import build as build_lib
+from jaxgin import nccl as nccl_lib
+from jaxgin.errors import JaxginError, NotInitializedError
+
+BACKENDS = ("cuda", "reference")
+GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
+DEFAULT_HEAP_SIZE = "1GiB"
+DEFAULT_TIMEOUT_S = 30.0
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(value: int | str, name: str = "heap_size") -> int:
+    """Bytes from an int or a string such as '512MiB' or '2GiB'."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count or a string like '1GiB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]i?B|B)?\s*", value, flags=re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"{name}={value!r} is not a size; write bytes as an int or e.g. '256MiB', '2GiB'")
+        size = int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    else:
+        raise TypeError(f"{name} must be a byte count or a string like '1GiB', got {type(value).__name__}")
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size
+
+
+def reserved_bytes(signal_count: int, barrier_slots: int) -> int:
+    """Heap bytes jaxgin keeps for signal counters (mirrors jaxgin_reserved_bytes in C++)."""
+    return ((signal_count + barrier_slots) * 8 + 4095) // 4096 * 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    heap_bytes: int
+    signal_count: int
+    barrier_slots: int
+    force_gin: bool
+    timeout_s: float
+    backend: str
+
+
+@dataclasses.dataclass
+class _State:
+    options: Options
+    devices: list[jax.Device]  # all devices, in rank order
+    local_devices: list[jax.Device]  # this process's, in rank order
+    generation: int
+    nccl: nccl_lib.NcclInstall | None = None
+    runtime: Any = None  # jaxgin._jaxgin_ext.Runtime on the cuda backend
+    runtime_backend_path: str | None = None
+
+
+_state: _State | None = None
+_generation = 0
+_backends: dict[str, Any] = {}
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: use 1/0, true/false, yes/no or on/off")
+
+
+def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend) -> Options:
+    if backend is None:
+        backend = "cuda" if jax.default_backend() == "gpu" else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS} or None (chosen from JAX's default backend)")
+    if backend == "cuda" and jax.default_backend() != "gpu":
+        raise JaxginError(
+            f"backend='cuda' needs NVIDIA GPUs visible to JAX, but jax.default_backend() is "
+            f"{jax.default_backend()!r}; install jax[cuda13] (pip install 'jaxgin[cuda]') or use backend='reference'"
+        )
+    if force_gin is None:
+        force_gin = bool(_env_flag("JAXGIN_FORCE_GIN"))
+    if timeout is None:
+        timeout = float(os.environ.get("JAXGIN_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    for name, value in (("signal_count", signal_count), ("barrier_slots", barrier_slots)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+            raise ValueError(f"{name} must be an int in [1, 1048576], got {value!r}")
+    heap_bytes = parse_size(heap_size)
+    reserved = reserved_bytes(signal_count, barrier_slots)
+    if heap_bytes <= reserved:
+        raise ValueError(
+            f"heap_size={heap_size!r} ({heap_bytes} bytes) is too small: jaxgin reserves {reserved} bytes of it for "
+            f"{signal_count} signals and {barrier_slots} barrier slots; use at least {reserved + (1 << 20)} bytes"
+        )
+    return Options(heap_bytes, signal_count, barrier_slots, bool(force_gin), float(timeout), backend)
+
+
+def _extension():
+    try:
+        from jaxgin import _jaxgin_ext
+    except ImportError as e:
+        raise JaxginError(
+            f"jaxgin's compiled extension is missing ({e}); reinstall jaxgin with: pip install -e . (from a checkout)"
+        ) from None
+    return _jaxgin_ext
+
+
+def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
+    """Builds (cached) and loads the CUDA backend for `nccl` and `arch`; loads once per process.
+
+    JAXGIN_BACKEND may name a prebuilt libjaxgin_backend.so instead; the backend itself refuses
+    to run when it was compiled against other NCCL headers than the loaded library's.
+    """
+    path = os.environ.get("JAXGIN_BACKEND") or str(build_lib.build(nccl, arch).backend)
+    if path not in _backends:
+        try:
+            _backends[path] = _extension().Backend(path)
+        except RuntimeError as e:
+            raise JaxginError(str(e)) from None
+    return _backends[path]
+
+
+def _unique_id(backend, generation: int) -> bytes:
+    if jax.process_count() == 1:
+        return backend.unique_id()
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise JaxginError(
+            f"JAX runs {jax.process_count()} processes but jax.distributed has no client; call "
+            "jax.distributed.initialize() before jaxgin.initialize()"
+        )
+    key = f"jaxgin/nccl_unique_id/{generation}"
+    if jax.process_index() == 0:
+        uid = backend.unique_id()
+        client.key_value_set_bytes(key, uid)
+        return uid
+    timeout_ms = int(float(os.environ.get("JAXGIN_BOOTSTRAP_TIMEOUT", 300)) * 1000)
+    return client.blocking_key_value_get_bytes(key, timeout_ms)
+
+
+def initialize(
+    *,
+    heap_size: int | str = DEFAULT_HEAP_SIZE,
+    signal_count: int = 1024,
+    barrier_slots: int = 256,
+    force_gin: bool | None = None,
+    timeout: float | None = None,
+    backend: str | None = None,
+) -> None:
+    """Brings jaxgin up on every device of this process. Idempotent for the same arguments.
+
+    Args:
+      heap_size: symmetric heap per GPU (bytes or a string such as '512MiB'); every op's
+        communication buffers live in it. Default 1GiB.
+      signal_count: signals per GPU available to ops and kernels.
+      barrier_slots: CTAs per kernel that may call the device-side barrier.
+      force_gin: route every peer, same-host ones included, through GIN (tests the GIN path).
+        Default from JAXGIN_FORCE_GIN. Fails when NCCL reports no GIN.
+      timeout: seconds any device-side wait may take before the program fails with an error
+        naming the op, rank, peer and signal. Default from JAXGIN_TIMEOUT, else 30.
+      backend: 'cuda' or 'reference'; default: 'cuda' when JAX's default backend is a GPU.
+
+    With several processes, call jax.distributed.initialize() first; every process must call
+    initialize() with the same arguments.
+    """
+    global _state, _generation
+    options = _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend)
+    if _state is not None:
+        if _state.options == options:
+            return
+        raise JaxginError(
+            f"jaxgin is already initialized with {_state.options}; call jaxgin.finalize() before initializing "
+            f"again with {options}"
+        )
+    devices = list(jax.devices())
+    local_devices = [d for d in devices if d.process_index == jax.process_index()]
+    state = _State(options, devices, local_devices, _generation)
+    if options.backend == "cuda":
+        state.nccl = nccl_lib.load()
+        arch = build_lib.arch_for(local_devices[0].compute_capability)
+        backend_lib = load_backend(state.nccl, arch)
+        ext = _extension()
+        state.runtime_backend_path = backend_lib.path
+        uid = _unique_id(backend_lib, state.generation)
+        try:
+            state.runtime = ext.Runtime(
+                backend_lib,
+                world_size=len(devices),
+                devices=[d.local_hardware_id for d in local_devices],
+                ranks=[devices.index(d) for d in local_devices],
+                unique_id=uid,
+                heap_bytes=options.heap_bytes,
+                signal_count=options.signal_count,
+                barrier_slots=options.barrier_slots,
+                force_gin=options.force_gin,
+                timeout_ns=int(options.timeout_s * 1e9),
+            )
+        except RuntimeError as e:
+            raise JaxginError(f"jaxgin.initialize() failed: {e}") from None
+    _generation += 1
+    _state = state
+
+
+def finalize() -> None:
+    """Releases everything initialize() created (GPU memory, communicators). Safe to call twice."""
+    global _state
+    state, _state = _state, None
+    if state is not None and state.runtime is not None:
+        try:
+            state.runtime.destroy()
+        except RuntimeError as e:
+            raise JaxginError(f"jaxgin.finalize() could not release everything: {e}") from None
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def current() -> _State:
+    """The live state; raises NotInitializedError naming the fix when there is none."""
+    if _state is None:
+        raise NotInitializedError(
+            "jaxgin is not initialized: call jaxgin.initialize() first "
+            "(after jax.distributed.initialize() when several processes run)"
+        )
+    return _state
+
+
+def info() -> dict[str, Any]:
+    """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices."""
+    from jaxgin import rdma
+
+    state = current()
+    o = state.options
+    result: dict[str, Any] = {
+        "backend": o.backend,
+        "world_size": len(state.devices),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "heap_bytes": o.heap_bytes,
+        "heap_user_bytes": o.heap_bytes - reserved_bytes(o.signal_count, o.barrier_slots),
+        "signal_count": o.signal_count,
+        "barrier_slots": o.barrier_slots,
+        "force_gin": o.force_gin,
+        "timeout_s": o.timeout_s,
+        "rdma_devices": rdma.devices(),
+    }
+    if o.backend == "reference":
+        result.update(
+            nccl_version=None,
+            gin_type="none",
+            lsa_team_size=None,
+            local_devices=[{"device": str(d), "rank": state.devices.index(d)} for d in state.local_devices],
+        )
+        return result
+    per_device = [state.runtime.device_info(i) for i in range(len(state.local_devices))]
+    gin_types = {GIN_TYPES.get(d["gin_type"], str(d["gin_type"])) for d in per_device}
+    result.update(
+        nccl_version=state.nccl.version_string,
+        nccl_library=str(state.nccl.library),
+        gin_type=gin_types.pop() if len(gin_types) == 1 else sorted(gin_types),
+        lsa_team_size=per_device[0]["lsa_size"],
+        local_devices=[
+            {
+                "device": str(jax_device),
+                "cuda_device": d["device"],
+                "rank": d["rank"],
+                "lsa_rank": d["lsa_rank"],
+                "lsa_size": d["lsa_size"],
+                "gin_contexts": d["gin_contexts"],
+            }
+            for jax_device, d in zip(state.local_devices, per_device)
+        ],
+        backend_library=state.runtime_backend_path,
+    )
+    return result
