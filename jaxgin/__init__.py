@@ -6,7 +6,7 @@ Start with ``jaxgin.initialize()``; ``jaxgin.info()`` says what it runs on and
 
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, ToolchainError
 from jaxgin.runtime import finalize, info, initialize, is_initialized
-from jaxgin.selftest import SelftestReport, selftest
+from jaxgin.diagnostics import SelftestReport, selftest
 
 __version__ = "0.1.0"
 

@@ -106,7 +106,9 @@ class Artifacts:
 
 def _source_digest(root: Path) -> str:
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cu", ".cuh") and "ext" not in p.parts):
+    # csrc/ext is the Python extension, built at install time: not part of the CUDA build.
+    sources = (p for p in root.rglob("*") if p.suffix in (".h", ".cu", ".cuh") and p.relative_to(root).parts[0] != "ext")
+    for path in sorted(sources):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()

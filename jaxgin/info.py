@@ -26,7 +26,7 @@ def main() -> int:
         jaxgin.initialize()
         print(json.dumps({"info": jaxgin.info()}, indent=2))
     except JaxginError as e:
-        print(f"jaxgin.initialize() failed: {e}", file=sys.stderr)
+        print(e, file=sys.stderr)
         return 1
     finally:
         jaxgin.finalize()

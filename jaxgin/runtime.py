@@ -18,14 +18,14 @@ from typing import Any
 
 import jax
 
-from jaxgin import build as build_lib
 from jaxgin import nccl as nccl_lib
-from jaxgin.errors import JaxginError, NotInitializedError
+from jaxgin.errors import DeviceFault, JaxginError, NotInitializedError
 
 BACKENDS = ("cuda", "reference")
 GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
 DEFAULT_HEAP_SIZE = "1GiB"
 DEFAULT_TIMEOUT_S = 30.0
+MIN_USER_HEAP_BYTES = 1 << 20  # below this no op has room for its buffers
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -102,18 +102,26 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
     if force_gin is None:
         force_gin = bool(_env_flag("JAXGIN_FORCE_GIN"))
     if timeout is None:
-        timeout = float(os.environ.get("JAXGIN_TIMEOUT", DEFAULT_TIMEOUT_S))
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raw = os.environ.get("JAXGIN_TIMEOUT") or DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"JAXGIN_TIMEOUT={raw!r} is not a number of seconds") from None
+        source = "JAXGIN_TIMEOUT"
+    else:
+        source = "timeout"
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
     for name, value in (("signal_count", signal_count), ("barrier_slots", barrier_slots)):
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise ValueError(f"{name} must be an int in [1, 1048576], got {value!r}")
     heap_bytes = parse_size(heap_size)
     reserved = reserved_bytes(signal_count, barrier_slots)
-    if heap_bytes <= reserved:
+    if heap_bytes < reserved + MIN_USER_HEAP_BYTES:
         raise ValueError(
             f"heap_size={heap_size!r} ({heap_bytes} bytes) is too small: jaxgin reserves {reserved} bytes of it for "
-            f"{signal_count} signals and {barrier_slots} barrier slots; use at least {reserved + (1 << 20)} bytes"
+            f"{signal_count} signals and {barrier_slots} barrier slots and needs {MIN_USER_HEAP_BYTES} more for data; "
+            f"use at least {reserved + MIN_USER_HEAP_BYTES} bytes"
         )
     return Options(heap_bytes, signal_count, barrier_slots, bool(force_gin), float(timeout), backend)
 
@@ -134,6 +142,8 @@ def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
     JAXGIN_BACKEND may name a prebuilt libjaxgin_backend.so instead; the backend itself refuses
     to run when it was compiled against other NCCL headers than the loaded library's.
     """
+    from jaxgin import build as build_lib
+
     path = os.environ.get("JAXGIN_BACKEND") or str(build_lib.build(nccl, arch).backend)
     if path not in _backends:
         try:
@@ -202,7 +212,9 @@ def initialize(
     state = _State(options, devices, local_devices, _generation)
     if options.backend == "cuda":
         state.nccl = nccl_lib.load()
-        arch = build_lib.arch_for(local_devices[0].compute_capability)
+        from jaxgin.build import arch_for
+
+        arch = arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
         ext = _extension()
         state.runtime_backend_path = backend_lib.path
@@ -249,6 +261,25 @@ def current() -> _State:
             "(after jax.distributed.initialize() when several processes run)"
         )
     return _state
+
+
+def wait_signal(signal: int, value: int, *, local_index: int = 0) -> None:
+    """Blocks the host until this process's GPU `local_index` sees `signal` >= `value`.
+
+    The wait runs on the device with the runtime's timeout; a timeout raises DeviceFault naming
+    rank, signal and values (and leaves that GPU's CUDA context unusable, as any device fault).
+    """
+    state = current()
+    if state.options.backend != "cuda":
+        raise JaxginError("wait_signal needs the cuda backend; in reference mode there are no device signals")
+    from jaxgin import _jaxgin_ext
+
+    try:
+        state.runtime.wait_signal(local_index, signal, value)
+    except _jaxgin_ext.DeviceFaultError as e:
+        raise DeviceFault(str(e)) from None
+    except RuntimeError as e:
+        raise JaxginError(str(e)) from None
 
 
 def info() -> dict[str, Any]:

@@ -15,12 +15,6 @@ namespace jaxgin {
 namespace {
 thread_local std::string last_error;
 
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
-constexpr bool kHasCommProperties = true;
-#else
-constexpr bool kHasCommProperties = false;
-#endif
-
 const char* op_name(uint32_t op) {
   switch (op) {
     case JAXGIN_OP_DEVICE_CALL: return "a jaxgin device-library call";
@@ -58,7 +52,9 @@ void validate(const jaxgin_runtime_config& c) {
 void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   const int dev = s.device;
   JAXGIN_CUDA(cudaSetDevice(dev), dev);
-  bool gin_available = false;
+  // Peers outside this rank's LSA team (other hosts) are reachable only through GIN.
+  const ncclTeam_t lsa_team = ncclTeamLsa(s.comm);
+  const bool spans_hosts = lsa_team.nRanks < cfg.world_size;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
   ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
   JAXGIN_NCCL(ncclCommQueryProperties(s.comm, &props), s.comm, dev);
@@ -66,12 +62,18 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
     throw Error("NCCL reports no Device API support for the communicator on CUDA device " +
                 std::to_string(dev) + " (ncclCommProperties.deviceApiSupport = 0)");
   s.gin_type = (int)props.ginType;
-  gin_available = props.ginType != NCCL_GIN_TYPE_NONE;
+  const bool want_gin = props.ginType != NCCL_GIN_TYPE_NONE;
+  if (!want_gin && (cfg.force_gin || spans_hosts))
+    throw Error(std::string(cfg.force_gin ? "force_gin was requested" : "the ranks span several hosts (LSA team of " +
+                std::to_string(lsa_team.nRanks) + " of " + std::to_string(cfg.world_size) + " ranks)") +
+                " but NCCL reports GIN type NONE for this communicator: GIN needs an RDMA NIC (GDAKI or proxy "
+                "backend) or an NCCL RMA plugin" + (cfg.force_gin ? "; unset force_gin (JAXGIN_FORCE_GIN) to use "
+                "LSA within the host" : ""));
+#else
+  // NCCL 2.28 cannot say whether GIN exists, and refuses GIN requirements when it does not: ask
+  // for GIN only where it is needed.
+  const bool want_gin = cfg.force_gin || spans_hosts;
 #endif
-  if (cfg.force_gin && kHasCommProperties && !gin_available)
-    throw Error("force_gin was requested but NCCL reports GIN type NONE for this communicator: GIN "
-                "needs an RDMA NIC (GDAKI or proxy backend) or an NCCL RMA plugin; unset force_gin "
-                "(JAXGIN_FORCE_GIN) to use LSA within the host");
 
   JAXGIN_NCCL(ncclMemAlloc(&s.heap, cfg.heap_bytes), s.comm, dev);
   // Signals start at zero on every rank before any rank can reach another's heap: registration
@@ -90,22 +92,32 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   const uint32_t signals = cfg.signal_count + cfg.barrier_slots;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
   ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
-  if (gin_available) reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+  if (want_gin) reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
 #else
   ncclDevCommRequirements reqs = {};
-  reqs.ginForceEnable = cfg.force_gin != 0;
+  reqs.ginForceEnable = want_gin;
 #endif
-  reqs.ginSignalCount = (int)signals;
-  reqs.ginContextCount = 4;
-  JAXGIN_NCCL(ncclDevCommCreate(s.comm, &reqs, &s.dev_comm), s.comm, dev);
+  if (want_gin) {
+    reqs.ginSignalCount = (int)signals;
+    reqs.ginContextCount = 4;
+  }
+  ncclResult_t created = ncclDevCommCreate(s.comm, &reqs, &s.dev_comm);
+  if (created != ncclSuccess && want_gin)
+    throw Error(std::string(cfg.force_gin ? "force_gin was requested" : "the ranks span several hosts") +
+                std::string(" but NCCL could not create a device communicator with "
+                            "GIN on CUDA device ") + std::to_string(dev) + " (" + ncclGetErrorString(created) +
+                ": " + ncclGetLastError(s.comm) + "); GIN needs an RDMA NIC (GDAKI or proxy backend) or an "
+                "NCCL RMA plugin. Unset force_gin (JAXGIN_FORCE_GIN) to use LSA within the host");
+  if (created != ncclSuccess) throw_nccl(created, "ncclDevCommCreate", s.comm, dev);
   s.dev_comm_created = true;
   const int gin_contexts = (int)s.dev_comm.ginContextCount;
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 29, 0)
   s.gin_type = gin_contexts > 0 ? (int)s.dev_comm.ginTypes[0] : 0;
 #endif
-  if (cfg.force_gin && gin_contexts == 0)
-    throw Error("force_gin was requested but the NCCL device communicator on CUDA device " +
-                std::to_string(dev) + " has no GIN contexts (no RDMA NIC or RMA plugin found)");
+  if (want_gin && gin_contexts == 0)
+    throw Error("NCCL created the device communicator on CUDA device " + std::to_string(dev) +
+                " without GIN contexts although GIN was required (" +
+                (cfg.force_gin ? "force_gin" : "ranks on several hosts") + "): no RDMA NIC or RMA plugin found");
 
   JAXGIN_CUDA(cudaMalloc(&s.consumed, signals * sizeof(uint64_t)), dev);
   JAXGIN_CUDA(cudaMemset(s.consumed, 0, signals * sizeof(uint64_t)), dev);

@@ -1,4 +1,4 @@
-"""An all-pairs exchange that checks jaxgin end to end on the devices it runs on.
+"""Diagnostics: an all-pairs exchange that checks jaxgin end to end on the devices it runs on.
 
 Every rank sends a stamped block to every rank (itself included) and checks each received word,
 for several rounds with new data each round. On GPUs it runs a kernel of the device library
@@ -9,7 +9,7 @@ in reference mode the same exchange goes through ``jax.lax.all_to_all``.
 from __future__ import annotations
 
 import dataclasses
-import secrets
+import itertools
 
 import jax
 import numpy as np
@@ -17,6 +17,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgin import runtime
 from jaxgin.errors import DeviceFault, JaxginError
+
+# Default seeds: a new one per call, and the same sequence in every process of a job (each
+# receiver recomputes what its senders stamped, so all processes must agree on the seed).
+_default_seeds = itertools.count(0x5EED0001)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,9 @@ def _reference_exchange(state, rounds: int, block_bytes: int, seed: int) -> dict
 def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = None) -> SelftestReport:
     """Runs the exchange on every device of the job and reports mismatching words per pair.
 
+    Every process of a job must call it with the same arguments (the default seed is a per-call
+    sequence that is the same in every process).
+
     Needs 2 x world_size x block_bytes of heap on GPUs. Raises DeviceFault when a device-side
     wait times out (for example when another process of the job did not call selftest()).
     """
@@ -90,7 +97,9 @@ def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = 
     if not isinstance(block_bytes, int) or block_bytes <= 0 or block_bytes % 16:
         raise ValueError(f"block_bytes must be a positive multiple of 16, got {block_bytes!r}")
     if seed is None:
-        seed = secrets.randbits(32)
+        seed = next(_default_seeds) & 0xFFFFFFFF
+    elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 32:
+        raise ValueError(f"seed must be an int in [0, 2**32) (the kernel stamps 32-bit words), got {seed!r}")
     world = len(state.devices)
     if state.options.backend == "reference":
         return SelftestReport("reference", world, rounds, block_bytes, _reference_exchange(state, rounds, block_bytes, seed))

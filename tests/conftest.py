@@ -1,0 +1,84 @@
+"""Shared setup of jaxgin's test suite.
+
+The suite runs on CPU (reference mode) with 8 emulated devices. JAX reads its platform and XLA
+flags when it is first imported, so they are set here, before any test module imports jax. GPU
+tests (tests/gpu) run their work in subprocesses with their own environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", "").split():
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
+
+# Builds land in one cache per test session (shared by every test and the subprocesses they run),
+# unless the caller points JAXGIN_CACHE_DIR somewhere on purpose.
+_SESSION_CACHE: str | None = None
+if not os.environ.get("JAXGIN_CACHE_DIR"):
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="jaxgin-test-cache-")
+    os.environ["JAXGIN_CACHE_DIR"] = _SESSION_CACHE
+
+import pytest  # noqa: E402
+
+REQUIRE_NVCC_VAR = "JAXGIN_REQUIRE_NVCC"
+
+
+def nvcc_required() -> bool:
+    """True when tests that need nvcc (and NCCL's headers) must fail instead of skipping (CI)."""
+    return os.environ.get(REQUIRE_NVCC_VAR, "") == "1"
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skips the current test, or fails it when JAXGIN_REQUIRE_NVCC=1."""
+    if nvcc_required():
+        pytest.fail(f"{reason} (and {REQUIRE_NVCC_VAR}=1 makes this a failure, not a skip)", pytrace=False)
+    pytest.skip(f"{reason} (set {REQUIRE_NVCC_VAR}=1 to make this a failure)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _finalize_jaxgin():
+    """Every test starts and ends with jaxgin finalized."""
+    import jaxgin
+
+    jaxgin.finalize()
+    yield
+    jaxgin.finalize()
+
+
+@pytest.fixture(scope="session")
+def require():
+    """``require(reason)`` skips the test, or fails it under JAXGIN_REQUIRE_NVCC=1."""
+    return skip_or_fail
+
+
+@pytest.fixture(scope="session")
+def nvcc():
+    """nvcc's path; skips the test when there is none (fails under JAXGIN_REQUIRE_NVCC=1)."""
+    from jaxgin import build
+    from jaxgin.errors import ToolchainError
+
+    try:
+        return build.find_nvcc()
+    except ToolchainError as e:
+        skip_or_fail(f"needs nvcc: {e}")
+
+
+@pytest.fixture(scope="session")
+def packaged_nccl():
+    """The nvidia-nccl-cu13 package's NCCL; skips when absent (fails under JAXGIN_REQUIRE_NVCC=1)."""
+    from jaxgin import nccl
+
+    install = nccl.packaged_install()
+    if install is None:
+        skip_or_fail("needs the nvidia-nccl-cu13 package (pip install -e '.[test]')")
+    return install

@@ -1,0 +1,280 @@
+"""Compiling jaxgin's CUDA code with nvcc, on a machine without a GPU.
+
+Builds run against every NCCL at hand: the nvidia-nccl-cu13 package's, plus each root listed in
+JAXGIN_EXTRA_NCCL_ROOTS (os.pathsep-separated; a root holds include/nccl.h and, optionally,
+lib/libnccl.so.2). Tests that need nvcc skip without one, unless JAXGIN_REQUIRE_NVCC=1 (CI).
+Each (NCCL, arch) is built once per module and shared by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxgin import build, nccl
+from jaxgin.errors import NcclError, ToolchainError
+
+ARCH = "sm_90a"
+EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
+HEADER = Path(build.__file__).resolve().parent.parent / "csrc" / "device" / "jaxgin_device.h"
+
+
+def declared_functions() -> list[str]:
+    """Every device function csrc/device/jaxgin_device.h declares."""
+    text = HEADER.read_text()
+    names = re.findall(r"^\s*__device__\s+(?:const\s+)?\w+[\s*]+(jaxgin_\w+)\s*\(", text, flags=re.MULTILINE)
+    return sorted(set(names))
+
+
+def _installs() -> list[nccl.NcclInstall]:
+    """The NCCLs to build against, one per version (first seen wins)."""
+    found: list[nccl.NcclInstall] = []
+    packaged = nccl.packaged_install()
+    if packaged is not None:
+        found.append(packaged)
+    for root in filter(None, os.environ.get("JAXGIN_EXTRA_NCCL_ROOTS", "").split(os.pathsep)):
+        include, library = Path(root) / "include", Path(root) / "lib" / "libnccl.so.2"
+        install = nccl.NcclInstall(nccl.header_version(include), include, library if library.exists() else None)
+        if all(install.version != other.version for other in found):
+            found.append(install)
+    return found
+
+
+INSTALLS = _installs()
+
+
+def _id(install: nccl.NcclInstall) -> str:
+    return f"nccl{install.version_string}" + ("" if install.library else "-headers")
+
+
+@pytest.fixture(scope="module", params=INSTALLS, ids=[_id(i) for i in INSTALLS])
+def built(request, nvcc):
+    """(install, artifacts, seconds the build took), built once per NCCL for this module."""
+    install = request.param
+    start = time.monotonic()
+    artifacts = build.build(install, ARCH, cache_dir=build.default_cache_dir())
+    return install, artifacts, time.monotonic() - start
+
+
+def test_there_is_an_nccl_to_build_against(packaged_nccl):
+    assert INSTALLS and INSTALLS[0] == packaged_nccl
+    assert packaged_nccl.version >= nccl.MINIMUM_VERSION
+    assert packaged_nccl.include_dir.joinpath("nccl.h").is_file()
+
+
+def test_header_declares_the_device_api():
+    names = declared_functions()
+    for name in ("jaxgin_rank", "jaxgin_world_size", "jaxgin_put_signal", "jaxgin_signal", "jaxgin_wait_signal",
+                 "jaxgin_barrier", "jaxgin_peer_ptr", "jaxgin_flush"):
+        assert name in names
+    assert len(names) >= 10
+
+
+def test_ptx_defines_every_declared_function(built):
+    install, artifacts, _ = built
+    ptx = artifacts.ptx.read_text()
+    assert re.search(rf"^\.target\s+{ARCH}\b", ptx, flags=re.MULTILINE), "PTX is not for " + ARCH
+    missing = [
+        name
+        for name in declared_functions()
+        if not re.search(rf"^\.visible\s+\.func\s+(?:\([^)]*\)\s*)?{name}\s*\(", ptx, flags=re.MULTILINE)
+    ]
+    assert not missing, f"{artifacts.ptx} (NCCL {install.version_string}) lacks definitions of {missing}"
+
+
+def test_cubin_is_a_cuda_elf_with_every_function(built):
+    _, artifacts, _ = built
+    data = artifacts.cubin.read_bytes()
+    assert data[:4] == b"\x7fELF", f"{artifacts.cubin} is not an ELF file"
+    assert int.from_bytes(data[18:20], "little") == EM_CUDA
+    for name in declared_functions():
+        assert name.encode() + b"\0" in data, f"{name} is not a symbol of {artifacts.cubin}"
+
+
+def test_backend_library(built):
+    install, artifacts, _ = built
+    if install.library is None:
+        assert artifacts.backend is None
+        assert not (artifacts.directory / "libjaxgin_backend.so").exists()
+        return
+    data = artifacts.backend.read_bytes()
+    assert data[:4] == b"\x7fELF" and int.from_bytes(data[16:18], "little") == 3  # ET_DYN: a shared library
+
+
+def test_backend_reports_nccl_versions(built):
+    """The backend loads without a GPU and reports the NCCL it runs with and was compiled against.
+
+    Runs in a subprocess: a process can hold only one libnccl.so.2, and each install has its own.
+    """
+    install, artifacts, _ = built
+    if install.library is None:
+        pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
+    code = (
+        "import sys; from jaxgin import _jaxgin_ext as ext; "
+        "b = ext.Backend(sys.argv[1]); assert b.path == sys.argv[1]; print(*b.nccl_versions())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(artifacts.backend)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    loaded, compiled = map(int, result.stdout.split())
+    assert (loaded, compiled) == (install.version, install.version)
+
+
+def test_artifacts_layout(built):
+    install, artifacts, _ = built
+    assert artifacts.directory.parent == build.default_cache_dir()
+    assert artifacts.directory.name.startswith(f"nccl{install.version_string}-{ARCH}-")
+    assert (artifacts.directory / "complete").exists()
+    assert artifacts.ptx.parent == artifacts.cubin.parent == artifacts.directory
+    # No staging directories are left behind.
+    assert not [p for p in artifacts.directory.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_second_build_hits_the_cache(built, monkeypatch):
+    install, first, _ = built
+    real_run = subprocess.run
+    calls = []
+
+    def run(command, *args, **kwargs):
+        calls.append(list(command))
+        if list(command)[1:] == ["--version"]:  # the cache key includes nvcc's version
+            return real_run(command, *args, **kwargs)
+        raise AssertionError(f"a cached build ran {command}")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    start = time.monotonic()
+    again = build.build(install, ARCH, cache_dir=build.default_cache_dir())
+    elapsed = time.monotonic() - start
+    assert again == first
+    assert all(c[1:] == ["--version"] for c in calls)
+    assert elapsed < 5, f"a cached build took {elapsed:.1f} s"
+
+
+def _copy_sources(tmp_path: Path) -> Path:
+    root = tmp_path / "src" / "csrc"
+    shutil.copytree(build.sources_dir(), root)
+    return root
+
+
+def test_cache_key_follows_the_sources(tmp_path, nvcc, packaged_nccl):
+    original = build.sources_dir()
+    copy = _copy_sources(tmp_path)
+    key = build.cache_key(packaged_nccl, ARCH, nvcc, original)
+    assert build.cache_key(packaged_nccl, ARCH, nvcc, copy) == key  # where the sources lie does not matter
+    header = copy / "device" / "jaxgin_device.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    changed = build.cache_key(packaged_nccl, ARCH, nvcc, copy)
+    assert changed != key
+    impl = sorted((copy / "device" / "impl").glob("*.h"))[0]
+    impl.write_text(impl.read_text() + "\n")
+    assert build.cache_key(packaged_nccl, ARCH, nvcc, copy) not in (key, changed)
+    new_file = copy / "kernels" / "extra.cu"
+    before = build.cache_key(packaged_nccl, ARCH, nvcc, copy)
+    new_file.write_text("// a new source file\n")
+    assert build.cache_key(packaged_nccl, ARCH, nvcc, copy) != before
+
+
+def test_cache_key_follows_arch_and_nccl(nvcc, packaged_nccl, tmp_path):
+    root = build.sources_dir()
+    key = build.cache_key(packaged_nccl, ARCH, nvcc, root)
+    assert build.cache_key(packaged_nccl, ARCH, nvcc, root) == key  # deterministic
+    assert build.cache_key(packaged_nccl, "sm_100a", nvcc, root) != key
+    headers_only = nccl.NcclInstall(packaged_nccl.version, packaged_nccl.include_dir, None)
+    assert build.cache_key(headers_only, ARCH, nvcc, root) != key
+
+
+def test_compile_error_reports_command_and_compiler_output(tmp_path, monkeypatch, nvcc, packaged_nccl):
+    root = _copy_sources(tmp_path)
+    library = root / "device" / "library.cu"
+    text = library.read_text()
+    marker = '#include "jaxgin_device.h"\n'
+    assert marker in text
+    library.write_text(text.replace(marker, marker + "int jaxgin_injected_error = ;\n", 1))
+    monkeypatch.setattr(build, "sources_dir", lambda: root)
+    headers_only = nccl.NcclInstall(packaged_nccl.version, packaged_nccl.include_dir, None)  # two quick commands
+    with pytest.raises(ToolchainError) as excinfo:
+        build.build(headers_only, ARCH, cache_dir=tmp_path / "cache")
+    message = str(excinfo.value)
+    assert str(nvcc) in message and f"-arch={ARCH}" in message and str(library) in message  # the command
+    assert "error" in message and "library.cu(" in message  # the compiler's own diagnostic, with its line
+    assert "expected an expression" in message
+    # A failed build leaves nothing that a later build could take for a finished one.
+    cache = tmp_path / "cache"
+    assert not [p for p in cache.iterdir() if p.is_dir()]
+
+
+def test_no_nvcc(tmp_path, monkeypatch):
+    for var in ("JAXGIN_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    real_find_spec = build.importlib.util.find_spec
+    monkeypatch.setattr(
+        build.importlib.util, "find_spec", lambda name, *a, **k: None if name == "nvidia" else real_find_spec(name, *a, **k)
+    )
+    with pytest.raises(ToolchainError, match=re.escape("pip install 'jaxgin[cuda]'")):
+        build.find_nvcc()
+
+
+def test_nvcc_from_environment_wins(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 99.9'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("JAXGIN_NVCC", str(fake))
+    assert build.find_nvcc() == fake
+    assert build.nvcc_version(fake) == "Cuda compilation tools, release 99.9"
+    monkeypatch.delenv("JAXGIN_NVCC")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert build.find_nvcc() == fake
+
+
+def test_failing_nvcc_version(tmp_path):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(ToolchainError, match="broken"):
+        build.nvcc_version(fake)
+
+
+def test_nccl_too_old():
+    with pytest.raises(NcclError, match=r"2\.28") as excinfo:
+        nccl.check_version(22703, "x")
+    assert "2.27.3" in str(excinfo.value) and "(x)" in str(excinfo.value)
+    nccl.check_version(nccl.MINIMUM_VERSION, "x")  # 2.28.0 is new enough
+
+
+def test_build_refuses_old_nccl_headers(tmp_path):
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "nccl.h").write_text("#define NCCL_MAJOR 2\n#define NCCL_VERSION_CODE 22703\n")
+    version = nccl.header_version(include)
+    assert version == 22703
+    old = nccl.NcclInstall(version, include, None)
+    assert old.version_string == "2.27.3"
+    with pytest.raises(NcclError, match=r"NCCL >= 2\.28"):
+        build.build(old, ARCH, cache_dir=tmp_path / "cache")
+
+
+def test_header_version_errors(tmp_path):
+    with pytest.raises(NcclError, match="JAXGIN_NCCL_INCLUDE"):
+        nccl.header_version(tmp_path / "nowhere")
+    (tmp_path / "nccl.h").write_text("// not NCCL\n")
+    with pytest.raises(NcclError, match="NCCL_VERSION_CODE"):
+        nccl.header_version(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "capability, arch", [("9.0", "sm_90a"), ("8.0", "sm_80"), ("8.6", "sm_86"), ("10.0", "sm_100a"), ("12.0", "sm_120a")]
+)
+def test_arch_for(capability, arch):
+    assert build.arch_for(capability) == arch

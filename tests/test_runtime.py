@@ -1,0 +1,272 @@
+"""jaxgin's lifetime (initialize / info / finalize) and argument checking, in reference mode (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import jaxgin
+from jaxgin import runtime
+from jaxgin.errors import JaxginError, NotInitializedError
+
+
+def test_cpu_has_eight_devices():
+    assert jax.default_backend() == "cpu"
+    assert len(jax.devices()) == 8
+
+
+def test_initialize_picks_reference_on_cpu():
+    assert not jaxgin.is_initialized()
+    jaxgin.initialize()
+    assert jaxgin.is_initialized()
+    assert jaxgin.info()["backend"] == "reference"
+
+
+def test_info_fields():
+    jaxgin.initialize(heap_size="64MiB", signal_count=100, barrier_slots=20, timeout=5)
+    info = jaxgin.info()
+    assert info["backend"] == "reference"
+    assert info["world_size"] == 8
+    assert info["process_index"] == 0
+    assert info["process_count"] == 1
+    assert info["gin_type"] == "none"
+    assert info["nccl_version"] is None
+    assert info["lsa_team_size"] is None
+    assert info["force_gin"] is False
+    assert info["timeout_s"] == 5.0
+    assert info["signal_count"] == 100
+    assert info["barrier_slots"] == 20
+    assert info["heap_bytes"] == 64 << 20
+    reserved = runtime.reserved_bytes(100, 20)
+    assert info["heap_user_bytes"] == info["heap_bytes"] - reserved
+    assert isinstance(info["rdma_devices"], list)
+    assert [d["rank"] for d in info["local_devices"]] == list(range(8))
+    assert [d["device"] for d in info["local_devices"]] == [str(d) for d in jax.devices()]
+    json.dumps(info)  # python -m jaxgin.info prints it as JSON
+
+
+def test_info_defaults():
+    jaxgin.initialize()
+    info = jaxgin.info()
+    assert info["heap_bytes"] == runtime.parse_size(runtime.DEFAULT_HEAP_SIZE) == 1 << 30
+    assert info["signal_count"] == 1024
+    assert info["barrier_slots"] == 256
+    assert info["timeout_s"] == runtime.DEFAULT_TIMEOUT_S
+    assert info["heap_user_bytes"] == (1 << 30) - runtime.reserved_bytes(1024, 256)
+
+
+@pytest.mark.parametrize("signals, slots", [(1, 1), (511, 1), (512, 0), (1024, 256), (1 << 20, 1 << 20)])
+def test_reserved_bytes(signals, slots):
+    reserved = runtime.reserved_bytes(signals, slots)
+    assert reserved % 4096 == 0
+    assert (signals + slots) * 8 <= reserved < (signals + slots) * 8 + 4096
+
+
+def test_initialize_is_idempotent_for_same_arguments():
+    jaxgin.initialize(heap_size="256MiB", timeout=10)
+    state = runtime.current()
+    jaxgin.initialize(heap_size="256MiB", timeout=10)
+    jaxgin.initialize(heap_size=256 << 20, timeout=10.0)  # the same options, spelled differently
+    assert runtime.current() is state
+
+
+def test_initialize_with_other_arguments_needs_finalize():
+    jaxgin.initialize(heap_size="256MiB")
+    with pytest.raises(JaxginError, match=r"finalize\(\)"):
+        jaxgin.initialize(heap_size="512MiB")
+    assert jaxgin.info()["heap_bytes"] == 256 << 20  # the first initialization is still in force
+
+
+def test_finalize_then_initialize():
+    jaxgin.initialize(heap_size="256MiB")
+    jaxgin.finalize()
+    assert not jaxgin.is_initialized()
+    jaxgin.finalize()  # twice is fine
+    jaxgin.initialize(heap_size="512MiB")
+    assert jaxgin.info()["heap_bytes"] == 512 << 20
+
+
+def test_info_before_initialize():
+    with pytest.raises(NotInitializedError, match=r"call jaxgin\.initialize\(\)"):
+        jaxgin.info()
+    assert issubclass(NotInitializedError, JaxginError)
+
+
+def test_info_after_finalize():
+    jaxgin.initialize()
+    jaxgin.finalize()
+    with pytest.raises(NotInitializedError, match=r"jaxgin\.initialize\(\)"):
+        jaxgin.info()
+
+
+def test_selftest_before_initialize():
+    with pytest.raises(NotInitializedError, match=r"jaxgin\.initialize\(\)"):
+        jaxgin.selftest()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("256MiB", 256 << 20),
+        ("2GiB", 2 << 30),
+        ("2gib", 2 << 30),
+        (" 16 KiB ", 16 << 10),
+        ("1MB", 10**6),
+        ("1kb", 1000),
+        ("3GB", 3 * 10**9),
+        ("4096", 4096),
+        ("4096B", 4096),
+        (4096, 4096),
+        (1, 1),
+    ],
+)
+def test_parse_size(value, expected):
+    assert runtime.parse_size(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "lots", "1.5GiB", "-1", "-1MiB", "12 TiB", "GiB", "1 GiBs", "0x100"])
+def test_parse_size_rejects_bad_strings(value):
+    with pytest.raises(ValueError, match="heap_size"):
+        runtime.parse_size(value)
+
+
+@pytest.mark.parametrize("value", [0, -4096, "0", "0MiB"])
+def test_parse_size_rejects_non_positive(value):
+    with pytest.raises(ValueError, match="heap_size must be positive"):
+        runtime.parse_size(value)
+
+
+@pytest.mark.parametrize("value", [True, False, None, 1.5, b"1GiB"])
+def test_parse_size_rejects_other_types(value):
+    with pytest.raises(TypeError, match="heap_size"):
+        runtime.parse_size(value)
+
+
+def test_parse_size_names_the_argument():
+    with pytest.raises(ValueError, match="block_size"):
+        runtime.parse_size("big", name="block_size")
+
+
+def test_initialize_rejects_bad_heap_size():
+    with pytest.raises(ValueError, match="heap_size"):
+        jaxgin.initialize(heap_size="a lot")
+    assert not jaxgin.is_initialized()
+
+
+def test_heap_too_small_names_the_minimum():
+    with pytest.raises(ValueError, match="too small") as excinfo:
+        jaxgin.initialize(heap_size=4096)
+    message = str(excinfo.value)
+    assert "heap_size=4096" in message
+    assert str(runtime.reserved_bytes(1024, 256)) in message  # what is reserved
+    minimum = int(re.search(r"at least (\d+) bytes", message).group(1))
+    assert minimum > runtime.reserved_bytes(1024, 256)
+    assert not jaxgin.is_initialized()
+    jaxgin.initialize(heap_size=minimum)  # the size it names is enough
+    assert jaxgin.info()["heap_user_bytes"] > 0
+
+
+def test_heap_exactly_reserved_is_too_small():
+    reserved = runtime.reserved_bytes(16, 16)
+    with pytest.raises(ValueError, match="too small"):
+        jaxgin.initialize(heap_size=reserved, signal_count=16, barrier_slots=16)
+
+
+def test_cuda_backend_on_cpu():
+    with pytest.raises(JaxginError) as excinfo:
+        jaxgin.initialize(backend="cuda")
+    message = str(excinfo.value)
+    assert "jax[cuda13]" in message
+    assert "backend='reference'" in message
+    assert "'cpu'" in message  # names what JAX runs on
+    assert not jaxgin.is_initialized()
+
+
+def test_explicit_reference_backend():
+    jaxgin.initialize(backend="reference")
+    assert jaxgin.info()["backend"] == "reference"
+
+
+@pytest.mark.parametrize("backend", ["gpu", "nccl", "Reference", ""])
+def test_bad_backend_name(backend):
+    with pytest.raises(ValueError, match="backend=") as excinfo:
+        jaxgin.initialize(backend=backend)
+    assert "'cuda'" in str(excinfo.value) and "'reference'" in str(excinfo.value)
+    assert not jaxgin.is_initialized()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, -0.5, math.nan])
+def test_bad_timeout(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        jaxgin.initialize(timeout=timeout)
+    assert not jaxgin.is_initialized()
+
+
+def test_timeout_from_environment(monkeypatch):
+    monkeypatch.setenv("JAXGIN_TIMEOUT", "2.5")
+    jaxgin.initialize()
+    assert jaxgin.info()["timeout_s"] == 2.5
+    jaxgin.finalize()
+    jaxgin.initialize(timeout=7)  # the argument wins over the environment
+    assert jaxgin.info()["timeout_s"] == 7.0
+
+
+@pytest.mark.parametrize("name", ["signal_count", "barrier_slots"])
+@pytest.mark.parametrize("value", [0, -1, True, 1.0, "8", (1 << 20) + 1])
+def test_bad_signal_and_slot_counts(name, value):
+    with pytest.raises(ValueError, match=name):
+        jaxgin.initialize(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False), ("No", False),
+     ("off", False), ("", False)],
+)
+def test_force_gin_from_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("JAXGIN_FORCE_GIN", value)
+    jaxgin.initialize()
+    assert jaxgin.info()["force_gin"] is expected
+
+
+def test_force_gin_unset(monkeypatch):
+    monkeypatch.delenv("JAXGIN_FORCE_GIN", raising=False)
+    jaxgin.initialize()
+    assert jaxgin.info()["force_gin"] is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enabled", " 1"])
+def test_force_gin_bad_environment_value(monkeypatch, value):
+    monkeypatch.setenv("JAXGIN_FORCE_GIN", value)
+    with pytest.raises(ValueError, match="JAXGIN_FORCE_GIN") as excinfo:
+        jaxgin.initialize()
+    assert repr(value) in str(excinfo.value)
+    assert not jaxgin.is_initialized()
+
+
+def test_force_gin_argument_wins_over_environment(monkeypatch):
+    monkeypatch.setenv("JAXGIN_FORCE_GIN", "maybe")  # not even read when the argument is given
+    jaxgin.initialize(force_gin=True)
+    assert jaxgin.info()["force_gin"] is True
+    jaxgin.finalize()
+    monkeypatch.setenv("JAXGIN_FORCE_GIN", "1")
+    jaxgin.initialize(force_gin=False)
+    assert jaxgin.info()["force_gin"] is False
+
+
+def test_info_command_on_cpu():
+    """``python -m jaxgin.info`` prints the environment and info() as JSON, and exits 0 on CPU."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxgin.info"], capture_output=True, text=True, env=dict(os.environ), timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"backend": "reference"' in result.stdout
+    assert '"world_size": 8' in result.stdout
+    assert '"environment"' in result.stdout

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One round on a lent GPU machine: build jaxgin there, print what it finds, run the GPU tests and
+# the quickstart. Logs and JSON results go to $OUT (the device tool brings that folder back).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$(mktemp -d)}
+export JAXGIN_RESULTS_DIR=$OUT JAXGIN_CACHE_DIR=${JAXGIN_CACHE_DIR:-/tmp/jaxgin-cache}
+cd "$(dirname "$0")/.."
+exec > >(tee "$OUT/gpu-check.log") 2>&1
+status=0
+step() { echo "=== $1"; shift; "$@" || { echo "=== FAILED ($?): $*"; status=1; }; }
+step "machine" nvidia-smi -L
+step "install" python3 -m pip install -q --no-build-isolation --no-deps -e .
+step "prebuild" python3 -m jaxgin.build -v
+step "info" python3 -m jaxgin.info
+step "gpu tests" python3 -m pytest tests/gpu -v -rA "$@"
+step "quickstart" python3 examples/quickstart.py
+exit $status
