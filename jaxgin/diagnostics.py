@@ -16,8 +16,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgin import runtime
-from jaxgin.errors import DeviceFault, JaxginError
-
 # Default seeds: a new one per call, and the same sequence in every process of a job (each
 # receiver recomputes what its senders stamped, so all processes must agree on the seed).
 _default_seeds = itertools.count(0x5EED0001)
@@ -103,14 +101,7 @@ def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = 
     world = len(state.devices)
     if state.options.backend == "reference":
         return SelftestReport("reference", world, rounds, block_bytes, _reference_exchange(state, rounds, block_bytes, seed))
-    from jaxgin import _jaxgin_ext
-
-    try:
-        counts = state.runtime.selftest_exchange(rounds, block_bytes, seed)
-    except _jaxgin_ext.DeviceFaultError as e:
-        raise DeviceFault(str(e)) from None
-    except RuntimeError as e:
-        raise JaxginError(str(e)) from None
+    counts = runtime.call_backend(state.runtime.selftest_exchange, rounds, block_bytes, seed)
     mismatches = {}
     for local, device in enumerate(state.local_devices):
         receiver = state.devices.index(device)

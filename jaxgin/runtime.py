@@ -272,11 +272,16 @@ def wait_signal(signal: int, value: int, *, local_index: int = 0) -> None:
     state = current()
     if state.options.backend != "cuda":
         raise JaxginError("wait_signal needs the cuda backend; in reference mode there are no device signals")
-    from jaxgin import _jaxgin_ext
+    call_backend(state.runtime.wait_signal, local_index, signal, value)
 
+
+def call_backend(method, *args):
+    """Calls a method of the CUDA backend, raising DeviceFault for a kernel that failed on the
+    device and JaxginError for any other backend error."""
+    ext = _extension()
     try:
-        state.runtime.wait_signal(local_index, signal, value)
-    except _jaxgin_ext.DeviceFaultError as e:
+        return method(*args)
+    except ext.DeviceFaultError as e:
         raise DeviceFault(str(e)) from None
     except RuntimeError as e:
         raise JaxginError(str(e)) from None

@@ -49,6 +49,16 @@ void validate(const jaxgin_runtime_config& c) {
                 " signals and " + std::to_string(c.barrier_slots) + " barrier slots");
 }
 
+// Why this communicator cannot have the GIN it needs, and what to do about it.
+Error gin_unavailable(const jaxgin_runtime_config& cfg, int lsa_ranks, int dev, const std::string& detail) {
+  std::string why = cfg.force_gin ? std::string("force_gin was requested")
+                                  : "the ranks span several hosts (LSA team of " + std::to_string(lsa_ranks) +
+                                        " of " + std::to_string(cfg.world_size) + " ranks)";
+  std::string fix = cfg.force_gin ? "; unset force_gin (JAXGIN_FORCE_GIN) to use LSA within the host" : "";
+  return Error(why + " but " + detail + " on CUDA device " + std::to_string(dev) +
+               ": GIN needs an RDMA NIC (GDAKI or proxy backend) or an NCCL RMA plugin" + fix);
+}
+
 void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   const int dev = s.device;
   JAXGIN_CUDA(cudaSetDevice(dev), dev);
@@ -64,11 +74,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   s.gin_type = (int)props.ginType;
   const bool want_gin = props.ginType != NCCL_GIN_TYPE_NONE;
   if (!want_gin && (cfg.force_gin || spans_hosts))
-    throw Error(std::string(cfg.force_gin ? "force_gin was requested" : "the ranks span several hosts (LSA team of " +
-                std::to_string(lsa_team.nRanks) + " of " + std::to_string(cfg.world_size) + " ranks)") +
-                " but NCCL reports GIN type NONE for this communicator: GIN needs an RDMA NIC (GDAKI or proxy "
-                "backend) or an NCCL RMA plugin" + (cfg.force_gin ? "; unset force_gin (JAXGIN_FORCE_GIN) to use "
-                "LSA within the host" : ""));
+    throw gin_unavailable(cfg, lsa_team.nRanks, dev, "NCCL reports GIN type NONE for this communicator");
 #else
   // NCCL 2.28 cannot say whether GIN exists, and refuses GIN requirements when it does not: ask
   // for GIN only where it is needed.
@@ -103,11 +109,9 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   }
   ncclResult_t created = ncclDevCommCreate(s.comm, &reqs, &s.dev_comm);
   if (created != ncclSuccess && want_gin)
-    throw Error(std::string(cfg.force_gin ? "force_gin was requested" : "the ranks span several hosts") +
-                std::string(" but NCCL could not create a device communicator with "
-                            "GIN on CUDA device ") + std::to_string(dev) + " (" + ncclGetErrorString(created) +
-                ": " + ncclGetLastError(s.comm) + "); GIN needs an RDMA NIC (GDAKI or proxy backend) or an "
-                "NCCL RMA plugin. Unset force_gin (JAXGIN_FORCE_GIN) to use LSA within the host");
+    throw gin_unavailable(cfg, lsa_team.nRanks, dev,
+                          std::string("NCCL could not create a device communicator with GIN (") +
+                              ncclGetErrorString(created) + ": " + ncclGetLastError(s.comm) + ")");
   if (created != ncclSuccess) throw_nccl(created, "ncclDevCommCreate", s.comm, dev);
   s.dev_comm_created = true;
   const int gin_contexts = (int)s.dev_comm.ginContextCount;
@@ -115,9 +119,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   s.gin_type = gin_contexts > 0 ? (int)s.dev_comm.ginTypes[0] : 0;
 #endif
   if (want_gin && gin_contexts == 0)
-    throw Error("NCCL created the device communicator on CUDA device " + std::to_string(dev) +
-                " without GIN contexts although GIN was required (" +
-                (cfg.force_gin ? "force_gin" : "ranks on several hosts") + "): no RDMA NIC or RMA plugin found");
+    throw gin_unavailable(cfg, lsa_team.nRanks, dev, "NCCL created the device communicator without GIN contexts");
 
   JAXGIN_CUDA(cudaMalloc(&s.consumed, signals * sizeof(uint64_t)), dev);
   JAXGIN_CUDA(cudaMemset(s.consumed, 0, signals * sizeof(uint64_t)), dev);
