@@ -1,25 +1,36 @@
 """jaxgin: one-sided, device-initiated communication (NCCL GIN and LSA) for JAX and Triton.
 
 Start with ``jaxgin.initialize()``; ``jaxgin.info()`` says what it runs on and
-``jaxgin.selftest()`` checks an all-pairs exchange between every device.
+``jaxgin.selftest()`` checks an all-pairs exchange between every device. Inside ``jax.shard_map``:
+``jaxgin.ppermute`` / ``jaxgin.all_to_all`` replace jax.lax's, and ``jaxgin.put_signal`` /
+``jaxgin.wait_signal`` with a ``jaxgin.Mailbox`` give split-phase one-sided communication.
 """
 
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, ToolchainError
-from jaxgin.runtime import finalize, info, initialize, is_initialized
+from jaxgin.runtime import device_faults, finalize, info, initialize, is_initialized
 from jaxgin.diagnostics import SelftestReport, selftest
+from jaxgin.collectives import all_to_all, ppermute
+from jaxgin.mailbox import Mailbox, Token, put_signal, wait_signal
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DeviceFault",
     "JaxginError",
+    "Mailbox",
     "NcclError",
     "NotInitializedError",
     "SelftestReport",
+    "Token",
     "ToolchainError",
+    "all_to_all",
+    "device_faults",
     "finalize",
     "info",
     "initialize",
     "is_initialized",
+    "ppermute",
+    "put_signal",
     "selftest",
+    "wait_signal",
 ]

@@ -39,6 +39,10 @@ BACKEND_SOURCES = (
     "runtime/runtime.cu",
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",
+    "kernels/exchange.cu",
+    "kernels/mailbox.cu",
+    "ffi/collectives.cu",
+    "ffi/mailbox.cu",
 )
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
@@ -114,10 +118,26 @@ def _source_digest(root: Path) -> str:
     return digest.hexdigest()
 
 
+def xla_ffi_include_dir() -> Path:
+    """XLA's FFI headers, shipped with jaxlib (the handlers in csrc/ffi are compiled against them)."""
+    import jax.ffi
+
+    return Path(jax.ffi.include_dir())
+
+
+def _xla_ffi_digest() -> str:
+    api = xla_ffi_include_dir() / "xla" / "ffi" / "api"
+    digest = hashlib.sha256()
+    for path in sorted(api.glob("*.h")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def cache_key(nccl: nccl_lib.NcclInstall, arch: str, nvcc: Path, root: Path) -> str:
     digest = hashlib.sha256()
     for part in (
         _source_digest(root),
+        _xla_ffi_digest(),
         str(nccl.version),
         str(nccl.include_dir.resolve()),
         str(nccl.library.resolve()) if nccl.library else "no-library",
@@ -140,21 +160,27 @@ def _run(command: list[str], cwd: Path) -> None:
         )
 
 
-def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out: Path) -> list[list[str]]:
+def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out: Path) -> list[list[list[str]]]:
+    """Compile steps in stages; the commands of one stage run in parallel."""
     base = [str(nvcc), *COMMON_FLAGS, f"-arch={arch}", f"-I{nccl.include_dir}", f"-I{root}"]
     library = str(root / DEVICE_LIBRARY_SOURCE)
-    commands = [
+    first = [
         base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
         base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")],
     ]
-    if nccl.library is not None:
-        lib_dir = nccl.library.resolve().parent
-        commands.append(
-            base
-            + ["-shared", *(str(root / s) for s in BACKEND_SOURCES)]
-            + [f"-L{lib_dir}", "-l:libnccl.so.2", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / "libjaxgin_backend.so")]
-        )
-    return commands
+    if nccl.library is None:
+        return [first]
+    objects = []
+    for source in BACKEND_SOURCES:
+        obj = out / (source.replace("/", "_").removesuffix(".cu") + ".o")
+        objects.append(str(obj))
+        first.append(base + [f"-I{xla_ffi_include_dir()}", "-c", str(root / source), "-o", str(obj)])
+    lib_dir = nccl.library.resolve().parent
+    link = (
+        [str(nvcc), f"-arch={arch}", "-shared", *objects]
+        + [f"-L{lib_dir}", "-l:libnccl.so.2", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / "libjaxgin_backend.so")]
+    )
+    return [first, [link]]
 
 
 @contextlib.contextmanager
@@ -184,13 +210,15 @@ def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = Non
             return artifacts
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
         try:
-            commands = _commands(nvcc, nccl, arch, root, staging)
-            if verbose:
-                for command in commands:
-                    print(" ".join(command), file=sys.stderr)
-            with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
-                for future in [pool.submit(_run, c, root) for c in commands]:
-                    future.result()
+            for stage in _commands(nvcc, nccl, arch, root, staging):
+                if verbose:
+                    for command in stage:
+                        print(" ".join(command), file=sys.stderr)
+                with concurrent.futures.ThreadPoolExecutor(len(stage)) as pool:
+                    for future in [pool.submit(_run, c, root) for c in stage]:
+                        future.result()
+            for obj in staging.glob("*.o"):
+                obj.unlink()
             (staging / "complete").write_text(f"nvcc: {nvcc}\n")
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)

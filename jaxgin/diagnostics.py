@@ -101,7 +101,19 @@ def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = 
     world = len(state.devices)
     if state.options.backend == "reference":
         return SelftestReport("reference", world, rounds, block_bytes, _reference_exchange(state, rounds, block_bytes, seed))
-    counts = runtime.call_backend(state.runtime.selftest_exchange, rounds, block_bytes, seed)
+    # Heap and signals come from the same allocators as mailboxes, so a selftest never overlaps
+    # a live op; the kernel leaves its signals paired with their consumed counts when it returns.
+    offset = state.heap.allocate(2 * world * block_bytes)
+    try:
+        signal_base = state.signals.allocate(2 * world)
+    except Exception:
+        state.heap.free(offset)
+        raise
+    try:
+        counts = runtime.call_backend(state.runtime.selftest_exchange, rounds, block_bytes, seed, offset, signal_base)
+    finally:
+        state.heap.free(offset)
+        state.signals.free(signal_base)
     mismatches = {}
     for local, device in enumerate(state.local_devices):
         receiver = state.devices.index(device)

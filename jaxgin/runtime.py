@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin.errors import DeviceFault, JaxginError, NotInitializedError
 
@@ -47,9 +48,54 @@ def parse_size(value: int | str, name: str = "heap_size") -> int:
     return size
 
 
-def reserved_bytes(signal_count: int, barrier_slots: int) -> int:
-    """Heap bytes jaxgin keeps for signal counters (mirrors jaxgin_reserved_bytes in C++)."""
-    return ((signal_count + barrier_slots) * 8 + 4095) // 4096 * 4096
+@dataclasses.dataclass(frozen=True)
+class ChannelShape:
+    """The exchange channel behind ppermute / all_to_all: per ordered pair of ranks, `lanes`
+    parallel streams with `slots` ring slots of `slot_bytes` each (in the receiver's heap)."""
+
+    lanes: int
+    slots: int
+    slot_bytes: int
+
+
+DEFAULT_CHANNEL_SLOTS = 2
+DEFAULT_CHANNEL_SLOT_BYTES = 256 << 10
+
+
+def default_channel_lanes(world_size: int) -> int:
+    """Enough lanes that an all_to_all keeps ~64 CTAs sending (NVLink needs many SMs storing)."""
+    target = 64 // max(1, world_size - 1)
+    lanes = 1
+    while lanes * 2 <= target:
+        lanes *= 2
+    return min(32, max(4, lanes))
+
+
+def channel_shape(world_size: int) -> ChannelShape:
+    """Defaults, overridable for tuning with JAXGIN_CHANNEL_LANES / JAXGIN_CHANNEL_SLOT_BYTES."""
+    lanes = os.environ.get("JAXGIN_CHANNEL_LANES") or default_channel_lanes(world_size)
+    slot = os.environ.get("JAXGIN_CHANNEL_SLOT_BYTES") or DEFAULT_CHANNEL_SLOT_BYTES
+    try:
+        lanes = int(lanes)
+    except ValueError:
+        raise ValueError(f"JAXGIN_CHANNEL_LANES={lanes!r} is not an integer") from None
+    if not 1 <= lanes <= 64:
+        raise ValueError(f"JAXGIN_CHANNEL_LANES={lanes} must be in [1, 64]")
+    slot_bytes = parse_size(slot, "JAXGIN_CHANNEL_SLOT_BYTES")
+    if slot_bytes % 16:
+        raise ValueError(f"JAXGIN_CHANNEL_SLOT_BYTES={slot!r} must be a multiple of 16 bytes")
+    return ChannelShape(lanes, DEFAULT_CHANNEL_SLOTS, slot_bytes)
+
+
+def reserved_bytes(signal_count: int, barrier_slots: int, world_size: int = 1, channel: ChannelShape | None = None) -> int:
+    """Heap bytes jaxgin keeps for itself: signal counters, the exchange channel's rings and GIN
+    staging (mirrors jaxgin_reserved_bytes in C++)."""
+    channel = channel or channel_shape(world_size)
+    signals = signal_count + barrier_slots + 2 * world_size * channel.lanes
+    signal_area = (signals * 8 + 4095) // 4096 * 4096
+    rings = world_size * channel.lanes * channel.slots * channel.slot_bytes
+    staging = world_size * channel.lanes * channel.slot_bytes
+    return signal_area + rings + staging
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +106,7 @@ class Options:
     force_gin: bool
     timeout_s: float
     backend: str
+    channel: ChannelShape
 
 
 @dataclasses.dataclass
@@ -70,7 +117,15 @@ class _State:
     generation: int
     nccl: nccl_lib.NcclInstall | None = None
     runtime: Any = None  # jaxgin._jaxgin_ext.Runtime on the cuda backend
+    backend_lib: Any = None  # jaxgin._jaxgin_ext.Backend on the cuda backend
     runtime_backend_path: str | None = None
+    heap: heap_lib.RangeAllocator | None = None  # user area of the symmetric heap
+    signals: heap_lib.RangeAllocator | None = None  # user signals
+    mailboxes: dict = dataclasses.field(default_factory=dict)  # (name, axis size) -> placement
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
 
 
 _state: _State | None = None
@@ -116,14 +171,16 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise ValueError(f"{name} must be an int in [1, 1048576], got {value!r}")
     heap_bytes = parse_size(heap_size)
-    reserved = reserved_bytes(signal_count, barrier_slots)
+    world = len(jax.devices())
+    channel = channel_shape(world)
+    reserved = reserved_bytes(signal_count, barrier_slots, world, channel)
     if heap_bytes < reserved + MIN_USER_HEAP_BYTES:
         raise ValueError(
             f"heap_size={heap_size!r} ({heap_bytes} bytes) is too small: jaxgin reserves {reserved} bytes of it for "
-            f"{signal_count} signals and {barrier_slots} barrier slots and needs {MIN_USER_HEAP_BYTES} more for data; "
-            f"use at least {reserved + MIN_USER_HEAP_BYTES} bytes"
+            f"{signal_count} signals, {barrier_slots} barrier slots and the exchange channel of {world} devices, "
+            f"and needs {MIN_USER_HEAP_BYTES} more for data; use at least {reserved + MIN_USER_HEAP_BYTES} bytes"
         )
-    return Options(heap_bytes, signal_count, barrier_slots, bool(force_gin), float(timeout), backend)
+    return Options(heap_bytes, signal_count, barrier_slots, bool(force_gin), float(timeout), backend, channel)
 
 
 def _extension():
@@ -231,9 +288,22 @@ def initialize(
                 barrier_slots=options.barrier_slots,
                 force_gin=options.force_gin,
                 timeout_ns=int(options.timeout_s * 1e9),
+                channel_lanes=options.channel.lanes,
+                channel_slots=options.channel.slots,
+                channel_slot_bytes=options.channel.slot_bytes,
+                generation=state.generation,
             )
         except RuntimeError as e:
             raise JaxginError(f"jaxgin.initialize() failed: {e}") from None
+        state.backend_lib = backend_lib
+        from jaxgin.ffi import targets
+
+        targets.register(backend_lib)
+    user_offset = reserved_bytes(options.signal_count, options.barrier_slots, len(devices), options.channel)
+    if state.runtime is not None:
+        user_offset = state.runtime.device_info(0)["user_offset"]
+    state.heap = heap_lib.heap_allocator(user_offset, options.heap_bytes)
+    state.signals = heap_lib.signal_allocator(options.signal_count)
     _generation += 1
     _state = state
 
@@ -275,6 +345,17 @@ def wait_signal(signal: int, value: int, *, local_index: int = 0) -> None:
     call_backend(state.runtime.wait_signal, local_index, signal, value)
 
 
+def device_faults() -> list[str]:
+    """Device-side faults recorded on this process's GPUs (a timed-out wait, a peer index out of
+    range), each naming op, rank, peer and signal. A jaxgin op that faults makes XLA report a CUDA
+    error; this says why. Empty in reference mode or when nothing failed."""
+    state = current()
+    if state.runtime is None:
+        return []
+    text = state.runtime.device_faults()
+    return [line for line in text.splitlines() if line]
+
+
 def call_backend(method, *args):
     """Calls a method of the CUDA backend, raising DeviceFault for a kernel that failed on the
     device and JaxginError for any other backend error."""
@@ -299,7 +380,8 @@ def info() -> dict[str, Any]:
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "heap_bytes": o.heap_bytes,
-        "heap_user_bytes": o.heap_bytes - reserved_bytes(o.signal_count, o.barrier_slots),
+        "heap_user_bytes": o.heap_bytes - reserved_bytes(o.signal_count, o.barrier_slots, state.world_size, o.channel),
+        "channel": dataclasses.asdict(o.channel),
         "signal_count": o.signal_count,
         "barrier_slots": o.barrier_slots,
         "force_gin": o.force_gin,
@@ -314,6 +396,8 @@ def info() -> dict[str, Any]:
             local_devices=[{"device": str(d), "rank": state.devices.index(d)} for d in state.local_devices],
         )
         return result
+    from jaxgin.ffi import targets
+
     per_device = [state.runtime.device_info(i) for i in range(len(state.local_devices))]
     gin_types = {GIN_TYPES.get(d["gin_type"], str(d["gin_type"])) for d in per_device}
     result.update(
@@ -333,5 +417,6 @@ def info() -> dict[str, Any]:
             for jax_device, d in zip(state.local_devices, per_device)
         ],
         backend_library=state.runtime_backend_path,
+        command_buffer_compatible=targets.command_buffer_compatible,
     )
     return result

@@ -36,6 +36,9 @@ struct BackendApi {
   decltype(&jaxgin_runtime_destroy) runtime_destroy;
   decltype(&jaxgin_selftest_exchange) selftest_exchange;
   decltype(&jaxgin_wait_signal_on_device) wait_signal_on_device;
+  decltype(&jaxgin_ffi_calls) ffi_calls;
+  decltype(&jaxgin_device_faults) device_faults;
+  decltype(&jaxgin_heap_clear) heap_clear;
 };
 
 template <typename F>
@@ -64,6 +67,9 @@ class Backend {
     resolve(handle_, "jaxgin_runtime_destroy", api_.runtime_destroy, path);
     resolve(handle_, "jaxgin_selftest_exchange", api_.selftest_exchange, path);
     resolve(handle_, "jaxgin_wait_signal_on_device", api_.wait_signal_on_device, path);
+    resolve(handle_, "jaxgin_ffi_calls", api_.ffi_calls, path);
+    resolve(handle_, "jaxgin_device_faults", api_.device_faults, path);
+    resolve(handle_, "jaxgin_heap_clear", api_.heap_clear, path);
     if (api_.backend_abi() != JAXGIN_BACKEND_ABI)
       throw std::runtime_error("jaxgin backend " + path + " has ABI " + std::to_string(api_.backend_abi()) +
                                ", this extension expects " + std::to_string(JAXGIN_BACKEND_ABI) +
@@ -90,6 +96,24 @@ class Backend {
     return nb::bytes(id, sizeof(id));
   }
 
+  // Address of an exported XLA FFI handler (jaxgin_ffi_*), for registration with XLA.
+  uint64_t ffi_handler(const std::string& name) const {
+    if (name.rfind("jaxgin_ffi_", 0) != 0) throw std::invalid_argument("not a jaxgin FFI handler: " + name);
+    void* symbol = dlsym(handle_, name.c_str());
+    if (symbol == nullptr) throw std::runtime_error("jaxgin backend " + path_ + " does not export " + name);
+    return reinterpret_cast<uint64_t>(symbol);
+  }
+
+  nb::dict ffi_calls() const {
+    uint64_t exchange = 0, put = 0, wait = 0;
+    check(api_.ffi_calls(&exchange, &put, &wait));
+    nb::dict d;
+    d["exchange"] = exchange;
+    d["put"] = put;
+    d["wait"] = wait;
+    return d;
+  }
+
   std::pair<uint64_t, uint64_t> device_memory(int device) const {
     uint64_t free_bytes = 0, total_bytes = 0;
     check(api_.device_memory(device, &free_bytes, &total_bytes));
@@ -108,7 +132,8 @@ class Runtime {
  public:
   Runtime(const Backend& backend, int world_size, const std::vector<int32_t>& devices,
           const std::vector<int32_t>& ranks, const nb::bytes& unique_id, uint64_t heap_bytes,
-          uint32_t signal_count, uint32_t barrier_slots, bool force_gin, uint64_t timeout_ns)
+          uint32_t signal_count, uint32_t barrier_slots, bool force_gin, uint64_t timeout_ns,
+          uint32_t channel_lanes, uint32_t channel_slots, uint64_t channel_slot_bytes, int64_t generation)
       : backend_(backend), local_count_((int)devices.size()), world_size_(world_size) {
     if (devices.size() != ranks.size() || devices.empty())
       throw std::invalid_argument("devices and ranks must be non-empty lists of equal length");
@@ -126,6 +151,10 @@ class Runtime {
     config.barrier_slots = barrier_slots;
     config.force_gin = force_gin ? 1 : 0;
     config.timeout_ns = timeout_ns;
+    config.channel_lanes = channel_lanes;
+    config.channel_slots = channel_slots;
+    config.channel_slot_bytes = channel_slot_bytes;
+    config.generation = generation;
     int status;
     {
       nb::gil_scoped_release release;  // blocks until every rank joined
@@ -167,18 +196,38 @@ class Runtime {
     d["timeout_ns"] = info.timeout_ns;
     d["signal_count"] = info.signal_count;
     d["barrier_slots"] = info.barrier_slots;
+    d["channel_lanes"] = info.channel_lanes;
+    d["channel_slots"] = info.channel_slots;
+    d["channel_slot_bytes"] = info.channel_slot_bytes;
     return d;
   }
 
-  std::vector<uint64_t> selftest_exchange(int rounds, uint64_t block_bytes, uint32_t seed) {
+  std::vector<uint64_t> selftest_exchange(int rounds, uint64_t block_bytes, uint32_t seed, uint64_t heap_offset,
+                                         uint32_t signal_base) {
     std::vector<uint64_t> mismatches((size_t)local_count_ * world_size_, 0);
     int status;
     {
       nb::gil_scoped_release release;
-      status = backend_.api().selftest_exchange(live(), rounds, block_bytes, seed, mismatches.data());
+      status = backend_.api().selftest_exchange(live(), rounds, block_bytes, seed, heap_offset, signal_base,
+                                                mismatches.data());
     }
     backend_.check(status);
     return mismatches;
+  }
+
+  std::string device_faults() const {
+    std::vector<char> text(1 << 16, 0);
+    backend_.check(backend_.api().device_faults(live(), text.data(), text.size()));
+    return std::string(text.data());
+  }
+
+  void heap_clear(uint64_t offset, uint64_t bytes) {
+    int status;
+    {
+      nb::gil_scoped_release release;
+      status = backend_.api().heap_clear(live(), offset, bytes);
+    }
+    backend_.check(status);
   }
 
   void wait_signal(int local_index, uint32_t signal, uint64_t value) {
@@ -214,17 +263,24 @@ NB_MODULE(_jaxgin_ext, m) {
       .def("nccl_versions", &Backend::nccl_versions,
            "(NCCL version loaded in the process, NCCL version the backend was compiled against)")
       .def("unique_id", &Backend::unique_id)
-      .def("device_memory", &Backend::device_memory, nb::arg("device"), "(free, total) bytes of a CUDA device");
+      .def("device_memory", &Backend::device_memory, nb::arg("device"), "(free, total) bytes of a CUDA device")
+      .def("ffi_handler", &Backend::ffi_handler, nb::arg("name"), "address of an exported XLA FFI handler")
+      .def("ffi_calls", &Backend::ffi_calls, "host-side calls of each FFI handler family so far");
   nb::class_<Runtime>(m, "Runtime")
       .def(nb::init<const Backend&, int, const std::vector<int32_t>&, const std::vector<int32_t>&,
-                    const nb::bytes&, uint64_t, uint32_t, uint32_t, bool, uint64_t>(),
+                    const nb::bytes&, uint64_t, uint32_t, uint32_t, bool, uint64_t, uint32_t, uint32_t, uint64_t,
+                    int64_t>(),
            nb::arg("backend"), nb::arg("world_size"), nb::arg("devices"), nb::arg("ranks"), nb::arg("unique_id"),
            nb::arg("heap_bytes"), nb::arg("signal_count"), nb::arg("barrier_slots"), nb::arg("force_gin"),
-           nb::arg("timeout_ns"), nb::keep_alive<1, 2>())
+           nb::arg("timeout_ns"), nb::arg("channel_lanes"), nb::arg("channel_slots"), nb::arg("channel_slot_bytes"),
+           nb::arg("generation"), nb::keep_alive<1, 2>())
       .def("destroy", &Runtime::destroy)
       .def_prop_ro("alive", &Runtime::alive)
       .def("device_info", &Runtime::device_info, nb::arg("local_index"))
       .def("selftest_exchange", &Runtime::selftest_exchange, nb::arg("rounds"), nb::arg("block_bytes"),
-           nb::arg("seed"))
+           nb::arg("seed"), nb::arg("heap_offset"), nb::arg("signal_base"))
+      .def("device_faults", &Runtime::device_faults, "descriptions of recorded device faults, '' when none")
+      .def("heap_clear", &Runtime::heap_clear, nb::arg("offset"), nb::arg("bytes"),
+           "zero a heap range on every local GPU (synchronously)")
       .def("wait_signal", &Runtime::wait_signal, nb::arg("local_index"), nb::arg("signal"), nb::arg("value"));
 }

@@ -10,8 +10,10 @@
 
 namespace {
 
-// Heap layout (user area): send blocks [world][block], then receive blocks [world][block].
-// Signals: [0, world) "data from sender s arrived", [world, 2 world) "receiver r consumed mine".
+// Heap layout (from heap_offset): send blocks [world][block], then receive blocks [world][block].
+// Signals (from signal_base): [0, world) "data from sender s arrived", [world, 2 world) "receiver r
+// consumed mine". The caller allocates both; the kernel leaves every signal it used paired with its
+// consumed count, so they can be handed to other users afterwards.
 __device__ __forceinline__ uint32_t stamp(uint32_t seed, int round, int sender, int receiver, uint64_t word) {
   uint32_t x = seed ^ (uint32_t)round * 0x9E3779B1u ^ (uint32_t)sender * 0x85EBCA77u ^
                (uint32_t)receiver * 0xC2B2AE3Du ^ (uint32_t)word * 0x27D4EB2Fu;
@@ -21,12 +23,12 @@ __device__ __forceinline__ uint32_t stamp(uint32_t seed, int round, int sender, 
 }
 
 __global__ void exchange_kernel(const jaxgin_context* ctx, int rounds, uint64_t block_bytes, uint32_t seed,
-                                unsigned long long* mismatches) {
+                                uint64_t heap_offset, uint32_t signal_base, unsigned long long* mismatches) {
   const int me = jaxgin_rank(ctx);
   const int world = jaxgin_world_size(ctx);
   const int peer = blockIdx.x;  // CTA p sends to rank p and receives from rank p
   const uint64_t words = block_bytes / 4;
-  const uint64_t base = ctx->user_offset;
+  const uint64_t base = heap_offset;
   const uint64_t send_offset = base + (uint64_t)peer * block_bytes;
   const uint64_t recv_offset = base + (uint64_t)(world + me) * block_bytes;  // my slot at the peer
   const uint64_t my_recv_from_peer = base + (uint64_t)(world + peer) * block_bytes;
@@ -36,22 +38,22 @@ __global__ void exchange_kernel(const jaxgin_context* ctx, int rounds, uint64_t 
 
   for (int round = 0; round < rounds; round++) {
     // The peer must have checked the previous round's block before we overwrite it.
-    if (round > 0) jaxgin_wait_signal_arrivals(ctx, (uint32_t)(world + peer), 1);
+    if (round > 0) jaxgin_wait_signal_arrivals(ctx, signal_base + (uint32_t)(world + peer), 1);
     if (round % 2 == 0) {
       for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) send[w] = stamp(seed, round, me, peer, w);
-      jaxgin_put_signal(ctx, recv_offset, send_offset, block_bytes, peer, (uint32_t)me);
+      jaxgin_put_signal(ctx, recv_offset, send_offset, block_bytes, peer, signal_base + (uint32_t)me);
     } else {
       uint32_t* remote = static_cast<uint32_t*>(jaxgin_peer_ptr(ctx, recv_offset, peer));
       for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) remote[w] = stamp(seed, round, me, peer, w);
-      jaxgin_signal(ctx, peer, (uint32_t)me, 1);
+      jaxgin_signal(ctx, peer, signal_base + (uint32_t)me, 1);
     }
-    jaxgin_wait_signal_arrivals(ctx, (uint32_t)peer, 1);
+    jaxgin_wait_signal_arrivals(ctx, signal_base + (uint32_t)peer, 1);
     for (uint64_t w = threadIdx.x; w < words; w += blockDim.x)
       bad += recv[w] != stamp(seed, round, peer, me, w);
-    jaxgin_signal(ctx, peer, (uint32_t)(world + me), 1);
+    jaxgin_signal(ctx, peer, signal_base + (uint32_t)(world + me), 1);
   }
   // Consume the last acknowledgement so the consumed counters stay paired for the next call.
-  jaxgin_wait_signal_arrivals(ctx, (uint32_t)(world + peer), 1);
+  jaxgin_wait_signal_arrivals(ctx, signal_base + (uint32_t)(world + peer), 1);
   jaxgin_barrier(ctx);
   if (bad) atomicAdd(&mismatches[peer], bad);
 }
@@ -59,7 +61,7 @@ __global__ void exchange_kernel(const jaxgin_context* ctx, int rounds, uint64_t 
 }  // namespace
 
 extern "C" int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t rounds, uint64_t block_bytes, uint32_t seed,
-                                        uint64_t* mismatches) {
+                                        uint64_t heap_offset, uint32_t signal_base, uint64_t* mismatches) {
   return jaxgin::c_api([&] {
     const int world = rt->config.world_size;
     const uint64_t needed = 2ull * world * block_bytes;
@@ -67,14 +69,14 @@ extern "C" int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t rounds, uint
       throw jaxgin::Error("block_bytes=" + std::to_string(block_bytes) + " must be a positive multiple of 16");
     if (rounds < 1) throw jaxgin::Error("rounds must be >= 1");
     for (auto& s : rt->devices) {
-      const uint64_t have = s.host_context.heap_bytes - s.host_context.user_offset;
-      if (needed > have)
-        throw jaxgin::Error("heap too small for the selftest: it needs " + std::to_string(needed) +
-                            " bytes (2 x world_size x block_bytes) but the heap has " + std::to_string(have) +
-                            " usable bytes; pass a smaller block_bytes or initialize(heap_size=...) larger");
-      if ((uint32_t)(2 * world) > s.host_context.signal_count)
-        throw jaxgin::Error("the selftest needs 2 x world_size = " + std::to_string(2 * world) +
-                            " signals; initialize(signal_count=...) with at least that many");
+      if (heap_offset < s.host_context.user_offset || heap_offset % 16 != 0 ||
+          heap_offset + needed > s.host_context.heap_bytes)
+        throw jaxgin::Error("selftest heap range [" + std::to_string(heap_offset) + ", +" + std::to_string(needed) +
+                            ") is not 16-byte aligned inside the user heap [" +
+                            std::to_string(s.host_context.user_offset) + ", " + std::to_string(s.host_context.heap_bytes) + ")");
+      if ((uint64_t)signal_base + 2 * world > s.host_context.signal_count)
+        throw jaxgin::Error("selftest signals [" + std::to_string(signal_base) + ", +" + std::to_string(2 * world) +
+                            ") exceed the " + std::to_string(s.host_context.signal_count) + " user signals");
       if ((uint32_t)world > s.host_context.barrier_slots)
         throw jaxgin::Error("the selftest runs world_size CTAs that each call the barrier, but only " +
                             std::to_string(s.host_context.barrier_slots) + " barrier slots exist");
@@ -85,7 +87,8 @@ extern "C" int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t rounds, uint
       JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
       JAXGIN_CUDA(cudaMalloc(&counts[i], world * sizeof(unsigned long long)), s.device);
       JAXGIN_CUDA(cudaMemsetAsync(counts[i], 0, world * sizeof(unsigned long long), s.stream), s.device);
-      exchange_kernel<<<world, 256, 0, s.stream>>>(s.context, rounds, block_bytes, seed, counts[i]);
+      exchange_kernel<<<world, 256, 0, s.stream>>>(s.context, rounds, block_bytes, seed, heap_offset, signal_base,
+                                                    counts[i]);
       JAXGIN_CUDA(cudaGetLastError(), s.device);
     }
     std::string failure;

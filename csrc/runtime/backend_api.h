@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define JAXGIN_BACKEND_ABI 1
+#define JAXGIN_BACKEND_ABI 2
 #define JAXGIN_UNIQUE_ID_BYTES 128
 
 // The backend is linked with hidden visibility; only these entry points are exported.
@@ -28,6 +28,10 @@ typedef struct {
   uint32_t barrier_slots;    // CTAs per kernel that may call the barrier
   int32_t force_gin;         // route every peer through GIN; fails when the comm has no GIN
   uint64_t timeout_ns;       // bound on device-side waits
+  uint32_t channel_lanes;    // exchange channel (ppermute / all_to_all): parallel lanes per peer
+  uint32_t channel_slots;    // ring slots per lane
+  uint64_t channel_slot_bytes;
+  int64_t generation;        // identifies this runtime to compiled programs (FFI attribute)
 } jaxgin_runtime_config;
 
 typedef struct {
@@ -41,6 +45,8 @@ typedef struct {
   uint64_t context;          // device address of the jaxgin_context kernels receive
   uint64_t timeout_ns;
   uint32_t signal_count, barrier_slots;
+  uint32_t channel_lanes, channel_slots;
+  uint64_t channel_slot_bytes;
 } jaxgin_device_info;
 
 // Every function returns 0 on success; otherwise jaxgin_last_error() (thread-local) explains.
@@ -57,13 +63,27 @@ JAXGIN_API int jaxgin_runtime_destroy(jaxgin_runtime* rt);
 // Every rank sends a stamped block to every rank (itself included) and checks what it received,
 // `iterations` times, through the device library (puts with signals, and direct peer stores).
 // mismatches[local_index * world_size + sender] receives the count of wrong 32-bit words.
+// The heap range [heap_offset, +2 * world_size * block_bytes) and signals [signal_base, +2 * world_size)
+// are the caller's (allocated from the user area), the same on every rank.
 JAXGIN_API int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t iterations, uint64_t block_bytes,
-                             uint32_t seed, uint64_t* mismatches);
+                             uint32_t seed, uint64_t heap_offset, uint32_t signal_base, uint64_t* mismatches);
 
 // Blocks until this process's local GPU `local_index` sees `signal` >= `value`, by running a
 // one-CTA kernel that waits with the device-side timeout (a timeout becomes an error here).
 JAXGIN_API int jaxgin_wait_signal_on_device(jaxgin_runtime* rt, int32_t local_index, uint32_t signal,
                                             uint64_t value);
+
+// XLA FFI handlers (see csrc/ffi/): the addresses of jaxgin_ffi_exchange, jaxgin_ffi_put and
+// jaxgin_ffi_wait are registered with XLA as CUDA custom-call targets. They find the runtime of the
+// GPU they run on through the process-wide runtime set by jaxgin_runtime_create.
+// Host-side calls of each handler so far (a CUDA-graph replay runs kernels without calling them).
+JAXGIN_API int jaxgin_ffi_calls(uint64_t* exchange, uint64_t* put, uint64_t* wait);
+// Descriptions of device faults recorded on this process's GPUs since the runtime started
+// ("" when none), separated by newlines; `out` receives at most `capacity` bytes, NUL-terminated.
+// Zeroes heap bytes [offset, offset + bytes) on every local GPU and waits for it (used once when a
+// mailbox is placed, for its local bookkeeping header).
+JAXGIN_API int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes);
+JAXGIN_API int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity);
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,9 @@
 
 #include <cstring>
 #include <exception>
+#include <algorithm>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -20,6 +22,10 @@ const char* op_name(uint32_t op) {
     case JAXGIN_OP_DEVICE_CALL: return "a jaxgin device-library call";
     case JAXGIN_OP_BARRIER: return "jaxgin barrier";
     case JAXGIN_OP_SELFTEST: return "jaxgin selftest exchange";
+    case JAXGIN_OP_PPERMUTE: return "jaxgin.ppermute";
+    case JAXGIN_OP_ALL_TO_ALL: return "jaxgin.all_to_all";
+    case JAXGIN_OP_PUT_SIGNAL: return "jaxgin.put_signal";
+    case JAXGIN_OP_WAIT_SIGNAL: return "jaxgin.wait_signal";
     default: return "a jaxgin operation";
   }
 }
@@ -34,6 +40,14 @@ void check_versions() {
                 "automatically unless JAXGIN_BACKEND points at a prebuilt library)");
 }
 
+jaxgin_channel_shape channel_shape(const jaxgin_runtime_config& c) {
+  return jaxgin_channel_shape{c.channel_lanes, c.channel_slots, c.channel_slot_bytes};
+}
+
+// The runtime XLA FFI handlers use; one per process (jaxgin.initialize / finalize manage it).
+std::mutex current_mutex;
+jaxgin_runtime* current_runtime = nullptr;
+
 void validate(const jaxgin_runtime_config& c) {
   if (c.world_size < 1 || c.local_count < 1 || c.local_count > c.world_size)
     throw Error("invalid runtime config: world_size=" + std::to_string(c.world_size) +
@@ -42,11 +56,16 @@ void validate(const jaxgin_runtime_config& c) {
     if (c.ranks[i] < 0 || c.ranks[i] >= c.world_size)
       throw Error("rank " + std::to_string(c.ranks[i]) + " of local GPU " + std::to_string(i) +
                   " is outside [0, " + std::to_string(c.world_size) + ")");
-  uint64_t reserved = jaxgin_reserved_bytes(c.signal_count, c.barrier_slots);
+  if (c.channel_lanes < 1 || c.channel_lanes > 64 || c.channel_slots < 1 || c.channel_slot_bytes < 16 ||
+      c.channel_slot_bytes % 16 != 0)
+    throw Error("invalid exchange channel: lanes=" + std::to_string(c.channel_lanes) + " (1..64), slots=" +
+                std::to_string(c.channel_slots) + " (>= 1), slot_bytes=" + std::to_string(c.channel_slot_bytes) +
+                " (a positive multiple of 16)");
+  uint64_t reserved = jaxgin_reserved_bytes(c.signal_count, c.barrier_slots, c.world_size, channel_shape(c));
   if (c.heap_bytes <= reserved)
     throw Error("heap_bytes=" + std::to_string(c.heap_bytes) + " leaves no room: jaxgin reserves " +
                 std::to_string(reserved) + " bytes of the heap for " + std::to_string(c.signal_count) +
-                " signals and " + std::to_string(c.barrier_slots) + " barrier slots");
+                " signals, " + std::to_string(c.barrier_slots) + " barrier slots and the exchange channel");
 }
 
 // Why this communicator cannot have the GIN it needs, and what to do about it.
@@ -95,7 +114,8 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
                 "peer access between the GPUs of a host (NVLink or PCIe P2P) and NCCL_WIN_ENABLE "
                 "not set to 0; run with NCCL_DEBUG=INFO to see NCCL's reason");
 
-  const uint32_t signals = cfg.signal_count + cfg.barrier_slots;
+  const jaxgin_channel_shape shape = channel_shape(cfg);
+  const uint32_t signals = jaxgin_total_signals(cfg.signal_count, cfg.barrier_slots, cfg.world_size, shape);
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
   ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
   if (want_gin) reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
@@ -123,6 +143,9 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
 
   JAXGIN_CUDA(cudaMalloc(&s.consumed, signals * sizeof(uint64_t)), dev);
   JAXGIN_CUDA(cudaMemset(s.consumed, 0, signals * sizeof(uint64_t)), dev);
+  const size_t counters = 2ull * cfg.world_size * cfg.channel_lanes * sizeof(uint64_t);
+  JAXGIN_CUDA(cudaMalloc(&s.channel_counters, counters), dev);
+  JAXGIN_CUDA(cudaMemset(s.channel_counters, 0, counters), dev);
   JAXGIN_CUDA(cudaHostAlloc(&s.fault, sizeof(jaxgin_fault), cudaHostAllocMapped | cudaHostAllocPortable), dev);
   std::memset(s.fault, 0, sizeof(jaxgin_fault));
   jaxgin_fault* fault_on_device = nullptr;
@@ -133,7 +156,15 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   c.window = s.window;
   c.heap = static_cast<char*>(s.heap);
   c.heap_bytes = cfg.heap_bytes;
-  c.user_offset = jaxgin_reserved_bytes(cfg.signal_count, cfg.barrier_slots);
+  c.user_offset = jaxgin_reserved_bytes(cfg.signal_count, cfg.barrier_slots, cfg.world_size, shape);
+  c.channel_lanes = shape.lanes;
+  c.channel_slots = shape.slots;
+  c.channel_slot_bytes = shape.slot_bytes;
+  c.channel_offset = jaxgin_signal_area_bytes(signals);
+  c.staging_offset = c.channel_offset + jaxgin_ring_bytes(cfg.world_size, shape);
+  c.channel_signal_base = cfg.signal_count + cfg.barrier_slots;
+  c.channel_sent = s.channel_counters;
+  c.channel_received = s.channel_counters + (size_t)cfg.world_size * cfg.channel_lanes;
   c.consumed = s.consumed;
   c.fault = fault_on_device;
   c.timeout_ns = cfg.timeout_ns;
@@ -166,6 +197,7 @@ std::string teardown_device(DeviceState& s) {
     if (s.stream && cudaStreamDestroy(s.stream) != cudaSuccess) note("cudaStreamDestroy failed");
     if (s.context && cudaFree(s.context) != cudaSuccess) note("cudaFree(context) failed");
     if (s.consumed && cudaFree(s.consumed) != cudaSuccess) note("cudaFree(consumed) failed");
+    if (s.channel_counters && cudaFree(s.channel_counters) != cudaSuccess) note("cudaFree(channel counters) failed");
     if (s.fault && cudaFreeHost(s.fault) != cudaSuccess) note("cudaFreeHost(fault) failed");
     if (s.dev_comm_created && ncclDevCommDestroy(s.comm, &s.dev_comm) != ncclSuccess) note("ncclDevCommDestroy failed");
     if (s.window && ncclCommWindowDeregister(s.comm, s.window) != ncclSuccess) note("ncclCommWindowDeregister failed");
@@ -194,6 +226,21 @@ void teardown_all(jaxgin_runtime* rt) {
 
 void set_last_error(const std::string& message) { last_error = message; }
 
+DeviceState& device_for_ordinal(int ordinal, int64_t generation) {
+  std::lock_guard<std::mutex> lock(current_mutex);
+  if (current_runtime == nullptr)
+    throw Error("jaxgin is not initialized in this process (or was finalized): call jaxgin.initialize() before "
+                "running a program that uses jaxgin ops");
+  if (current_runtime->config.generation != generation)
+    throw Error("this program was compiled for an earlier jaxgin.initialize() (runtime generation " +
+                std::to_string(generation) + ", current " + std::to_string(current_runtime->config.generation) +
+                "); its heap offsets are stale. Re-trace it: jax.clear_caches() after re-initializing");
+  for (auto& s : current_runtime->devices)
+    if (s.device == ordinal) return s;
+  throw Error("jaxgin drives no GPU with CUDA ordinal " + std::to_string(ordinal) +
+              " in this process; jaxgin.initialize() covers the devices of jax.local_devices()");
+}
+
 void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>& fn) {
   std::vector<std::exception_ptr> errors(rt->devices.size());
   if (rt->devices.size() == 1) {
@@ -214,22 +261,55 @@ void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>
     if (e) std::rethrow_exception(e);
 }
 
+namespace {
+// What a signal id is used for, for fault reports.
+std::string signal_name(const jaxgin_context& c, uint32_t signal) {
+  const uint32_t lanes = c.channel_lanes;
+  const uint32_t base = c.channel_signal_base;
+  const uint32_t data_end = base + (uint32_t)c.world_size * lanes;
+  if (signal >= base && signal < data_end)
+    return "signal " + std::to_string(signal) + " (exchange data from rank " + std::to_string((signal - base) / lanes) +
+           ", lane " + std::to_string((signal - base) % lanes) + ")";
+  if (signal >= data_end && signal < data_end + (uint32_t)c.world_size * lanes)
+    return "signal " + std::to_string(signal) + " (exchange credit from rank " +
+           std::to_string((signal - data_end) / lanes) + ", lane " + std::to_string((signal - data_end) % lanes) + ")";
+  if (signal >= c.signal_count && signal < c.signal_count + c.barrier_slots)
+    return "signal " + std::to_string(signal) + " (barrier slot " + std::to_string(signal - c.signal_count) + ")";
+  return "signal " + std::to_string(signal);
+}
+}  // namespace
+
 std::string describe_fault(const DeviceState& s) {
   const jaxgin_fault* f = s.fault;
   if (f == nullptr || f->code == JAXGIN_FAULT_NONE) return "";
+  const jaxgin_context& c = s.host_context;
   std::string where = "rank " + std::to_string(f->rank) + " (CUDA device " + std::to_string(s.device) +
                       "), CTA " + std::to_string(f->block) + ", in " + op_name(f->op);
-  std::string peer = f->peer >= 0 ? ", peer " + std::to_string(f->peer) : "";
+  std::string peer = f->peer >= 0 ? ", peer rank " + std::to_string(f->peer) : "";
+  const std::string after = " s at ";
+  const std::string timeout = "device-side wait timed out after " + std::to_string(c.timeout_ns / 1e9) + after;
   switch (f->code) {
     case JAXGIN_FAULT_WAIT_TIMEOUT:
-      return "device-side wait timed out after " + std::to_string(s.host_context.timeout_ns / 1e9) +
-             " s at " + where + peer + ": signal " + std::to_string(f->signal) + " was expected to reach " +
+      if (f->op == JAXGIN_OP_WAIT_SIGNAL)
+        return timeout + where + ": waited for " + std::to_string(f->expected) +
+               " puts into the mailbox whose signals start at " + std::to_string(f->signal) + " but only " +
+               std::to_string(f->observed) + " arrived (fewer senders put than the count, or a sender died)";
+      if (f->op == JAXGIN_OP_PUT_SIGNAL)
+        return timeout + where + peer + ": the receiver never consumed this rank's previous put into the mailbox "
+               "(credit " + signal_name(c, f->signal) + " stayed at " + std::to_string(f->observed) + ", needed " +
+               std::to_string(f->expected) + "); every put_signal needs a matching wait_signal on the receiver "
+               "before the next put to it";
+      return timeout + where + peer + ": " + signal_name(c, f->signal) + " was expected to reach " +
              std::to_string(f->expected) + " but stayed at " + std::to_string(f->observed) +
              " (a peer never sent, ran a different program, or died)";
     case JAXGIN_FAULT_PEER_UNREACHABLE:
-      return "peer " + std::to_string(f->peer) + " is unreachable from " + where +
+      return "peer rank " + std::to_string(f->peer) + " is unreachable from " + where +
              ": it is not in this rank's LSA (NVLink) team and the communicator has no GIN";
     case JAXGIN_FAULT_BAD_ARGUMENT:
+      if (f->op == JAXGIN_OP_PUT_SIGNAL)
+        return "peer index " + std::to_string((int64_t)f->observed) + " is out of range at " + where +
+               ": the mesh axis has " + std::to_string(f->expected) + " devices, so peer must be in [0, " +
+               std::to_string(f->expected) + ")";
       return "argument out of range at " + where + peer + ": got " + std::to_string(f->observed) +
              ", limit " + std::to_string(f->expected) + " (signal ids < signal_count, peers < world size, "
              "barrier CTAs < barrier_slots)";
@@ -320,6 +400,17 @@ int jaxgin_runtime_create(const jaxgin_runtime_config* config, jaxgin_runtime** 
       }
       throw;
     }
+    {
+      std::lock_guard<std::mutex> lock(jaxgin::current_mutex);
+      if (jaxgin::current_runtime != nullptr) {
+        try {
+          jaxgin::teardown_all(rt.get());
+        } catch (...) {
+        }
+        throw Error("a jaxgin runtime already exists in this process; finalize it first");
+      }
+      jaxgin::current_runtime = rt.get();
+    }
     *out = rt.release();
   });
 }
@@ -346,12 +437,45 @@ int jaxgin_runtime_device_info(const jaxgin_runtime* rt, int32_t local_index, ja
     out->timeout_ns = c.timeout_ns;
     out->signal_count = c.signal_count;
     out->barrier_slots = c.barrier_slots;
+    out->channel_lanes = c.channel_lanes;
+    out->channel_slots = c.channel_slots;
+    out->channel_slot_bytes = c.channel_slot_bytes;
+  });
+}
+
+int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes) {
+  return c_api([&] {
+    for (auto& s : rt->devices) {
+      if (offset < s.host_context.user_offset || offset + bytes > s.host_context.heap_bytes)
+        throw Error("heap range [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") is outside the user heap");
+      JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
+      JAXGIN_CUDA(cudaMemsetAsync(static_cast<char*>(s.heap) + offset, 0, bytes, s.stream), s.device);
+      JAXGIN_CUDA(cudaStreamSynchronize(s.stream), s.device);
+    }
+  });
+}
+
+int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity) {
+  return c_api([&] {
+    std::string all;
+    for (const auto& s : rt->devices) {
+      std::string fault = jaxgin::describe_fault(s);
+      if (!fault.empty()) all += (all.empty() ? "" : "\n") + fault;
+    }
+    if (capacity == 0) return;
+    const size_t n = std::min<size_t>(all.size(), capacity - 1);
+    std::memcpy(out, all.data(), n);
+    out[n] = '\0';
   });
 }
 
 int jaxgin_runtime_destroy(jaxgin_runtime* rt) {
   return c_api([&] {
     std::unique_ptr<jaxgin_runtime> owned(rt);
+    {
+      std::lock_guard<std::mutex> lock(jaxgin::current_mutex);
+      if (jaxgin::current_runtime == rt) jaxgin::current_runtime = nullptr;
+    }
     jaxgin::teardown_all(rt);
   });
 }

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <functional>
+#include <string>
 #include <vector>
 #include "backend_api.h"
 #include "../device/impl/context__types.h"
@@ -20,6 +21,7 @@ struct DeviceState {
   ncclDevComm dev_comm{};
   int gin_type = 0;
   uint64_t* consumed = nullptr;
+  uint64_t* channel_counters = nullptr;  // [sent: world*lanes][received: world*lanes]
   jaxgin_fault* fault = nullptr;  // host-mapped pinned
   jaxgin_context* context = nullptr;  // device copy of `host_context`
   jaxgin_context host_context{};
@@ -42,5 +44,9 @@ void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>
 
 // A human-readable account of a device-side fault, or "" when none was recorded.
 std::string describe_fault(const DeviceState& state);
+
+// The runtime that owns CUDA device `ordinal` in this process, for XLA FFI handlers. Throws an
+// Error that says what to do when there is none (not initialized, or finalized).
+DeviceState& device_for_ordinal(int ordinal, int64_t generation);
 
 }  // namespace jaxgin

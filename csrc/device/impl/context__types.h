@@ -26,6 +26,10 @@ enum jaxgin_op_tag : uint32_t {
   JAXGIN_OP_DEVICE_CALL = 0,  // a jaxgin_* device function called from user code (e.g. Triton)
   JAXGIN_OP_BARRIER = 1,
   JAXGIN_OP_SELFTEST = 2,
+  JAXGIN_OP_PPERMUTE = 3,
+  JAXGIN_OP_ALL_TO_ALL = 4,
+  JAXGIN_OP_PUT_SIGNAL = 5,
+  JAXGIN_OP_WAIT_SIGNAL = 6,
 };
 
 // First fault of a context. Lives in host-mapped pinned memory so the host can still read it after
@@ -56,10 +60,45 @@ struct jaxgin_context {
   int32_t lsa_rank, lsa_size;
   int32_t gin_contexts;   // GIN contexts in `comm`; 0 when this communicator has no GIN
   int32_t force_gin;      // route every peer, LSA peers included, through GIN
+  // The exchange channel behind ppermute / all_to_all (see channel__funcs.h): for every ordered
+  // pair of ranks, `channel_lanes` independent streams of chunks, each with `channel_slots` ring
+  // slots of `channel_slot_bytes` in the receiver's heap and two signals (data, credit).
+  uint32_t channel_lanes, channel_slots;
+  uint64_t channel_slot_bytes;
+  uint64_t channel_offset;        // heap offset of the rings: [sender][lane][slot]
+  uint64_t staging_offset;        // heap offset of GIN send staging: [receiver][lane]
+  uint32_t channel_signal_base;   // data signals [sender][lane], then credit signals [receiver][lane]
+  uint64_t* channel_sent;         // device memory [peer][lane]: chunks sent to peer on lane
+  uint64_t* channel_received;     // device memory [peer][lane]: chunks received from peer on lane
 };
 
-// Signal counters sit at the start of the heap: [signal_count user signals][barrier_slots].
-static inline uint64_t jaxgin_reserved_bytes(uint32_t signal_count, uint32_t barrier_slots) {
-  uint64_t bytes = (uint64_t)(signal_count + barrier_slots) * sizeof(uint64_t);
-  return (bytes + 4095) & ~(uint64_t)4095;
+// Shape of the exchange channel; every rank must use the same one.
+struct jaxgin_channel_shape {
+  uint32_t lanes, slots;
+  uint64_t slot_bytes;
+};
+
+// Signals per rank: [signal_count user][barrier_slots][channel data world*lanes][channel credit].
+static inline uint32_t jaxgin_total_signals(uint32_t signal_count, uint32_t barrier_slots, int world,
+                                            jaxgin_channel_shape ch) {
+  return signal_count + barrier_slots + 2u * (uint32_t)world * ch.lanes;
+}
+
+static inline uint64_t jaxgin_round_up(uint64_t bytes, uint64_t to) { return (bytes + to - 1) / to * to; }
+
+// Heap layout: [signal counters][channel rings][GIN send staging][user area]. Returns the offset of
+// the user area; ring and staging offsets follow from it (see jaxgin_channel_offsets).
+static inline uint64_t jaxgin_signal_area_bytes(uint32_t total_signals) {
+  return jaxgin_round_up((uint64_t)total_signals * sizeof(uint64_t), 4096);
+}
+static inline uint64_t jaxgin_ring_bytes(int world, jaxgin_channel_shape ch) {
+  return (uint64_t)world * ch.lanes * ch.slots * ch.slot_bytes;
+}
+static inline uint64_t jaxgin_staging_bytes(int world, jaxgin_channel_shape ch) {
+  return (uint64_t)world * ch.lanes * ch.slot_bytes;
+}
+static inline uint64_t jaxgin_reserved_bytes(uint32_t signal_count, uint32_t barrier_slots, int world,
+                                             jaxgin_channel_shape ch) {
+  return jaxgin_signal_area_bytes(jaxgin_total_signals(signal_count, barrier_slots, world, ch)) +
+         jaxgin_ring_bytes(world, ch) + jaxgin_staging_bytes(world, ch);
 }

@@ -25,7 +25,8 @@ __device__ __forceinline__ uint32_t linear_thread() {
 __device__ __forceinline__ uint32_t block_threads() { return blockDim.x * blockDim.y * blockDim.z; }
 
 // Records the first fault of this context (later ones lose the race and are dropped) and traps.
-__device__ __noinline__ void fail(const jaxgin_context* ctx, jaxgin_fault_code code, jaxgin_op_tag op,
+// Not inlined (cold path); static, so each translation unit that includes it has its own copy.
+static __device__ __noinline__ void fail(const jaxgin_context* ctx, jaxgin_fault_code code, jaxgin_op_tag op,
                                   int peer, uint32_t signal, uint64_t expected, uint64_t observed) {
   jaxgin_fault* f = ctx->fault;
   if (atomicCAS(&f->code, 0u, (uint32_t)code) == 0u) {

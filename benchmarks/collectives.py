@@ -1,0 +1,177 @@
+"""jaxgin vs XLA's collectives, same process, same data, timed inside one jit.
+
+    python benchmarks/collectives.py [--out DIR] [--max-bytes 512MiB] [--ops ppermute,all_to_all,put_wait]
+
+XLA_FLAGS apply to both implementations alike; with
+XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+XLA records jaxgin's custom calls into CUDA graphs (its own NCCL collectives stay outside).
+
+For every op and message size (bytes per device, 8 B to --max-bytes) it compiles one program per
+implementation that applies the op N times in a chain (each op consumes the previous result, so
+they cannot overlap or be removed), runs it a few times and keeps the best. Time per op = program
+time / N, with N large enough that one dispatch is noise. Checks that jaxgin's result equals XLA's
+before timing. Writes collectives.json and collectives.png (if matplotlib is installed; otherwise
+`python benchmarks/plot.py collectives.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxgin
+from jaxgin.runtime import parse_size
+
+
+def chain_length(nbytes: int) -> int:
+    if nbytes <= 1 << 20:
+        return 200
+    if nbytes <= 16 << 20:
+        return 50
+    return 10
+
+
+def _time(f, x, repeats: int) -> float:
+    jax.block_until_ready(f(x))  # compile + warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(x))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _array(mesh, nbytes: int, n: int):
+    dtype = np.float32 if nbytes % (4 * n) == 0 else np.uint8
+    count = nbytes // np.dtype(dtype).itemsize
+    host = (np.arange(mesh.size * count) % 251).astype(dtype).reshape(mesh.size, count)
+    return jax.device_put(host, NamedSharding(mesh, P("x")))
+
+
+def make_ops(n: int):
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    boxes = {}
+
+    def box_for(shape, dtype):
+        key = (shape, np.dtype(dtype).name)
+        if key not in boxes:
+            boxes[key] = jaxgin.Mailbox(f"bench_{len(boxes)}_{shape}_{key[1]}", shape, dtype)
+        return boxes[key]
+
+    def put_wait(v):
+        box = box_for(v.shape, v.dtype)
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v, box, peer=(me + 1) % n, axis_name="x")
+        return jaxgin.wait_signal(box, 1, axis_name="x", after=token)[(me - 1) % n]
+
+    return {
+        "ppermute": (lambda v: jax.lax.ppermute(v, "x", ring), lambda v: jaxgin.ppermute(v, "x", ring)),
+        "all_to_all": (
+            lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
+            lambda v: jaxgin.all_to_all(v, "x", 0, 0, tiled=True),
+        ),
+        "put_wait": (lambda v: jax.lax.ppermute(v, "x", ring), put_wait),
+    }
+
+
+def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    n = mesh.size
+    implementations = make_ops(n)
+    sizes = [8]
+    while sizes[-1] * 8 <= max_bytes:
+        sizes.append(sizes[-1] * 8)
+    for extra in (64 << 10, 128 << 20, 512 << 20):
+        if extra <= max_bytes and extra not in sizes:
+            sizes.append(extra)
+    sizes.sort()
+    results = []
+    for op in ops:
+        xla_op, jaxgin_op = implementations[op]
+        for nbytes in sizes:
+            if op == "put_wait" and nbytes > 64 << 20:
+                continue
+            x = _array(mesh, nbytes, n)
+            steps = chain_length(nbytes)
+
+            def program(fn, steps=steps):
+                def body(v):
+                    v = v[0]
+                    for _ in range(steps):
+                        v = fn(v)
+                    return v[None]
+
+                return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+            xla_f, ours_f = program(xla_op), program(jaxgin_op)
+            one_x, one_ours = program(xla_op, 1), program(jaxgin_op, 1)
+            equal = bool(np.array_equal(np.asarray(one_x(x)), np.asarray(one_ours(x))))
+            t_xla = _time(xla_f, x, repeats) / steps
+            t_ours = _time(ours_f, x, repeats) / steps
+            row = {
+                "op": op,
+                "bytes_per_device": nbytes,
+                "chain": steps,
+                "xla_us": t_xla * 1e6,
+                "jaxgin_us": t_ours * 1e6,
+                "speedup": t_xla / t_ours,
+                "xla_GBps": nbytes / t_xla / 1e9,
+                "jaxgin_GBps": nbytes / t_ours / 1e9,
+                "equal": equal,
+            }
+            results.append(row)
+            print(
+                f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "
+                f"x{row['speedup']:6.2f}  {row['jaxgin_GBps']:7.1f} GB/s  {'ok' if equal else 'MISMATCH'}",
+                flush=True,
+            )
+    return {
+        "devices": n,
+        "device_kind": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "jaxgin_info": {k: v for k, v in jaxgin.info().items() if k in ("nccl_version", "gin_type", "lsa_team_size", "channel")},
+        "timing": "best of %d runs of one jitted chain of N ops, divided by N" % repeats,
+        "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
+        "results": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--max-bytes", default="512MiB")
+    parser.add_argument("--ops", default="ppermute,all_to_all,put_wait")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--name", default="collectives", help="output file stem")
+    args = parser.parse_args()
+    jaxgin.initialize(heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "2GiB"))
+    report = run(args.ops.split(","), parse_size(args.max_bytes, "--max-bytes"), args.repeats)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    path = args.out / f"{args.name}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    try:
+        from plot import plot  # benchmarks/plot.py
+    except ImportError:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from plot import plot
+    try:
+        print(f"wrote {plot(path)}")
+    except ImportError as e:
+        print(f"no plot ({e}); run: python benchmarks/plot.py {path}")
+    jaxgin.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+// Shared pieces of jaxgin's XLA FFI handlers: finding the runtime of the GPU a handler runs on,
+// resolving a mesh axis to global ranks, and turning errors into XLA errors.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../runtime/errors.h"
+#include "../runtime/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxgin::ffi_support {
+
+namespace ffi = xla::ffi;
+
+// Host-side handler invocations, per family (see jaxgin_ffi_calls).
+extern std::atomic<uint64_t> exchange_calls, put_calls, wait_calls;
+
+// The ranks along a mesh axis, seen from one rank: which index it has and the global rank of every
+// index. Built from attributes that are the same on every device of the SPMD program (the mesh's
+// global ranks in mesh order, its shape, and the mesh dimensions the axis name covers), so the
+// compiled program carries no per-device value.
+struct AxisGroup {
+  int my_index = -1;
+  std::vector<int32_t> ranks;
+};
+
+inline AxisGroup resolve_axis(int my_rank, ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                              ffi::Span<const int64_t> axes) {
+  const size_t dims = mesh_shape.size();
+  int64_t total = 1;
+  for (int64_t d : mesh_shape) total *= d;
+  if ((int64_t)mesh_ranks.size() != total) throw Error("mesh_ranks does not match mesh_shape");
+  int64_t position = -1;
+  for (size_t i = 0; i < mesh_ranks.size(); i++)
+    if (mesh_ranks[i] == my_rank) position = (int64_t)i;
+  if (position < 0)
+    throw Error("rank " + std::to_string(my_rank) + " is not in the mesh this op was traced with");
+  // Mesh coordinates of this rank (row-major, as jax.sharding.Mesh orders devices).
+  std::vector<int64_t> coord(dims), stride(dims);
+  int64_t s = 1;
+  for (size_t d = dims; d-- > 0;) {
+    stride[d] = s;
+    coord[d] = (position / s) % mesh_shape[d];
+    s *= mesh_shape[d];
+  }
+  // The group: vary the coordinates of the named axes (first name most significant, as
+  // jax.lax.axis_index does for a tuple of names), keep the others.
+  int64_t size = 1;
+  for (int64_t a : axes) size *= mesh_shape[a];
+  AxisGroup group;
+  group.ranks.resize(size);
+  int64_t my_index = 0;
+  for (int64_t a : axes) my_index = my_index * mesh_shape[a] + coord[a];
+  group.my_index = (int)my_index;
+  for (int64_t index = 0; index < size; index++) {
+    int64_t rest = index, flat = position;
+    for (size_t k = axes.size(); k-- > 0;) {
+      const int64_t a = axes[k];
+      const int64_t c = rest % mesh_shape[a];
+      rest /= mesh_shape[a];
+      flat += (c - coord[a]) * stride[a];
+    }
+    group.ranks[index] = mesh_ranks[flat];
+  }
+  return group;
+}
+
+template <typename F>
+ffi::Error guarded(F&& body) {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jaxgin: ") + e.what());
+  }
+}
+
+inline void check_launch(cudaError_t e, const char* what, int device) {
+  if (e != cudaSuccess) throw_cuda(e, what, device);
+}
+
+}  // namespace jaxgin::ffi_support

@@ -1,0 +1,94 @@
+// XLA FFI handlers behind jaxgin.put_signal and jaxgin.wait_signal.
+#include "../kernels/mailbox.h"
+#include "common.h"
+
+namespace jaxgin::ffi_support {
+namespace {
+
+mailbox_desc describe(const jaxgin_context& c, const AxisGroup& group, int64_t offset, int64_t payload_bytes,
+                      int64_t signal_base) {
+  const int size = (int)group.ranks.size();
+  if (size > kMaxExchangePeers)
+    throw Error("mesh axis of " + std::to_string(size) + " devices; jaxgin mailboxes support at most " +
+                std::to_string(kMaxExchangePeers));
+  if (offset < (int64_t)c.user_offset || offset + (int64_t)mailbox_bytes(payload_bytes, size) > (int64_t)c.heap_bytes ||
+      signal_base < 0 || signal_base + 2 * size > (int64_t)c.signal_count)
+    throw Error("mailbox at heap offset " + std::to_string(offset) + " / signal " + std::to_string(signal_base) +
+                " does not fit this runtime's heap or signals (was the program compiled for another initialize()?)");
+  mailbox_desc box{};
+  box.offset = (uint64_t)offset;
+  box.payload_bytes = (uint64_t)payload_bytes;
+  box.slot_bytes = payload_bytes == 0 ? 16 : ((uint64_t)payload_bytes + 15) / 16 * 16;
+  box.signal_base = (uint32_t)signal_base;
+  box.axis_size = size;
+  box.my_index = group.my_index;
+  box.put_parts = mailbox_put_parts((uint64_t)payload_bytes);
+  for (int i = 0; i < size; i++) box.ranks[i] = group.ranks[i];
+  return box;
+}
+
+ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer,
+               ffi::Result<ffi::Buffer<ffi::S32>> token, ffi::Span<const int32_t> mesh_ranks,
+               ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+               int64_t signal_base, int64_t generation) {
+  return guarded([&] {
+    put_calls.fetch_add(1, std::memory_order_relaxed);
+    DeviceState& s = device_for_ordinal(ordinal, generation);
+    AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
+    mailbox_desc box = describe(s.host_context, group, offset, (int64_t)x.size_bytes(), signal_base);
+    check_launch(launch_put(s.context, s.host_context, box, x.untyped_data(), peer.typed_data(),
+                            token->typed_data(), stream),
+                 "launching the put kernel", s.device);
+  });
+}
+
+ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out,
+                ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                ffi::Span<const int64_t> axes, int64_t offset, int64_t signal_base, int64_t count,
+                int64_t generation) {
+  return guarded([&] {
+    wait_calls.fetch_add(1, std::memory_order_relaxed);
+    DeviceState& s = device_for_ordinal(ordinal, generation);
+    AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
+    const int64_t payload = (int64_t)(out->size_bytes() / group.ranks.size());
+    mailbox_desc box = describe(s.host_context, group, offset, payload, signal_base);
+    check_launch(launch_wait(s.context, s.host_context, box, (int32_t)count, out->untyped_data(), stream),
+                 "launching the wait kernels", s.device);
+  });
+}
+
+}  // namespace
+}  // namespace jaxgin::ffi_support
+
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_put(XLA_FFI_CallFrame* call_frame);
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_wait(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")
+                                  .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<xla::ffi::Span<const int64_t>>("axes")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("signal_base")
+                                  .Attr<int64_t>("generation"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")
+                                  .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<xla::ffi::Span<const int64_t>>("axes")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("signal_base")
+                                  .Attr<int64_t>("count")
+                                  .Attr<int64_t>("generation"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

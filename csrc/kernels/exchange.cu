@@ -1,0 +1,126 @@
+// The exchange kernel: point-to-point messages between XLA buffers on different GPUs through the
+// channel rings (see device/impl/channel__funcs.h).
+//
+// Grid: for each plan entry, `lanes` CTAs that send and `lanes` CTAs that receive. Senders and
+// receivers are separate CTAs so that a receiver's copy-out never delays the next chunk on the wire;
+// every CTA waits only on remote progress, never on another CTA of this grid.
+//
+// Copies: a chunk is stored straight from the sender's XLA buffer into the receiver's ring over
+// NVLink (GIN: staged in the sender's heap first, since the NIC reads only registered memory), and
+// copied once more from the ring into the receiver's XLA output. That last copy remains because
+// XLA's output buffers are not registered with NCCL, so no peer can address them; it is pipelined
+// with the transfer, lane by lane. The local part (a rank's message to itself) is one copy.
+#include "exchange.h"
+
+#include "../device/impl/channel__funcs.h"
+#include "../device/impl/put__funcs.h"
+
+namespace jaxgin {
+namespace {
+
+constexpr int kThreads = 512;
+
+__device__ void send_lane(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p,
+                          chunking ch, uint32_t lane) {
+  const uint64_t chunks = lane_chunks(ch.count, ch.lanes, lane);
+  const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes + lane;
+  __shared__ uint64_t sent;
+  if (linear_thread() == 0) sent = ctx->channel_sent[slot_index];
+  __syncthreads();
+  const uint64_t first_sent = sent;
+  const bool gin = routes_through_gin(ctx, p.rank);
+  const uint32_t credit = channel_credit_signal(ctx, p.rank, lane);
+  const uint32_t data = channel_data_signal(ctx, ctx->rank, lane);
+  for (uint64_t k = 0; k < chunks; k++) {
+    const uint64_t n = first_sent + k;  // this lane's chunk number since the runtime started
+    const uint64_t index = lane + k * ch.lanes;  // chunk index within the message
+    const uint64_t begin = index * ch.chunk;
+    const uint64_t bytes = min(ch.chunk, plan.bytes - begin);
+    // Ring slot n % slots is free once the receiver has consumed chunk n - slots.
+    if (linear_thread() == 0 && n >= ctx->channel_slots)
+      wait_until(ctx, credit, n + 1 - ctx->channel_slots, (jaxgin_op_tag)plan.op, p.rank);
+    __syncthreads();
+    const uint64_t ring = channel_ring_offset(ctx, ctx->rank, lane, n % ctx->channel_slots);
+    if (gin) {
+      const uint64_t staging = channel_staging_offset(ctx, p.rank, lane);
+      cta_copy(ctx->heap + staging, p.src + begin, bytes);
+      __syncthreads();
+      if (linear_thread() == 0) {
+        ncclGin g(ctx->comm, gin_context_index(ctx));
+        g.put(ncclTeamWorld(ctx->comm), p.rank, ctx->window, ring, ctx->window, staging, bytes,
+              GinPutSignal{data, 1});
+        g.flush(ncclCoopThread());  // the staging slot is reused by the next chunk
+      }
+      __syncthreads();
+    } else {
+      char* dst = static_cast<char*>(ncclGetPeerPointer(ctx->window, ring, p.rank));
+      cta_copy(dst, p.src + begin, bytes);
+      __syncthreads();
+      if (linear_thread() == 0) add_signal(ctx, p.rank, data, 1);
+    }
+  }
+  if (linear_thread() == 0) ctx->channel_sent[slot_index] = first_sent + chunks;
+}
+
+__device__ void receive_lane(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p,
+                             chunking ch, uint32_t lane) {
+  const uint64_t chunks = lane_chunks(ch.count, ch.lanes, lane);
+  const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes + lane;
+  __shared__ uint64_t received;
+  if (linear_thread() == 0) received = ctx->channel_received[slot_index];
+  __syncthreads();
+  const uint64_t first = received;
+  const uint32_t data = channel_data_signal(ctx, p.rank, lane);
+  const uint32_t credit = channel_credit_signal(ctx, ctx->rank, lane);
+  for (uint64_t k = 0; k < chunks; k++) {
+    const uint64_t n = first + k;
+    const uint64_t index = lane + k * ch.lanes;
+    const uint64_t begin = index * ch.chunk;
+    const uint64_t bytes = min(ch.chunk, plan.bytes - begin);
+    if (linear_thread() == 0) wait_until(ctx, data, n + 1, (jaxgin_op_tag)plan.op, p.rank);
+    __syncthreads();
+    const uint64_t ring = channel_ring_offset(ctx, p.rank, lane, n % ctx->channel_slots);
+    cta_copy(p.dst + begin, ctx->heap + ring, bytes);
+    __syncthreads();  // every thread's reads of the slot precede the credit that frees it
+    if (linear_thread() == 0) add_signal(ctx, p.rank, credit, 1);
+  }
+  if (linear_thread() == 0) ctx->channel_received[slot_index] = first + chunks;
+}
+
+__global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context* ctx,
+                                                            const __grid_constant__ exchange_plan plan,
+                                                            uint32_t lanes) {
+  const uint32_t entry = blockIdx.x / (2 * lanes);
+  const uint32_t within = blockIdx.x % (2 * lanes);
+  const bool sender = within < lanes;
+  const uint32_t lane = within % lanes;
+  const exchange_peer& p = plan.peers[entry];
+  const chunking ch = chunk_message(plan.bytes, ctx->channel_lanes, ctx->channel_slot_bytes);
+  if (p.rank == ctx->rank) {
+    // The local part: the sender CTAs of this entry copy it directly, split by lane.
+    if (!sender || (p.roles & (kSend | kReceive)) != (kSend | kReceive)) return;
+    const uint64_t per = ((plan.bytes + lanes - 1) / lanes + 15) / 16 * 16;
+    const uint64_t begin = min(plan.bytes, (uint64_t)lane * per);
+    const uint64_t end = min(plan.bytes, begin + per);
+    cta_copy(p.dst + begin, p.src + begin, end - begin);
+    return;
+  }
+  if (linear_thread() == 0) check_peer(ctx, p.rank, (jaxgin_op_tag)plan.op);
+  if (sender && (p.roles & kSend)) send_lane(ctx, plan, p, ch, lane);
+  if (!sender && (p.roles & kReceive)) receive_lane(ctx, plan, p, ch, lane);
+}
+
+}  // namespace
+
+cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx,
+                            const exchange_plan& plan, cudaStream_t stream) {
+  if (plan.count == 0 || plan.bytes == 0) return cudaSuccess;
+  // Remote messages use as many lanes as they have chunks (up to the channel's lanes); the local
+  // copy gets the same number of CTAs, at least enough to keep a large copy fast.
+  chunking ch = chunk_message(plan.bytes, host_ctx.channel_lanes, host_ctx.channel_slot_bytes);
+  const uint32_t lanes = ch.lanes;
+  exchange_kernel<<<2 * lanes * (uint32_t)plan.count, kThreads, 0, stream>>>(device_ctx, plan, lanes);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxgin

@@ -1,0 +1,47 @@
+// Host interface of the mailbox kernels behind jaxgin.put_signal / jaxgin.wait_signal.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../device/impl/context__types.h"
+#include "exchange.h"
+
+namespace jaxgin {
+
+// A mailbox lives at the same heap offset on every rank of a mesh axis of size `axis_size`:
+//   [header: counters and the arrival flags of the last wait][slot per sender][GIN staging slot]
+// with signals [data from sender s][credit from receiver r], 2 * axis_size of them.
+struct mailbox_desc {
+  uint64_t offset;          // heap offset of the header
+  uint64_t slot_bytes;      // payload rounded up to 16
+  uint64_t payload_bytes;
+  uint32_t signal_base;
+  int32_t axis_size;
+  int32_t my_index;         // this rank's index along the axis
+  uint32_t put_parts;       // CTAs per put; each adds 1 to the data signal
+  int32_t ranks[kMaxExchangePeers];  // global rank of each axis index
+};
+
+constexpr uint64_t kMailboxHeaderBytes = 256;  // 2 counters + one arrival flag per sender (<= 64)
+
+__host__ __device__ inline uint64_t mailbox_bytes(uint64_t payload_bytes, int axis_size) {
+  const uint64_t slot = payload_bytes == 0 ? 16 : (payload_bytes + 15) / 16 * 16;
+  return kMailboxHeaderBytes + slot * (uint64_t)(axis_size + 1);
+}
+
+__host__ __device__ inline uint32_t mailbox_put_parts(uint64_t payload_bytes) {
+  const uint64_t parts = (payload_bytes + (64u << 10) - 1) / (64u << 10);  // 64 KiB per CTA
+  return parts < 1 ? 1 : parts > 32 ? 32 : (uint32_t)parts;
+}
+
+// `peer_index` is a device int32 (the destination's index along the axis, possibly data
+// dependent); `token` receives it.
+cudaError_t launch_put(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx, const mailbox_desc& box,
+                       const void* src, const int32_t* peer_index, int32_t* token, cudaStream_t stream);
+
+// Waits until `count` puts arrived, then writes every arrived payload to its sender's row of `out`
+// ([axis_size][payload]) and zeros the other rows.
+cudaError_t launch_wait(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx, const mailbox_desc& box,
+                        int32_t count, void* out, cudaStream_t stream);
+
+}  // namespace jaxgin

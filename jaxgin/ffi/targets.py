@@ -1,0 +1,49 @@
+"""Registration of the CUDA backend's XLA FFI handlers as custom-call targets.
+
+XLA keeps registrations for the life of the process, so they happen once; a second backend library
+(another NCCL) in the same process cannot re-register the names and is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+
+from jaxgin.errors import JaxginError
+
+# custom-call target name -> exported handler symbol in libjaxgin_backend.so
+TARGETS = {
+    "jaxgin_exchange": "jaxgin_ffi_exchange",
+    "jaxgin_put_signal": "jaxgin_ffi_put",
+    "jaxgin_wait_signal": "jaxgin_ffi_wait",
+}
+
+_registered_from: str | None = None
+command_buffer_compatible = False  # whether XLA may capture jaxgin's custom calls into CUDA graphs
+_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+
+
+def register(backend) -> None:
+    global _registered_from, command_buffer_compatible
+    if _registered_from == backend.path:
+        return
+    if _registered_from is not None:
+        raise JaxginError(
+            f"jaxgin's XLA custom calls are registered from {_registered_from}; this process cannot switch to "
+            f"{backend.path} (another NCCL or build). Start a new process"
+        )
+    # The handlers enqueue only graph-safe work (no host synchronisation, expected values kept on
+    # the device), so XLA may record them into command buffers and replay them; XLA needs to be
+    # told at registration. The trait enum is not public API, so its absence is reported in info().
+    try:
+        from jax._src.lib import xla_client
+
+        traits = {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
+    except (ImportError, AttributeError):
+        traits = {}
+    for target, symbol in TARGETS.items():
+        handler = _HANDLER(backend.ffi_handler(symbol))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA", **traits)
+    _registered_from = backend.path
+    command_buffer_compatible = bool(traits)
