@@ -56,6 +56,11 @@ def _array(mesh, nbytes: int, n: int):
     return jax.device_put(host, NamedSharding(mesh, P("x")))
 
 
+def _handler_calls() -> int:
+    calls = jaxgin.runtime.current().backend_lib.ffi_calls()
+    return sum(calls.values())
+
+
 def make_ops(n: int):
     ring = [(i, (i + 1) % n) for i in range(n)]
     boxes = {}
@@ -115,7 +120,9 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
             one_x, one_ours = program(xla_op, 1), program(jaxgin_op, 1)
             equal = bool(np.array_equal(np.asarray(one_x(x)), np.asarray(one_ours(x))))
             t_xla = _time(xla_f, x, repeats) / steps
+            calls_before = _handler_calls()
             t_ours = _time(ours_f, x, repeats) / steps
+            handler_calls = _handler_calls() - calls_before
             row = {
                 "op": op,
                 "bytes_per_device": nbytes,
@@ -126,11 +133,20 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
                 "xla_GBps": nbytes / t_xla / 1e9,
                 "jaxgin_GBps": nbytes / t_ours / 1e9,
                 "equal": equal,
+                # Host-side custom-call handler runs per op executed (0 when XLA replays a CUDA graph).
+                "handler_calls_per_op": handler_calls / ((repeats + 1) * steps * n),
             }
+            if op == "ppermute" and nbytes <= 64 << 20:
+                # The same ring exchange without XLA: kernel chain on raw streams and as a CUDA graph.
+                rt = jaxgin.runtime.current().runtime
+                row["kernel_stream_us"] = max(rt.exchange_latency(nbytes, 200, False))
+                row["kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True))
             results.append(row)
             print(
                 f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "
-                f"x{row['speedup']:6.2f}  {row['jaxgin_GBps']:7.1f} GB/s  {'ok' if equal else 'MISMATCH'}",
+                f"x{row['speedup']:6.2f}  {row['jaxgin_GBps']:7.1f} GB/s  {'ok' if equal else 'MISMATCH'}"
+                f"  calls/op {row['handler_calls_per_op']:.2f}"
+                + (f"  raw {row['kernel_stream_us']:.1f} / graph {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else ""),
                 flush=True,
             )
     return {

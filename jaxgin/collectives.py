@@ -67,8 +67,6 @@ def _ppermute_batch(args, dims, **params):
 
 def _all_to_all_batch(args, dims, **params):
     (x,), (d,) = args, dims
-    if d is batching.not_mapped:
-        return all_to_all_p.bind(x, **params), d
     if d == 0:  # keep the exchanged (axis-size) dimension leading
         x, d = jnp.moveaxis(x, 0, 1), 1
     return all_to_all_p.bind(x, **params), d
@@ -138,6 +136,19 @@ def _check_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
     return pairs
 
 
+def as_varying(x, names):
+    """`x` typed as varying over `names`: what arrives differs per device even when the input is
+    the same everywhere, and shard_map / autodiff must know (a replicated type would let
+    out_specs=P() pick one device's value and would skip summing cotangents)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.11; earlier releases call it `vma`
+    have = manual.varying if manual is not None else getattr(aval, "vma", None)
+    if have is None:  # outside shard_map's type checking
+        return x
+    missing = tuple(n for n in names if n not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def ppermute(x, axis_name, perm):
     """Like jax.lax.ppermute: sends each device's `x` to the axis index perm maps it to.
 
@@ -146,7 +157,7 @@ def ppermute(x, axis_name, perm):
     names = axes_lib.axis_names(axis_name, "jaxgin.ppermute")
     size = axes_lib.axis_size(names, "jaxgin.ppermute")
     pairs = _check_perm(perm, size)
-    return jax.tree.map(lambda leaf: ppermute_p.bind(jnp.asarray(leaf), axis_name=names, perm=pairs), x)
+    return jax.tree.map(lambda leaf: ppermute_p.bind(as_varying(jnp.asarray(leaf), names), axis_name=names, perm=pairs), x)
 
 
 def _tiled_all_to_all(x, names, size: int, split_axis: int, concat_axis: int):
@@ -171,7 +182,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     """
     names = axes_lib.axis_names(axis_name, "jaxgin.all_to_all")
     size = axes_lib.axis_size(names, "jaxgin.all_to_all")
-    x = jnp.asarray(x)
+    x = as_varying(jnp.asarray(x), names)
     ndim = x.ndim
     if ndim == 0:
         raise ValueError("jaxgin.all_to_all: x must have at least one dimension to split")

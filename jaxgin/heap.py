@@ -27,7 +27,7 @@ class RangeAllocator:
     def allocate(self, size: int) -> int:
         if size < 0:
             raise ValueError(f"cannot allocate {size} {self.what}")
-        size = max(1, -(-size // self.alignment) * self.alignment)
+        size = max(self.alignment, -(-size // self.alignment) * self.alignment)  # distinct, aligned blocks
         for i, (start, stop) in enumerate(self._free):
             if stop - start >= size:
                 self._free[i] = (start + size, stop)

@@ -130,6 +130,14 @@ def _no_batching(name):
 batching.primitive_batchers[put_signal_p] = _no_batching("jaxgin.put_signal")
 batching.primitive_batchers[wait_signal_p] = _no_batching("jaxgin.wait_signal")
 
+# Reference mode computes with lax collectives at trace time, which vmap would batch silently; an
+# identity primitive with the same batching rule makes vmap fail the same way on every backend.
+_unbatchable_p = Primitive("jaxgin_unbatchable")
+_unbatchable_p.def_abstract_eval(lambda x, **_: x)
+_unbatchable_p.def_impl(lambda x, **_: x)
+mlir.register_lowering(_unbatchable_p, mlir.lower_fun(lambda x, **_: x, multiple_results=False))
+batching.primitive_batchers[_unbatchable_p] = lambda args, dims, *, op: _no_batching(op)()
+
 
 def _placement(state, box_name: str, payload_bytes: int, size: int) -> tuple[int, int]:
     """Heap offset and first signal of a mailbox on this runtime (placed on first use)."""
@@ -243,7 +251,7 @@ def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
     @_not_differentiable("jaxgin.put_signal")
     def put(x, peer):
         if state.options.backend == "reference":
-            return _reference_put(x, peer, names)
+            return _reference_put(_unbatchable_p.bind(x, op="jaxgin.put_signal"), peer, names)
         return (
             put_signal_p.bind(x, peer, axis_name=names, size=size, mailbox=mailbox.name, payload_bytes=mailbox.nbytes),
         )
@@ -275,7 +283,7 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
     size = axes_lib.axis_size(names, "jaxgin.wait_signal")
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= size:
         raise ValueError(f"jaxgin.wait_signal: count must be an int in [0, {size}] (puts from distinct senders), got {count!r}")
-    tokens = [after] if isinstance(after, Token) else list(after)
+    tokens = [after] if isinstance(after, Token) else list(after) if isinstance(after, (list, tuple)) else None
     if not tokens or not all(isinstance(t, Token) for t in tokens):
         raise TypeError("jaxgin.wait_signal: after= needs the Token(s) returned by jaxgin.put_signal")
     for t in tokens:

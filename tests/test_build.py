@@ -108,6 +108,23 @@ def test_backend_library(built):
     assert data[:4] == b"\x7fELF" and int.from_bytes(data[16:18], "little") == 3  # ET_DYN: a shared library
 
 
+def _source_backend_abi() -> int:
+    text = (build.sources_dir() / "runtime" / "backend_api.h").read_text()
+    return int(re.search(r"^#define\s+JAXGIN_BACKEND_ABI\s+(\d+)", text, flags=re.MULTILINE).group(1))
+
+
+def test_extension_matches_the_sources():
+    """The installed extension speaks the backend ABI of these sources: after a change of the C ABI
+    (csrc/runtime/backend_api.h) the extension must be rebuilt, or no backend built from the
+    sources loads. Needs no nvcc."""
+    from jaxgin import _jaxgin_ext as ext
+
+    assert ext.BACKEND_ABI == _source_backend_abi(), (
+        f"the installed jaxgin extension ({ext.__file__}) has backend ABI {ext.BACKEND_ABI} but the sources "
+        f"define {_source_backend_abi()}: it is stale; reinstall it with `pip install -e .` from the checkout"
+    )
+
+
 def test_backend_reports_nccl_versions(built):
     """The backend loads without a GPU and reports the NCCL it runs with and was compiled against.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -44,29 +45,161 @@ def test_info_fields():
     assert info["signal_count"] == 100
     assert info["barrier_slots"] == 20
     assert info["heap_bytes"] == 64 << 20
-    reserved = runtime.reserved_bytes(100, 20)
+    channel = runtime.channel_shape(8)
+    assert info["channel"] == {"lanes": channel.lanes, "slots": channel.slots, "slot_bytes": channel.slot_bytes}
+    reserved = runtime.reserved_bytes(100, 20, 8, channel)  # the exchange channel spans all 8 devices
     assert info["heap_user_bytes"] == info["heap_bytes"] - reserved
+    assert runtime.current().options.channel == channel
     assert isinstance(info["rdma_devices"], list)
     assert [d["rank"] for d in info["local_devices"]] == list(range(8))
     assert [d["device"] for d in info["local_devices"]] == [str(d) for d in jax.devices()]
     json.dumps(info)  # python -m jaxgin.info prints it as JSON
 
 
-def test_info_defaults():
+def test_info_defaults(monkeypatch):
+    monkeypatch.delenv("JAXGIN_CHANNEL_LANES", raising=False)
+    monkeypatch.delenv("JAXGIN_CHANNEL_SLOT_BYTES", raising=False)
     jaxgin.initialize()
     info = jaxgin.info()
     assert info["heap_bytes"] == runtime.parse_size(runtime.DEFAULT_HEAP_SIZE) == 1 << 30
     assert info["signal_count"] == 1024
     assert info["barrier_slots"] == 256
     assert info["timeout_s"] == runtime.DEFAULT_TIMEOUT_S
-    assert info["heap_user_bytes"] == (1 << 30) - runtime.reserved_bytes(1024, 256)
+    assert info["heap_user_bytes"] == (1 << 30) - runtime.reserved_bytes(1024, 256, 8)
+    assert info["channel"] == {
+        "lanes": runtime.default_channel_lanes(8),
+        "slots": runtime.DEFAULT_CHANNEL_SLOTS,
+        "slot_bytes": runtime.DEFAULT_CHANNEL_SLOT_BYTES,
+    }
 
 
+@pytest.mark.parametrize("world", [1, 2, 8])
 @pytest.mark.parametrize("signals, slots", [(1, 1), (511, 1), (512, 0), (1024, 256), (1 << 20, 1 << 20)])
-def test_reserved_bytes(signals, slots):
-    reserved = runtime.reserved_bytes(signals, slots)
-    assert reserved % 4096 == 0
-    assert (signals + slots) * 8 <= reserved < (signals + slots) * 8 + 4096
+def test_reserved_bytes(signals, slots, world):
+    """Reserved = page-rounded signal counters (user signals, barrier slots and two per channel lane
+    per peer), then the channel's rings (lanes x slots x slot_bytes per peer) and GIN staging."""
+    channel = runtime.ChannelShape(lanes=4, slots=2, slot_bytes=4096)
+    reserved = runtime.reserved_bytes(signals, slots, world, channel)
+    rings, staging = world * 4 * 2 * 4096, world * 4 * 4096
+    signal_area = reserved - rings - staging
+    counters = signals + slots + 2 * world * 4
+    assert signal_area % 4096 == 0
+    assert counters * 8 <= signal_area < counters * 8 + 4096
+
+
+def test_reserved_bytes_grows_with_the_channel():
+    base = runtime.ChannelShape(lanes=4, slots=2, slot_bytes=1 << 16)
+    reserved = runtime.reserved_bytes(1024, 256, 8, base)
+    wider = runtime.reserved_bytes(1024, 256, 8, dataclasses.replace(base, lanes=8))
+    bigger = runtime.reserved_bytes(1024, 256, 8, dataclasses.replace(base, slot_bytes=1 << 17))
+    assert wider - reserved == 8 * 4 * 3 * (1 << 16)  # 4 more lanes per peer: 2 ring slots + 1 staging each
+    assert bigger - reserved == 8 * 4 * 3 * (1 << 16)
+    assert runtime.reserved_bytes(1024, 256, 16, base) > reserved  # more peers, more rings
+
+
+def test_reserved_bytes_default_channel(monkeypatch):
+    """Without a channel argument, reserved_bytes uses channel_shape(world_size) (and its env)."""
+    monkeypatch.delenv("JAXGIN_CHANNEL_LANES", raising=False)
+    monkeypatch.delenv("JAXGIN_CHANNEL_SLOT_BYTES", raising=False)
+    for world in (1, 2, 8):
+        assert runtime.reserved_bytes(1024, 256, world) == runtime.reserved_bytes(
+            1024, 256, world, runtime.channel_shape(world))
+    default = runtime.reserved_bytes(1024, 256, 8)
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", "1")
+    assert runtime.reserved_bytes(1024, 256, 8) < default
+
+
+@pytest.mark.parametrize(
+    "world, lanes",
+    [(1, 32), (2, 32), (3, 32), (4, 16), (5, 16), (8, 8), (9, 8), (16, 4), (17, 4), (32, 4), (64, 4), (1024, 4)],
+)
+def test_default_channel_lanes(world, lanes):
+    assert runtime.default_channel_lanes(world) == lanes
+
+
+@pytest.mark.parametrize("world", range(1, 130))
+def test_default_channel_lanes_properties(world):
+    """A power of two in [4, 32], the largest that keeps lanes x peers <= 64 (the CTAs of an
+    all_to_all) unless clamped at 4."""
+    lanes = runtime.default_channel_lanes(world)
+    peers = max(1, world - 1)
+    assert 4 <= lanes <= 32 and lanes & (lanes - 1) == 0
+    assert lanes * peers <= 64 or lanes == 4
+    assert 2 * lanes * peers > 64 or lanes == 32
+
+
+def test_channel_shape_defaults(monkeypatch):
+    monkeypatch.delenv("JAXGIN_CHANNEL_LANES", raising=False)
+    monkeypatch.delenv("JAXGIN_CHANNEL_SLOT_BYTES", raising=False)
+    assert runtime.channel_shape(8) == runtime.ChannelShape(
+        runtime.default_channel_lanes(8), runtime.DEFAULT_CHANNEL_SLOTS, runtime.DEFAULT_CHANNEL_SLOT_BYTES)
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", "")  # empty means unset
+    monkeypatch.setenv("JAXGIN_CHANNEL_SLOT_BYTES", "")
+    assert runtime.channel_shape(2).lanes == runtime.default_channel_lanes(2)
+    assert runtime.channel_shape(2).slot_bytes == runtime.DEFAULT_CHANNEL_SLOT_BYTES
+
+
+@pytest.mark.parametrize("lanes, slot, expected", [("1", "16", (1, 16)), ("64", "64KiB", (64, 65536)),
+                                                   ("7", "1MiB", (7, 1 << 20)), (" 3 ", "4096B", (3, 4096))])
+def test_channel_shape_from_environment(monkeypatch, lanes, slot, expected):
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", lanes)
+    monkeypatch.setenv("JAXGIN_CHANNEL_SLOT_BYTES", slot)
+    shape = runtime.channel_shape(8)
+    assert (shape.lanes, shape.slot_bytes) == expected
+    assert shape.slots == runtime.DEFAULT_CHANNEL_SLOTS
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("many", "is not an integer"), ("4.0", "is not an integer"), ("0x8", "is not an integer"),
+     ("0", r"must be in \[1, 64\]"), ("-4", r"must be in \[1, 64\]"), ("65", r"must be in \[1, 64\]")],
+)
+def test_channel_shape_bad_lanes(monkeypatch, value, message):
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", value)
+    with pytest.raises(ValueError, match="JAXGIN_CHANNEL_LANES") as excinfo:
+        runtime.channel_shape(8)
+    assert re.search(message, str(excinfo.value))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("lots", "is not a size"), ("0", "must be positive"), ("24", "multiple of 16"), ("1000B", "multiple of 16"),
+     ("1kb", "multiple of 16")],
+)
+def test_channel_shape_bad_slot_bytes(monkeypatch, value, message):
+    monkeypatch.delenv("JAXGIN_CHANNEL_LANES", raising=False)
+    monkeypatch.setenv("JAXGIN_CHANNEL_SLOT_BYTES", value)
+    with pytest.raises(ValueError, match="JAXGIN_CHANNEL_SLOT_BYTES") as excinfo:
+        runtime.channel_shape(8)
+    assert message in str(excinfo.value)
+
+
+def test_initialize_rejects_bad_channel_environment(monkeypatch):
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", "100")
+    with pytest.raises(ValueError, match="JAXGIN_CHANNEL_LANES=100"):
+        jaxgin.initialize()
+    assert not jaxgin.is_initialized()
+
+
+def test_channel_from_environment_in_info(monkeypatch):
+    """The environment shapes the channel initialize() reserves, and info() reports it."""
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", "2")
+    monkeypatch.setenv("JAXGIN_CHANNEL_SLOT_BYTES", "32KiB")
+    jaxgin.initialize(heap_size="64MiB")
+    info = jaxgin.info()
+    assert info["channel"] == {"lanes": 2, "slots": runtime.DEFAULT_CHANNEL_SLOTS, "slot_bytes": 32 << 10}
+    channel = runtime.ChannelShape(2, runtime.DEFAULT_CHANNEL_SLOTS, 32 << 10)
+    assert info["heap_user_bytes"] == (64 << 20) - runtime.reserved_bytes(1024, 256, 8, channel)
+
+
+def test_channel_change_needs_finalize(monkeypatch):
+    """The channel is part of the options: initializing again with another one is refused."""
+    monkeypatch.delenv("JAXGIN_CHANNEL_LANES", raising=False)
+    jaxgin.initialize()
+    monkeypatch.setenv("JAXGIN_CHANNEL_LANES", "1")
+    with pytest.raises(JaxginError, match=r"finalize\(\)"):
+        jaxgin.initialize()
+    assert jaxgin.info()["channel"]["lanes"] == runtime.default_channel_lanes(8)
 
 
 def test_initialize_is_idempotent_for_same_arguments():
@@ -165,16 +298,20 @@ def test_heap_too_small_names_the_minimum():
         jaxgin.initialize(heap_size=4096)
     message = str(excinfo.value)
     assert "heap_size=4096" in message
-    assert str(runtime.reserved_bytes(1024, 256)) in message  # what is reserved
+    reserved = runtime.reserved_bytes(1024, 256, 8)  # signals and the channel of all 8 devices
+    assert f"reserves {reserved} bytes" in message and "exchange channel of 8 devices" in message
     minimum = int(re.search(r"at least (\d+) bytes", message).group(1))
-    assert minimum > runtime.reserved_bytes(1024, 256)
+    assert minimum == reserved + runtime.MIN_USER_HEAP_BYTES
     assert not jaxgin.is_initialized()
     jaxgin.initialize(heap_size=minimum)  # the size it names is enough
-    assert jaxgin.info()["heap_user_bytes"] > 0
+    assert jaxgin.info()["heap_user_bytes"] == runtime.MIN_USER_HEAP_BYTES
+    jaxgin.finalize()
+    with pytest.raises(ValueError, match="too small"):  # and one byte less is not
+        jaxgin.initialize(heap_size=minimum - 1)
 
 
 def test_heap_exactly_reserved_is_too_small():
-    reserved = runtime.reserved_bytes(16, 16)
+    reserved = runtime.reserved_bytes(16, 16, 8)
     with pytest.raises(ValueError, match="too small"):
         jaxgin.initialize(heap_size=reserved, signal_count=16, barrier_slots=16)
 

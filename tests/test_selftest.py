@@ -147,3 +147,107 @@ def test_bad_block_bytes(block_bytes):
     jaxgin.initialize()
     with pytest.raises(ValueError, match="block_bytes must be a positive multiple of 16"):
         jaxgin.selftest(block_bytes=block_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA path's bookkeeping, with a stand-in for the extension's Runtime (no GPU needed):
+# selftest() places its buffers through the same heap and signal allocators as mailboxes, passes
+# them to Runtime.selftest_exchange(rounds, block_bytes, seed, heap_offset, signal_base), maps the
+# per-(receiver, sender) counts it returns to mismatches, and gives heap and signals back.
+
+
+class _FakeRuntime:
+    def __init__(self, world, fail=None, counts=None):
+        self.world, self.fail, self.counts, self.calls = world, fail, counts, []
+
+    def selftest_exchange(self, rounds, block_bytes, seed, heap_offset, signal_base):
+        self.calls.append(dict(rounds=rounds, block_bytes=block_bytes, seed=seed, heap_offset=heap_offset,
+                               signal_base=signal_base))
+        if self.fail is not None:
+            raise self.fail
+        return self.counts if self.counts is not None else [0] * (self.world * self.world)
+
+    def destroy(self):  # jaxgin.finalize() releases the runtime
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """jaxgin initialized in reference mode, then dressed up as the cuda backend with a fake runtime."""
+    import dataclasses
+
+    from jaxgin import runtime
+
+    jaxgin.initialize(signal_count=64)
+    state = runtime.current()
+    state.options = dataclasses.replace(state.options, backend="cuda")
+    monkeypatch.setattr(runtime, "info", lambda: {"force_gin": False, "lsa_team_size": 8, "world_size": 8})
+
+    def install(**kwargs):
+        state.runtime = _FakeRuntime(len(state.devices), **kwargs)
+        return state
+
+    return install
+
+
+def test_cuda_selftest_places_and_frees_its_buffers(fake_cuda):
+    state = fake_cuda()
+    heap_free, signals_free = state.heap.available(), state.signals.available()
+    report = jaxgin.selftest(rounds=3, block_bytes=4096, seed=77)
+    assert report.ok and report.path == "lsa" and report.world_size == 8
+    (call,) = state.runtime.calls
+    assert (call["rounds"], call["block_bytes"], call["seed"]) == (3, 4096, 77)
+    assert call["heap_offset"] >= state.heap.begin and call["heap_offset"] % 256 == 0
+    assert call["heap_offset"] + 2 * 8 * 4096 <= state.options.heap_bytes
+    assert 0 <= call["signal_base"] and call["signal_base"] + 2 * 8 <= state.options.signal_count
+    assert (state.heap.available(), state.signals.available()) == (heap_free, signals_free)  # given back
+    jaxgin.selftest(rounds=1, block_bytes=16, seed=1)  # and reused by the next call
+    assert state.runtime.calls[1]["heap_offset"] == call["heap_offset"]
+    assert state.runtime.calls[1]["signal_base"] == call["signal_base"]
+
+
+def test_cuda_selftest_does_not_overlap_live_mailboxes(fake_cuda):
+    """Buffers already placed (a mailbox, say) are not handed to the selftest."""
+    state = fake_cuda()
+    taken = state.heap.allocate(1000)
+    signals = state.signals.allocate(10)
+    jaxgin.selftest(rounds=1, block_bytes=64, seed=2)
+    (call,) = state.runtime.calls
+    assert call["heap_offset"] >= taken + 1000
+    assert call["signal_base"] >= signals + 10
+
+
+def test_cuda_selftest_maps_counts_to_pairs(fake_cuda):
+    counts = [0] * 64
+    counts[5 * 8 + 2] = 7  # receiver 5, sender 2
+    counts[0 * 8 + 7] = 1
+    fake_cuda(counts=counts)
+    report = jaxgin.selftest(rounds=1, block_bytes=64, seed=3)
+    assert report.mismatches == {(5, 2): 7, (0, 7): 1} and not report.ok
+
+
+@pytest.mark.parametrize("fault", ["device", "other"])
+def test_cuda_selftest_frees_on_failure(fake_cuda, fault):
+    """A failing exchange raises jaxgin's error (DeviceFault for a device fault) and still gives
+    heap and signals back."""
+    from jaxgin import _jaxgin_ext as ext
+
+    error = ext.DeviceFaultError("wait timed out") if fault == "device" else RuntimeError("bad offset")
+    state = fake_cuda(fail=error)
+    heap_free, signals_free = state.heap.available(), state.signals.available()
+    expected = jaxgin.DeviceFault if fault == "device" else jaxgin.JaxginError
+    with pytest.raises(expected, match="wait timed out|bad offset"):
+        jaxgin.selftest(rounds=1, block_bytes=64, seed=4)
+    assert (state.heap.available(), state.signals.available()) == (heap_free, signals_free)
+
+
+def test_cuda_selftest_out_of_signals_frees_the_heap(fake_cuda):
+    """When the signals run out, the heap block taken first is given back and the error names
+    the fix."""
+    state = fake_cuda()
+    state.signals.allocate(state.signals.available() - 3)
+    heap_free = state.heap.available()
+    with pytest.raises(jaxgin.JaxginError, match=r"out of signals.*signal_count"):
+        jaxgin.selftest(rounds=1, block_bytes=64, seed=5)
+    assert state.heap.available() == heap_free
+    assert state.runtime.calls == []

@@ -1,6 +1,5 @@
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_CACHE_DIR=/tmp/jaxgin-cache
+# Development round: install, build, then the tests or scenarios named in the arguments.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_CACHE_DIR=/tmp/jaxgin-cache JAXGIN_RESULTS_DIR=$OUT
 python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || tail -20 $OUT/install.log
-python3 tools/diag_graphs.py 2>&1 | grep -v "^W0000\|^I0000" | tail -5
-ls $OUT/dump | grep -i "after_optimizations.txt" | head
-f=$(ls $OUT/dump/*jit_body*after_optimizations.txt | head -1); grep -n "command_buffer\|custom_call_target" $f | head -20
-rm -rf $OUT/dump/*.pb $OUT/dump/*before*
+python3 -m jaxgin.build 2>&1 | tail -1
+timeout 500 python3 -m pytest -q -rA "$@" 2>&1 | tail -${TAIL:-20}

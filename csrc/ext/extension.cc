@@ -39,6 +39,7 @@ struct BackendApi {
   decltype(&jaxgin_ffi_calls) ffi_calls;
   decltype(&jaxgin_device_faults) device_faults;
   decltype(&jaxgin_heap_clear) heap_clear;
+  decltype(&jaxgin_exchange_latency) exchange_latency;
 };
 
 template <typename F>
@@ -70,6 +71,7 @@ class Backend {
     resolve(handle_, "jaxgin_ffi_calls", api_.ffi_calls, path);
     resolve(handle_, "jaxgin_device_faults", api_.device_faults, path);
     resolve(handle_, "jaxgin_heap_clear", api_.heap_clear, path);
+    resolve(handle_, "jaxgin_exchange_latency", api_.exchange_latency, path);
     if (api_.backend_abi() != JAXGIN_BACKEND_ABI)
       throw std::runtime_error("jaxgin backend " + path + " has ABI " + std::to_string(api_.backend_abi()) +
                                ", this extension expects " + std::to_string(JAXGIN_BACKEND_ABI) +
@@ -230,6 +232,17 @@ class Runtime {
     backend_.check(status);
   }
 
+  std::vector<double> exchange_latency(uint64_t bytes, int iterations, bool use_graph) {
+    std::vector<double> us((size_t)local_count_, 0.0);
+    int status;
+    {
+      nb::gil_scoped_release release;
+      status = backend_.api().exchange_latency(live(), bytes, iterations, use_graph ? 1 : 0, us.data());
+    }
+    backend_.check(status);
+    return us;
+  }
+
   void wait_signal(int local_index, uint32_t signal, uint64_t value) {
     int status;
     {
@@ -279,6 +292,8 @@ NB_MODULE(_jaxgin_ext, m) {
       .def("device_info", &Runtime::device_info, nb::arg("local_index"))
       .def("selftest_exchange", &Runtime::selftest_exchange, nb::arg("rounds"), nb::arg("block_bytes"),
            nb::arg("seed"), nb::arg("heap_offset"), nb::arg("signal_base"))
+      .def("exchange_latency", &Runtime::exchange_latency, nb::arg("bytes"), nb::arg("iterations"),
+           nb::arg("use_graph"), "us per ring exchange of a chain, per local GPU (diagnostic, no XLA)")
       .def("device_faults", &Runtime::device_faults, "descriptions of recorded device faults, '' when none")
       .def("heap_clear", &Runtime::heap_clear, nb::arg("offset"), nb::arg("bytes"),
            "zero a heap range on every local GPU (synchronously)")

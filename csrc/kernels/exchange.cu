@@ -81,8 +81,8 @@ __device__ void receive_lane(const jaxgin_context* ctx, const exchange_plan& pla
     __syncthreads();
     const uint64_t ring = channel_ring_offset(ctx, p.rank, lane, n % ctx->channel_slots);
     cta_copy(p.dst + begin, ctx->heap + ring, bytes);
-    __syncthreads();  // every thread's reads of the slot precede the credit that frees it
-    if (linear_thread() == 0) add_signal(ctx, p.rank, credit, 1);
+    __syncthreads();  // every thread's reads of the slot completed (their values are stored) ...
+    if (linear_thread() == 0) add_signal(ctx, p.rank, credit, 1, /*release=*/false);  // ... before the credit
   }
   if (linear_thread() == 0) ctx->channel_received[slot_index] = first + chunks;
 }

@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
   __syncthreads();  // every read of the slots precedes the credits that free them
   if (linear_thread() == 0 && last_block(&h->wait_done)) {
     for (int s = 0; s < box.axis_size; s++)
-      if (h->arrived[s]) add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1);
+      if (h->arrived[s]) add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1, /*release=*/false);
   }
 }
 

@@ -80,6 +80,10 @@ JAXGIN_API int jaxgin_wait_signal_on_device(jaxgin_runtime* rt, int32_t local_in
 JAXGIN_API int jaxgin_ffi_calls(uint64_t* exchange, uint64_t* put, uint64_t* wait);
 // Descriptions of device faults recorded on this process's GPUs since the runtime started
 // ("" when none), separated by newlines; `out` receives at most `capacity` bytes, NUL-terminated.
+// Times a chain of `iterations` ring exchanges of `bytes` on every local GPU, launched directly or
+// as one CUDA graph; us_per_op[local_index] receives the time per exchange (a diagnostic).
+JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t bytes, int32_t iterations, int32_t use_graph,
+                                       double* us_per_op);
 // Zeroes heap bytes [offset, offset + bytes) on every local GPU and waits for it (used once when a
 // mailbox is placed, for its local bookkeeping header).
 JAXGIN_API int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes);

@@ -2,15 +2,11 @@
 ranks through the device library, finalize() releasing GPU memory, re-initialization, bounded
 waits, and the forced-GIN switch; in one process and in one process per GPU."""
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from harness import GPUS, WORLD_SIZES, record as _record, run_processes, run_scenario
 
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 # Memory that a finalize() -> initialize() cycle may fail to give back (allocation rounding).
@@ -19,43 +15,11 @@ CYCLE_TOLERANCE = 4 << 20
 # loaded; measured 192 MiB per H200 with NCCL 2.28.9); it must not grow with further cycles.
 ONE_TIME_BOUND = 256 << 20
 
-
-def _gpu_count() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
-
-
-GPUS = _gpu_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
-WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [2]
-
-
-def _env(gpus: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
-    env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared machines
-    return env
-
-
-def _record(name: str, result: dict) -> None:
-    directory = os.environ.get("JAXGIN_RESULTS_DIR")
-    if directory:
-        Path(directory, f"{name}.json").write_text(json.dumps(result, indent=1))
-
-
-def _result(stdout: str) -> dict:
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT:")]
-    assert lines, f"scenario printed no result:\n{stdout[-4000:]}"
-    return json.loads(lines[-1][len("RESULT:"):])
 
 
 def _run(args, gpus, timeout=600) -> dict:
-    proc = subprocess.run([sys.executable, str(SCENARIOS), *args], env=_env(gpus), capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, f"scenario {args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return _result(proc.stdout)
+    return run_scenario(SCENARIOS, args, gpus, timeout)
 
 
 def _check_lifecycle(result: dict, world: int) -> None:
@@ -91,24 +55,7 @@ def test_lifecycle_one_process_all_gpus(world):
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_lifecycle_one_process_per_gpu(world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen([sys.executable, str(SCENARIOS), "lifecycle", str(r), str(world), f"127.0.0.1:{port}"],
-                         env=_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600))
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {rank} failed ({p.returncode}):\n{out[-4000:]}\n{err[-8000:]}"
-    results = [_result(out) for out, _ in outputs]
+    results = run_processes(SCENARIOS, ["lifecycle"], world)
     _record(f"lifecycle_process_per_gpu_{world}gpu", {"processes": results})
     for rank, result in enumerate(results):
         assert result["processes"] == world

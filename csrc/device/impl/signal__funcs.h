@@ -58,10 +58,23 @@ __device__ __forceinline__ void wait_arrivals(const jaxgin_context* ctx, uint32_
   ctx->consumed[signal] = expected;
 }
 
+// Remote add over NVLink as one fire-and-forget reduction. With `release`, every write this thread
+// has observed (callers synchronise the CTA first, so that covers the whole CTA's writes) is visible
+// before the add; without, only atomicity is promised (for credits, which follow reads that have
+// already completed). One instruction instead of a system fence plus an atomic.
+__device__ __forceinline__ void remote_add(uint64_t* remote, uint64_t value, bool release) {
+  if (release)
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(remote), "l"(value) : "memory");
+  else
+    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(remote), "l"(value) : "memory");
+}
+
 // One thread adds `value` to `signal` on `peer`, ordered after every write this thread has
 // observed (callers synchronise the CTA first, so that covers the whole CTA's writes).
+// `release = false` drops that ordering on the LSA path: use it only where the caller's prior
+// accesses are reads whose values were already consumed (a credit returned after a copy-out).
 __device__ __forceinline__ void add_signal(const jaxgin_context* ctx, int peer, uint32_t signal,
-                                           uint64_t value) {
+                                           uint64_t value, bool release = true) {
   if (routes_through_gin(ctx, peer)) {
     ncclGin gin(ctx->comm, gin_context_index(ctx));
     gin.signal(ncclTeamWorld(ctx->comm), peer, GinBareSignal{signal, value});
@@ -69,8 +82,7 @@ __device__ __forceinline__ void add_signal(const jaxgin_context* ctx, int peer, 
   }
   uint64_t* remote = static_cast<uint64_t*>(
       ncclGetPeerPointer(ctx->window, (size_t)signal * sizeof(uint64_t), peer));
-  cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
-  cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*remote).fetch_add(value, cuda::memory_order_relaxed);
+  remote_add(remote, value, release);
 }
 
 }  // namespace jaxgin

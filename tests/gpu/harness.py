@@ -1,0 +1,76 @@
+"""What the GPU tests share: how many GPUs there are, how a scenario runs in a fresh process (a
+device fault leaves a CUDA context unusable, and several processes need their own JAX runtime),
+and where results are recorded (JAXGIN_RESULTS_DIR, for closing notes and benchmarks)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+GPUS = _gpu_count()
+WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [2]
+
+
+def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared machines
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    return env
+
+
+def record(name: str, result: dict) -> None:
+    directory = os.environ.get("JAXGIN_RESULTS_DIR")
+    if directory:
+        Path(directory, f"{name}.json").write_text(json.dumps(result, indent=1))
+
+
+def result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT:")]
+    assert lines, f"scenario printed no result:\n{stdout[-4000:]}"
+    return json.loads(lines[-1][len("RESULT:"):])
+
+
+def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags: str | None = None) -> dict:
+    proc = subprocess.run([sys.executable, str(script), *args], env=scenario_env(gpus, xla_flags),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"scenario {args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return result(proc.stdout)
+
+
+def run_processes(script: Path, args, world: int, timeout: float = 600) -> list[dict]:
+    """The scenario in `world` processes of one GPU each (jax.distributed on localhost)."""
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
+                         env=scenario_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {rank} failed ({p.returncode}):\n{out[-4000:]}\n{err[-8000:]}"
+    return [result(out) for out, _ in outputs]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
