@@ -84,7 +84,7 @@ def _reference_all_to_all(x, *, axis_name):
     return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
-def _use_ffi(op: str):
+def _use_ffi():
     """The live state when this lowering should emit the CUDA custom call, None for the reference."""
     state = runtime.current()
     return state if state.options.backend == "cuda" else None
@@ -96,7 +96,7 @@ def _lowering(reference, kind, op):
         return mlir.lower_fun(lambda v: reference(v, **params), multiple_results=False)(ctx, x)
 
     def lower_cuda(ctx, x, *, axis_name, **params):
-        state = _use_ffi(op)
+        state = _use_ffi()
         if state is None:
             return lower_reference(ctx, x, axis_name=axis_name, **params)
         attrs = axes_lib.lowering_attributes(ctx, axis_name, state, op)
@@ -190,10 +190,10 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"jaxgin.all_to_all: {name} must be an int, got {value!r}")
     split_axis = int(split_axis) % ndim if -ndim <= split_axis < ndim else _axis_error("split_axis", split_axis, ndim)
-    out_ndim = ndim if tiled else ndim  # the non-tiled result keeps the rank (one axis out, one in)
-    if not -out_ndim <= concat_axis < out_ndim:
-        _axis_error("concat_axis", concat_axis, out_ndim)
-    concat_axis = int(concat_axis) % out_ndim
+    # Both forms keep the rank (non-tiled: one axis out, one in), so concat_axis indexes ndim axes.
+    if not -ndim <= concat_axis < ndim:
+        _axis_error("concat_axis", concat_axis, ndim)
+    concat_axis = int(concat_axis) % ndim
     if tiled:
         if x.shape[split_axis] % size:
             raise ValueError(

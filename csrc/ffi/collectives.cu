@@ -22,9 +22,6 @@ ffi::Error exchange(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer in, ffi
     const jaxgin_context& c = s.host_context;
     AxisGroup group = resolve_axis(c.rank, mesh_ranks, mesh_shape, axes);
     const int size = (int)group.ranks.size();
-    if (size > kMaxExchangePeers)
-      throw Error("mesh axis of " + std::to_string(size) + " devices; jaxgin exchanges support at most " +
-                  std::to_string(kMaxExchangePeers));
     const uint64_t total = in.size_bytes();
     const char* src = static_cast<const char*>(in.untyped_data());
     char* dst = static_cast<char*>(out->untyped_data());
@@ -45,12 +42,7 @@ ffi::Error exchange(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer in, ffi
       }
       // jax.lax.ppermute semantics: a device that nobody sends to gets zeros.
       if (from < 0 && total > 0) check_launch(cudaMemsetAsync(dst, 0, total, stream), "cudaMemsetAsync", s.device);
-      if (to >= 0 && to == from) {
-        plan.peers[plan.count++] = exchange_peer{group.ranks[to], kSend | kReceive, src, dst};
-      } else {
-        if (to >= 0) plan.peers[plan.count++] = exchange_peer{group.ranks[to], kSend, src, nullptr};
-        if (from >= 0) plan.peers[plan.count++] = exchange_peer{group.ranks[from], kReceive, nullptr, dst};
-      }
+      add_permute_peers(plan, to >= 0 ? group.ranks[to] : -1, from >= 0 ? group.ranks[from] : -1, src, dst);
     }
     check_launch(launch_exchange(s.context, c, plan, stream), "launching the exchange kernel", s.device);
   });

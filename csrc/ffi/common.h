@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/exchange.h"
 #include "../runtime/errors.h"
 #include "../runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -50,6 +51,10 @@ inline AxisGroup resolve_axis(int my_rank, ffi::Span<const int32_t> mesh_ranks, 
   // jax.lax.axis_index does for a tuple of names), keep the others.
   int64_t size = 1;
   for (int64_t a : axes) size *= mesh_shape[a];
+  // Exchange plans and mailbox descriptors carry one entry per axis index in kernel parameters.
+  if (size > kMaxExchangePeers)
+    throw Error("mesh axis of " + std::to_string(size) + " devices; jaxgin ops support at most " +
+                std::to_string(kMaxExchangePeers));
   AxisGroup group;
   group.ranks.resize(size);
   int64_t my_index = 0;

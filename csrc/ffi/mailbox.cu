@@ -8,9 +8,6 @@ namespace {
 mailbox_desc describe(const jaxgin_context& c, const AxisGroup& group, int64_t offset, int64_t payload_bytes,
                       int64_t signal_base) {
   const int size = (int)group.ranks.size();
-  if (size > kMaxExchangePeers)
-    throw Error("mesh axis of " + std::to_string(size) + " devices; jaxgin mailboxes support at most " +
-                std::to_string(kMaxExchangePeers));
   if (offset < (int64_t)c.user_offset || offset + (int64_t)mailbox_bytes(payload_bytes, size) > (int64_t)c.heap_bytes ||
       signal_base < 0 || signal_base + 2 * size > (int64_t)c.signal_count)
     throw Error("mailbox at heap offset " + std::to_string(offset) + " / signal " + std::to_string(signal_base) +
@@ -36,7 +33,7 @@ ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buff
     DeviceState& s = device_for_ordinal(ordinal, generation);
     AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
     mailbox_desc box = describe(s.host_context, group, offset, (int64_t)x.size_bytes(), signal_base);
-    check_launch(launch_put(s.context, s.host_context, box, x.untyped_data(), peer.typed_data(),
+    check_launch(launch_put(s.context, box, x.untyped_data(), peer.typed_data(),
                             token->typed_data(), stream),
                  "launching the put kernel", s.device);
   });
@@ -52,7 +49,7 @@ ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::R
     AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
     const int64_t payload = (int64_t)(out->size_bytes() / group.ranks.size());
     mailbox_desc box = describe(s.host_context, group, offset, payload, signal_base);
-    check_launch(launch_wait(s.context, s.host_context, box, (int32_t)count, out->untyped_data(), stream),
+    check_launch(launch_wait(s.context, box, (int32_t)count, out->untyped_data(), stream),
                  "launching the wait kernels", s.device);
   });
 }

@@ -24,18 +24,16 @@ __device__ void send_lane(const jaxgin_context* ctx, const exchange_plan& plan, 
                           chunking ch, uint32_t lane) {
   const uint64_t chunks = lane_chunks(ch.count, ch.lanes, lane);
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes + lane;
-  __shared__ uint64_t sent;
-  if (linear_thread() == 0) sent = ctx->channel_sent[slot_index];
-  __syncthreads();
-  const uint64_t first_sent = sent;
+  // Every thread reads the counter before the loop's first barrier; thread 0 updates it after the
+  // last one (with no chunks it writes back the same value).
+  const uint64_t first_sent = ctx->channel_sent[slot_index];
   const bool gin = routes_through_gin(ctx, p.rank);
   const uint32_t credit = channel_credit_signal(ctx, p.rank, lane);
   const uint32_t data = channel_data_signal(ctx, ctx->rank, lane);
   for (uint64_t k = 0; k < chunks; k++) {
     const uint64_t n = first_sent + k;  // this lane's chunk number since the runtime started
-    const uint64_t index = lane + k * ch.lanes;  // chunk index within the message
-    const uint64_t begin = index * ch.chunk;
-    const uint64_t bytes = min(ch.chunk, plan.bytes - begin);
+    uint64_t begin, bytes;
+    lane_chunk_span(ch, lane, k, plan.bytes, begin, bytes);
     // Ring slot n % slots is free once the receiver has consumed chunk n - slots.
     if (linear_thread() == 0 && n >= ctx->channel_slots)
       wait_until(ctx, credit, n + 1 - ctx->channel_slots, (jaxgin_op_tag)plan.op, p.rank);
@@ -66,17 +64,13 @@ __device__ void receive_lane(const jaxgin_context* ctx, const exchange_plan& pla
                              chunking ch, uint32_t lane) {
   const uint64_t chunks = lane_chunks(ch.count, ch.lanes, lane);
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes + lane;
-  __shared__ uint64_t received;
-  if (linear_thread() == 0) received = ctx->channel_received[slot_index];
-  __syncthreads();
-  const uint64_t first = received;
+  const uint64_t first = ctx->channel_received[slot_index];  // as in send_lane
   const uint32_t data = channel_data_signal(ctx, p.rank, lane);
   const uint32_t credit = channel_credit_signal(ctx, ctx->rank, lane);
   for (uint64_t k = 0; k < chunks; k++) {
     const uint64_t n = first + k;
-    const uint64_t index = lane + k * ch.lanes;
-    const uint64_t begin = index * ch.chunk;
-    const uint64_t bytes = min(ch.chunk, plan.bytes - begin);
+    uint64_t begin, bytes;
+    lane_chunk_span(ch, lane, k, plan.bytes, begin, bytes);
     if (linear_thread() == 0) wait_until(ctx, data, n + 1, (jaxgin_op_tag)plan.op, p.rank);
     __syncthreads();
     const uint64_t ring = channel_ring_offset(ctx, p.rank, lane, n % ctx->channel_slots);

@@ -28,6 +28,17 @@ struct exchange_plan {
   exchange_peer peers[kMaxExchangePeers];
 };
 
+// Adds the entries of a permutation step: send `src` to rank `to`, receive into `dst` from rank
+// `from` (either may be -1 for none); one entry when both are the same rank.
+inline void add_permute_peers(exchange_plan& plan, int to, int from, const char* src, char* dst) {
+  if (to >= 0 && to == from) {
+    plan.peers[plan.count++] = exchange_peer{to, kSend | kReceive, src, dst};
+    return;
+  }
+  if (to >= 0) plan.peers[plan.count++] = exchange_peer{to, kSend, src, nullptr};
+  if (from >= 0) plan.peers[plan.count++] = exchange_peer{from, kReceive, nullptr, dst};
+}
+
 // Enqueues the exchange on `stream`. Graph-capturable: no host synchronisation, no host state.
 cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx,
                             const exchange_plan& plan, cudaStream_t stream);

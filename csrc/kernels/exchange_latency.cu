@@ -15,13 +15,8 @@ jaxgin::exchange_plan ring_plan(const jaxgin_context& c, const char* src, char* 
   jaxgin::exchange_plan plan{};
   plan.op = JAXGIN_OP_PPERMUTE;
   plan.bytes = bytes;
-  const int to = (c.rank + 1) % c.world_size, from = (c.rank + c.world_size - 1) % c.world_size;
-  if (to == from) {
-    plan.peers[plan.count++] = jaxgin::exchange_peer{to, jaxgin::kSend | jaxgin::kReceive, src, dst};
-  } else {
-    plan.peers[plan.count++] = jaxgin::exchange_peer{to, jaxgin::kSend, src, nullptr};
-    plan.peers[plan.count++] = jaxgin::exchange_peer{from, jaxgin::kReceive, nullptr, dst};
-  }
+  jaxgin::add_permute_peers(plan, (c.rank + 1) % c.world_size, (c.rank + c.world_size - 1) % c.world_size, src,
+                            dst);
   return plan;
 }
 

@@ -154,21 +154,19 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
 
 }  // namespace
 
-cudaError_t launch_put(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx, const mailbox_desc& box,
-                       const void* src, const int32_t* peer_index, int32_t* token, cudaStream_t stream) {
-  (void)host_ctx;
+cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box, const void* src,
+                       const int32_t* peer_index, int32_t* token, cudaStream_t stream) {
   put_kernel<<<box.put_parts, kThreads, 0, stream>>>(device_ctx, box, static_cast<const char*>(src), peer_index,
                                                      token);
   return cudaGetLastError();
 }
 
-cudaError_t launch_wait(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx, const mailbox_desc& box,
-                        int32_t count, void* out, cudaStream_t stream) {
-  (void)host_ctx;
+cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out,
+                        cudaStream_t stream) {
+  // About 256 KiB of output per CTA, at most 64 CTAs.
   const uint64_t total = box.payload_bytes * (uint64_t)box.axis_size;
-  const uint64_t per_cta = 256u << 10;
-  uint32_t parts = (uint32_t)((box.payload_bytes + per_cta / box.axis_size - 1) / (per_cta / box.axis_size));
-  parts = total <= per_cta ? 1 : parts > 64 ? 64 : parts < 1 ? 1 : parts;
+  const uint64_t wanted = (total + (256u << 10) - 1) / (256u << 10);
+  const uint32_t parts = wanted <= 1 ? 1 : wanted > 64 ? 64 : (uint32_t)wanted;
   if (parts == 1) {
     collect_kernel<true><<<1, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
   } else {

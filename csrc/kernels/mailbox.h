@@ -36,12 +36,10 @@ __host__ __device__ inline uint32_t mailbox_put_parts(uint64_t payload_bytes) {
 
 // `peer_index` is a device int32 (the destination's index along the axis, possibly data
 // dependent); `token` receives it.
-cudaError_t launch_put(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx, const mailbox_desc& box,
-                       const void* src, const int32_t* peer_index, int32_t* token, cudaStream_t stream);
+cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box, const void* src, const int32_t* peer_index, int32_t* token, cudaStream_t stream);
 
 // Waits until `count` puts arrived, then writes every arrived payload to its sender's row of `out`
 // ([axis_size][payload]) and zeros the other rows.
-cudaError_t launch_wait(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx, const mailbox_desc& box,
-                        int32_t count, void* out, cudaStream_t stream);
+cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out, cudaStream_t stream);
 
 }  // namespace jaxgin

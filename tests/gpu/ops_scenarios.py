@@ -110,7 +110,6 @@ def correctness(argv):
                 else:
                     shape = [2, 3, per]
                     shape[split] = n
-                    shape = (shape[0] * (1 if split else 1),) + tuple(shape[1:])
                 local = tuple(shape)
                 x = _global(jax, mesh, local, dtype, seed)
                 fn = lambda v, s=split, c=concat, t=tiled: [
@@ -162,8 +161,8 @@ def correctness(argv):
 
     def traced_peer(v, s):
         me = jax.lax.axis_index("x")
-        k = (jnp.abs(s[0, 0]) % (n - 1) + 1) if n > 1 else jnp.int32(0)  # same on all devices? no: per device
-        # every device shifts by the same global amount so the pattern is a permutation
+        # A data-dependent shift, made the same on every device (pmax) so the puts form a permutation.
+        k = (jnp.abs(s[0, 0]) % (n - 1) + 1) if n > 1 else jnp.int32(0)
         k = jax.lax.pmax(k, "x")
         token = jaxgin.put_signal(v[0], box2, peer=((me + k) % n).astype(jnp.int32), axis_name="x")
         inbox = jaxgin.wait_signal(box2, 1, axis_name="x", after=token)

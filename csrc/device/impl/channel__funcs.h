@@ -40,6 +40,13 @@ __host__ __device__ inline uint64_t lane_chunks(uint64_t count, uint32_t lanes, 
   return count / lanes + (lane < count % lanes ? 1 : 0);
 }
 
+// Byte range of the k-th chunk that lane `lane` carries, in a message of `bytes`.
+__host__ __device__ inline void lane_chunk_span(chunking c, uint32_t lane, uint64_t k, uint64_t bytes,
+                                                uint64_t& begin, uint64_t& length) {
+  begin = (lane + k * c.lanes) * c.chunk;
+  length = bytes - begin < c.chunk ? bytes - begin : c.chunk;
+}
+
 __device__ __forceinline__ uint32_t channel_data_signal(const jaxgin_context* ctx, int sender, uint32_t lane) {
   return ctx->channel_signal_base + (uint32_t)sender * ctx->channel_lanes + lane;
 }
