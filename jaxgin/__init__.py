@@ -3,7 +3,8 @@
 Start with ``jaxgin.initialize()``; ``jaxgin.info()`` says what it runs on and
 ``jaxgin.selftest()`` checks an all-pairs exchange between every device. Inside ``jax.shard_map``:
 ``jaxgin.ppermute`` / ``jaxgin.all_to_all`` replace jax.lax's, and ``jaxgin.put_signal`` /
-``jaxgin.wait_signal`` with a ``jaxgin.Mailbox`` give split-phase one-sided communication.
+``jaxgin.wait_signal`` with a ``jaxgin.Mailbox`` give split-phase one-sided communication. ``jaxgin.triton_call`` runs a Triton kernel that
+communicates itself (``tritongin``) as one XLA op.
 """
 
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, ToolchainError
@@ -11,6 +12,7 @@ from jaxgin.runtime import device_faults, finalize, info, initialize, is_initial
 from jaxgin.diagnostics import SelftestReport, selftest
 from jaxgin.collectives import all_to_all, ppermute
 from jaxgin.mailbox import Mailbox, Token, put_signal, wait_signal
+from jaxgin.triton_call import triton_call
 
 __version__ = "0.1.0"
 
@@ -32,5 +34,6 @@ __all__ = [
     "ppermute",
     "put_signal",
     "selftest",
+    "triton_call",
     "wait_signal",
 ]

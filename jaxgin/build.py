@@ -44,6 +44,7 @@ BACKEND_SOURCES = (
     "kernels/mailbox.cu",
     "ffi/collectives.cu",
     "ffi/mailbox.cu",
+    "ffi/triton_call.cu",
 )
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")

@@ -1,24 +1,259 @@
-"""tritongin.device_library(): the device library as PTX and cubin for linking into Triton kernels.
+"""tritongin on a machine without GPUs: the device library builds, every device function compiles
+and links into a cubin for sm_90a through nvJitLink, kernels that use none of them are compiled
+exactly as without tritongin, misuse is a compile-time error, and the cache key carries the
+library's identity. Runs on whichever Triton is installed (CI runs it on 3.6 and the newest).
 
-Builds against the NCCL jaxgin would load (the nvidia-nccl-cu13 package's); needs nvcc and skips
-without it, unless JAXGIN_REQUIRE_NVCC=1. Shares the session's build cache with test_build.py.
+Needs nvcc, NCCL's headers and nvJitLink (skips without them, unless JAXGIN_REQUIRE_NVCC=1).
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
-import tritongin
-from jaxgin import build
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import tritongin  # noqa: E402
+import tritongin.language as tgl  # noqa: E402
+from jaxgin import build  # noqa: E402
+from tritongin import link  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
 
 
-def test_device_library(nvcc, packaged_nccl):
+@pytest.fixture(scope="module")
+def toolchain(nvcc, packaged_nccl, require):
+    from jaxgin.errors import ToolchainError
+
+    try:
+        link.nvjitlink()
+    except ToolchainError as e:
+        require(f"needs nvJitLink: {e}")
+    return packaged_nccl
+
+
+@pytest.fixture
+def fresh_triton_cache(tmp_path, monkeypatch):
+    """A private Triton cache, so every compile in the test really compiles."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton-cache"), raising=False)
+    return tmp_path
+
+
+def compile_for_sm90(kernel, signature, constexprs=None, num_warps=4):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(kernel, signature, constexprs or {}, attrs), target=SM90,
+                          options={"num_warps": num_warps})
+
+
+@triton.jit
+def every_function(ctx, buf, out, sig, nbytes, BLOCK: tl.constexpr):
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    right = (me + 1) % n
+    tgl.put_signal(ctx, buf, buf, nbytes, right, sig)
+    tgl.signal(ctx, right, sig + 1, 1)
+    seen = tgl.wait_signal(ctx, sig, 1)
+    consumed = tgl.wait_arrivals(ctx, sig + 1, 1)
+    tgl.flush(ctx)
+    tgl.barrier(ctx)
+    offs = tl.arange(0, BLOCK)
+    tl.store(tgl.peer_ptr(ctx, buf, right) + offs, tl.load(buf + offs))
+    tl.store(out, seen + consumed + tgl.read_signal(ctx, sig))
+
+
+EVERY_SIGNATURE = {"ctx": "*u8", "buf": "*fp32", "out": "*i64", "sig": "i32", "nbytes": "i64", "BLOCK": "constexpr"}
+
+
+@triton.jit
+def plain_copy(src, dst, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs) * 2.0)
+
+
+def test_device_library(toolchain):
     artifacts = tritongin.device_library("sm_90a")
-    assert artifacts.ptx.is_file()
-    assert artifacts.cubin.is_file()
     assert artifacts.directory.parent == build.default_cache_dir()
-    assert artifacts.directory.name.startswith(f"nccl{packaged_nccl.version_string}-sm_90a-")
+    assert artifacts.directory.name.startswith(f"nccl{toolchain.version_string}-sm_90a-")
     ptx = artifacts.ptx.read_text()
-    assert re.search(r"^\.visible\s+\.func\s+(?:\([^)]*\)\s*)?jaxgin_put_signal\s*\(", ptx, flags=re.MULTILINE)
+    for symbol in ("jaxgin_put_signal", "jaxgin_tt_put_signal", "jaxgin_tt_peer_delta", "jaxgin_tt_wait_arrivals"):
+        assert re.search(rf"^\.visible\s+\.func\s+(?:\([^)]*\)\s*)?{symbol}\s*\(", ptx, flags=re.MULTILINE), symbol
     assert artifacts.cubin.read_bytes()[:4] == b"\x7fELF"
-    assert artifacts.backend is not None and artifacts.backend.is_file()
+
+
+def test_nvjitlink_constants_match_its_header(toolchain):
+    library = link.nvjitlink().path.resolve()
+    headers = [p / "nvJitLink.h" for p in (library.parent.parent / "include", library.parent.parent.parent / "include")]
+    header = next((h for h in headers if h.is_file()), None)
+    if header is None:
+        pytest.skip(f"no nvJitLink.h next to {library}")
+    text = header.read_text()
+    assert re.search(r"NVJITLINK_SUCCESS\s*=\s*0\b", text)
+    assert re.search(r"NVJITLINK_INPUT_CUBIN\s*=\s*1\b", text)
+    # PTX follows CUBIN in the enum without an explicit value.
+    assert re.search(r"NVJITLINK_INPUT_CUBIN\s*=\s*1\s*,[^\n]*\n\s*NVJITLINK_INPUT_PTX\s*,", text)
+    assert (link.NVJITLINK_SUCCESS, link.NVJITLINK_INPUT_CUBIN, link.NVJITLINK_INPUT_PTX) == (0, 1, 2)
+
+
+def test_every_device_function_compiles_and_links_for_sm90a(toolchain, fresh_triton_cache, monkeypatch):
+    linked = []
+    real_link = link.link_kernel
+    monkeypatch.setattr(link, "link_kernel", lambda ptx, arch: linked.append(arch) or real_link(ptx, arch))
+    kernel = compile_for_sm90(every_function, EVERY_SIGNATURE, {"BLOCK": 1024})
+    ptx = kernel.asm["ptx"]
+    assert set(link.library_calls(ptx)) == {
+        "jaxgin_rank", "jaxgin_world_size", "jaxgin_tt_put_signal", "jaxgin_tt_signal", "jaxgin_tt_wait_signal",
+        "jaxgin_tt_wait_arrivals", "jaxgin_tt_flush", "jaxgin_tt_barrier", "jaxgin_tt_peer_delta",
+        "jaxgin_read_signal",
+    }
+    assert linked == ["sm_90a"]
+    cubin = kernel.asm["cubin"]
+    assert cubin[:4] == b"\x7fELF"
+    # The linked cubin defines the library's functions (it would not load otherwise).
+    assert b"jaxgin_tt_put_signal" in cubin
+    # Stores through peer_ptr keep 16-byte vectors: the alignment hint survives.
+    assert re.search(r"st\.global\.v4\.(b32|f32)", ptx)
+
+
+def test_kernels_without_device_functions_are_untouched(toolchain, fresh_triton_cache, monkeypatch):
+    from triton import knobs
+
+    signature = {"src": "*fp32", "dst": "*fp32", "BLOCK": "constexpr"}
+    monkeypatch.setattr(knobs.compilation, "always_compile", True, raising=False)
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)
+    without = compile_for_sm90(plain_copy, signature, {"BLOCK": 256}).asm["cubin"]
+    monkeypatch.setattr(link, "_installed", False)
+    link.install()
+    linked = []
+    monkeypatch.setattr(link, "link_kernel", lambda ptx, arch: linked.append(arch))
+    with_hook = compile_for_sm90(plain_copy, signature, {"BLOCK": 256}).asm["cubin"]
+    assert linked == []
+    assert with_hook == without
+
+
+def test_earlier_stages_hook_still_runs(toolchain, fresh_triton_cache, monkeypatch):
+    from triton import knobs
+
+    calls = []
+
+    def earlier(*args):
+        calls.append(len(args))
+        return ("", "") if not args else None
+
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", earlier)
+    monkeypatch.setattr(link, "_installed", False)
+    link.install()
+    assert knobs.runtime.add_stages_inspection_hook is not earlier
+    kernel = compile_for_sm90(every_function, EVERY_SIGNATURE, {"BLOCK": 256})
+    assert kernel.asm["cubin"][:4] == b"\x7fELF"
+    assert 5 in calls  # the earlier hook saw the pipeline
+
+
+def test_cache_key_carries_the_library_identity(toolchain, monkeypatch):
+    def fresh_kernel():
+        @triton.jit
+        def uses_rank(ctx, out):
+            tl.store(out, tgl.rank(ctx))
+
+        return uses_rank
+
+    def fresh_plain():
+        @triton.jit
+        def plain(out):
+            tl.store(out, 1)
+
+        return plain
+
+    def key_of(fresh):
+        return fresh().cache_key
+
+    key_a, plain_a = key_of(fresh_kernel), key_of(fresh_plain)
+    for fn in (tgl.rank,):
+        fn.hash = None
+    monkeypatch.setattr(link, "library_key", lambda: "another-nccl")
+    key_b, plain_b = key_of(fresh_kernel), key_of(fresh_plain)
+    assert key_a != key_b
+    assert plain_a == plain_b
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("tgl.put_signal(ctx, buf, buf, 64, tl.arange(0, 4), 0)", "`peer` must be a scalar"),
+        ("tgl.signal(ctx, 1, tl.arange(0, 4), 1)", "`signal` must be a scalar"),
+        ("tgl.put_signal(ctx, buf, buf, 64.0, 1, 0)", "`nbytes` must be an integer"),
+        ("tgl.wait_signal(ctx, 0.5, 1)", "`signal` must be an integer"),
+        ("tgl.rank(1.5)", "`ctx` must be a pointer"),
+    ],
+)
+def test_misuse_is_a_compile_time_error(toolchain, tmp_path, body, message):
+    source = tmp_path / "misuse_kernel.py"
+    source.write_text(
+        "import triton\nimport triton.language as tl\nimport tritongin.language as tgl\n\n"
+        f"@triton.jit\ndef misuse(ctx, buf):\n    {body}\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import importlib
+
+        module = importlib.import_module("misuse_kernel")
+        importlib.reload(module)
+        with pytest.raises(triton.CompilationError) as error:
+            compile_for_sm90(module.misuse, {"ctx": "*u8", "buf": "*fp32"})
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("misuse_kernel", None)
+    # Triton wraps the stub's error in one CompilationError per inlined call; the user sees them all.
+    chain, e = [], error.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any(message in text for text in chain), chain
+
+
+def test_gpu_scenario_kernels_compile_and_link(toolchain, fresh_triton_cache):
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    try:
+        import tritongin_scenarios as s
+    finally:
+        sys.path.pop(0)
+    cases = [
+        (s.ring_kernel, {"ctx": "*u8", "send": "*i32", "recv": "*i32", "errors": "*i32", "data_sig": "i32",
+                         "credit_sig": "i32", "words": "i32", "iteration": "i32", "BLOCK": "constexpr"}),
+        (s.all_pairs_kernel, {"ctx": "*u8", "send": "*i32", "recv": "*i32", "errors": "*i32", "sig": "i32",
+                              "words": "i32", "iteration": "i32", "BLOCK": "constexpr"}),
+        (s.barrier_kernel, {"ctx": "*u8", "slots": "*i32", "errors": "*i32", "words": "i32", "iteration": "i32",
+                            "BLOCK": "constexpr"}),
+        (s.pingpong_kernel, {"ctx": "*u8", "buf": "*u8", "sig": "i32", "nbytes": "i32", "rounds": "i32"}),
+        (s.push_kernel, {"ctx": "*u8", "src": "*fp32", "dst": "*fp32", "count": "i32", "peer": "i32",
+                         "BLOCK": "constexpr"}),
+        (s.ring_call_kernel, {"ctx": "*u8", "x": "*fp32", "send": "*fp32", "recv": "*fp32", "data_sig": "i32",
+                              "credit_sig": "i32", "out": "*fp32", "WORDS": "constexpr"}),
+    ]
+    for kernel, signature in cases:
+        constexprs = {name: 1024 for name, kind in signature.items() if kind == "constexpr"}
+        compiled = compile_for_sm90(kernel, signature, constexprs)
+        assert compiled.asm["cubin"][:4] == b"\x7fELF", kernel.__name__
+        assert link.library_calls(compiled.asm["ptx"]), kernel.__name__
+
+
+def test_standalone_and_triton_call_need_gpus():
+    import jax.numpy as jnp
+
+    import jaxgin
+    from jaxgin.errors import JaxginError
+
+    jaxgin.initialize()  # reference mode on this CPU-only machine
+    for call in (tritongin.context, lambda: tritongin.empty((4,), "float32"), lambda: tritongin.signals(1)):
+        with pytest.raises(JaxginError, match="needs jaxgin on GPUs"):
+            call()
+    with pytest.raises(JaxginError, match="runs Triton kernels on CUDA GPUs"):
+        jaxgin.triton_call(plain_copy, jnp.ones(4), grid=(1,), out_shape=jnp.ones(4), BLOCK=4)

@@ -1,13 +1,21 @@
 """tritongin: communication from inside ``@triton.jit`` kernels through jaxgin's device library.
 
-The device library (csrc/device/jaxgin_device.h) is built against the NCCL in use as relocatable
-PTX and cubin; ``device_library()`` returns them for linking into Triton kernels.
+    import tritongin
+    import tritongin.language as tgl     # rank, world_size, put_signal, signal, wait_signal,
+                                         # wait_arrivals, read_signal, flush, barrier, peer_ptr
+
+Kernels are plain ``@triton.jit`` kernels that take the jaxgin context as an argument. Importing
+``tritongin.language`` adds the link step to Triton (see ``tritongin.link``): kernels that call
+these functions are linked with the device library built for the NCCL in use; other kernels are
+compiled exactly as before. Launch them standalone with ``tritongin.context()`` and heap buffers
+from ``tritongin.empty``, or inside jax.jit with ``jaxgin.triton_call``.
 """
 
 from __future__ import annotations
 
 from jaxgin import build as _build
 from jaxgin import nccl as _nccl
+from tritongin.memory import Context, DeviceArray, SignalRange, SymmetricArray, context, empty, signals
 
 
 def device_library(arch: str = "sm_90a") -> _build.Artifacts:
@@ -15,4 +23,13 @@ def device_library(arch: str = "sm_90a") -> _build.Artifacts:
     return _build.build(_nccl.load(), arch)
 
 
-__all__ = ["device_library"]
+__all__ = [
+    "Context",
+    "DeviceArray",
+    "SignalRange",
+    "SymmetricArray",
+    "context",
+    "device_library",
+    "empty",
+    "signals",
+]

@@ -31,7 +31,7 @@ __device__ uint64_t jaxgin_heap_offset(const void* ctx, const void* local_ptr);
 // or NULL when `peer` is not in this rank's LSA team.
 __device__ void* jaxgin_peer_ptr(const void* ctx, uint64_t offset, int peer);
 
-// CTA-collective. Copies `bytes` from local heap offset `src_offset` to `dst_offset` on `peer`,
+// CTA-collective (synchronises on entry). Copies `bytes` from local heap offset `src_offset` to `dst_offset` on `peer`,
 // then adds 1 to `signal` on `peer`. The payload is visible to whoever observes the increment.
 // LSA peers: the CTA's threads store through NVLink; GIN peers: one thread posts a put.
 __device__ void jaxgin_put_signal(const void* ctx, uint64_t dst_offset, uint64_t src_offset,

@@ -4,6 +4,7 @@
 // to Python, releasing the GIL around calls that block on other ranks.
 #include <dlfcn.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -104,6 +105,13 @@ class Backend {
     void* symbol = dlsym(handle_, name.c_str());
     if (symbol == nullptr) throw std::runtime_error("jaxgin backend " + path_ + " does not export " + name);
     return reinterpret_cast<uint64_t>(symbol);
+  }
+
+  // Value returned by an exported `void* jaxgin_ffi_*(void)` getter: the address of an FFI type id
+  // or type info, for registration with XLA.
+  uint64_t ffi_address(const std::string& name) const {
+    using Getter = void* (*)();
+    return reinterpret_cast<uint64_t>(reinterpret_cast<Getter>(ffi_handler(name))());
   }
 
   nb::dict ffi_calls() const {
@@ -266,10 +274,21 @@ class Runtime {
 
 }  // namespace
 
+// A DLPack-exportable view of device memory jaxgin owns (symmetric-heap buffers), so CuPy,
+// PyTorch or JAX can use it without a copy. `owner` is kept alive as long as the view.
+nb::ndarray<nb::array_api> device_array(uint64_t address, const std::vector<size_t>& shape, uint8_t dtype_code,
+                           uint8_t dtype_bits, int32_t device_id, nb::handle owner) {
+  return nb::ndarray<nb::array_api>(reinterpret_cast<void*>(address), shape.size(), shape.data(), owner, nullptr,
+                       nb::dlpack::dtype{dtype_code, dtype_bits, 1}, nb::device::cuda::value, device_id);
+}
+
 NB_MODULE(_jaxgin_ext, m) {
   m.doc() = "Loader and bindings for jaxgin's CUDA backend library (C ABI in csrc/runtime/backend_api.h).";
   m.attr("BACKEND_ABI") = JAXGIN_BACKEND_ABI;
   nb::exception<DeviceFault>(m, "DeviceFaultError", PyExc_RuntimeError);
+  m.def("device_array", &device_array, nb::arg("address"), nb::arg("shape"), nb::arg("dtype_code"),
+        nb::arg("dtype_bits"), nb::arg("device_id"), nb::arg("owner"),
+        "DLPack-exportable view of CUDA memory at `address` (DLPack dtype code and bits), kept alive by `owner`");
   nb::class_<Backend>(m, "Backend")
       .def(nb::init<const std::string&>(), nb::arg("path"))
       .def_prop_ro("path", &Backend::path)
@@ -278,6 +297,8 @@ NB_MODULE(_jaxgin_ext, m) {
       .def("unique_id", &Backend::unique_id)
       .def("device_memory", &Backend::device_memory, nb::arg("device"), "(free, total) bytes of a CUDA device")
       .def("ffi_handler", &Backend::ffi_handler, nb::arg("name"), "address of an exported XLA FFI handler")
+      .def("ffi_address", &Backend::ffi_address, nb::arg("name"),
+           "value of an exported jaxgin_ffi_* address getter (FFI type ids)")
       .def("ffi_calls", &Backend::ffi_calls, "host-side calls of each FFI handler family so far");
   nb::class_<Runtime>(m, "Runtime")
       .def(nb::init<const Backend&, int, const std::vector<int32_t>&, const std::vector<int32_t>&,

@@ -305,6 +305,16 @@ std::string describe_fault(const DeviceState& s) {
     case JAXGIN_FAULT_PEER_UNREACHABLE:
       return "peer rank " + std::to_string(f->peer) + " is unreachable from " + where +
              ": it is not in this rank's LSA (NVLink) team and the communicator has no GIN";
+    case JAXGIN_FAULT_HEAP_RANGE:
+      return "put out of the symmetric heap at " + where + peer + ": its bytes end at heap offset " +
+             std::to_string(f->observed) + " but the heap has " + std::to_string(f->expected) +
+             " bytes (source and destination must be symmetric-heap addresses: allocate them with "
+             "tritongin.empty or jaxgin's heap)";
+    case JAXGIN_FAULT_NOT_LSA_PEER:
+      return "peer_ptr asked for peer rank " + std::to_string(f->peer) + " at " + where +
+             ", which is not in this rank's LSA (NVLink) team (ranks " + std::to_string(c.rank - c.lsa_rank) +
+             " to " + std::to_string(c.rank - c.lsa_rank + c.lsa_size - 1) +
+             "); reach it with put_signal, which goes through GIN";
     case JAXGIN_FAULT_BAD_ARGUMENT:
       if (f->op == JAXGIN_OP_PUT_SIGNAL)
         return "peer index " + std::to_string((int64_t)f->observed) + " is out of range at " + where +

@@ -17,6 +17,12 @@ TARGETS = {
     "jaxgin_exchange": "jaxgin_ffi_exchange",
     "jaxgin_put_signal": "jaxgin_ffi_put",
     "jaxgin_wait_signal": "jaxgin_ffi_wait",
+    # jaxgin.triton_call loads its kernel once per executable (instantiate), then launches.
+    "jaxgin_triton_call": {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},
+}
+# FFI state types: name -> (exported type-id getter, exported type-info getter)
+STATE_TYPES = {
+    "jaxgin_triton_kernel": ("jaxgin_ffi_triton_kernel_type_id", "jaxgin_ffi_triton_kernel_type_info"),
 }
 
 _registered_from: str | None = None
@@ -42,8 +48,17 @@ def register(backend) -> None:
         traits = {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
     except (ImportError, AttributeError):
         traits = {}
-    for target, symbol in TARGETS.items():
-        handler = _HANDLER(backend.ffi_handler(symbol))
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA", **traits)
+    for name, (type_id, type_info) in STATE_TYPES.items():
+        registration = {
+            "type_id": jax.ffi.pycapsule(backend.ffi_address(type_id)),
+            "type_info": jax.ffi.pycapsule(backend.ffi_address(type_info)),
+        }
+        jax.ffi.register_ffi_type(name, registration, platform="CUDA")
+    for target, symbols in TARGETS.items():
+        if isinstance(symbols, str):
+            fn = jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(symbols)))
+        else:
+            fn = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in symbols.items()}
+        jax.ffi.register_ffi_target(target, fn, platform="CUDA", **traits)
     _registered_from = backend.path
     command_buffer_compatible = bool(traits)

@@ -37,14 +37,19 @@ __device__ __forceinline__ uint64_t read_signal(const jaxgin_context* ctx, uint3
   return value;
 }
 
-// One thread spins until the signal reaches `expected`; gives up after ctx->timeout_ns.
+// One thread spins until the signal reaches `expected`; gives up after ctx->timeout_ns. The clock
+// is read once every kClockPolls polls only: reading %globaltimer on every poll lengthens the loop
+// and delays noticing the signal, which is all a small message's latency is made of.
+constexpr uint32_t kClockPolls = 256;
+
 __device__ __forceinline__ uint64_t wait_until(const jaxgin_context* ctx, uint32_t signal,
                                                uint64_t expected, jaxgin_op_tag op, int peer) {
-  uint64_t value = read_signal(ctx, signal);
-  if (value >= expected) return value;
-  const uint64_t deadline = clock_ns() + ctx->timeout_ns;
-  while ((value = read_signal(ctx, signal)) < expected) {
-    if (clock_ns() > deadline) fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, op, peer, signal, expected, value);
+  uint64_t value, deadline = 0;
+  for (uint32_t polls = 1; (value = read_signal(ctx, signal)) < expected; polls++) {
+    if (polls % kClockPolls != 0) continue;
+    const uint64_t now = clock_ns();
+    if (deadline == 0) deadline = now + ctx->timeout_ns;
+    else if (now > deadline) fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, op, peer, signal, expected, value);
   }
   return value;
 }

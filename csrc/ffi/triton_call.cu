@@ -1,0 +1,177 @@
+// XLA FFI handler behind jaxgin.triton_call: launches a compiled (and device-library-linked) Triton
+// kernel on XLA's stream.
+//
+// The cubin travels inside the program as an attribute, so a serialized or cached executable
+// carries its kernel with it. The instantiate stage loads it once per executable as a
+// context-independent CUDA library (usable on every GPU of the process, no reload per device);
+// the execute stage only fills the parameters and launches, which CUDA graphs can record.
+//
+// Parameters are described by the `params` attribute, pairs (kind, value) in the kernel's order:
+//   kContext      the jaxgin context of the GPU this runs on
+//   kOperand/kResult  the address of XLA operand / result number `value`
+//   kHeap         this GPU's address of symmetric-heap offset `value`
+//   kInt32 / kInt64 / kFloat32  a scalar (float as its bit pattern)
+//   kNullPointer  a pointer parameter Triton appends (global / profile scratch) that the kernel
+//                 was compiled not to use
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace jaxgin::ffi_support {
+namespace {
+
+enum ParamKind : int64_t {
+  kContext = 0,
+  kOperand = 1,
+  kResult = 2,
+  kHeap = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kFloat32 = 6,
+  kNullPointer = 7,
+};
+
+// A kernel's code, loaded once per executable; the launch configuration comes with each call.
+struct TritonKernel {
+  static ffi::TypeId id;
+  cudaLibrary_t library = nullptr;
+  cudaKernel_t kernel = nullptr;
+  std::string name;
+  int64_t shared_bytes = 0;
+  std::mutex mutex;
+  std::vector<int> shared_configured;  // devices whose dynamic shared-memory limit was raised
+
+  ~TritonKernel() {
+    if (library != nullptr) cudaLibraryUnload(library);
+  }
+};
+
+ffi::TypeId TritonKernel::id = {};
+
+void check_cuda(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) throw Error(what + ": " + cudaGetErrorString(status));
+}
+
+ffi::ErrorOr<std::unique_ptr<TritonKernel>> instantiate(ffi::Span<const int8_t> cubin, std::string_view name,
+                                                       ffi::Span<const int64_t>, int64_t, int64_t shared_bytes,
+                                                       ffi::Span<const int64_t>, int64_t) {
+  auto kernel = std::make_unique<TritonKernel>();
+  kernel->name = std::string(name);
+  kernel->shared_bytes = shared_bytes;
+  cudaError_t status = cudaLibraryLoadData(&kernel->library, &cubin.front(), nullptr, nullptr, 0, nullptr,
+                                           nullptr, 0);
+  if (status == cudaSuccess) status = cudaLibraryGetKernel(&kernel->kernel, kernel->library, kernel->name.c_str());
+  if (status != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, "jaxgin.triton_call: loading Triton kernel " + kernel->name +
+                                                     " (" + std::to_string(cubin.size()) +
+                                                     "-byte cubin) failed: " + cudaGetErrorString(status));
+  return ffi::ErrorOr<std::unique_ptr<TritonKernel>>(std::move(kernel));
+}
+
+void configure_shared(TritonKernel& k, int device) {
+  if (k.shared_bytes <= 48 * 1024) return;  // the default limit covers it
+  std::lock_guard<std::mutex> lock(k.mutex);
+  for (int d : k.shared_configured)
+    if (d == device) return;
+  check_cuda(cudaKernelSetAttributeForDevice(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)k.shared_bytes, device),
+             "jaxgin.triton_call: allowing " + std::to_string(k.shared_bytes) + " bytes of shared memory for " +
+                 k.name);
+  k.shared_configured.push_back(device);
+}
+
+ffi::Error execute(cudaStream_t stream, int32_t ordinal, TritonKernel* kernel, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, ffi::Span<const int8_t>, std::string_view, ffi::Span<const int64_t> grid,
+                   int64_t num_warps, int64_t, ffi::Span<const int64_t> params, int64_t generation) {
+  return guarded([&] {
+    DeviceState& s = device_for_ordinal(ordinal, generation);
+    const jaxgin_context& c = s.host_context;
+    const size_t count = params.size() / 2;
+    // One 8-byte slot per parameter; CUDA reads each at its own size from the slot's start.
+    std::vector<uint64_t> values(count, 0);
+    std::vector<void*> pointers(count);
+    for (size_t i = 0; i < count; i++) {
+      const int64_t kind = params[2 * i], value = params[2 * i + 1];
+      uint64_t& slot = values[i];
+      switch (kind) {
+        case kContext: slot = reinterpret_cast<uint64_t>(s.context); break;
+        case kOperand: {
+          auto buffer = args.get<ffi::AnyBuffer>((size_t)value);
+          if (buffer.has_error()) throw Error("operand " + std::to_string(value) + " is missing");
+          slot = reinterpret_cast<uint64_t>(buffer->untyped_data());
+          break;
+        }
+        case kResult: {
+          auto buffer = rets.get<ffi::AnyBuffer>((size_t)value);
+          if (buffer.has_error()) throw Error("result " + std::to_string(value) + " is missing");
+          slot = reinterpret_cast<uint64_t>((*buffer)->untyped_data());
+          break;
+        }
+        case kHeap:
+          if (value < (int64_t)c.user_offset || value >= (int64_t)c.heap_bytes)
+            throw Error("heap offset " + std::to_string(value) + " is outside this runtime's user heap (was the "
+                        "program compiled for another jaxgin.initialize()?)");
+          slot = reinterpret_cast<uint64_t>(c.heap + value);
+          break;
+        case kInt32: {
+          const int32_t v = (int32_t)value;
+          std::memcpy(&slot, &v, sizeof v);
+          break;
+        }
+        case kInt64: slot = (uint64_t)value; break;
+        case kFloat32: {
+          const uint32_t bits = (uint32_t)value;
+          std::memcpy(&slot, &bits, sizeof bits);
+          break;
+        }
+        case kNullPointer: slot = 0; break;
+        default: throw Error("unknown parameter kind " + std::to_string(kind));
+      }
+      pointers[i] = &slot;
+    }
+    configure_shared(*kernel, s.device);
+    const dim3 blocks((unsigned)grid[0], (unsigned)grid[1], (unsigned)grid[2]);
+    const dim3 threads((unsigned)(num_warps * 32));
+    check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(kernel->kernel), blocks, threads, pointers.data(),
+                                (size_t)kernel->shared_bytes, stream),
+               "jaxgin.triton_call: launching Triton kernel " + kernel->name + " on CUDA device " +
+                   std::to_string(s.device));
+  });
+}
+
+}  // namespace
+}  // namespace jaxgin::ffi_support
+
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_triton_instantiate(XLA_FFI_CallFrame* call_frame);
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_triton_execute(XLA_FFI_CallFrame* call_frame);
+// For registering the state type with XLA (jax.ffi.register_ffi_type).
+extern "C" JAXGIN_API void* jaxgin_ffi_triton_kernel_type_id(void) { return &jaxgin::ffi_support::TritonKernel::id; }
+extern "C" JAXGIN_API void* jaxgin_ffi_triton_kernel_type_info(void) {
+  static XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<jaxgin::ffi_support::TritonKernel>();
+  return &info;
+}
+
+#define JAXGIN_TRITON_ATTRS                                 \
+  .Attr<xla::ffi::Span<const int8_t>>("cubin")              \
+      .Attr<std::string_view>("kernel_name")                \
+      .Attr<xla::ffi::Span<const int64_t>>("grid")          \
+      .Attr<int64_t>("num_warps")                           \
+      .Attr<int64_t>("shared_bytes")                        \
+      .Attr<xla::ffi::Span<const int64_t>>("params")        \
+      .Attr<int64_t>("generation")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_instantiate, jaxgin::ffi_support::instantiate,
+                              xla::ffi::Ffi::BindInstantiate() JAXGIN_TRITON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_execute, jaxgin::ffi_support::execute,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::State<jaxgin::ffi_support::TritonKernel>>()
+                                  .RemainingArgs()
+                                  .RemainingRets() JAXGIN_TRITON_ATTRS,
+                              {xla::ffi::Traits::kCmdBufferCompatible});

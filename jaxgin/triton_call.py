@@ -1,0 +1,199 @@
+"""jaxgin.triton_call: a Triton kernel (tritongin device functions included) as one XLA op.
+
+    out = jaxgin.triton_call(kernel, x, heap_buf, signal_id, grid=(n,), out_shape=x, BLOCK=1024)
+
+calls ``kernel(ctx, x, heap_buf, signal_id, out, BLOCK=1024)`` on XLA's stream, where ``ctx`` is
+the jaxgin context of the GPU the op runs on. Positional arguments, in the kernel's order after
+``ctx``, may be jax arrays (device pointers), ``tritongin.empty`` heap buffers (pointers into this
+GPU's symmetric heap, the same offset on every rank), Python ints (int32 or int64 scalars) and
+floats (float32); the outputs follow them, then the keyword arguments bind ``tl.constexpr``
+parameters.
+
+The kernel is compiled for the GPU when the program is traced, linked with the device library,
+and carried inside the program (a serialized executable keeps its kernel). The op is a
+side-effecting custom call, so XLA never drops or merges it, and it may be captured into CUDA
+graphs: a kernel that needs values to differ between replays must keep them on the device (as
+``tritongin.wait_arrivals`` does). Outputs are uninitialised until the kernel writes them.
+
+It needs jaxgin on CUDA GPUs; there is no reference lowering of an arbitrary Triton kernel, so on
+CPU it raises.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxgin import runtime
+from jaxgin.errors import JaxginError
+
+TARGET = "jaxgin_triton_call"
+
+# Parameter kinds of the handler (csrc/ffi/triton_call.cu).
+_CONTEXT, _OPERAND, _RESULT, _HEAP, _INT32, _INT64, _FLOAT32, _NULL_POINTER = range(8)
+
+_TRITON_TYPES = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
+    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
+    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
+    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
+}
+
+
+def _pointer_type(dtype, what: str) -> str:
+    name = np.dtype(dtype).name
+    if name not in _TRITON_TYPES:
+        raise TypeError(f"jaxgin.triton_call: {what} has dtype {name}, which Triton kernels cannot take "
+                        f"(supported: {sorted(_TRITON_TYPES)})")
+    return "*" + _TRITON_TYPES[name]
+
+
+def _grid(grid, constexprs) -> tuple[int, int, int]:
+    if callable(grid):
+        grid = grid(dict(constexprs))
+    grid = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)
+    if not 1 <= len(grid) <= 3 or any(int(g) < 1 for g in grid):
+        raise ValueError(f"jaxgin.triton_call: grid must be 1 to 3 positive ints, got {grid}")
+    return tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+
+
+def _out_types(out_shape, arrays) -> tuple[list, bool]:
+    single = not isinstance(out_shape, (list, tuple))
+    shapes = [out_shape] if single else list(out_shape)
+    # Inside shard_map the outputs vary over the manual axes the inputs vary over (a communicating
+    # kernel's result differs per device), unless the caller typed them with a ShapeDtypeStruct.
+    first = jax.typeof(arrays[0]) if arrays else None
+    manual = getattr(first, "manual_axis_type", None)
+    types = []
+    for s in shapes:
+        if not hasattr(s, "shape") or not hasattr(s, "dtype"):
+            raise TypeError(f"jaxgin.triton_call: out_shape entries need .shape and .dtype, got {s!r}")
+        if isinstance(s, jax.ShapeDtypeStruct) or manual is None or getattr(manual, "empty", True):
+            types.append(s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(s.shape, s.dtype))
+            continue
+        replicated = NamedSharding(first.sharding.mesh, PartitionSpec(*([None] * len(s.shape))))
+        types.append(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated, manual_axis_type=manual))
+    return types, single
+
+
+def _compile(kernel, signature, constexprs, num_warps, num_stages, capability):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    source = ASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    major, minor = capability
+    return triton.compile(
+        source,
+        target=GPUTarget("cuda", major * 10 + minor, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+
+
+def _capability(state) -> tuple[int, int]:
+    major, minor = str(state.local_devices[0].compute_capability).split(".")
+    return int(major), int(minor)
+
+
+def triton_call(
+    kernel,
+    *args,
+    grid,
+    out_shape,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    **constexprs,
+):
+    """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays."""
+    from tritongin import link
+    from tritongin.memory import SymmetricArray
+
+    state = runtime.current()
+    if state.runtime is None:
+        raise JaxginError(
+            f"jaxgin.triton_call runs Triton kernels on CUDA GPUs; jaxgin runs in {state.options.backend} mode "
+            "here (no GPU). Use a jax.lax / jaxgin reference for CPU runs"
+        )
+    link.install()
+    names = list(getattr(kernel, "arg_names", []))
+    if not names:
+        raise TypeError(f"jaxgin.triton_call: {kernel!r} is not a @triton.jit kernel")
+    arrays = [a for a in args if isinstance(a, (jax.Array, np.ndarray)) or hasattr(a, "aval")]
+    out_types, single = _out_types(out_shape, arrays)
+    runtime_params = [n for n in names if n not in constexprs]
+    expected = 1 + len(args) + len(out_types)
+    if len(runtime_params) != expected:
+        raise TypeError(
+            f"jaxgin.triton_call: kernel {kernel.__name__}{tuple(names)} has {len(runtime_params)} non-constexpr "
+            f"parameters {tuple(runtime_params)}, but the call supplies {expected}: the context, {len(args)} "
+            f"positional argument(s) and {len(out_types)} output(s). Bind tl.constexpr parameters by keyword"
+        )
+    unknown = sorted(set(constexprs) - set(names))
+    if unknown:
+        raise TypeError(f"jaxgin.triton_call: kernel {kernel.__name__} has no parameter(s) {unknown}")
+
+    signature: dict[str, str] = {}
+    params: list[int] = []
+    operands = []
+    it = iter(runtime_params)
+    signature[next(it)] = "*u8"
+    params += [_CONTEXT, 0]
+    for position, arg in enumerate(args):
+        name = next(it)
+        if isinstance(arg, SymmetricArray):
+            arg._check_live()
+            signature[name] = _pointer_type(arg.dtype, f"argument {name!r}")
+            params += [_HEAP, arg.offset]
+        elif isinstance(arg, (bool, np.bool_)):
+            raise TypeError(f"jaxgin.triton_call: argument {name!r} is a bool; pass an int")
+        elif isinstance(arg, (int, np.integer)):
+            value = int(arg)
+            small = -(2**31) <= value < 2**31
+            signature[name] = "i32" if small else "i64"
+            params += [_INT32 if small else _INT64, value]
+        elif isinstance(arg, (float, np.floating)):
+            signature[name] = "fp32"
+            params += [_FLOAT32, int(np.array(arg, dtype=np.float32).view(np.uint32))]
+        elif isinstance(arg, (jax.Array, np.ndarray)) or hasattr(arg, "aval"):
+            signature[name] = _pointer_type(arg.dtype, f"argument {name!r}")
+            params += [_OPERAND, len(operands)]
+            operands.append(arg)
+        else:
+            raise TypeError(
+                f"jaxgin.triton_call: argument {position} ({name!r}) is {type(arg).__name__}; pass a jax array, a "
+                "tritongin.empty heap buffer, an int or a float"
+            )
+    for index, out in enumerate(out_types):
+        name = next(it)
+        signature[name] = _pointer_type(out.dtype, f"output {name!r}")
+        params += [_RESULT, index]
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+
+    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state))
+    metadata = compiled.metadata
+    if getattr(metadata, "global_scratch_size", 0):
+        raise JaxginError(
+            f"jaxgin.triton_call: kernel {kernel.__name__} needs {metadata.global_scratch_size} bytes of Triton "
+            "global scratch per program, which triton_call does not provide"
+        )
+    if getattr(metadata, "num_ctas", 1) != 1:
+        raise JaxginError(f"jaxgin.triton_call: kernel {kernel.__name__} uses thread-block clusters (num_ctas > 1)")
+    params += [_NULL_POINTER, 0, _NULL_POINTER, 0]  # Triton's global and profile scratch pointers
+    cubin = compiled.asm["cubin"]
+    call = jax.ffi.ffi_call(TARGET, out_types, has_side_effect=True)
+    results = call(
+        *operands,
+        cubin=np.frombuffer(cubin, dtype=np.int8),
+        kernel_name=metadata.name,
+        grid=np.array(_grid(grid, constexprs), dtype=np.int64),
+        num_warps=np.int64(metadata.num_warps),
+        shared_bytes=np.int64(metadata.shared),
+        params=np.array(params, dtype=np.int64),
+        generation=np.int64(state.generation),
+    )
+    return results[0] if single else results
+

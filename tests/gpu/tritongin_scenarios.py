@@ -1,0 +1,313 @@
+"""GPU scenarios for tritongin, each run in a fresh process by tests/gpu/test_tritongin_gpu.py.
+
+    python tests/gpu/tritongin_scenarios.py NAME     # one process, all visible GPUs
+
+Standalone launches go through Triton's own launcher (PyTorch streams, one launch per GPU; the
+launches are asynchronous, so kernels that wait for each other run together). Every payload is a
+stamp of (sender, iteration, word) that the receiver recomputes and compares word by word.
+Each scenario prints one JSON line prefixed with RESULT:.
+"""
+
+import json
+import os
+import sys
+import time
+
+import triton
+import triton.language as tl
+
+import tritongin.language as tgl
+
+
+@triton.jit
+def _stamp(rank, iteration, offs):
+    return rank * 1000003 + iteration * 7919 + offs
+
+
+@triton.jit(do_not_specialize=["iteration"])
+def ring_kernel(ctx, send, recv, errors, data_sig, credit_sig, words, iteration, BLOCK: tl.constexpr):
+    """Puts a stamped tile to the right neighbour, waits for the left one's, checks it, returns a
+    credit to the left (it may overwrite `recv` again) and waits for the right one's credit."""
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    right = (me + 1) % n
+    left = (me + n - 1) % n
+    for start in range(0, words, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(send + offs, _stamp(me, iteration, offs), mask=offs < words)
+    tgl.put_signal(ctx, recv, send, words * 4, right, data_sig)
+    tgl.wait_arrivals(ctx, data_sig, 1)
+    for start in range(0, words, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        got = tl.load(recv + offs, mask=offs < words, other=0)
+        tl.atomic_add(errors, tl.sum(((got != _stamp(left, iteration, offs)) & (offs < words)).to(tl.int32)))
+    tgl.signal(ctx, left, credit_sig, 1)
+    tgl.wait_arrivals(ctx, credit_sig, 1)
+
+
+@triton.jit(do_not_specialize=["iteration"])
+def all_pairs_kernel(ctx, send, recv, errors, sig, words, iteration, BLOCK: tl.constexpr):
+    """Every rank puts a tile to every other rank (slot = sender), then checks all it received."""
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    for start in range(0, words, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(send + offs, _stamp(me, iteration, offs), mask=offs < words)
+    for step in range(1, n):
+        peer = (me + step) % n
+        tgl.put_signal(ctx, recv + me * words, send, words * 4, peer, sig)
+    tgl.wait_arrivals(ctx, sig, n - 1)
+    for step in range(1, n):
+        sender = (me + n - step) % n
+        for start in range(0, words, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            got = tl.load(recv + sender * words + offs, mask=offs < words, other=0)
+            tl.atomic_add(errors, tl.sum(((got != _stamp(sender, iteration, offs)) & (offs < words)).to(tl.int32)))
+    tgl.barrier(ctx)  # nobody overwrites a slot before its owner checked it
+
+
+@triton.jit(do_not_specialize=["iteration"])
+def barrier_kernel(ctx, slots, errors, words, iteration, BLOCK: tl.constexpr):
+    """Each program stores its share of a stamped tile into every peer's slot through peer_ptr
+    (plain tl.store over NVLink), crosses the barrier, and checks what the others stored."""
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    pid = tl.program_id(0)
+    share = tl.cdiv(words, tl.num_programs(0))
+    lo = pid * share
+    for step in range(1, n):
+        peer = (me + step) % n
+        remote = tgl.peer_ptr(ctx, slots + me * words, peer)
+        for start in range(lo, lo + share, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = (offs < words) & (offs < lo + share)
+            tl.store(remote + offs, _stamp(me, iteration, offs), mask=mask)
+    tgl.barrier(ctx)
+    for step in range(1, n):
+        sender = (me + n - step) % n
+        for start in range(lo, lo + share, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = (offs < words) & (offs < lo + share)
+            got = tl.load(slots + sender * words + offs, mask=mask, other=0)
+            tl.atomic_add(errors, tl.sum(((got != _stamp(sender, iteration, offs)) & mask).to(tl.int32)))
+    tgl.barrier(ctx)  # slots are rewritten only after everyone checked them
+
+
+@triton.jit(do_not_specialize=["rounds"])
+def pingpong_kernel(ctx, buf, sig, nbytes, rounds):
+    """Ranks 0 and 1 bounce `nbytes` back and forth `rounds` times through put_signal."""
+    me = tgl.rank(ctx)
+    if me < 2:
+        for _ in range(rounds):
+            if me == 0:
+                tgl.put_signal(ctx, buf, buf, nbytes, 1, sig)
+                tgl.wait_arrivals(ctx, sig, 1)
+            else:
+                tgl.wait_arrivals(ctx, sig, 1)
+                tgl.put_signal(ctx, buf, buf, nbytes, 0, sig)
+
+
+@triton.jit
+def push_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr):
+    """Bulk copy to a peer's heap with Triton's own vector stores through peer_ptr."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < count
+    tl.store(tgl.peer_ptr(ctx, dst, peer) + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def _setup():
+    import jax
+    import torch
+
+    import jaxgin
+    import tritongin
+
+    jaxgin.initialize(heap_size=os.environ.get("JAXGIN_TEST_HEAP", "3GiB"))
+    devices = len(jax.local_devices())
+    return jax, torch, jaxgin, tritongin, devices
+
+
+def _launch_all(torch, tritongin, devices, launch):
+    """launch(d, ctx) on every GPU, each on its current PyTorch stream."""
+    for d in range(devices):
+        with torch.cuda.device(d):
+            launch(d, tritongin.context(d))
+
+
+def _sync(torch, devices):
+    for d in range(devices):
+        torch.cuda.synchronize(d)
+
+
+def standalone(iterations: int):
+    jax, torch, jaxgin, tritongin, devices = _setup()
+    out = {"devices": devices, "iterations": iterations}
+    words, block = 16384, 1024  # 64 KiB tiles
+    errors = [torch.zeros(1, dtype=torch.int32, device=f"cuda:{d}") for d in range(devices)]
+
+    send = tritongin.empty((words,), "int32")
+    recv = tritongin.empty((devices * words,), "int32")
+    sig = tritongin.signals(3)
+    cases = {
+        "ring": lambda d, ctx, i: ring_kernel[(1,)](ctx, send.local(d), recv.local(d), errors[d], sig[0], sig[1],
+                                                    words, i, BLOCK=block),
+        "all_pairs": lambda d, ctx, i: all_pairs_kernel[(1,)](ctx, send.local(d), recv.local(d), errors[d], sig[2],
+                                                              words, i, BLOCK=block),
+        "barrier": lambda d, ctx, i: barrier_kernel[(4,)](ctx, recv.local(d), errors[d], words, i, BLOCK=block),
+    }
+    for name, case in cases.items():
+        for e in errors:
+            e.zero_()
+        start = time.perf_counter()
+        for i in range(iterations):
+            _launch_all(torch, tritongin, devices, lambda d, ctx: case(d, ctx, i))
+        _sync(torch, devices)
+        out[name] = {
+            "mismatched_words": int(sum(int(e.item()) for e in errors)),
+            "words_checked": iterations * devices * words * (devices - 1 if name != "ring" else 1),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+    # DLPack: the heap buffer seen through PyTorch holds what the last ring iteration received.
+    left_of_0 = devices - 1
+    view = torch.from_dlpack(recv.local(0))
+    expected = left_of_0 * 1000003 + (iterations - 1) * 7919 + torch.arange(words, device="cuda:0", dtype=torch.int32)
+    out["dlpack_view_matches"] = bool(torch.equal(view[:words], expected))
+    out["faults"] = jaxgin.device_faults()
+    print("RESULT:" + json.dumps(out))
+
+
+def latency():
+    jax, torch, jaxgin, tritongin, devices = _setup()
+    buf = tritongin.empty((1 << 20,), "uint8")
+    sig = tritongin.signals(1)
+    rounds = 2000
+    out = {"devices": devices, "rounds": rounds, "one_way_us": {}}
+    for nbytes in (8, 256, 4096, 65536):
+        best = None
+        for _ in range(3):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.device(0):
+                start.record()
+            _launch_all(torch, tritongin, devices,
+                        lambda d, ctx: pingpong_kernel[(1,)](ctx, buf.local(d), sig[0], nbytes, rounds, num_warps=4))
+            with torch.cuda.device(0):
+                stop.record()
+            _sync(torch, devices)
+            one_way = start.elapsed_time(stop) * 1000 / (2 * rounds)
+            best = one_way if best is None else min(best, one_way)
+        out["one_way_us"][str(nbytes)] = round(best, 3)
+    out["faults"] = jaxgin.device_faults()
+    print("RESULT:" + json.dumps(out))
+
+
+def bandwidth():
+    jax, torch, jaxgin, tritongin, devices = _setup()
+    nbytes = 1 << 30
+    count = nbytes // 4
+    src = tritongin.empty((count,), "float32")
+    dst = tritongin.empty((count,), "float32")
+    with torch.cuda.device(0):
+        torch.from_dlpack(src.local(0)).copy_(torch.arange(count, dtype=torch.float32, device="cuda:0"))
+    torch.from_dlpack(dst.local(1)).zero_()
+    _sync(torch, devices)
+
+    def timed(fn, repeats=5):
+        with torch.cuda.device(0):
+            fn()  # warm-up (compile, first touch)
+            torch.cuda.synchronize(0)
+            times = []
+            for _ in range(repeats):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1000)
+        return min(times)
+
+    out = {"devices": devices, "bytes": nbytes, "triton_peer_ptr": {}}
+    ctx = tritongin.context(0)
+    for block, warps in ((4096, 8), (8192, 8), (16384, 16)):
+        seconds = timed(lambda: push_kernel[(triton.cdiv(count, block),)](ctx, src.local(0), dst.local(0), count, 1,
+                                                                          BLOCK=block, num_warps=warps))
+        out["triton_peer_ptr"][f"BLOCK={block},num_warps={warps}"] = round(nbytes / seconds / 1e9, 1)
+    torch.cuda.synchronize(1)
+    got = torch.from_dlpack(dst.local(1))
+    out["copy_correct"] = bool(torch.equal(got[: 1 << 20].cpu(), torch.arange(1 << 20, dtype=torch.float32)))
+    plain_src = torch.arange(count, dtype=torch.float32, device="cuda:0")
+    plain_dst = torch.empty(count, dtype=torch.float32, device="cuda:1")
+    seconds = timed(lambda: plain_dst.copy_(plain_src, non_blocking=True))
+    out["plain_peer_copy_GBs"] = round(nbytes / seconds / 1e9, 1)
+    best = max(out["triton_peer_ptr"].values())
+    out["best_triton_GBs"] = best
+    out["ratio_to_plain_copy"] = round(best / out["plain_peer_copy_GBs"], 3)
+    print("RESULT:" + json.dumps(out))
+
+
+@triton.jit
+def ring_call_kernel(ctx, x, send, recv, data_sig, credit_sig, out, WORDS: tl.constexpr):
+    """jaxgin.triton_call's ring: x (an XLA buffer) goes to the right neighbour through the heap;
+    what the left one sent comes back as `out` (== jax.lax.ppermute)."""
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    offs = tl.arange(0, WORDS)
+    tl.store(send + offs, tl.load(x + offs))
+    tgl.put_signal(ctx, recv, send, WORDS * 4, (me + 1) % n, data_sig)
+    tgl.wait_arrivals(ctx, data_sig, 1)
+    tl.store(out + offs, tl.load(recv + offs))
+    tgl.signal(ctx, (me + n - 1) % n, credit_sig, 1)
+    tgl.wait_arrivals(ctx, credit_sig, 1)
+
+
+def triton_call(iterations: int):
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    jax, torch, jaxgin, tritongin, devices = _setup()
+    words = 4096
+    send = tritongin.empty((words,), "float32")
+    recv = tritongin.empty((words,), "float32")
+    sig = tritongin.signals(2)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    ring = [(i, (i + 1) % devices) for i in range(devices)]
+
+    def body(x):
+        ours = jaxgin.triton_call(ring_call_kernel, x, send, recv, sig[0], sig[1], grid=(1,), out_shape=x,
+                                  WORDS=words)
+        theirs = jax.lax.ppermute(x, "x", ring)
+        return jnp.array_equal(ours, theirs)[None], ours
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))
+    x = jax.device_put(jnp.arange(devices * words, dtype=jnp.float32), NamedSharding(mesh, P("x")))
+    mismatches = 0
+    start = time.perf_counter()
+    for i in range(iterations):
+        equal, ours = step(x + i)
+        mismatches += int(devices - int(np.sum(np.asarray(equal))))
+    elapsed = time.perf_counter() - start
+    expected = np.roll(np.arange(devices * words, dtype=np.float32).reshape(devices, words), 1, axis=0).ravel()
+    hlo = step.lower(x).as_text()
+    print("RESULT:" + json.dumps({
+        "devices": devices,
+        "iterations": iterations,
+        "mismatches": mismatches,
+        "last_equals_numpy_roll": bool(np.array_equal(np.asarray(ours), expected + iterations - 1)),
+        "custom_calls_in_hlo": hlo.count("jaxgin_triton_call"),
+        "seconds": round(elapsed, 2),
+        "faults": jaxgin.device_faults(),
+    }))
+
+
+if __name__ == "__main__":
+    name, rest = sys.argv[1], sys.argv[2:]
+    if name == "standalone":
+        standalone(int(rest[0]) if rest else 1)
+    elif name == "latency":
+        latency()
+    elif name == "bandwidth":
+        bandwidth()
+    elif name == "triton_call":
+        triton_call(int(rest[0]) if rest else 1)
+    else:
+        raise SystemExit(f"unknown scenario {name}")
