@@ -49,6 +49,11 @@ def _pointer_type(dtype, what: str) -> str:
     return "*" + _TRITON_TYPES[name]
 
 
+def _is_array(value) -> bool:
+    """A jax array, numpy array or tracer: passed to the kernel as a device pointer."""
+    return isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval")
+
+
 def _grid(grid, constexprs) -> tuple[int, int, int]:
     if callable(grid):
         grid = grid(dict(constexprs))
@@ -120,7 +125,7 @@ def triton_call(
     names = list(getattr(kernel, "arg_names", []))
     if not names:
         raise TypeError(f"jaxgin.triton_call: {kernel!r} is not a @triton.jit kernel")
-    arrays = [a for a in args if isinstance(a, (jax.Array, np.ndarray)) or hasattr(a, "aval")]
+    arrays = [a for a in args if _is_array(a)]
     out_types, single = _out_types(out_shape, arrays)
     runtime_params = [n for n in names if n not in constexprs]
     expected = 1 + len(args) + len(out_types)
@@ -156,7 +161,7 @@ def triton_call(
         elif isinstance(arg, (float, np.floating)):
             signature[name] = "fp32"
             params += [_FLOAT32, int(np.array(arg, dtype=np.float32).view(np.uint32))]
-        elif isinstance(arg, (jax.Array, np.ndarray)) or hasattr(arg, "aval"):
+        elif _is_array(arg):
             signature[name] = _pointer_type(arg.dtype, f"argument {name!r}")
             params += [_OPERAND, len(operands)]
             operands.append(arg)

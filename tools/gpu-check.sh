@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One round on a lent GPU machine: build jaxgin there, print what it finds, run the GPU tests and
-# the quickstart. Logs and JSON results go to $OUT (the device tool brings that folder back).
+# every example (without GPUs those say what they can do). Arguments replace the test selection,
+# e.g. bash tools/gpu-check.sh tests/gpu/test_tritongin_gpu.py. Logs and JSON results go to $OUT
+# (the device tool brings that folder back).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0
@@ -14,6 +16,7 @@ step "machine" nvidia-smi -L
 step "install" python3 -m pip install -q --no-build-isolation --no-deps -e .
 step "prebuild" python3 -m jaxgin.build -v
 step "info" python3 -m jaxgin.info
-step "gpu tests" python3 -m pytest tests/gpu -v -rA "$@"
-step "quickstart" python3 examples/quickstart.py
+step "nvjitlink" python3 -c "from tritongin import link; l = link.nvjitlink(); print(l.path, l.version)"
+step "gpu tests" python3 -m pytest -v -rA "${@:-tests/gpu}"
+for example in examples/*.py; do step "$example" python3 "$example"; done
 exit $status

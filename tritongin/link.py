@@ -171,7 +171,10 @@ def library_key() -> str:
     return digest.hexdigest()[:20]
 
 
+@functools.cache
 def _library_cubin(arch: str) -> bytes:
+    """The device library's cubin, read once per process and arch (a build lookup hashes every
+    source and runs nvcc; one NCCL per process, as library_key assumes too)."""
     return _build.build(_nccl.load(), arch).cubin.read_bytes()
 
 
