@@ -4,7 +4,8 @@ Start with ``jaxgin.initialize()``; ``jaxgin.info()`` says what it runs on and
 ``jaxgin.selftest()`` checks an all-pairs exchange between every device. Inside ``jax.shard_map``:
 ``jaxgin.ppermute`` / ``jaxgin.all_to_all`` replace jax.lax's, and ``jaxgin.put_signal`` /
 ``jaxgin.wait_signal`` with a ``jaxgin.Mailbox`` give split-phase one-sided communication. ``jaxgin.triton_call`` runs a Triton kernel that
-communicates itself (``tritongin``) as one XLA op.
+communicates itself (``tritongin``) as one XLA op (``jaxgin.axis_route`` gives it the ranks of its
+axis peers); ``jaxgin.fused`` has matmuls fused with their all_to_all / all_gather.
 """
 
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, ToolchainError
@@ -13,6 +14,8 @@ from jaxgin.diagnostics import SelftestReport, selftest
 from jaxgin.collectives import all_to_all, ppermute
 from jaxgin.mailbox import Mailbox, Token, put_signal, wait_signal
 from jaxgin.triton_call import triton_call
+from jaxgin.ffi.route import axis_route
+from jaxgin import fused
 
 __version__ = "0.1.0"
 
@@ -26,6 +29,8 @@ __all__ = [
     "Token",
     "ToolchainError",
     "all_to_all",
+    "axis_route",
+    "fused",
     "device_faults",
     "finalize",
     "info",

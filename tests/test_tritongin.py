@@ -87,6 +87,10 @@ def test_device_library(toolchain):
     for symbol in ("jaxgin_put_signal", "jaxgin_tt_put_signal", "jaxgin_tt_peer_delta", "jaxgin_tt_wait_arrivals"):
         assert re.search(rf"^\.visible\s+\.func\s+(?:\([^)]*\)\s*)?{symbol}\s*\(", ptx, flags=re.MULTILINE), symbol
     assert artifacts.cubin.read_bytes()[:4] == b"\x7fELF"
+    # Triton owns the shared memory of the kernels the library is linked into and assumes its
+    # dynamic part starts at offset 0; a static __shared__ in the library would shift it and
+    # corrupt swizzled matmul tiles without any error.
+    assert not re.search(r"^\s*\.shared\b", ptx, flags=re.MULTILINE), "the device library declares shared memory"
 
 
 def test_nvjitlink_constants_match_its_header(toolchain):

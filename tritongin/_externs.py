@@ -117,6 +117,23 @@ def wait_arrivals(ctx, signal, count, _semantic=None):
 
 
 @core.extern
+def set_flag(ctx, flag, value, peer, _semantic=None):
+    ctx = _address(ctx, "ctx", "set_flag", _semantic)
+    flag = _address(flag, "flag", "set_flag", _semantic)
+    value = _integer(value, "value", "set_flag", _I64, _semantic)
+    peer = _integer(peer, "peer", "set_flag", _I32, _semantic)
+    return _call("jaxgin_tt_set_flag", [ctx, flag, value, peer], (_I64, _I64, _I64, _I32), _I32, _semantic)
+
+
+@core.extern
+def wait_flag(ctx, flag, value, _semantic=None):
+    ctx = _address(ctx, "ctx", "wait_flag", _semantic)
+    flag = _address(flag, "flag", "wait_flag", _semantic)
+    value = _integer(value, "value", "wait_flag", _I64, _semantic)
+    return _call("jaxgin_tt_wait_flag", [ctx, flag, value], (_I64, _I64, _I64), _I64, _semantic)
+
+
+@core.extern
 def flush(ctx, _semantic=None):
     ctx = _address(ctx, "ctx", "flush", _semantic)
     return _call("jaxgin_tt_flush", [ctx], (_I64,), _I32, _semantic)

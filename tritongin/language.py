@@ -127,6 +127,23 @@ def wait_arrivals(ctx, signal, count):
 
 
 @_device_function
+def set_flag(ctx, flag, value, peer):
+    """CTA-collective (synchronises the program first). Sets the int64 heap word `flag` on `peer`
+    (an LSA peer) to `value`, after every store the program made before the call (release). Flags
+    carry values rather than counts: set them to a call counter, and any number of programs on the
+    peer can wait for that call with ``wait_flag`` (a later value satisfies an earlier wait)."""
+    _externs.set_flag(ctx, flag, value, peer)
+
+
+@_device_function
+def wait_flag(ctx, flag, value):
+    """CTA-collective. Blocks until this rank's int64 heap word `flag` is >= `value` (acquire: what
+    the setter stored before ``set_flag`` is visible to the program afterwards); returns the value
+    seen. Bounded by the runtime's timeout (a fault naming the flag's heap offset)."""
+    return _externs.wait_flag(ctx, flag, value)
+
+
+@_device_function
 def flush(ctx):
     """CTA-collective. The sources of this program's earlier puts may be overwritten afterwards
     (it does not mean they arrived: a signal says that)."""
@@ -148,8 +165,10 @@ __all__ = [
     "put_signal",
     "rank",
     "read_signal",
+    "set_flag",
     "signal",
     "wait_arrivals",
+    "wait_flag",
     "wait_signal",
     "world_size",
 ]

@@ -8,6 +8,8 @@
 //
 // Thread semantics are those of the wrapped functions (see jaxgin_device.h). Triton executes a
 // scalar call on every thread of the program (CTA), which is what CTA-collective functions need.
+// None of them may use shared memory: Triton owns the CTA's shared memory and assumes its dynamic
+// part starts at offset 0 (swizzled matmul layouts need that alignment).
 #pragma once
 #include <stdint.h>
 
@@ -33,6 +35,18 @@ __device__ uint64_t jaxgin_tt_wait_signal(const void* ctx, uint32_t signal, uint
 
 // CTA-collective. jaxgin_wait_signal_arrivals; returns the total consumed afterwards.
 __device__ uint64_t jaxgin_tt_wait_arrivals(const void* ctx, uint32_t signal, uint64_t count);
+
+// Flags: 64-bit words in the symmetric heap that a peer sets to a value (typically a call counter,
+// so many programs can wait for the same event and a later value satisfies an earlier wait).
+// CTA-collective. After every store the CTA made before the call, sets the word at heap address
+// `flag` on LSA peer `peer` to `value` (release, system scope). Faults if `flag` is not a heap
+// address or `peer` is not an LSA peer.
+__device__ int32_t jaxgin_tt_set_flag(const void* ctx, const void* flag, uint64_t value, int peer);
+
+// CTA-collective. Waits until the word at local heap address `flag` is >= `value` (acquire: what the
+// setter stored before setting it is visible to the whole CTA afterwards); returns the value seen.
+// Bounded by the runtime's timeout (fault: JAXGIN_FAULT_FLAG_TIMEOUT).
+__device__ uint64_t jaxgin_tt_wait_flag(const void* ctx, const void* flag, uint64_t value);
 
 // CTA-collective. jaxgin_flush and jaxgin_barrier.
 __device__ int32_t jaxgin_tt_flush(const void* ctx);

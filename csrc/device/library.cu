@@ -110,6 +110,49 @@ __device__ uint64_t jaxgin_tt_wait_arrivals(const void* ctx, uint32_t signal, ui
   return as_context(ctx)->consumed[signal];
 }
 
+namespace {
+// Heap offset of a flag word, or a fault: flags must be 8-byte aligned words inside the heap.
+__device__ uint64_t flag_offset(const jaxgin_context* c, const void* flag, int peer) {
+  const uint64_t offset = jaxgin_heap_offset(c, flag);
+  if (offset > c->heap_bytes - 8 || offset % 8 != 0)
+    jaxgin::fail(c, JAXGIN_FAULT_HEAP_RANGE, JAXGIN_OP_DEVICE_CALL, peer, 0, c->heap_bytes, offset + 8);
+  return offset;
+}
+}  // namespace
+
+__device__ int32_t jaxgin_tt_set_flag(const void* ctx, const void* flag, uint64_t value, int peer) {
+  const jaxgin_context* c = as_context(ctx);
+  __syncthreads();  // every thread's stores precede thread 0's release below
+  if (jaxgin::linear_thread() == 0) {
+    const uint64_t offset = flag_offset(c, flag, peer);
+    if (peer < 0 || peer >= c->world_size || !jaxgin::is_lsa_peer(c, peer))
+      jaxgin::fail(c, JAXGIN_FAULT_NOT_LSA_PEER, JAXGIN_OP_DEVICE_CALL, peer, 0, 0, 0);
+    uint64_t* remote = static_cast<uint64_t*>(ncclGetPeerPointer(c->window, offset, peer));
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*remote).store(value, cuda::memory_order_release);
+  }
+  return 0;
+}
+
+__device__ uint64_t jaxgin_tt_wait_flag(const void* ctx, const void* flag, uint64_t value) {
+  const jaxgin_context* c = as_context(ctx);
+  if (jaxgin::linear_thread() == 0) {
+    const uint64_t offset = flag_offset(c, flag, -1);
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*reinterpret_cast<uint64_t*>(c->heap + offset));
+    uint64_t deadline = 0;
+    for (uint32_t polls = 1; word.load(cuda::memory_order_acquire) < value; polls++) {
+      if (polls % jaxgin::kClockPolls != 0) continue;
+      const uint64_t now = jaxgin::clock_ns();
+      if (deadline == 0) deadline = now + c->timeout_ns;
+      else if (now > deadline)
+        jaxgin::fail(c, JAXGIN_FAULT_FLAG_TIMEOUT, JAXGIN_OP_DEVICE_CALL, -1, (uint32_t)(offset / 8), value,
+                     word.load(cuda::memory_order_relaxed));
+    }
+  }
+  __syncthreads();
+  return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*const_cast<uint64_t*>(
+             static_cast<const uint64_t*>(flag))).load(cuda::memory_order_relaxed);
+}
+
 __device__ int32_t jaxgin_tt_flush(const void* ctx) {
   jaxgin_flush(ctx);
   return 0;

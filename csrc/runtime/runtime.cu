@@ -310,6 +310,10 @@ std::string describe_fault(const DeviceState& s) {
              std::to_string(f->observed) + " but the heap has " + std::to_string(f->expected) +
              " bytes (source and destination must be symmetric-heap addresses: allocate them with "
              "tritongin.empty or jaxgin's heap)";
+    case JAXGIN_FAULT_FLAG_TIMEOUT:
+      return timeout + where + ": the flag at heap offset " + std::to_string((uint64_t)f->signal * 8) +
+             " was expected to reach " + std::to_string(f->expected) + " but stayed at " +
+             std::to_string(f->observed) + " (the peer that sets it never got there, ran a different program, or died)";
     case JAXGIN_FAULT_NOT_LSA_PEER:
       return "peer_ptr asked for peer rank " + std::to_string(f->peer) + " at " + where +
              ", which is not in this rank's LSA (NVLink) team (ranks " + std::to_string(c.rank - c.lsa_rank) +

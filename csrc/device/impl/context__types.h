@@ -21,6 +21,7 @@ enum jaxgin_fault_code : uint32_t {
   JAXGIN_FAULT_BAD_ARGUMENT = 3,       // signal id, peer or barrier slot out of range
   JAXGIN_FAULT_HEAP_RANGE = 4,         // a put's source or destination is not inside the heap
   JAXGIN_FAULT_NOT_LSA_PEER = 5,       // a peer pointer was asked for a peer outside the LSA team
+  JAXGIN_FAULT_FLAG_TIMEOUT = 6,       // a heap flag did not reach the expected value in time
 };
 
 // Which operation was waiting; kernels pass their own tag so the host can name the op.

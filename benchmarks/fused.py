@@ -1,0 +1,212 @@
+"""Fused matmul + communication (jaxgin.fused) vs XLA's unfused composition, same process, same data.
+
+    python benchmarks/fused.py [--out DIR] [--dtype bfloat16] [--sweep 512,1024,2048,4096,8192]
+
+Per device and per shape (M x K x N, x [M, K] @ w [K, N]):
+  xla_matmul            x @ w (cuBLAS through XLA)
+  triton_matmul         the fused kernels' tile code alone (same tile configuration)
+  xla_matmul_all_to_all jax.lax.all_to_all(x @ w, tiled) in one jit
+  fused_all_to_all      jaxgin.fused.matmul_all_to_all
+and for all_gather_matmul (M = rows after the gather, each device holding M / devices):
+  xla_all_gather_matmul jax.lax.all_gather(x, tiled) @ w in one jit
+  fused_all_gather      jaxgin.fused.all_gather_matmul
+
+Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output
+(a one-element update of x, the same for every variant, so XLA can neither hoist nor overlap the
+calls); best of REPEATS runs / STEPS. Results are checked against XLA's before timing. Writes
+fused.json and fused.png (matplotlib, if installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxgin
+from jaxgin.fused import _common
+
+STEPS = 20
+ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
+
+
+def _time(f, *args, repeats: int) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - start)
+    return best / STEPS
+
+
+def _chain(mesh, op):
+    def body(x, w):
+        def step(_, x):
+            y = op(x, w)
+            # x changes with y (by +0, which XLA cannot prove), so call i + 1 waits for call i.
+            return x.at[0, 0].set((x[0, 0].astype(jnp.float32) + y[0, 0].astype(jnp.float32) * 0).astype(x.dtype))
+
+        return jax.lax.fori_loop(0, STEPS, step, x)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+
+
+def _once(mesh, op):
+    return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
+    devices = mesh.size
+    state = jaxgin.runtime.current()
+    precision = _common.dot_precision(dtype, None)
+    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None)
+    keys = jax.random.split(jax.random.key(m + k + n))
+    x = jax.device_put(jax.random.normal(keys[0], (devices * m, k), dtype), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    row = {"m": m, "k": k, "n": n, "dtype": np.dtype(dtype).name, "tiles": tiles.__dict__}
+    ops = {
+        "xla_matmul": lambda x, w: x @ w,
+        "triton_matmul": lambda x, w: _common.matmul(x, w, tiles, precision),
+    }
+    if "all_to_all" in kinds:
+        ops["xla_matmul_all_to_all"] = lambda x, w: jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
+        ops["fused_all_to_all"] = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x")
+        got = _once(mesh, ops["fused_all_to_all"])(x, w)
+        row["all_to_all_rel_err"] = _rel(got, _once(mesh, ops["xla_matmul_all_to_all"])(x, w))
+    if "all_gather" in kinds and m % devices == 0:
+        shard = (m // devices, k)
+        xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
+        gather_ops = {
+            "xla_all_gather_matmul": lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,
+            "fused_all_gather": lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x"),
+        }
+        got = _once(mesh, gather_ops["fused_all_gather"])(xs, w)
+        row["all_gather_rel_err"] = _rel(got, _once(mesh, gather_ops["xla_all_gather_matmul"])(xs, w))
+        for name, op in gather_ops.items():
+            row[f"{name}_us"] = _time(_chain(mesh, op), xs, w, repeats=repeats) * 1e6
+        row["all_gather_shard"] = list(shard)
+    for name, op in ops.items():
+        row[f"{name}_us"] = _time(_chain(mesh, op), x, w, repeats=repeats) * 1e6
+    flops = 2 * m * k * n
+    row["xla_matmul_TFLOPs"] = flops / row["xla_matmul_us"] / 1e6
+    row["triton_matmul_TFLOPs"] = flops / row["triton_matmul_us"] / 1e6
+    row["triton_vs_xla_matmul"] = row["xla_matmul_us"] / row["triton_matmul_us"]
+    if "fused_all_to_all_us" in row:
+        row["speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["fused_all_to_all_us"]
+        row["fused_over_matmul"] = row["fused_all_to_all_us"] / row["xla_matmul_us"]
+    if "fused_all_gather_us" in row:
+        row["all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["fused_all_gather_us"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """Where matmul_all_to_all's time goes: the same kernel with parts of the exchange switched
+    off (results are then wrong; only the timing is of interest)."""
+    import importlib
+
+    fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")  # the module, not the function
+    state = jaxgin.runtime.current()
+    keys = jax.random.split(jax.random.key(1))
+    x = jax.device_put(jax.random.normal(keys[0], (mesh.size * m, k), dtype), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    names = {0: "matmul only (same kernel)", 1: "+ remote tile stores", 3: "+ flags", 7: "+ copy-out (the op)"}
+    row = {"m": m, "k": k, "n": n}
+    for parts, name in names.items():
+        def op(x, w, parts=parts):
+            plan = fused_a2a._Plan(("x",), mesh.size, x.shape[0], w.shape[1], x.shape[1], True, True, None, None)
+            return fused_a2a._kernel(state, x, w, plan, parts)
+
+        row[name] = _time(_chain(mesh, op), x, w, repeats=repeats) * 1e6
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    sweep = [r for r in report["sweep"]]
+    ms = [r["m"] for r in sweep]
+    for key, label in (("xla_matmul_us", "XLA x @ w"), ("triton_matmul_us", "tile code alone"),
+                       ("xla_matmul_all_to_all_us", "XLA x @ w, all_to_all"), ("fused_all_to_all_us", "jaxgin fused")):
+        axes[0].plot(ms, [r[key] for r in sweep], "o-", label=label)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel(f"M per device (K={sweep[0]['k']}, N={sweep[0]['n']})")
+    axes[0].set_ylabel("time per call (us)")
+    axes[0].set_title(f"matmul_all_to_all, {report['devices']} x {report['device_kind']}")
+    axes[0].grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    shapes = report["shapes"]
+    labels = [f"{r['m']}x{r['k']}x{r['n']}" for r in shapes]
+    keys = [("xla_matmul_all_to_all_us", "XLA a2a"), ("fused_all_to_all_us", "fused a2a"),
+            ("xla_all_gather_matmul_us", "XLA ag"), ("fused_all_gather_us", "fused ag"), ("xla_matmul_us", "XLA x @ w")]
+    width = 0.8 / len(keys)
+    for i, (key, label) in enumerate(keys):
+        axes[1].bar([j + i * width for j in range(len(shapes))], [r.get(key, 0) for r in shapes], width, label=label)
+    axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], labels)
+    axes[1].set_ylabel("time per call (us)")
+    axes[1].set_title("issue shapes (per device; ag: M gathered)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sweep", default="512,1024,2048,4096,8192", help="M per device, K=7168, N=2048")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--breakdown-only", action="store_true", help="only the breakdown of matmul_all_to_all")
+    args = parser.parse_args()
+    jaxgin.initialize(heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    dtype = jnp.dtype(args.dtype)
+    parts = [breakdown(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+    if args.breakdown_only:
+        jaxgin.finalize()
+        return
+    shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather")) for m, k, n in ISSUE_SHAPES]
+    sweep = [measure(mesh, int(m), 7168, 2048, dtype, args.repeats, ("all_to_all",)) for m in args.sweep.split(",")]
+    report = {
+        "devices": mesh.size,
+        "device_kind": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "nccl": jaxgin.info().get("nccl_version"),
+        "timing": f"best of {args.repeats} runs of one jitted loop of {STEPS} dependent calls, divided by {STEPS}",
+        "shapes": shapes,
+        "sweep": sweep,
+        "breakdown": parts,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "fused.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    try:
+        print(f"wrote {plot(report, path.with_suffix('.png'))}")
+    except ImportError as e:
+        print(f"no plot ({e})")
+    jaxgin.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""What the fused ops share: argument checks, tile configurations and their tuning, and the heap
+buffers and signals each op configuration keeps for the life of the runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgin import runtime
+from jaxgin.errors import JaxginError
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One output tile per program: block_m x block_n, the K loop in steps of block_k;
+    group_m row tiles share a weight tile while resident (L2 reuse)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {value}")
+
+
+# Small candidate sets for H200-class GPUs (228 KiB of shared memory per SM); the first is the
+# default when tuning is off. 16-bit: wgmma-friendly 128-row tiles; float32 halves block_k.
+CANDIDATES = {
+    2: (
+        TileConfig(128, 256, 64, 8, 8, 3),
+        TileConfig(128, 128, 64, 8, 8, 4),
+        TileConfig(128, 256, 64, 8, 8, 4),
+        TileConfig(64, 256, 64, 8, 4, 4),
+        TileConfig(128, 128, 64, 8, 4, 4),
+    ),
+    4: (
+        TileConfig(128, 128, 32, 8, 8, 3),
+        TileConfig(128, 256, 32, 8, 8, 3),
+        TileConfig(64, 128, 32, 8, 4, 4),
+    ),
+}
+
+
+def check_operands(op: str, x, w):
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"{op}: x and w must be 2-D ([M, K] and [K, N]), got x{list(x.shape)} and w{list(w.shape)}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"{op}: x is [M, K] = {list(x.shape)} and w [K, N] = {list(w.shape)}: K differs")
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype.name not in DTYPES:
+            raise TypeError(f"{op}: {name} has dtype {a.dtype.name}; supported: {', '.join(DTYPES)}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"{op}: x is {x.dtype.name} but w is {w.dtype.name}; cast one so both have the same dtype")
+    return x, w
+
+
+def dot_precision(dtype, precision) -> str:
+    """Triton's input_precision for float32 operands, following jax's matmul precision: tf32 by
+    default (as XLA on these GPUs), 3 x tf32 for HIGH, IEEE float32 for HIGHEST."""
+    if np.dtype(dtype) != np.float32:
+        return "tf32"  # unused for 16-bit operands
+    setting = precision if precision is not None else jax.config.jax_default_matmul_precision
+    name = str(getattr(setting, "name", setting)).lower()
+    if name in ("highest", "float32"):
+        return "ieee"
+    if name in ("high", "bfloat16_3x", "tensorfloat32_3x"):
+        return "tf32x3"
+    return "tf32"
+
+
+def lax_precision(precision):
+    return None if precision is None else jax.lax.Precision(precision)
+
+
+def same_varying(names, *arrays):
+    """The arrays typed as varying over `names` and over every axis any of them varies over, so a
+    custom_vjp sees one varying type for inputs, outputs and cotangents (autodiff of the casts
+    sums the cotangents of invariant inputs, as it must)."""
+    axes = set(names)
+    for a in arrays:
+        aval = jax.typeof(a)
+        manual = getattr(aval, "manual_axis_type", None)
+        axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
+    out = []
+    for a in arrays:
+        aval = jax.typeof(a)
+        manual = getattr(aval, "manual_axis_type", None)
+        have = manual.varying if manual is not None else getattr(aval, "vma", None)
+        if have is None:
+            out.append(a)
+            continue
+        missing = tuple(n for n in sorted(axes, key=str) if n not in have)
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def cuda_state():
+    """The live state when ops lower to kernels, None in reference mode."""
+    state = runtime.current()
+    return state if state.options.backend == "cuda" else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers: one set per op configuration, allocated on first use and kept (the heap offset and the
+# signal ids are part of every compiled program that uses them).
+
+
+@dataclasses.dataclass
+class OpBuffers:
+    exchange: object  # tritongin SymmetricArray: two halves of every peer's slot
+    flags: object  # int64 readiness flags, zero at first (see _kernels.py)
+    state: object  # int64[2]: call counter, finished programs (see _kernels.py)
+
+
+def op_buffers(state, key, shape, dtype, flags: int) -> OpBuffers:
+    from tritongin.memory import SymmetricArray
+
+    cache = state.fused
+    if key not in cache:
+        heap = state.heap
+
+        def symmetric(shape, dtype, zero: bool):
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            offset = heap.allocate(nbytes)
+            if zero:
+                state.runtime.heap_clear(offset, nbytes)
+            return SymmetricArray(tuple(shape), np.dtype(dtype), offset, nbytes, state.generation)
+
+        cache[key] = OpBuffers(
+            symmetric(shape, dtype, False), symmetric((flags,), np.int64, True), symmetric((2,), np.int64, True)
+        )
+    return cache[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configuration: explicit, else tuned once per (GPU, shape, dtype) on the matmul alone, else
+# the first candidate. Every process must use the same configuration (the grid and the signal
+# counts depend on it), so in a multi-process job process 0 tunes and publishes its choice.
+
+_chosen: dict[str, TileConfig] = {}
+
+
+def _tuning_enabled() -> bool:
+    return os.environ.get("JAXGIN_FUSED_AUTOTUNE", "1") not in ("0", "false", "no")
+
+
+def _cache_file() -> Path:
+    from jaxgin import build
+
+    return build.default_cache_dir() / "fused-tiles.json"
+
+
+def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: TileConfig | None) -> TileConfig:
+    if tiles is not None:
+        if not isinstance(tiles, TileConfig):
+            raise TypeError(f"tiles must be a jaxgin.fused.TileConfig, got {type(tiles).__name__}")
+        return tiles
+    dtype = np.dtype(dtype)
+    candidates = CANDIDATES[min(dtype.itemsize, 4)]
+    if not _tuning_enabled():
+        return candidates[0]
+    device = state.local_devices[0]
+    key = f"{device.device_kind}|{m}x{n}x{k}|{dtype.name}|{precision}"
+    if key in _chosen:
+        return _chosen[key]
+    choice = _agreed(key, lambda: _tune(key, state, m, n, k, dtype, precision, candidates))
+    _chosen[key] = choice
+    return choice
+
+
+def _agreed(key: str, tune) -> TileConfig:
+    if jax.process_count() == 1:
+        return tune()
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    kv_key = f"jaxgin/fused-tiles/{key}"
+    if jax.process_index() == 0:
+        choice = tune()
+        client.key_value_set(kv_key, json.dumps(dataclasses.asdict(choice)), allow_overwrite=True)
+        return choice
+    return TileConfig(**json.loads(client.blocking_key_value_get(kv_key, 600_000)))
+
+
+def _tune(key, state, m, n, k, dtype, precision, candidates) -> TileConfig:
+    path = _cache_file()
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if key in saved:
+        return TileConfig(**saved[key])
+    device = state.local_devices[0]
+    times = outside_trace(lambda: {c: time_matmul(c, m, n, k, dtype, precision, device=device) for c in candidates})
+    best = min(times, key=times.get)
+    saved[key] = dataclasses.asdict(best)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs tuning again next time
+    return best
+
+
+def outside_trace(fn):
+    """fn() run where no JAX trace is active. Tuning happens while the user's program is traced,
+    and every jax operation there would be staged into that program; JAX's trace state is per
+    thread, so a fresh thread runs and times real kernels."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name="jaxgin-tile-tuning")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def matmul(x, w, tiles: TileConfig, precision: str = "tf32"):
+    """x @ w with the fused kernels' tile code alone, as one XLA op (no communication)."""
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_call import triton_call
+
+    (m, k), n = x.shape, w.shape[1]
+    tm, tn = -(-m // tiles.block_m), -(-n // tiles.block_n)
+    return triton_call(
+        _kernels.matmul_kernel, x, w, grid=(tm * tn,), out_shape=jax.core.ShapedArray((m, n), x.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        M=m, N=n, K=k, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
+        PRECISION=precision,
+    )
+
+
+def time_matmul(tiles: TileConfig, m, n, k, dtype, precision, *, device, repeats: int = 20) -> float:
+    """Seconds per call of the tile code alone on `device`, timed over one jitted loop."""
+    keys = jax.random.split(jax.random.key(0))
+    x = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), device)
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), device)
+
+    @jax.jit
+    def loop(x, w):
+        def body(_, acc):
+            return acc + matmul(x, w, tiles, precision)[0, 0].astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+
+    try:
+        loop(x, w).block_until_ready()
+    except Exception:  # a configuration this GPU cannot run (shared memory, registers)
+        return float("inf")
+    start = time.perf_counter()
+    loop(x, w).block_until_ready()
+    return (time.perf_counter() - start) / repeats
+
+
+def row_groups(tile_rows: int, limit: int = 32) -> tuple[int, int]:
+    """(groups, tile rows per group): a shard's row tiles are announced in at most `limit` groups."""
+    per = -(-tile_rows // limit)
+    return -(-tile_rows // per), per
+
+
+def require_tritongin(op: str):
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise JaxginError(f"{op} on GPUs needs Triton (pip install 'jaxgin[cuda]')") from None

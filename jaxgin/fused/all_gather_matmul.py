@@ -1,0 +1,116 @@
+"""all_gather_matmul: jax.lax.all_gather(x, tiled=True) @ w with each peer's shard consumed as it
+arrives, so the gather hides under the compute (kernel: _kernels.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgin.ffi import axes as axes_lib
+from jaxgin.fused import _common
+
+OP = "jaxgin.fused.all_gather_matmul"
+
+# Programs that push this GPU's shard to its peers; the rest of the grid computes. Enough CTAs to
+# keep NVLink busy (a CTA's stores reach ~20-30 GB/s) while leaving the SMs to the matmul.
+SENDERS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    names: tuple[Hashable, ...]
+    size: int
+    m: int  # rows of each shard
+    n: int
+    k: int
+    precision: object
+    tiles: _common.TileConfig | None
+
+
+def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None):
+    """Inside shard_map: equals ``jax.lax.all_gather(x, axis_name, tiled=True) @ w`` for a shard
+    x [M, K] and w [K, N] of one dtype (bfloat16, float16 or float32; float32 accumulation); the
+    result is [axis size * M, N], rows of axis index s at s*M.
+
+    On GPUs one kernel pushes this GPU's shard to every peer (NVLink stores from a few programs,
+    nearest peer first, flagged per row group) while the other programs compute: own shard
+    first, then each peer's row groups as they arrive. Peers must be NVLink (LSA) peers. `precision` and `tiles` as in
+    matmul_all_to_all. Differentiable: the backward pass is XLA's (all_gather of x for dw,
+    reduce-scatter of the x cotangent).
+    """
+    names = axes_lib.axis_names(axis_name, OP)
+    size = axes_lib.axis_size(names, OP)
+    x, w = _common.check_operands(OP, x, w)
+    (m, k), n = x.shape, w.shape[1]
+    plan = _Plan(names, size, m, n, k, _common.lax_precision(precision), tiles)
+    x, w = _common.same_varying(names, x, w)
+    return _fused(x, w, plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fused(x, w, plan: _Plan):
+    return _forward(x, w, plan)
+
+
+def _fused_fwd(x, w, plan):
+    return _forward(x, w, plan), (x, w)
+
+
+def _fused_bwd(plan, residuals, ct):
+    x, w = residuals
+    # The gathered x is not kept from the forward pass (the exchange buffers are reused by the
+    # next call), so dw gathers it again; dx is the transpose of the gather: a reduce-scatter.
+    gathered = jax.lax.all_gather(x, plan.names, tiled=True)
+    dw = jnp.matmul(gathered.T, ct, precision=plan.precision).astype(w.dtype)
+    d_gathered = jnp.matmul(ct, w.T, precision=plan.precision)
+    dx = jax.lax.psum_scatter(d_gathered, plan.names, scatter_dimension=0, tiled=True).astype(x.dtype)
+    return dx, dw
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _forward(x, w, plan: _Plan):
+    state = _common.cuda_state()
+    if state is None:
+        return reference(x, w, plan)
+    return _kernel(state, x, w, plan)
+
+
+def reference(x, w, plan: _Plan):
+    """The kernel's order in plain JAX: one product per source shard, placed at the source's rows."""
+    shards = jax.lax.all_gather(x, plan.names)  # [size, m, k]
+    return jnp.concatenate(
+        [jnp.matmul(shards[s], w, precision=plan.precision) for s in range(plan.size)], axis=0
+    ).astype(x.dtype)
+
+
+def _kernel(state, x, w, plan: _Plan):
+    _common.require_tritongin(OP)
+    from jaxgin.ffi.route import axis_route
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_call import triton_call
+
+    size, dtype = plan.size, x.dtype
+    precision = _common.dot_precision(dtype, plan.precision)
+    tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles)
+    tm, tn = -(-plan.m // tiles.block_m), -(-plan.n // tiles.block_n)
+    groups, per_group = _common.row_groups(tm)
+    buffers = _common.op_buffers(
+        state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles),
+        (2, size, plan.m, plan.k), dtype, size * groups,
+    )
+    return triton_call(
+        _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
+        buffers.state,
+        grid=(SENDERS + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=SENDERS,
+        BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
+        SEND_BM=32, SEND_BK=1024,
+    )

@@ -1,0 +1,150 @@
+"""matmul_all_to_all: jax.lax.all_to_all(x @ w, ..., tiled=True) with the output tiles sent from
+the matmul's epilogue, so the exchange hides under the compute (kernel: _kernels.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgin.ffi import axes as axes_lib
+from jaxgin.fused import _common
+
+OP = "jaxgin.fused.matmul_all_to_all"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    names: tuple[Hashable, ...]
+    size: int
+    m: int
+    n: int
+    k: int
+    split_rows: bool  # split_axis == 0: chunk d is rows d*cm.. of x @ w; else columns d*cn..
+    concat_rows: bool  # concat_axis == 0: the chunk from s lands at rows s*cm..; else columns s*cn..
+    precision: object
+    tiles: _common.TileConfig | None
+
+    @property
+    def chunk(self) -> tuple[int, int]:
+        return (self.m // self.size, self.n) if self.split_rows else (self.m, self.n // self.size)
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        cm, cn = self.chunk
+        return (self.size * cm, cn) if self.concat_rows else (cm, self.size * cn)
+
+
+def _axis(value, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{OP}: {name} must be an int, got {value!r}")
+    if not -2 <= value < 2:
+        raise ValueError(f"{OP}: {name}={value} is out of range for the 2-D result x @ w (use 0, 1, -1 or -2)")
+    return int(value) % 2
+
+
+def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int = 0, precision=None, tiles=None):
+    """Inside shard_map: equals ``jax.lax.all_to_all(x @ w, axis_name, split_axis, concat_axis,
+    tiled=True)`` for x [M, K] and w [K, N] of one dtype (bfloat16, float16 or float32; float32
+    accumulation). The dimension of x @ w named by `split_axis` must be divisible by the axis size.
+
+    On GPUs one kernel computes the output tiles and stores each straight into its destination's
+    receive buffer (NVLink), flagging each tile; the tiles that stay are stored into the result
+    directly, and what arrived is copied into it tile by tile during the kernel. Peers must be
+    NVLink (LSA) peers: a remote (GIN-only) peer makes the kernel fault naming it. `precision` is jax's
+    (None follows jax_default_matmul_precision); `tiles` fixes a TileConfig instead of tuning.
+    Differentiable: the backward pass is the swapped all_to_all (jaxgin.all_to_all) then two
+    matmuls (XLA), see jaxgin/fused/__init__.py.
+    """
+    names = axes_lib.axis_names(axis_name, OP)
+    size = axes_lib.axis_size(names, OP)
+    x, w = _common.check_operands(OP, x, w)
+    split, concat = _axis(split_axis, "split_axis"), _axis(concat_axis, "concat_axis")
+    (m, k), n = x.shape, w.shape[1]
+    along = (m, "M = x.shape[0]") if split == 0 else (n, "N = w.shape[1]")
+    if along[0] % size:
+        raise ValueError(
+            f"{OP}: split_axis={split_axis} splits {along[1]} = {along[0]} into {size} chunks (the size of axis "
+            f"{axis_name!r}), which does not divide it; pad it to a multiple of {size}"
+        )
+    plan = _Plan(names, size, m, n, k, split == 0, concat == 0, _common.lax_precision(precision), tiles)
+    x, w = _common.same_varying(names, x, w)
+    return _fused(x, w, plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fused(x, w, plan: _Plan):
+    return _forward(x, w, plan)
+
+
+def _fused_fwd(x, w, plan):
+    return _forward(x, w, plan), (x, w)
+
+
+def _fused_bwd(plan, residuals, ct):
+    x, w = residuals
+    from jaxgin.collectives import all_to_all
+
+    # The transpose of a tiled all_to_all is the one with split and concat swapped; the
+    # communication comes first here, so the fused epilogue does not apply (unfused, on purpose).
+    ct_y = all_to_all(ct, plan.names, 1 - plan.concat_rows, 1 - plan.split_rows, tiled=True)
+    dx = jnp.matmul(ct_y, w.T, precision=plan.precision).astype(x.dtype)
+    dw = jnp.matmul(x.T, ct_y, precision=plan.precision).astype(w.dtype)
+    return dx, dw
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _forward(x, w, plan: _Plan):
+    state = _common.cuda_state()
+    if state is None:
+        return reference(x, w, plan)
+    return _kernel(state, x, w, plan)
+
+
+def reference(x, w, plan: _Plan):
+    """The same chunk placement as the kernel, in plain JAX: chunk d of x @ w computed alone,
+    exchanged with jax.lax.all_to_all, placed by source."""
+    cm, cn = plan.chunk
+    chunks = []
+    for d in range(plan.size):
+        if plan.split_rows:
+            chunks.append(jnp.matmul(x[d * cm:(d + 1) * cm], w, precision=plan.precision))
+        else:
+            chunks.append(jnp.matmul(x, w[:, d * cn:(d + 1) * cn], precision=plan.precision))
+    arrived = jax.lax.all_to_all(jnp.stack(chunks), plan.names, 0, 0, tiled=True)  # [size, cm, cn], by source
+    if plan.concat_rows:
+        return arrived.reshape(plan.size * cm, cn).astype(x.dtype)
+    return jnp.swapaxes(arrived, 0, 1).reshape(cm, plan.size * cn).astype(x.dtype)
+
+
+def _kernel(state, x, w, plan: _Plan, parts: int = 7):
+    _common.require_tritongin(OP)
+    from jaxgin.ffi.route import axis_route
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_call import triton_call
+
+    size, dtype = plan.size, x.dtype
+    cm, cn = plan.chunk
+    precision = _common.dot_precision(dtype, plan.precision)
+    tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles)
+    tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
+    buffers = _common.op_buffers(
+        state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles),
+        (2, size, cm, cn), dtype, size * tm * tn,
+    )
+    return triton_call(
+        _kernels.matmul_all_to_all_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
+        buffers.state,
+        grid=(size * tm * tn,), out_shape=jax.core.ShapedArray(plan.out_shape, dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
+        CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
+        BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
+        PARTS=parts,
+    )

@@ -1,0 +1,130 @@
+"""GPU scenarios for jaxgin.fused, each run in a fresh process by tests/gpu/test_fused_gpu.py.
+
+    python tests/gpu/fused_scenarios.py check              # one process, all visible GPUs
+    python tests/gpu/fused_scenarios.py check RANK WORLD COORDINATOR   # one process per GPU
+
+Two comparisons per case:
+- exact: the fused op equals the unfused composition of the *same* tile code
+  (jaxgin.fused._common.matmul, one Triton matmul kernel) and XLA's collective, bit for bit: the
+  products are computed identically, so any difference is a tile sent to the wrong place, lost,
+  stale or torn;
+- close: it equals XLA's own x @ w then collective within the rounding of a different summation
+  order (float32 cases use HIGHEST precision on both sides).
+Then gradients against jax.grad of the unfused composition, and 200 back-to-back calls inside one
+jit with data that changes every call, each checked exactly. Prints RESULT: {json}.
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxgin
+from jaxgin.fused import TileConfig, _common
+
+TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
+
+
+def _host(a) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True), np.float64)
+
+
+def _rel(a, b) -> float:
+    a, b = _host(a), _host(b)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def cases(n):
+    # (op, M per device, K, N, dtype, split_axis, concat_axis): even tiles, ragged tiles (masks),
+    # every split/concat pair, float32 and bfloat16.
+    return [
+        ("a2a", 512, 256, 384, jnp.bfloat16, 0, 0),
+        ("a2a", 200 * n, 136, 72, jnp.bfloat16, 0, 0),
+        ("a2a", 256, 128, 64 * n, jnp.bfloat16, 1, 1),
+        ("a2a", 128 * n, 96, 40, jnp.float32, 0, 1),
+        ("a2a", 96, 64, 48 * n, jnp.float32, 1, 0),
+        ("ag", 256, 192, 320, jnp.bfloat16, None, None),
+        ("ag", 100, 72, 136, jnp.float32, None, None),
+    ]
+
+
+def _programs(mesh, op, dtype, split, concat, tiles):
+    prec = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    tile_prec = _common.dot_precision(dtype, prec)
+
+    if op == "a2a":
+        fused = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split,
+                                                             concat_axis=concat, precision=prec, tiles=tiles)
+        same_tiles = lambda x, w: jax.lax.all_to_all(_common.matmul(x, w, tiles, tile_prec), "x", split, concat, tiled=True)
+        xla = lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w, precision=prec), "x", split, concat, tiled=True)
+    else:
+        fused = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", precision=prec, tiles=tiles)
+        same_tiles = lambda x, w: _common.matmul(jax.lax.all_gather(x, "x", tiled=True), w, tiles, tile_prec)
+        xla = lambda x, w: jnp.matmul(jax.lax.all_gather(x, "x", tiled=True), w, precision=prec)
+
+    def sm(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+
+    return sm(fused), sm(same_tiles), sm(xla), fused, same_tiles
+
+
+def _global(mesh, key, shape, dtype, spec):
+    host = np.asarray(jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.device_put(host, NamedSharding(mesh, spec))
+
+
+def check(mesh) -> dict:
+    n = mesh.size
+    report = []
+    for op, m, k, nn, dtype, split, concat in cases(n):
+        tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
+        fused, same_tiles, xla, fused_body, same_body = _programs(mesh, op, dtype, split, concat, tiles)
+        keys = jax.random.split(jax.random.key(m * 7 + k), 3)
+        x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
+        w = _global(mesh, keys[1], (k, nn), dtype, P())
+        got, exact_ref, xla_ref = fused(x, w), same_tiles(x, w), xla(x, w)
+        exact = bool(np.array_equal(_host(got), _host(exact_ref)))
+        close = _rel(got, xla_ref)
+
+        # Gradients against the unfused composition (XLA), same cotangent.
+        ct = _global(mesh, keys[2], got.shape, dtype, P("x"))
+        loss = lambda f: (lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct.astype(jnp.float32)))
+        g_fused = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w)
+        g_xla = jax.jit(jax.grad(loss(xla), argnums=(0, 1)))(x, w)
+        grad_err = max(_rel(a, b) for a, b in zip(g_fused, g_xla))
+
+        # 200 calls back to back in one jit, data changing every call, each compared exactly.
+        def loop_body(x, w):
+            def body(i, worst):
+                xi = (x.astype(jnp.float32) * jnp.cos(i * 0.1) + jnp.sin(i * 0.37)).astype(x.dtype)
+                diff = jnp.abs(fused_body(xi, w).astype(jnp.float32) - same_body(xi, w).astype(jnp.float32))
+                return jnp.maximum(worst, jax.lax.pmax(diff.max(), "x"))
+
+            return jax.lax.fori_loop(0, 200, body, jnp.float32(0))
+
+        looped = jax.jit(jax.shard_map(loop_body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
+        loop_err = float(looped(x, w))
+        row = dict(op=op, m=m, k=k, n=nn, dtype=np.dtype(dtype).name, split=split, concat=concat,
+                   exact=exact, rel_err_vs_xla=close, grad_rel_err=grad_err, loop_200_max_diff=loop_err)
+        print(json.dumps(row), flush=True)
+        report.append(row)
+    return {"devices": n, "processes": jax.process_count(), "cases": report}
+
+
+def main():
+    if len(sys.argv) > 3:
+        rank, world, coordinator = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+        jax.distributed.initialize(coordinator, num_processes=world, process_id=rank, local_device_ids=[rank])
+    jaxgin.initialize()
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    result = check(mesh)
+    jaxgin.finalize()
+    print("RESULT:" + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""jaxgin.fused on NVIDIA GPUs (skipped where there are none): matmul_all_to_all and
+all_gather_matmul equal the unfused composition of the same tile code bit for bit, XLA's
+composition within rounding, and its gradients; 200 back-to-back calls with changing data in one
+jit; one process for all GPUs (with and without XLA command buffers) and one process per GPU."""
+
+from pathlib import Path
+
+import pytest
+
+from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario
+
+SCENARIOS = Path(__file__).with_name("fused_scenarios.py")
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+
+
+def _assert_cases(result):
+    assert result["cases"], result
+    for case in result["cases"]:
+        assert case["exact"], case
+        assert case["loop_200_max_diff"] == 0.0, case
+        tolerance = 1e-4 if case["dtype"] == "float32" else 2e-2
+        assert case["rel_err_vs_xla"] <= tolerance, case
+        assert case["grad_rel_err"] <= tolerance, case
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_fused_ops_single_process(world, command_buffers):
+    result = run_scenario(SCENARIOS, ["check"], world, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"fused_check_{'graphs' if command_buffers else 'plain'}_{world}gpu", result)
+    assert result["devices"] == world
+    _assert_cases(result)
+
+
+def test_fused_ops_process_per_gpu():
+    results = run_processes(SCENARIOS, ["check"], GPUS)
+    record(f"fused_check_processes_{GPUS}gpu", results[0])
+    for result in results:
+        assert result["processes"] == GPUS
+        _assert_cases(result)
