@@ -1,0 +1,230 @@
+"""jaxgin.fused on CPU (reference mode, emulated devices) and its GPU kernels compiled and linked
+for sm_90a without a GPU.
+
+Reference mode computes the kernels' chunk placement in plain JAX, so comparing it with the
+unfused jax.lax composition checks the placement logic (which chunk of x @ w goes where, for every
+split/concat pair) and the custom_vjp backward rules against jax.grad of the composition.
+Also: jaxgin.axis_route against the mesh, and argument errors.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxgin
+from jaxgin.fused import TileConfig
+
+
+@pytest.fixture
+def init():
+    jaxgin.initialize()
+    assert jaxgin.info()["backend"] == "reference"
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def _data(n, m, k, nn, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (n * m, k), jnp.float32).astype(dtype)
+    w = jax.random.normal(keys[1], (k, nn), jnp.float32).astype(dtype)
+    return x, w
+
+
+def _close(a, b, tol):
+    """Equal within `tol` of the largest magnitude (bfloat16 gradients round at every step)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.abs(a - b).max() <= tol * max(np.abs(b).max(), 1e-30), np.abs(a - b).max()
+
+
+def _sm(mesh, f, out_spec=P("x")):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=out_spec))
+
+
+A2A_CASES = [
+    # n, m per device, k, n cols, split, concat
+    (2, 8, 16, 6, 0, 0),
+    (4, 12, 5, 8, 0, 1),
+    (4, 3, 7, 12, 1, 0),
+    (8, 16, 9, 16, 1, 1),
+    (8, 8, 4, 24, -1, -2),
+]
+
+
+@pytest.mark.parametrize("n,m,k,nn,split,concat", A2A_CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_matmul_all_to_all_matches_lax(init, n, m, k, nn, split, concat, dtype):
+    mesh = _mesh(n)
+    x, w = _data(n, m, k, nn, dtype)
+    prec = jax.lax.Precision.HIGHEST
+    fused = _sm(mesh, lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split,
+                                                                    concat_axis=concat, precision=prec))
+    unfused = _sm(mesh, lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w, precision=prec), "x", split, concat,
+                                                        tiled=True))
+    got, want = fused(x, w), unfused(x, w)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # Per-chunk products may sum in another order than the whole product: rounding, not placement.
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+    ct = jax.random.normal(jax.random.key(7), want.shape, jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
+    g_fused = jax.grad(loss(fused), argnums=(0, 1))(x, w)
+    g_unfused = jax.grad(loss(unfused), argnums=(0, 1))(x, w)
+    for a, b in zip(g_fused, g_unfused):
+        assert a.dtype == b.dtype
+        _close(a, b, 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("n,m,k,nn", [(2, 4, 8, 6), (4, 5, 3, 7), (8, 2, 16, 4)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_all_gather_matmul_matches_lax(init, n, m, k, nn, dtype):
+    mesh = _mesh(n)
+    x, w = _data(n, m, k, nn, dtype, seed=1)
+    prec = jax.lax.Precision.HIGHEST
+    fused = _sm(mesh, lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", precision=prec))
+    unfused = _sm(mesh, lambda x, w: jnp.matmul(jax.lax.all_gather(x, "x", tiled=True), w, precision=prec))
+    got, want = fused(x, w), unfused(x, w)
+    assert got.shape == (n * n * m, nn)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+    ct = jax.random.normal(jax.random.key(3), want.shape, jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
+    for a, b in zip(jax.grad(loss(fused), argnums=(0, 1))(x, w), jax.grad(loss(unfused), argnums=(0, 1))(x, w)):
+        _close(a, b, 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_varying_weights_get_their_own_gradient(init):
+    # w sharded (varying) over the axis: each device's w only meets its own x, no summing.
+    mesh = _mesh(4)
+    x, _ = _data(4, 8, 6, 8, jnp.float32)
+    ws = jax.random.normal(jax.random.key(5), (4 * 6, 8), jnp.float32)
+
+    def run(f):
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+        return jax.grad(lambda x, w: jnp.sum(g(x, w) ** 2), argnums=(0, 1))(x, ws)
+
+    prec = jax.lax.Precision.HIGHEST
+    fused = run(lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", precision=prec))
+    unfused = run(lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w, precision=prec), "x", 0, 0, tiled=True))
+    for a, b in zip(fused, unfused):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x"), ValueError, "not divide|does not divide"),
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w[:, :, None], axis_name="x"), ValueError, "2-D"),
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w[:3], axis_name="x"), ValueError, "K differs"),
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w.astype(jnp.float16), axis_name="x"), TypeError,
+         "same dtype"),
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x.astype(jnp.int8), w.astype(jnp.int8), axis_name="x"),
+         TypeError, "supported"),
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=2), ValueError,
+         "out of range"),
+        (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", concat_axis=0.5), TypeError, "int"),
+        (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="nope"), NameError, "not bound"),
+    ],
+    ids=["indivisible", "rank", "k", "dtypes", "int8", "axis", "float axis", "axis name"],
+)
+def test_bad_arguments_are_named(init, call, error, message):
+    mesh = _mesh(4)
+    x = jnp.ones((4 * 6, 8), jnp.float32)  # 6 rows per device: not divisible by 4
+    w = jnp.ones((8, 6), jnp.float32)  # 6 columns: not divisible by 4 either
+    with pytest.raises(error, match=message):
+        _sm(mesh, call)(x, w)
+
+
+def test_tile_config_is_checked():
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        TileConfig(128, 96, 64)
+
+
+def test_axis_route_follows_the_mesh(init):
+    order = [3, 1, 0, 2, 7, 5, 6, 4]
+    mesh = Mesh(np.array(jax.devices())[order].reshape(2, 4), ("a", "b"))
+    rank = {d: r for r, d in enumerate(jax.devices())}
+    grid = np.vectorize(lambda d: rank[d])(mesh.devices)
+
+    def routes(axis):
+        f = jax.shard_map(lambda: jaxgin.axis_route(axis)[None, None], mesh=mesh, in_specs=(), out_specs=P("a", "b"))
+        return np.asarray(jax.jit(f)())
+
+    along_b = routes("b")
+    for i in range(2):
+        for j in range(4):
+            assert along_b[i, j, 0] == j
+            assert list(along_b[i, j, 1:]) == list(grid[i])
+    along_both = routes(("a", "b"))
+    for i in range(2):
+        for j in range(4):
+            assert along_both[i, j, 0] == i * 4 + j
+            assert list(along_both[i, j, 1:]) == list(grid.flat)
+
+
+def test_axis_route_needs_every_axis_manual(init):
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    f = jax.shard_map(lambda x: x + jaxgin.axis_route("a")[0], mesh=mesh, in_specs=P("a"), out_specs=P("a"),
+                      axis_names={"a"})
+    with pytest.raises(jaxgin.JaxginError, match="manual over every mesh axis"):
+        jax.jit(f)(jnp.zeros((4,), jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
+
+
+@pytest.fixture(scope="module")
+def toolchain(nvcc, packaged_nccl, require):
+    pytest.importorskip("triton")
+    from jaxgin.errors import ToolchainError
+    from tritongin import link
+
+    try:
+        link.nvjitlink()
+    except ToolchainError as e:
+        require(f"needs nvJitLink: {e}")
+    return packaged_nccl
+
+
+def _compile(kernel, pointers: dict, constexprs: dict, num_warps=8, num_stages=3):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(pointers) | {name: "constexpr" for name in constexprs}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def test_fused_kernels_compile_and_link_for_sm90a(toolchain):
+    from jaxgin.fused import _kernels
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
+                "state": "*i64", "out": "*bf16"}
+    a2a = _compile(_kernels.matmul_all_to_all_kernel, pointers, dict(
+        M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
+        BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7))
+    pointers["gather"] = pointers.pop("recv")
+    pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "gather", "flags", "state", "out")}
+    ag = _compile(_kernels.all_gather_matmul_kernel, pointers, dict(
+        ML=1024, N=2048, K=7168, P=4, G=8, R=1, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
+        SEND_BM=32, SEND_BK=1024))
+    for kernel in (a2a, ag):
+        ptx = kernel.asm["ptx"]
+        assert kernel.asm["cubin"][:4] == b"\x7fELF"
+        assert b"jaxgin_tt_set_flag" in kernel.asm["cubin"]  # linked with the device library
+        assert "wgmma" in ptx  # Hopper tensor cores
+        assert re.search(r"st\.global\.v4", ptx)  # 16-byte stores, remote tiles included
+        assert kernel.metadata.shared > 48 * 1024  # multi-stage pipeline (triton_call raises the limit)
