@@ -92,9 +92,10 @@ def check(mesh) -> dict:
 
         # Gradients against the unfused composition (XLA), same cotangent.
         ct = _global(mesh, keys[2], got.shape, dtype, P("x"))
-        loss = lambda f: (lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct.astype(jnp.float32)))
-        g_fused = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w)
-        g_xla = jax.jit(jax.grad(loss(xla), argnums=(0, 1)))(x, w)
+        # (the cotangent is an argument: a multi-process program cannot close over a global array)
+        loss = lambda f: (lambda x, w, ct: jnp.sum(f(x, w).astype(jnp.float32) * ct.astype(jnp.float32)))
+        g_fused = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w, ct)
+        g_xla = jax.jit(jax.grad(loss(xla), argnums=(0, 1)))(x, w, ct)
         grad_err = max(_rel(a, b) for a, b in zip(g_fused, g_xla))
 
         # 200 calls back to back in one jit, data changing every call, each compared exactly.
