@@ -4,7 +4,6 @@ arrives, so the gather hides under the compute (kernel: _kernels.py)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Hashable
 
 import jax
@@ -52,17 +51,7 @@ def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None):
     return _fused(x, w, plan)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fused(x, w, plan: _Plan):
-    return _forward(x, w, plan)
-
-
-def _fused_fwd(x, w, plan):
-    return _forward(x, w, plan), (x, w)
-
-
-def _fused_bwd(plan, residuals, ct):
-    x, w = residuals
+def _backward(plan, x, w, ct):
     # The gathered x is not kept from the forward pass (the exchange buffers are reused by the
     # next call), so dw gathers it again; dx is the transpose of the gather: a reduce-scatter.
     gathered = jax.lax.all_gather(x, plan.names, tiled=True)
@@ -70,16 +59,6 @@ def _fused_bwd(plan, residuals, ct):
     d_gathered = jnp.matmul(ct, w.T, precision=plan.precision)
     dx = jax.lax.psum_scatter(d_gathered, plan.names, scatter_dimension=0, tiled=True).astype(x.dtype)
     return dx, dw
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _forward(x, w, plan: _Plan):
-    state = _common.cuda_state()
-    if state is None:
-        return reference(x, w, plan)
-    return _kernel(state, x, w, plan)
 
 
 def reference(x, w, plan: _Plan):
@@ -114,3 +93,6 @@ def _kernel(state, x, w, plan: _Plan):
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=32, SEND_BK=1024,
     )
+
+
+_fused = _common.differentiable(reference, _kernel, _backward)

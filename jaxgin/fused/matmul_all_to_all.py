@@ -4,7 +4,6 @@ the matmul's epilogue, so the exchange hides under the compute (kernel: _kernels
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Hashable
 
 import jax
@@ -76,17 +75,7 @@ def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int 
     return _fused(x, w, plan)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fused(x, w, plan: _Plan):
-    return _forward(x, w, plan)
-
-
-def _fused_fwd(x, w, plan):
-    return _forward(x, w, plan), (x, w)
-
-
-def _fused_bwd(plan, residuals, ct):
-    x, w = residuals
+def _backward(plan, x, w, ct):
     from jaxgin.collectives import all_to_all
 
     # The transpose of a tiled all_to_all is the one with split and concat swapped; the
@@ -95,16 +84,6 @@ def _fused_bwd(plan, residuals, ct):
     dx = jnp.matmul(ct_y, w.T, precision=plan.precision).astype(x.dtype)
     dw = jnp.matmul(x.T, ct_y, precision=plan.precision).astype(w.dtype)
     return dx, dw
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _forward(x, w, plan: _Plan):
-    state = _common.cuda_state()
-    if state is None:
-        return reference(x, w, plan)
-    return _kernel(state, x, w, plan)
 
 
 def reference(x, w, plan: _Plan):
@@ -148,3 +127,6 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7):
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         PARTS=parts,
     )
+
+
+_fused = _common.differentiable(reference, _kernel, _backward)
