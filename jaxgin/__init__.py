@@ -15,7 +15,7 @@ from jaxgin.collectives import all_to_all, ppermute
 from jaxgin.mailbox import Mailbox, Token, put_signal, wait_signal
 from jaxgin.triton_call import triton_call
 from jaxgin.ffi.route import axis_route
-from jaxgin import fused
+from jaxgin import fused, moe
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "all_to_all",
     "axis_route",
     "fused",
+    "moe",
     "device_faults",
     "finalize",
     "info",

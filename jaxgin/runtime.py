@@ -122,7 +122,7 @@ class _State:
     heap: heap_lib.RangeAllocator | None = None  # user area of the symmetric heap
     signals: heap_lib.RangeAllocator | None = None  # user signals
     mailboxes: dict = dataclasses.field(default_factory=dict)  # (name, axis size) -> placement
-    fused: dict = dataclasses.field(default_factory=dict)  # fused op configuration -> its heap buffers
+    fused: dict = dataclasses.field(default_factory=dict)  # fused / moe op configuration -> its heap buffers
 
     @property
     def world_size(self) -> int:

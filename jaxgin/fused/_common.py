@@ -143,22 +143,24 @@ class OpBuffers:
     state: object  # int64[2]: call counter, finished programs (see _kernels.py)
 
 
-def op_buffers(state, key, shape, dtype, flags: int) -> OpBuffers:
+def symmetric_array(state, shape, dtype, zero: bool):
+    """A heap array (same offset on every GPU) kept for the life of the runtime; `zero` clears it."""
     from tritongin.memory import SymmetricArray
 
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    offset = state.heap.allocate(nbytes)
+    if zero:
+        state.runtime.heap_clear(offset, nbytes)
+    return SymmetricArray(tuple(shape), np.dtype(dtype), offset, nbytes, state.generation)
+
+
+def op_buffers(state, key, shape, dtype, flags: int) -> OpBuffers:
     cache = state.fused
     if key not in cache:
-        heap = state.heap
-
-        def symmetric(shape, dtype, zero: bool):
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            offset = heap.allocate(nbytes)
-            if zero:
-                state.runtime.heap_clear(offset, nbytes)
-            return SymmetricArray(tuple(shape), np.dtype(dtype), offset, nbytes, state.generation)
-
         cache[key] = OpBuffers(
-            symmetric(shape, dtype, False), symmetric((flags,), np.int64, True), symmetric((2,), np.int64, True)
+            symmetric_array(state, shape, dtype, False),
+            symmetric_array(state, (flags,), np.int64, True),
+            symmetric_array(state, (2,), np.int64, True),
         )
     return cache[key]
 

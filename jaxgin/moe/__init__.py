@@ -1,0 +1,20 @@
+"""Expert-parallel MoE over GIN / LSA, inside jax.shard_map over the expert axis.
+
+    sent = jaxgin.moe.dispatch(x, topk_ids, topk_weights, num_experts=E, axis_name="ep")
+    h = jax.lax.ragged_dot(sent.x, w1, sent.expert_counts)   # rows grouped by local expert
+    ...
+    y = jaxgin.moe.combine(expert_out, sent.handle)            # [T, H], weighted sum per token
+    y = jaxgin.moe.moe_layer(x, router_logits, w1, w2, top_k=8, axis_name="ep")
+
+dispatch sends every token once per GPU that owns one of its experts (not once per expert) and
+the receiving GPU copies it to each of its experts' rows; combine reduces a token's entries on
+each expert GPU and sends one row back per GPU. On GPUs each is one Triton kernel (tritongin)
+storing over NVLink; on CPU (reference mode) the same layout comes from jax.lax.all_to_all.
+jaxgin.moe.ragged.moe_layer is the same layer on jax.lax.ragged_all_to_all, for comparison.
+"""
+
+from jaxgin.moe import ragged
+from jaxgin.moe.exchange import Dispatched, Handle, combine, dispatch
+from jaxgin.moe.layer import moe_layer, router
+
+__all__ = ["Dispatched", "Handle", "combine", "dispatch", "moe_layer", "ragged", "router"]

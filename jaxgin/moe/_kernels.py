@@ -1,0 +1,241 @@
+"""Triton kernels of MoE dispatch and combine (tritongin device functions for the communication).
+
+One launch per op, so consecutive calls never interleave on a GPU. Both kernels are persistent:
+the grid is at most one program per SM and programs loop over work items, because every program
+first sends, then waits for what all GPUs (itself included) sent. All programs of a GPU must be
+resident for its "everything sent" flag to be raised; a grid larger than the GPU could leave
+waiting programs occupying the SMs that the unsent work needs.
+
+dispatch (routing arithmetic: _routing.py):
+  1. token blocks: each token's row goes once to every GPU that owns one of its experts, into this
+     GPU's staging area there (row slot[t, d]), with its codes and weights (NVLink stores);
+  2. the last program to finish sending writes this GPU's counts into every peer's counts area
+     and sets this GPU's flag there (release: every program's stores precede it);
+  3. after all P flags: each received row is copied from staging into the expert-grouped output
+     once per entry that landed here (placement computed from the received counts), its positions
+     and weights written out for combine; rows past the last entry are zeroed.
+combine:
+  1. every received token's entries are reduced (weighted, float32) into one row that goes back
+     to the GPU it came from, into this GPU's slot of that GPU's return area;
+  2. flags as above;
+  3. every token adds up what each GPU returned for it.
+
+Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return areas have two halves
+picked by a device-side call counter (state[0]) that the last program to finish advances; a GPU
+that starts call n has received every peer's data of call n - 1, so no peer still reads the half
+call n writes. state[1] counts programs done sending, state[2] programs done altogether.
+Nothing depends on host values, so CUDA-graph replay is right.
+"""
+
+import triton
+import triton.language as tl
+
+import tritongin.language as tgl
+
+
+@triton.jit
+def _column(tile, index, k):
+    """tile[:, k] of a [rows, cols] tile (index = arange(cols)), as a [rows] tensor."""
+    return tl.sum(tl.where(index[None, :] == k, tile, 0), axis=1)
+
+
+@triton.jit
+def _sent(state, nprog):
+    """Every program calls this after its last store to a peer. Returns whether the caller is the
+    last to arrive; then every program's stores are visible to it (acquire), and the flags it sets
+    afterwards release them to the peers."""
+    tl.debug_barrier()  # the whole program's stores precede the release below
+    arrived = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="sys")
+    last = arrived == nprog - 1
+    if last:
+        tl.atomic_xchg(state + 1, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _finished(state, epoch, nprog):
+    """Every program calls this last; the last one to arrive advances the call counter."""
+    done = tl.atomic_add(state + 2, 1, sem="acq_rel", scope="gpu")
+    if done == nprog - 1:
+        tl.atomic_xchg(state + 2, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(state, epoch + 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def dispatch_kernel(
+    ctx, x, slot, meta, weights, send_counts, route,
+    stage_x, stage_meta, stage_w, stage_counts, flags, state,
+    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+    BZ: tl.constexpr,
+):
+    """x [T, H] -> out_x [C, H] grouped by local expert. Staging on every GPU: stage_x [2, P, T, H],
+    stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1] (half, source, row).
+    out_pos / out_w [P, T, K]: where entry k of the row from source s landed (-1: nowhere) and its
+    weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows per source; out_dropped [1]."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    me = tl.load(route)
+    epoch = tl.load(state)
+    half = epoch % 2
+    ks = tl.arange(0, BK)
+    k_ok = ks < K
+    hs = tl.arange(0, BH)
+    ps = tl.arange(0, BP)
+    es = tl.arange(0, BE)
+
+    # 1. Send every token once to each GPU that owns one of its experts.
+    for blk in range(pid, TB, nprog):
+        t = blk * BT + tl.arange(0, BT)
+        t_ok = t < T
+        slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
+        w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        for d in tl.static_range(P):
+            sl = _column(slots, ps, d)
+            go = (sl >= 0)[:, None] & k_ok[None, :]
+            peer = tl.load(route + 1 + d)
+            row = (half * P + me) * T + sl
+            codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go, other=-1)
+            tl.store(tgl.peer_ptr(ctx, stage_meta, peer) + row[:, None] * K + ks[None, :], codes, mask=go)
+            tl.store(tgl.peer_ptr(ctx, stage_w, peer) + row[:, None] * K + ks[None, :], w_rows, mask=go)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            h_ok = h < H
+            rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :])
+            for d in tl.static_range(P):
+                sl = _column(slots, ps, d)
+                peer = tl.load(route + 1 + d)
+                row = ((half * P + me) * T + sl).to(tl.int64)
+                tl.store(tgl.peer_ptr(ctx, stage_x, peer) + row[:, None] * H + h[None, :], rows,
+                         mask=(sl >= 0)[:, None] & h_ok[None, :])
+
+    # 2. The last program announces this GPU's counts and raises its flag on every GPU.
+    if _sent(state, nprog):
+        for d in tl.static_range(P):
+            peer = tl.load(route + 1 + d)
+            counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
+            tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
+                     mask=es < EL + 1)
+            tgl.set_flag(ctx, flags + me, epoch + 1, peer)
+
+    # 3. Place what arrived.
+    for source in tl.static_range(P):
+        tgl.wait_flag(ctx, flags + source, epoch + 1)
+    counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
+                     mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
+    pairs = tl.where((es < EL)[None, :], counts, 0)  # [BP, BE] entries from source s for expert e
+    total = tl.sum(pairs, axis=0)
+    base = tl.cumsum(total, axis=0) - total
+    rows_from = tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)  # [BP]
+    for item in range(pid, P * TB, nprog):
+        s = item // TB
+        r = (item % TB) * BT + tl.arange(0, BT)
+        r_ok = r < tl.sum(tl.where(ps == s, rows_from, 0))
+        start = base + tl.sum(tl.where((ps < s)[:, None], pairs, 0), axis=0)  # [BE] first row of (e, s)
+        srow = (half * P + s) * T + r
+        present = r_ok[:, None] & k_ok[None, :]
+        codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
+        w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
+        e = tl.where(codes >= 0, codes % EL, 0)
+        first = tl.sum(tl.where(e[:, :, None] == es[None, None, :], start[None, None, :], 0), axis=2)
+        pos = first + codes // EL
+        ok = (codes >= 0) & (pos < C)
+        pos = tl.where(ok, pos, -1)
+        mine = (r < T)[:, None] & k_ok[None, :]
+        tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=mine)
+        tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(ok, w, 0.0), mask=mine)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            h_ok = h < H
+            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :],
+                           cache_modifier=".cg")
+            for k in tl.static_range(K):
+                pk = _column(pos, ks, k)
+                tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
+    filled = tl.minimum(tl.sum(total), C)
+    for zb in range(pid, (C + BZ - 1) // BZ, nprog):
+        z = zb * BZ + tl.arange(0, BZ)
+        if zb * BZ + BZ > filled:
+            z_ok = (z >= filled) & (z < C)
+            for h0 in range(0, H, BH):
+                h = h0 + hs
+                tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
+                         tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
+    if pid == 0:
+        kept = tl.minimum(tl.maximum(C - base, 0), total)
+        tl.store(out_expert_counts + es, kept, mask=es < EL)
+        tl.store(out_rows + ps, rows_from, mask=ps < P)
+        tl.store(out_dropped, tl.sum(total) - tl.sum(kept))
+    _finished(state, epoch, nprog)
+
+
+@triton.jit
+def combine_kernel(
+    ctx, y, weights, pos, rows, slot, route, back, flags, state, out,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+):
+    """y [C, H] expert outputs in dispatch's layout -> out [T, H]: out[t] = sum over t's entries of
+    weight * y[position]. Return area on every GPU: back [2, P, T, H] (half, GPU that reduced, row)."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    me = tl.load(route)
+    epoch = tl.load(state)
+    half = epoch % 2
+    ks = tl.arange(0, BK)
+    k_ok = ks < K
+    hs = tl.arange(0, BH)
+    ps = tl.arange(0, BP)
+
+    # 1. Reduce each received token's entries here; send one row home.
+    for item in range(pid, P * TB, nprog):
+        s = item // TB
+        r = (item % TB) * BT + tl.arange(0, BT)
+        r_ok = r < tl.load(rows + s)
+        present = r_ok[:, None] & k_ok[None, :]
+        landed = tl.load(pos + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=-1)
+        w = tl.load(weights + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=0.0)
+        peer = tl.load(route + 1 + s)
+        home = tgl.peer_ptr(ctx, back, peer)
+        row = ((half * P + me) * T + r).to(tl.int64)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            h_ok = h < H
+            acc = tl.zeros((BT, BH), dtype=tl.float32)
+            for k in tl.static_range(K):
+                pk = _column(landed, ks, k)
+                wk = _column(w, ks, k)
+                v = tl.load(y + pk[:, None].to(tl.int64) * H + h[None, :], mask=(pk >= 0)[:, None] & h_ok[None, :],
+                            other=0.0)
+                acc += wk[:, None] * v.to(tl.float32)
+            tl.store(home + row[:, None] * H + h[None, :], acc.to(out.dtype.element_ty),
+                     mask=r_ok[:, None] & h_ok[None, :])
+
+    # 2. The last program raises this GPU's flag on every GPU.
+    if _sent(state, nprog):
+        for d in tl.static_range(P):
+            tgl.set_flag(ctx, flags + me, epoch + 1, tl.load(route + 1 + d))
+
+    # 3. Add up what every GPU returned for each token.
+    for d in tl.static_range(P):
+        tgl.wait_flag(ctx, flags + d, epoch + 1)
+    for blk in range(pid, TB, nprog):
+        t = blk * BT + tl.arange(0, BT)
+        t_ok = t < T
+        slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            h_ok = h < H
+            acc = tl.zeros((BT, BH), dtype=tl.float32)
+            for d in tl.static_range(P):
+                sl = _column(slots, ps, d)
+                row = ((half * P + d) * T + sl).to(tl.int64)
+                v = tl.load(back + row[:, None] * H + h[None, :], mask=(sl >= 0)[:, None] & h_ok[None, :], other=0.0,
+                            cache_modifier=".cg")
+                acc += v.to(tl.float32)
+            tl.store(out + t[:, None].to(tl.int64) * H + h[None, :], acc.to(out.dtype.element_ty),
+                     mask=t_ok[:, None] & h_ok[None, :])
+    _finished(state, epoch, nprog)

@@ -1,0 +1,332 @@
+"""jaxgin.moe.dispatch / combine: expert-parallel token exchange inside shard_map.
+
+On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call; in reference mode
+(CPU) the same placement is computed with jax.lax.all_to_all over worst-case staging arrays.
+Gradients (jax.custom_vjp, shared by both modes so the CPU tests check the rules the GPUs use):
+dispatch's backward is a combine (with unit weights, for x) plus the routing weights' cotangents
+sent home; combine's backward is a dispatch of the output cotangent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgin.ffi import axes as axes_lib
+from jaxgin.fused import _common
+from jaxgin.moe import _routing
+from jaxgin.moe._routing import Plan, SourceRoute
+
+DISPATCH = "jaxgin.moe.dispatch"
+COMBINE = "jaxgin.moe.combine"
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """What combine needs from a dispatch (a pytree: pass it through jit / shard_map freely)."""
+
+    route: SourceRoute  # this GPU's tokens: where each went
+    positions: jax.Array  # int32 [P, T, K]: row of the grouped layout of entry k of the row from s; -1
+    weights: jax.Array  # float32 [P, T, K]: routing weight of that entry (0 where it did not land)
+    rows: jax.Array  # int32 [P]: rows received from each source
+    plan: Plan
+
+
+jax.tree_util.register_dataclass(Handle, data_fields=["route", "positions", "weights", "rows"], meta_fields=["plan"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """dispatch's result. x: [capacity, H], rows grouped by local expert (expert 0's first), rows past
+    sum(expert_counts) zero; expert_counts: int32 [local experts], the rows kept per expert;
+    dropped: int32 (), entries that did not fit the capacity (0 unless capacity was given too small);
+    handle: for combine."""
+
+    x: jax.Array
+    expert_counts: jax.Array
+    dropped: jax.Array
+    handle: Handle
+
+
+jax.tree_util.register_dataclass(Dispatched, data_fields=["x", "expert_counts", "dropped", "handle"], meta_fields=[])
+
+
+def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity: int | None = None,
+             mode: str = "auto") -> Dispatched:
+    """Inside shard_map over the expert axis (axis index d holds experts d*E/P ... (d+1)*E/P - 1):
+    sends each token of x [T, H] once to every GPU that owns one of its topk_ids [T, K] (global
+    expert ids), and lays out what arrives here grouped by local expert (ready for
+    jax.lax.ragged_dot with expert_counts as group sizes). Within an expert, rows are ordered by
+    source GPU, then by token. topk_weights [T, K] travel along for combine.
+
+    capacity: rows of the grouped output (default: the worst case, P * T * min(K, E / P)); entries
+    that do not fit are dropped and counted in `dropped`, never silently. mode: 'low_latency'
+    (small batches, decode), 'high_throughput', or 'auto' (low_latency up to 256 tokens per GPU).
+    On GPUs every peer must be an NVLink (LSA) peer."""
+    names = axes_lib.axis_names(axis_name, DISPATCH)
+    size = axes_lib.axis_size(names, DISPATCH)
+    x, topk_ids, topk_weights = _routing.check_inputs(DISPATCH, x, topk_ids, topk_weights)
+    plan = _routing.make_plan(DISPATCH, names, size, x, topk_ids, num_experts, capacity, mode)
+    x, topk_ids, topk_weights = _common.same_varying(names, x, topk_ids, topk_weights)
+    route = _routing.route(topk_ids, plan)
+    grouped, positions, weights, counts, rows, dropped = _dispatch(x, topk_weights.astype(jnp.float32), route, plan)
+    return Dispatched(grouped, counts, dropped, Handle(route, positions, weights, rows, plan))
+
+
+def combine(expert_out, handle: Handle):
+    """The inverse of the dispatch that made `handle`: expert_out [capacity, H] in dispatch's layout
+    (row i = an expert's output for the token dispatch put at row i) goes back to each token's GPU,
+    weighted by the routing weights: out[t] = sum over t's top-k entries of weight * expert_out[row],
+    [T, H]. Each token gets one row per GPU (that GPU's entries reduced there, float32, then
+    rounded to x's dtype), summed at home in float32."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"{COMBINE}: handle must be the .handle of jaxgin.moe.dispatch's result, got {type(handle).__name__}")
+    plan = handle.plan
+    expert_out = jnp.asarray(expert_out)
+    if expert_out.shape != (plan.capacity, plan.hidden):
+        raise ValueError(
+            f"{COMBINE}: expert_out has shape {list(expert_out.shape)}; it must be [capacity, hidden] = "
+            f"[{plan.capacity}, {plan.hidden}] like the dispatched x"
+        )
+    if expert_out.dtype.name != plan.dtype:
+        raise TypeError(f"{COMBINE}: expert_out is {expert_out.dtype.name} but the dispatched x was {plan.dtype}; cast it")
+    arrays = _common.same_varying(plan.names, expert_out, handle.weights, handle.positions, handle.rows)
+    return _combine(*arrays, handle.route, plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference mode: the same placement with jax.lax collectives over worst-case staging arrays.
+
+
+def _all_to_all(a, plan: Plan):
+    return jax.lax.all_to_all(a, plan.names, 0, 0, tiled=True)
+
+
+def dispatch_reference(x, weights, route: SourceRoute, plan: Plan):
+    p, t, k, h = plan.size, plan.tokens, plan.top_k, plan.hidden
+    rows = jnp.where(route.slot >= 0, jnp.arange(p, dtype=jnp.int32) * t + route.slot, p * t).reshape(-1)  # [T*P]
+    staged_x = jnp.zeros((p * t, h), x.dtype).at[rows].set(jnp.repeat(x, p, axis=0), mode="drop")
+    staged_meta = jnp.full((p * t, k), -1, jnp.int32).at[rows].set(route.meta.reshape(t * p, k), mode="drop")
+    staged_w = jnp.zeros((p * t, k), jnp.float32).at[rows].set(jnp.repeat(weights, p, axis=0), mode="drop")
+    got_x = _all_to_all(staged_x, plan).reshape(p, t, h)
+    codes = _all_to_all(staged_meta, plan).reshape(p, t, k)
+    got_w = _all_to_all(staged_w, plan).reshape(p, t, k)
+    counts = _all_to_all(route.send_counts, plan)  # [P sources, EL + 1]
+    positions, kept, dropped = _routing.placement(counts, codes, plan.capacity, plan.local_experts)
+    grouped = jnp.zeros((plan.capacity, h), x.dtype)
+    for j in range(k):
+        target = jnp.where(positions[:, :, j] >= 0, positions[:, :, j], plan.capacity).reshape(-1)
+        grouped = grouped.at[target].set(got_x.reshape(p * t, h), mode="drop")
+    weights_out = jnp.where(positions >= 0, got_w, 0.0)
+    return grouped, positions, weights_out, kept, counts[:, plan.local_experts], dropped
+
+
+def combine_reference(y, weights, positions, rows, route: SourceRoute, plan: Plan):
+    del rows  # rows past a source's count have no positions
+    safe = jnp.maximum(positions, 0)
+    picked = y[safe].astype(jnp.float32) * jnp.where(positions >= 0, weights, 0.0)[..., None]  # [P, T, K, H]
+    partial = jnp.sum(picked, axis=2).astype(y.dtype)  # rounded like the kernel's return rows
+    back = _all_to_all(partial.reshape(plan.size * plan.tokens, plan.hidden), plan)
+    back = back.reshape(plan.size, plan.tokens, plan.hidden)
+    slot = route.slot
+    mine = back[jnp.arange(plan.size)[None, :], jnp.maximum(slot, 0)]  # [T, P, H]
+    mine = jnp.where((slot >= 0)[..., None], mine.astype(jnp.float32), 0.0)
+    return jnp.sum(mine, axis=1).astype(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU kernels.
+
+# (tokens per block, hidden columns per step, warps). Low latency: small blocks so a few hundred
+# tokens still spread over many SMs; high throughput: larger blocks for fewer, longer stores.
+_BLOCKS = {_routing.LOW_LATENCY: (2, 1024, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8)}
+_ZERO_ROWS = 16
+
+
+def _blocks(plan: Plan) -> tuple[int, int, int]:
+    """(tokens per block, hidden columns per step, warps). JAXGIN_MOE_BLOCKS="bt,bh,warps"
+    overrides the mode's preset (benchmarks/moe.py --blocks compares settings with it)."""
+    override = os.environ.get("JAXGIN_MOE_BLOCKS")
+    if override:
+        try:
+            bt, bh, warps = (int(v) for v in override.split(","))
+        except ValueError:
+            raise ValueError(f"JAXGIN_MOE_BLOCKS={override!r}: expected 'tokens,hidden,warps', e.g. '8,1024,8'") from None
+        return bt, bh, warps
+    return _BLOCKS[plan.mode]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def _buffers(state, plan: Plan):
+    key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype)
+    cache = state.fused
+    if key not in cache:
+        p, t, h, k, el = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts
+        sym = lambda shape, dtype, zero=False: _common.symmetric_array(state, shape, dtype, zero)  # noqa: E731
+        cache[key] = dict(
+            stage_x=sym((2, p, t, h), plan.dtype), stage_meta=sym((2, p, t, k), np.int32),
+            stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
+            dispatch_flags=sym((p,), np.int64, True), dispatch_state=sym((4,), np.int64, True),
+            back=sym((2, p, t, h), plan.dtype),
+            combine_flags=sym((p,), np.int64, True), combine_state=sym((4,), np.int64, True),
+        )
+    return cache[key]
+
+
+def _grid(state, items: int) -> int:
+    """At most one program per SM: the kernels need every program resident (see _kernels.py)."""
+    sms = int(getattr(state.local_devices[0], "core_count", 0) or 132)
+    return max(1, min(sms, items))
+
+
+def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
+    _common.require_tritongin(DISPATCH)
+    from jaxgin.ffi.route import axis_route
+    from jaxgin.moe import _kernels
+    from jaxgin.triton_call import triton_call
+
+    p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
+    bt, bh, warps = _blocks(plan)
+    bh = min(bh, _pow2(h))
+    buf = _buffers(state, plan)
+    items = max(p * -(-t // bt), -(-c // _ZERO_ROWS))
+    outs = triton_call(
+        _kernels.dispatch_kernel, x, route.slot, route.meta, weights, route.send_counts, axis_route(plan.names),
+        buf["stage_x"], buf["stage_meta"], buf["stage_w"], buf["stage_counts"], buf["dispatch_flags"],
+        buf["dispatch_state"],
+        grid=(_grid(state, items),),
+        out_shape=[
+            jax.core.ShapedArray((c, h), x.dtype), jax.core.ShapedArray((p, t, k), jnp.int32),
+            jax.core.ShapedArray((p, t, k), jnp.float32), jax.core.ShapedArray((el,), jnp.int32),
+            jax.core.ShapedArray((p,), jnp.int32), jax.core.ShapedArray((1,), jnp.int32),
+        ],
+        num_warps=warps, num_stages=1,
+        T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
+    )
+    grouped, positions, weights_out, counts, rows, dropped = outs
+    return grouped, positions, weights_out, counts, rows, dropped.reshape(())
+
+
+def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan: Plan):
+    _common.require_tritongin(COMBINE)
+    from jaxgin.ffi.route import axis_route
+    from jaxgin.moe import _kernels
+    from jaxgin.triton_call import triton_call
+
+    p, t, h, k = plan.size, plan.tokens, plan.hidden, plan.top_k
+    bt, bh, warps = _blocks(plan)
+    bh = min(bh, _pow2(h))
+    buf = _buffers(state, plan)
+    return triton_call(
+        _kernels.combine_kernel, y, weights, positions, rows, route.slot, axis_route(plan.names),
+        buf["back"], buf["combine_flags"], buf["combine_state"],
+        grid=(_grid(state, p * -(-t // bt)),), out_shape=jax.core.ShapedArray((t, h), y.dtype),
+        num_warps=warps, num_stages=1,
+        T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The differentiable ops (one custom_vjp each, for both modes).
+
+
+def _dispatch_forward(x, weights, route, plan):
+    state = _common.cuda_state()
+    if state is None:
+        return dispatch_reference(x, weights, route, plan)
+    return dispatch_kernel(state, x, weights, route, plan)
+
+
+def _combine_forward(y, weights, positions, rows, route, plan):
+    state = _common.cuda_state()
+    if state is None:
+        return combine_reference(y, weights, positions, rows, route, plan)
+    return combine_kernel(state, y, weights, positions, rows, route, plan)
+
+
+@jax.custom_vjp
+def _dispatch_op(x, weights, route, plan_box):
+    return _dispatch_forward(x, weights, route, plan_box.plan)
+
+
+def _dispatch_fwd(x, weights, route, plan_box):
+    out = _dispatch_forward(x, weights, route, plan_box.plan)
+    return out, (route, out[1], out[4], plan_box)
+
+
+def _dispatch_bwd(saved, cts):
+    route, positions, rows, plan_box = saved
+    plan = plan_box.plan
+    ct_x, _, ct_w = cts[0], cts[1], cts[2]
+    landed = positions >= 0
+    # x: each of a token's landed entries contributes its row's cotangent: a combine with weight 1.
+    dx = _combine_forward(ct_x, landed.astype(jnp.float32), positions, rows, route, plan)
+    # weights: entry (s, r, k)'s cotangent goes home to source s, row r.
+    home = _exchange_back(jnp.where(landed, ct_w, 0.0), plan)  # [P GPUs, T rows, K]
+    dest = route.dest
+    rows_at = jnp.take_along_axis(route.slot, dest, axis=1)  # [T, K]: the token's row on its entry's GPU
+    dw = home[dest, jnp.maximum(rows_at, 0), jnp.arange(plan.top_k)[None, :]]
+    return dx, dw, None, None
+
+
+_dispatch_op.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _exchange_back(a, plan):
+    from jaxgin.collectives import all_to_all
+
+    p, t, k = plan.size, plan.tokens, plan.top_k
+    return all_to_all(a.reshape(p * t, k), plan.names, 0, 0, tiled=True).reshape(p, t, k)
+
+
+@jax.custom_vjp
+def _combine_op(y, weights, positions, rows, route, plan_box):
+    return _combine_forward(y, weights, positions, rows, route, plan_box.plan)
+
+
+def _combine_fwd(y, weights, positions, rows, route, plan_box):
+    out = _combine_forward(y, weights, positions, rows, route, plan_box.plan)
+    return out, (y, weights, positions, route, plan_box)
+
+
+def _combine_bwd(saved, ct):
+    y, weights, positions, route, plan_box = saved
+    plan = plan_box.plan
+    # The output cotangent of every token goes to each row its entries landed at (a dispatch with
+    # the same routing reproduces the same layout).
+    spread = _dispatch_forward(ct, jnp.zeros((plan.tokens, plan.top_k), jnp.float32), route, plan)[0]
+    spread = spread.astype(jnp.float32)
+    target = jnp.where(positions >= 0, positions, plan.capacity).reshape(-1)
+    row_weight = jnp.zeros((plan.capacity,), jnp.float32).at[target].add(weights.reshape(-1), mode="drop")
+    dy = (row_weight[:, None] * spread).astype(y.dtype)
+    per_row = jnp.sum(spread * y.astype(jnp.float32), axis=1)
+    dw = jnp.where(positions >= 0, per_row[jnp.maximum(positions, 0)], 0.0)
+    return dy, dw, None, None, None, None
+
+
+_combine_op.defvjp(_combine_fwd, _combine_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanBox:
+    """Carries the static plan through custom_vjp as a pytree with no leaves."""
+
+    plan: Plan
+
+
+jax.tree_util.register_dataclass(_PlanBox, data_fields=[], meta_fields=["plan"])
+
+
+def _dispatch(x, weights, route, plan):
+    return _dispatch_op(x, weights, route, _PlanBox(plan))
+
+
+def _combine(y, weights, positions, rows, route, plan):
+    return _combine_op(y, weights, positions, rows, route, _PlanBox(plan))
