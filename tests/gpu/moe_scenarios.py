@@ -1,0 +1,172 @@
+"""GPU scenarios for jaxgin.moe, each run in a fresh process by tests/gpu/test_moe_gpu.py.
+
+    python tests/gpu/moe_scenarios.py check              # one process, all visible GPUs
+    python tests/gpu/moe_scenarios.py check RANK WORLD COORDINATOR   # one process per GPU
+
+Per case (random and adversarial routing, top_k 1 to 8, both modes, a capacity that overflows):
+- dispatch equals the reference placement (jax.lax.all_to_all over staging arrays, run on the
+  same GPUs) bit for bit: grouped rows, positions, weights, expert counts, dropped entries;
+- combine equals the reference combine within one rounding of the returned rows;
+- moe_layer equals a dense per-token computation (every expert's weights gathered), values and
+  gradients in x, router_logits, w1, w2; the ragged_all_to_all layer is checked the same way;
+- 500 calls in one jit with routing that changes every call, dispatch compared exactly and combine
+  within rounding, every call.
+Prints RESULT: {json}.
+"""
+
+import json
+import os
+import sys
+
+if len(sys.argv) > 3:  # one process per GPU: XLA needs leave to run ragged_all_to_all (the baseline layer) over NCCL
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true").strip()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxgin
+from jaxgin.moe import _routing, exchange
+
+
+def _host(a) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def _rel(a, b) -> float:
+    a, b = _host(a).astype(np.float64), _host(b).astype(np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def cases(n):
+    # (name, tokens per GPU, hidden, ffn, experts, top_k, dtype, capacity, mode, routing)
+    return [
+        ("random", 128, 512, 64, 8 * n, 4, jnp.bfloat16, None, "low_latency", "random"),
+        ("ragged_shapes", 300, 384, 48, 4 * n, 2, jnp.float32, None, "high_throughput", "random"),
+        ("all_to_expert_0", 64, 256, 32, 2 * n, 1, jnp.bfloat16, None, "auto", "one_expert"),
+        ("top8", 96, 256, 32, 16, 8, jnp.bfloat16, None, "auto", "random"),
+        ("empty_experts", 80, 256, 32, 4 * n, 2, jnp.float32, None, "high_throughput", "even_experts"),
+        ("capacity_overflow", 64, 128, 32, 2 * n, 2, jnp.float32, 40, "auto", "one_gpu"),
+    ]
+
+
+def _logits(key, tokens, experts, routing):
+    logits = jax.random.normal(key, (tokens, experts), jnp.float32)
+    if routing == "one_expert":
+        return logits.at[:, 0].add(100.0)
+    if routing == "even_experts":
+        return jnp.where(jnp.arange(experts) % 2 == 0, logits, -1e4)
+    if routing == "one_gpu":  # every token prefers the experts of axis index 0
+        local = experts // jax.device_count()
+        return jnp.where(jnp.arange(experts) < local, logits + 50.0, logits)
+    return logits
+
+
+def _dense(x, logits, w1, w2, top_k):
+    """Each token through its experts one by one (all experts' weights gathered): the definition."""
+    weights, ids = jaxgin.moe.router(logits, top_k)
+    a, b = w1[ids], w2[ids]  # [T, K, H, F], [T, K, F, H]
+    h = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x.astype(jnp.float32), a.astype(jnp.float32)))
+    y = jnp.einsum("tkf,tkfh->tkh", h.astype(x.dtype).astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+
+
+def _reference_dispatch(x, ids, weights, plan):
+    route = _routing.route(ids, plan)
+    return exchange.dispatch_reference(x, weights, route, plan), route
+
+
+def check(mesh) -> dict:
+    n = mesh.size
+    spec = P("ep")
+    report = []
+    for name, tokens, hidden, ffn, experts, top_k, dtype, capacity, mode, routing in cases(n):
+        keys = jax.random.split(jax.random.key(tokens * 31 + hidden), 6)
+        sharding = NamedSharding(mesh, spec)
+        put = lambda a: jax.device_put(np.asarray(a), sharding)  # noqa: E731
+        x = put(jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(dtype))
+        logits = put(_logits(keys[1], n * tokens, experts, routing))
+        w1 = put((jax.random.normal(keys[2], (experts, hidden, ffn), jnp.float32) / np.sqrt(hidden)).astype(dtype))
+        w2 = put((jax.random.normal(keys[3], (experts, ffn, hidden), jnp.float32) / np.sqrt(ffn)).astype(dtype))
+        ct = put(jax.random.normal(keys[4], (n * tokens, hidden), jnp.float32).astype(dtype))
+
+        def both(x, logits):
+            weights, ids = jaxgin.moe.router(logits, top_k)
+            sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", capacity=capacity,
+                                       mode=mode)
+            plan = sent.handle.plan
+            (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped), route = _reference_dispatch(x, ids, weights, plan)
+            # combine the (distinct per row) grouped rows themselves: any misplaced row shows
+            y = (sent.x.astype(jnp.float32) * 1.5 + 0.25).astype(x.dtype)
+            got = jaxgin.moe.combine(y, sent.handle)
+            ref = exchange.combine_reference(y, ref_w, ref_pos, ref_rows, route, plan)
+            same = jnp.array([
+                jnp.array_equal(sent.x, ref_x), jnp.array_equal(sent.handle.positions, ref_pos),
+                jnp.array_equal(sent.handle.weights, ref_w), jnp.array_equal(sent.expert_counts, ref_counts),
+                jnp.array_equal(sent.handle.rows, ref_rows), sent.dropped == ref_dropped,
+            ])
+            return same[None], got, ref, sent.dropped[None]
+
+        exact_fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec, spec, spec)))
+        same, got, ref, dropped = exact_fn(x, logits)
+        same = _host(same).all(axis=0).tolist()
+        combine_err = _rel(got, ref)
+
+        layer = lambda x, l, a, b: jaxgin.moe.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep",  # noqa: E731
+                                                        capacity=capacity, mode=mode)
+
+        def dense(x, l, a, b):
+            return _dense(x, l, jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True), top_k)
+
+        sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)  # noqa: E731
+        row = dict(case=name, tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, dtype=np.dtype(dtype).name,
+                   mode=mode, capacity=capacity, dispatch_exact=same, dropped=int(_host(dropped).sum()),
+                   combine_rel_err=combine_err)
+        if capacity is None:  # the dense definition has no capacity
+            row["layer_rel_err"] = _rel(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
+            loss = lambda f: (lambda x, l, a, b, ct: jnp.sum(sm(f)(x, l, a, b).astype(jnp.float32)  # noqa: E731
+                                                           * ct.astype(jnp.float32)))
+            g_layer = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+            g_dense = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+            row["grad_rel_err"] = {k: _rel(a, b) for k, a, b in zip(("x", "logits", "w1", "w2"), g_layer, g_dense)}
+            if jax.default_backend() == "gpu":  # XLA:CPU has no ragged-all-to-all
+                ragged = lambda x, l, a, b: jaxgin.moe.ragged.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep")  # noqa: E731
+                row["ragged_layer_rel_err"] = _rel(jax.jit(sm(ragged))(x, logits, w1, w2),
+                                                   jax.jit(sm(dense))(x, logits, w1, w2))
+
+        # 500 calls back to back, routing changing every call, each compared with the reference.
+        def loop(x, logits):
+            def body(i, worst):
+                li = logits * jnp.cos(i * 0.3) + jnp.sin(i * 0.7 + jnp.arange(experts, dtype=jnp.float32))
+                xi = (x.astype(jnp.float32) + jnp.sin(i * 0.11)).astype(x.dtype)
+                same, got, ref, _ = both(xi, li)
+                wrong = jnp.logical_not(jnp.all(same)).astype(jnp.float32)
+                err = jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))
+                return jnp.maximum(worst, jax.lax.pmax(jnp.stack([wrong, err]), "ep"))
+
+            return jax.lax.fori_loop(0, 500, body, jnp.zeros((2,), jnp.float32))
+
+        looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=P()))
+        loop_wrong, loop_err = (float(v) for v in looped(x, logits))
+        row.update(loop_500_dispatch_mismatches=loop_wrong, loop_500_combine_max_diff=loop_err)
+        print(json.dumps(row), flush=True)
+        report.append(row)
+    return {"devices": n, "processes": jax.process_count(), "cases": report}
+
+
+def main():
+    if len(sys.argv) > 3:
+        rank, world, coordinator = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+        jax.distributed.initialize(coordinator, num_processes=world, process_id=rank, local_device_ids=[rank])
+    jaxgin.initialize()
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    result = check(mesh)
+    jaxgin.finalize()
+    print("RESULT:" + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

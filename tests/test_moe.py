@@ -1,0 +1,311 @@
+"""jaxgin.moe on CPU (reference mode, emulated devices) and its GPU kernels compiled and linked for
+sm_90a without a GPU.
+
+The dispatch layout is checked against a specification written here in numpy (which rows land on
+which GPU, in which order, how many per expert, what is dropped), so the routing arithmetic the
+kernels share with the reference is checked independently of it. moe_layer is checked against a
+dense per-token computation (every expert's weights gathered), values and gradients in x,
+router_logits, w1 and w2, under random and adversarial routing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxgin
+
+SPEC = P("ep")
+
+
+@pytest.fixture
+def init():
+    jaxgin.initialize()
+    assert jaxgin.info()["backend"] == "reference"
+
+
+def _mesh(n):
+    return Mesh(np.array(jax.devices()[:n]), ("ep",))
+
+
+def _logits(key, tokens, experts, routing, n):
+    logits = jax.random.normal(key, (tokens, experts), jnp.float32)
+    if routing == "one_expert":
+        return logits.at[:, 3 % experts].add(100.0)
+    if routing == "even_experts":  # odd experts get nothing
+        return jnp.where(jnp.arange(experts) % 2 == 0, logits, -1e4)
+    if routing == "last_gpu":
+        return jnp.where(jnp.arange(experts) >= experts - experts // n, logits + 50.0, logits)
+    return logits
+
+
+def _dense(x, logits, w1, w2, top_k):
+    weights, ids = jaxgin.moe.router(logits, top_k)
+    h = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x, w1[ids], precision="highest"))
+    y = jnp.einsum("tkf,tkfh->tkh", h, w2[ids], precision="highest")
+    return jnp.sum(y * weights[..., None], axis=1)
+
+
+def _params(n, tokens, hidden, ffn, experts, routing, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32)
+    logits = _logits(keys[1], n * tokens, experts, routing, n)
+    w1 = jax.random.normal(keys[2], (experts, hidden, ffn), jnp.float32) / np.sqrt(hidden)
+    w2 = jax.random.normal(keys[3], (experts, ffn, hidden), jnp.float32) / np.sqrt(ffn)
+    ct = jax.random.normal(keys[4], (n * tokens, hidden), jnp.float32)
+    return x, logits, w1, w2, ct
+
+
+def _close(a, b, tol=2e-5, floor=1e-30):
+    """Equal within `tol` of the largest magnitude, or of `floor` where that is smaller (a gradient
+    that is zero mathematically, as the router's with top_k = 1, is rounding noise on both sides)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.abs(a - b).max() <= tol * max(np.abs(b).max(), floor), np.abs(a - b).max()
+
+
+LAYER_CASES = [
+    # devices, tokens per device, hidden, ffn, experts, top_k, routing
+    (2, 12, 16, 8, 4, 2, "random"),
+    (4, 10, 8, 6, 8, 1, "random"),
+    (4, 9, 12, 4, 16, 8, "random"),
+    (8, 6, 8, 4, 16, 3, "random"),
+    (4, 8, 8, 4, 8, 1, "one_expert"),
+    (4, 8, 8, 4, 8, 2, "even_experts"),
+    (2, 16, 8, 4, 8, 4, "last_gpu"),
+]
+
+
+@pytest.mark.parametrize("n,tokens,hidden,ffn,experts,top_k,routing", LAYER_CASES)
+def test_moe_layer_matches_dense_values_and_gradients(init, n, tokens, hidden, ffn, experts, top_k, routing):
+    mesh = _mesh(n)
+    x, logits, w1, w2, ct = _params(n, tokens, hidden, ffn, experts, routing)
+
+    def layer(x, l, a, b):
+        with jax.default_matmul_precision("highest"):
+            return jaxgin.moe.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep")
+
+    def dense(x, l, a, b):
+        return _dense(x, l, jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True), top_k)
+
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC)  # noqa: E731
+    _close(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
+    loss = lambda f: (lambda *a: jnp.sum(sm(f)(*a[:4]) * a[4]))  # noqa: E731
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-4, floor=1e-2)
+
+
+def _spec_layout(x, ids, n, experts, capacity):
+    """The documented layout, written plainly: on GPU d, rows grouped by local expert, within an
+    expert by source GPU, within a source by (token, k); entries past `capacity` dropped."""
+    tokens = x.shape[0] // n
+    local = experts // n
+    out = []
+    for d in range(n):
+        rows, counts = [], []
+        for e in range(local):
+            expert = d * local + e
+            group = [x[s * tokens + t] for s in range(n) for t in range(tokens) for k in range(ids.shape[1])
+                     if ids[s * tokens + t, k] == expert]
+            counts.append(len(group))
+            rows += group
+        total = sum(counts)
+        kept, budget = [], capacity
+        for c in counts:
+            kept.append(min(c, max(budget, 0)))
+            budget -= c
+        grouped = np.zeros((capacity, x.shape[1]), x.dtype)
+        grouped[: min(total, capacity)] = np.array(rows[:capacity]).reshape(-1, x.shape[1])[: min(total, capacity)]
+        out.append((grouped, np.array(kept), total - sum(kept)))
+    return out
+
+
+@pytest.mark.parametrize("n,tokens,experts,top_k,capacity,dtype", [
+    (2, 7, 4, 2, None, jnp.float32),
+    (4, 6, 8, 3, None, jnp.bfloat16),
+    (4, 5, 16, 8, None, jnp.float32),
+    (4, 8, 8, 2, 9, jnp.float32),  # capacity too small: entries dropped and counted
+    (8, 3, 8, 1, None, jnp.float16),
+])
+def test_dispatch_layout_follows_the_spec(init, n, tokens, experts, top_k, capacity, dtype):
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(tokens + experts), 3)
+    x = (jnp.arange(n * tokens, dtype=jnp.float32)[:, None] * 10 + jax.random.normal(keys[0], (n * tokens, 6))).astype(dtype)
+    logits = _logits(keys[1], n * tokens, experts, "random", n)
+    weights, ids = jax.jit(lambda l: jaxgin.moe.router(l, top_k))(logits)
+    cap = capacity or n * tokens * min(top_k, experts // n)
+
+    def run(x, ids, w):
+        sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep", capacity=capacity)
+        back = jaxgin.moe.combine(sent.x, sent.handle)  # identity experts
+        return sent.x, sent.expert_counts[None], sent.dropped[None], back
+
+    grouped, counts, dropped, back = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(SPEC,) * 3,
+                                                           out_specs=(SPEC,) * 4))(x, ids, weights)
+    spec = _spec_layout(np.asarray(x), np.asarray(ids), n, experts, cap)
+    grouped = np.asarray(grouped).reshape(n, cap, -1)
+    for d, (want_rows, want_counts, want_dropped) in enumerate(spec):
+        np.testing.assert_array_equal(grouped[d], want_rows)
+        np.testing.assert_array_equal(np.asarray(counts)[d], want_counts)
+        assert int(np.asarray(dropped)[d]) == want_dropped
+    if capacity is None:
+        # combine(dispatch(x)) with identity experts: each token's weights sum to 1
+        _close(np.asarray(back, np.float32), np.asarray(x, np.float32), 1e-2 if dtype != jnp.float32 else 1e-6)
+    else:
+        assert int(np.asarray(dropped).sum()) > 0
+
+
+def test_dispatch_and_combine_gradients_match_jax_grad_of_the_reference(init):
+    """The custom_vjp rules (dispatch's backward is a combine, combine's a dispatch) against
+    autodiff of a dense formulation: y[t] = sum_k w[t, k] * f(x[t]) with f applied at the expert."""
+    n, tokens, experts, top_k = 4, 6, 8, 3
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(keys[0], (n * tokens, 5))
+    scale = jax.random.normal(keys[1], (experts, 5))
+    logits = jax.random.normal(keys[2], (n * tokens, experts))
+    ct = jax.random.normal(keys[3], (n * tokens, 5))
+
+    def moe(x, logits, scale):
+        w, ids = jaxgin.moe.router(logits, top_k)
+        sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep")
+        local = experts // n
+        expert_of_row = jnp.repeat(jnp.arange(local), sent.expert_counts, total_repeat_length=sent.x.shape[0])
+        y = jnp.tanh(sent.x * scale[expert_of_row])
+        return jaxgin.moe.combine(y, sent.handle)
+
+    def dense(x, logits, scale):
+        w, ids = jaxgin.moe.router(logits, top_k)
+        every = jax.lax.all_gather(scale, "ep", tiled=True)
+        return jnp.sum(w[..., None] * jnp.tanh(x[:, None, :] * every[ids]), axis=1)
+
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC)  # noqa: E731
+    _close(jax.jit(sm(moe))(x, logits, scale), jax.jit(sm(dense))(x, logits, scale))
+    loss = lambda f: (lambda x, l, s, ct: jnp.sum(sm(f)(x, l, s) * ct))  # noqa: E731
+    got = jax.jit(jax.grad(loss(moe), argnums=(0, 1, 2)))(x, logits, scale, ct)
+    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(x, logits, scale, ct)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-5)
+
+
+def _call(f, n=4, tokens=4, hidden=8, experts=8):
+    mesh = _mesh(n)
+    x = jnp.ones((n * tokens, hidden))
+    ids = jnp.zeros((n * tokens, 2), jnp.int32)
+    w = jnp.ones((n * tokens, 2)) / 2
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC))(x, ids, w)
+
+
+D = jaxgin.moe.dispatch
+BAD_DISPATCH = [
+    (lambda x, i, w: D(x, i, w, num_experts=6, axis_name="ep").x, ValueError, "multiple of the expert axis size 4"),
+    (lambda x, i, w: D(x, i, w, num_experts=0, axis_name="ep").x, TypeError, "num_experts must be a positive int"),
+    (lambda x, i, w: D(x, i.astype(jnp.float32), w, num_experts=8, axis_name="ep").x, TypeError, "topk_ids must be integers"),
+    (lambda x, i, w: D(x, i, w[:, :1], num_experts=8, axis_name="ep").x, ValueError, "topk_weights has shape"),
+    (lambda x, i, w: D(x, i[:2], w[:2], num_experts=8, axis_name="ep").x, ValueError, "tokens = x.shape"),
+    (lambda x, i, w: D(x.astype(jnp.int8), i, w, num_experts=8, axis_name="ep").x, TypeError, "x has dtype int8"),
+    (lambda x, i, w: D(x[0], i, w, num_experts=8, axis_name="ep").x, ValueError, r"x must be \[tokens, hidden\]"),
+    (lambda x, i, w: D(x, i, w, num_experts=8, axis_name="ep", capacity=0).x, ValueError, "capacity must be a positive int"),
+    (lambda x, i, w: D(x, i, w, num_experts=8, axis_name="ep", mode="fast").x, ValueError, "mode must be 'auto'"),
+    (lambda x, i, w: D(x, i, w, num_experts=8, axis_name="nope").x, NameError, "'nope' is not bound"),
+    (lambda x, i, w: jaxgin.moe.combine(D(x, i, w, num_experts=8, axis_name="ep").x[:3], D(x, i, w, num_experts=8, axis_name="ep").handle),
+     ValueError, r"expert_out has shape \[3, 8\]; it must be \[capacity, hidden\]"),
+    (lambda x, i, w: jaxgin.moe.combine(D(x, i, w, num_experts=8, axis_name="ep").x.astype(jnp.bfloat16),
+                                        D(x, i, w, num_experts=8, axis_name="ep").handle), TypeError, "cast it"),
+    (lambda x, i, w: jaxgin.moe.combine(x, {"not": "a handle"}), TypeError, "handle must be the .handle"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_DISPATCH)
+def test_bad_dispatch_arguments_are_named(init, call, error, message):
+    with pytest.raises(error, match=message):
+        _call(call)
+
+
+L = jaxgin.moe.moe_layer
+BAD_LAYER = [
+    (dict(w1=(2, 8, 4), w2=(2, 4, 8), logits=(4, 7)), "router_logits must be"),
+    (dict(w1=(2, 8, 4), w2=(2, 5, 8), logits=(4, 8)), "w2"),
+    (dict(w1=(2, 4), w2=(2, 4, 8), logits=(4, 8)), "w1 must be"),
+    (dict(w1=(2, 8, 4), w2=(2, 4, 8), logits=(4, 8), top_k=9), r"top_k must be an int in \[1, 8\]"),
+]
+
+
+@pytest.mark.parametrize("shapes,message", BAD_LAYER)
+def test_bad_layer_arguments_are_named(init, shapes, message):
+    mesh = _mesh(4)
+    x = jnp.ones((16, 8))
+    logits = jnp.ones((16, shapes["logits"][1]))
+    w1, w2 = jnp.ones((4 * shapes["w1"][0], *shapes["w1"][1:])), jnp.ones((4 * shapes["w2"][0], *shapes["w2"][1:]))
+    f = lambda x, l, a, b: L(x, l, a, b, top_k=shapes.get("top_k", 2), axis_name="ep")  # noqa: E731
+    with pytest.raises(ValueError, match=message):
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC))(x, logits, w1, w2)
+
+
+def test_layer_reports_what_overflows_the_capacity(init):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 8, 8, 4, 4, "last_gpu")
+    def f(x, l, a, b):
+        y, stats = L(x, l, a, b, top_k=2, axis_name="ep", capacity=5, return_stats=True)
+        return y, stats["dropped"][None], stats["expert_counts"]
+
+    y, dropped, counts = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC,) * 3))(
+        x, logits, w1, w2)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+    # 16 tokens, every one with an entry on the last GPU (its logits are +50): at most 5 kept there
+    assert int(dropped[1]) >= 16 - 5 and int(counts[2:].sum()) == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
+
+
+@pytest.fixture(scope="module")
+def toolchain(nvcc, packaged_nccl, require):
+    pytest.importorskip("triton")
+    from jaxgin.errors import ToolchainError
+    from tritongin import link
+
+    try:
+        link.nvjitlink()
+    except ToolchainError as e:
+        require(f"needs nvJitLink: {e}")
+    return packaged_nccl
+
+
+def _compile(kernel, pointers: dict, constexprs: dict, num_warps=8):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(pointers) | {name: "constexpr" for name in constexprs}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 1})
+
+
+def test_moe_kernels_compile_and_link_for_sm90a(toolchain):
+    from jaxgin.moe import _kernels
+
+    pointers = dict(ctx="*u8", x="*bf16", slot="*i32", meta="*i32", weights="*fp32", send_counts="*i32",
+                    route="*i32", stage_x="*bf16", stage_meta="*i32", stage_w="*fp32", stage_counts="*i32",
+                    flags="*i64", state="*i64", out_x="*bf16", out_pos="*i32", out_w="*fp32",
+                    out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
+    dispatch = _compile(_kernels.dispatch_kernel, pointers, dict(
+        T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16))
+    pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
+                    back="*bf16", flags="*i64", state="*i64", out="*bf16")
+    combine = _compile(_kernels.combine_kernel, pointers, dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4))
+    for kernel in (dispatch, combine):
+        assert kernel.asm["cubin"][:4] == b"\x7fELF"
+        for symbol in (b"jaxgin_tt_set_flag", b"jaxgin_tt_wait_flag", b"jaxgin_tt_peer_delta"):
+            assert symbol in kernel.asm["cubin"]  # linked with the device library
+        assert re.search(r"st\.global\.v4", kernel.asm["ptx"])  # 16-byte row stores, to peers included
+        assert re.search(r"atom\.[a-z.]*sys", kernel.asm["ptx"])  # the system-scope "all sent" count
