@@ -1,0 +1,236 @@
+"""MoE dispatch / combine: jaxgin.moe vs the same exchange on jax.lax.ragged_all_to_all, same process,
+same routing.
+
+    python benchmarks/moe.py [--out DIR] [--tokens 128,4096] [--hidden 7168] [--experts 256] [--top-k 8]
+
+DeepSeek-V3-like defaults: hidden 7168, 256 experts, top-8, bfloat16, 128 tokens per GPU (low
+latency) and 4096 (high throughput). Per token count, per GPU:
+  jaxgin_dispatch / jaxgin_combine    jaxgin.moe.dispatch / combine (routing arithmetic included)
+  ragged_dispatch / ragged_combine    jaxgin.moe.ragged.dispatch / combine (ragged_all_to_all)
+  xla_all_to_all_same_bytes           jax.lax.all_to_all moving as many bytes to each peer as
+                                      dispatch sends remotely, for scale
+Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and destination GPU) over
+the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
+
+Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output;
+best of REPEATS runs / STEPS. Before timing, combine(dispatch(x)) with identity experts must give
+x back (the routing weights sum to 1) on both paths. Writes moe.json and moe.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxgin
+
+STEPS = 20
+SPEC = P("ep")
+
+
+def _time(f, *args, repeats: int) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - start)
+    return best / STEPS
+
+
+def _touch(a, b):
+    """a with one element moved by 0 * b (XLA cannot prove it): the next call waits for this one."""
+    return a.at[0, 0].set((a[0, 0].astype(jnp.float32) + b.reshape(-1)[0].astype(jnp.float32) * 0).astype(a.dtype))
+
+
+def _sm(mesh, f, n_in):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * n_in, out_specs=SPEC))
+
+
+def _peer_copy_ceiling(repeats: int) -> float | None:
+    """Bytes/s of one large device-to-device copy GPU 0 -> GPU 1 (NVLink, copy engines)."""
+    devices = jax.local_devices()
+    if len(devices) < 2:
+        return None
+    a = jax.device_put(jnp.ones((256 << 20,), jnp.float32), devices[0])  # 1 GiB
+    jax.device_put(a, devices[1]).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.device_put(a, devices[1]).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return a.nbytes / best
+
+
+def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
+    n = mesh.size
+    dtype = jnp.bfloat16
+    capacity = -(-tokens * top_k * 5 // 4)  # 1.25 x the mean rows per GPU
+    keys = jax.random.split(jax.random.key(tokens), 2)
+    sharding = NamedSharding(mesh, SPEC)
+    x = jax.device_put(jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(dtype), sharding)
+    logits = jax.device_put(jax.random.normal(keys[1], (n * tokens, experts), jnp.float32), sharding)
+    weights, ids = jax.jit(lambda l: jaxgin.moe.router(l, top_k))(logits)
+    ids_host = np.asarray(ids).reshape(n, tokens, top_k)
+    local = experts // n
+    dest = ids_host // local
+    sent_to = np.stack([(dest == d).any(axis=2) for d in range(n)], axis=-1)  # [n, T, n]
+    remote_rows = max(int(sent_to[g].sum() - sent_to[g, :, g].sum()) for g in range(n))
+    remote_bytes = remote_rows * hidden * 2
+
+    def jg_dispatch(x, ids, w):
+        return jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep", capacity=capacity)
+
+    def rg_dispatch(x, ids):
+        return jaxgin.moe.ragged.dispatch(x, ids, num_experts=experts, axis_name="ep", capacity=capacity)
+
+    # Identity experts: combine(dispatch(x)) = x, since each token's weights sum to 1.
+    def roundtrip(x, ids, w):
+        sent = jg_dispatch(x, ids, w)
+        rows, _, state = rg_dispatch(x, ids)
+        return (jaxgin.moe.combine(sent.x, sent.handle), jaxgin.moe.ragged.combine(rows, w, state),
+                sent.dropped[None])
+
+    rt = jax.jit(jax.shard_map(roundtrip, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=(SPEC,) * 3))
+    back_jg, back_rg, dropped = rt(x, ids, weights)
+    xf = np.asarray(x, np.float32)
+    err = {name: float(np.abs(np.asarray(b, np.float32) - xf).max() / np.abs(xf).max())
+           for name, b in (("jaxgin", back_jg), ("ragged", back_rg))}
+
+    def chain(step):
+        def body(*args):
+            return jax.lax.fori_loop(0, STEPS, lambda _, a: step(*a), args)[0]
+
+        return body
+
+    variants = {}
+    variants["jaxgin_dispatch"] = (chain(lambda x, ids, w: (_touch(x, jg_dispatch(x, ids, w).x), ids, w)), 3)
+    variants["ragged_dispatch"] = (chain(lambda x, ids, w: (_touch(x, rg_dispatch(x, ids)[0]), ids, w)), 3)
+
+    def jg_combine(x, ids, w):
+        sent = jg_dispatch(x, ids, w)
+        body = lambda _, y: _touch(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
+        return jax.lax.fori_loop(0, STEPS, body, _touch(sent.x, x))[:1]
+
+    def rg_combine(x, ids, w):
+        rows, _, state = rg_dispatch(x, ids)
+        body = lambda _, y: _touch(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
+        return jax.lax.fori_loop(0, STEPS, body, _touch(rows, x))[:1]
+
+    variants["jaxgin_combine"] = (jg_combine, 3)
+    variants["ragged_combine"] = (rg_combine, 3)
+    per_peer = max(1, remote_bytes // (2 * max(n - 1, 1)))  # bf16 elements to each peer
+    xla_block = jax.device_put(jnp.zeros((n * n, per_peer), dtype), sharding)
+    variants["xla_all_to_all_same_bytes"] = (
+        chain(lambda a: (_touch(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),)), 1)
+
+    variants["routing_only"] = (chain(lambda x, ids, w: (_touch(x, _route_only(ids, experts, mesh.size, capacity)),
+                                                          ids, w)), 3)
+    times = {}
+    for name, (f, n_in) in variants.items():
+        if only and name not in only:
+            continue
+        args = (xla_block,) if n_in == 1 else (x, ids, weights)
+        times[name] = _time(_sm(mesh, f, n_in), *args, repeats=repeats) * 1e6
+        print(f"  {tokens} tokens  {name:28s} {times[name]:9.1f} us", flush=True)
+    # The combine loops include one dispatch (outside the loop): subtract it.
+    for kind in ("jaxgin", "ragged"):
+        if f"{kind}_combine" in times and f"{kind}_dispatch" in times:
+            times[f"{kind}_combine"] -= times[f"{kind}_dispatch"] / STEPS
+    nan = float("nan")
+    jg = times.get("jaxgin_dispatch", nan) + times.get("jaxgin_combine", nan)
+    rg = times.get("ragged_dispatch", nan) + times.get("ragged_combine", nan)
+    return dict(
+        tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, devices=n, capacity=capacity,
+        dropped=int(np.asarray(dropped).sum()), roundtrip_rel_err=err, times_us=times,
+        dispatch_plus_combine_us=dict(jaxgin=jg, ragged=rg), speedup_vs_ragged=rg / jg,
+        remote_bytes_per_gpu=remote_bytes,
+        effective_GBps=dict(dispatch=remote_bytes / times.get("jaxgin_dispatch", nan) / 1e3,
+                            combine=remote_bytes / times.get("jaxgin_combine", nan) / 1e3),
+    )
+
+
+def _route_only(ids, experts, size, capacity):
+    """dispatch's routing arithmetic alone (plain JAX, before the kernel), to see what it costs."""
+    from jaxgin.moe import _routing
+
+    plan = _routing.Plan(("ep",), size, ids.shape[0], 1, ids.shape[1], experts // size, capacity, "bfloat16",
+                         _routing.HIGH_THROUGHPUT)
+    route = _routing.route(ids, plan)
+    return route.meta[:, :, 0] + route.slot[:, :1] + route.send_counts[0, 0]
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = report["results"]
+    names = ["jaxgin_dispatch", "ragged_dispatch", "jaxgin_combine", "ragged_combine"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        values = [row["times_us"].get(k, 0.0) for k in names]
+        ax.bar(range(len(names)), values, color=["C0", "C1", "C0", "C1"])
+        ax.set_xticks(range(len(names)), [k.replace("_", "\n") for k in names])
+        ax.set_yscale("log")
+        ax.set_ylabel("us per call (per GPU)")
+        ax.set_title(f"{row['tokens']} tokens/GPU, {row['devices']} GPUs: {row['speedup_vs_ragged']:.1f}x")
+    fig.suptitle("jaxgin.moe vs ragged_all_to_all (hidden 7168, 256 experts, top-8, bf16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--tokens", default="128,4096")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
+    parser.add_argument("--blocks", default=None,
+                        help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps' to compare")
+    args = parser.parse_args()
+    devices = jax.devices()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    # staging + return areas: 2 halves x devices x tokens x hidden x 2 bytes each
+    need = 4 * len(devices) * max(tokens) * args.hidden * 2
+    jaxgin.initialize(heap_size=max(1 << 30, int(need * 1.25)))
+    mesh = Mesh(np.array(devices), ("ep",))
+    report = dict(device=devices[0].device_kind, devices=len(devices), jax=jax.__version__,
+                  jaxgin_info={k: str(v) for k, v in jaxgin.info().items()}, peer_copy_GBps=None, results=[])
+    ceiling = _peer_copy_ceiling(args.repeats)
+    report["peer_copy_GBps"] = ceiling / 1e9 if ceiling else None
+    only = set(args.only.split(",")) if args.only else None
+    for setting in (args.blocks.split(";") if args.blocks else [None]):
+        if setting:
+            os.environ["JAXGIN_MOE_BLOCKS"] = setting
+            print(f"JAXGIN_MOE_BLOCKS={setting}", flush=True)
+        for t in tokens:
+            row = measure(mesh, t, args.hidden, args.experts, args.top_k, args.repeats, only)
+            row["blocks"] = setting
+            report["results"].append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    png = plot(report, out / "moe.png")
+    print(f"wrote {out / 'moe.json'}" + (f" and {png}" if png else ""))
+    jaxgin.finalize()
+
+
+if __name__ == "__main__":
+    main()
