@@ -5,7 +5,8 @@ Start with ``jaxgin.initialize()``; ``jaxgin.info()`` says what it runs on and
 ``jaxgin.ppermute`` / ``jaxgin.all_to_all`` replace jax.lax's, and ``jaxgin.put_signal`` /
 ``jaxgin.wait_signal`` with a ``jaxgin.Mailbox`` give split-phase one-sided communication. ``jaxgin.triton_call`` runs a Triton kernel that
 communicates itself (``tritongin``) as one XLA op (``jaxgin.axis_route`` gives it the ranks of its
-axis peers); ``jaxgin.fused`` has matmuls fused with their all_to_all / all_gather.
+axis peers); ``jaxgin.fused`` has matmuls fused with their all_to_all / all_gather, ``jaxgin.moe``
+expert-parallel MoE dispatch / combine and a MoE layer.
 """
 
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, ToolchainError
