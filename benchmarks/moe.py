@@ -164,7 +164,7 @@ def _route_only(ids, experts, size, capacity):
 
     plan = _routing.Plan(("ep",), size, ids.shape[0], 1, ids.shape[1], experts // size, capacity, "bfloat16",
                          _routing.HIGH_THROUGHPUT)
-    route = _routing.route(ids, plan)
+    route, _ = _routing.route(ids, plan)
     return route.meta[:, :, 0] + route.slot[:, :1] + route.send_counts[0, 0]
 
 

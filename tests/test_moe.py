@@ -309,3 +309,23 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain):
             assert symbol in kernel.asm["cubin"]  # linked with the device library
         assert re.search(r"st\.global\.v4", kernel.asm["ptx"])  # 16-byte row stores, to peers included
         assert re.search(r"atom\.[a-z.]*sys", kernel.asm["ptx"])  # the system-scope "all sent" count
+
+
+def test_expert_ids_out_of_range_are_reported_not_sent(init):
+    """An id outside [0, num_experts) (traced, so it cannot raise) is not delivered anywhere and is
+    counted in the sender's `dropped`; the token's other entries are unaffected."""
+    n, tokens, experts = 4, 4, 8
+    mesh = _mesh(n)
+    x = jnp.arange(n * tokens * 3, dtype=jnp.float32).reshape(n * tokens, 3)
+    good = jnp.arange(n * tokens, dtype=jnp.int32) % experts
+    ids = jnp.stack([good, jnp.where(jnp.arange(n * tokens) % 3 == 0, -1, experts)], axis=1).astype(jnp.int32)
+    w = jnp.full((n * tokens, 2), 0.5)
+
+    def run(x, ids, w):
+        sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep")
+        return sent.expert_counts[None], sent.dropped[None], jaxgin.moe.combine(sent.x, sent.handle)
+
+    counts, dropped, back = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=(SPEC,) * 3))(x, ids, w)
+    np.testing.assert_array_equal(np.asarray(dropped), [tokens] * n)  # one bad entry per token
+    assert int(np.asarray(counts).sum()) == n * tokens  # only the good entries arrived
+    _close(back, 0.5 * x, 1e-6)  # the bad entry contributes nothing

@@ -61,26 +61,29 @@ class SourceRoute:
 jax.tree_util.register_dataclass(SourceRoute, data_fields=["slot", "meta", "dest", "send_counts"], meta_fields=[])
 
 
-def route(topk_ids, plan: Plan) -> SourceRoute:
+def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
+    """(routing, entries with an expert id outside [0, num_experts): not sent, reported as dropped)."""
     t, k, p, el = plan.tokens, plan.top_k, plan.size, plan.local_experts
     ids = topk_ids.astype(jnp.int32)
-    dest, local = ids // el, ids % el
+    valid = (ids >= 0) & (ids < plan.num_experts)
+    ids = jnp.where(valid, ids, plan.num_experts)  # a bin past the last expert, owned by no GPU
+    dest, local = jnp.where(valid, ids // el, -1), ids % el
     goes = jnp.any(dest[:, :, None] == jnp.arange(p, dtype=jnp.int32), axis=1)  # [T, P]
     slot = jnp.where(goes, jnp.cumsum(goes, axis=0, dtype=jnp.int32) - 1, -1)
     # rank of each entry among this GPU's entries for the same expert, (token, k) order: a stable
     # sort by expert id, minus where that expert's run starts.
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    per_expert = jnp.bincount(flat, length=plan.num_experts).astype(jnp.int32)
+    per_expert = jnp.bincount(flat, length=plan.num_experts + 1).astype(jnp.int32)
     starts = jnp.cumsum(per_expert) - per_expert
     rank_sorted = jnp.arange(t * k, dtype=jnp.int32) - starts[flat[order]]
     rank = jnp.zeros_like(flat).at[order].set(rank_sorted).reshape(t, k)
     code = local + el * rank
     meta = jnp.where(dest[:, None, :] == jnp.arange(p, dtype=jnp.int32)[None, :, None], code[:, None, :], -1)
     send_counts = jnp.concatenate(
-        [per_expert.reshape(p, el), jnp.sum(goes, axis=0, dtype=jnp.int32)[:, None]], axis=1
+        [per_expert[:-1].reshape(p, el), jnp.sum(goes, axis=0, dtype=jnp.int32)[:, None]], axis=1
     )
-    return SourceRoute(slot, meta, dest, send_counts)
+    return SourceRoute(slot, meta, jnp.maximum(dest, 0), send_counts), per_expert[-1]
 
 
 def placement(counts, codes, capacity: int, local_experts: int):

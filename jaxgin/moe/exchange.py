@@ -43,7 +43,8 @@ jax.tree_util.register_dataclass(Handle, data_fields=["route", "positions", "wei
 class Dispatched:
     """dispatch's result. x: [capacity, H], rows grouped by local expert (expert 0's first), rows past
     sum(expert_counts) zero; expert_counts: int32 [local experts], the rows kept per expert;
-    dropped: int32 (), entries that did not fit the capacity (0 unless capacity was given too small);
+    dropped: int32 (), entries not delivered: this GPU's entries past its capacity, plus entries of
+    this GPU's tokens whose expert id is outside [0, num_experts) (those are not sent);
     handle: for combine."""
 
     x: jax.Array
@@ -72,9 +73,9 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     x, topk_ids, topk_weights = _routing.check_inputs(DISPATCH, x, topk_ids, topk_weights)
     plan = _routing.make_plan(DISPATCH, names, size, x, topk_ids, num_experts, capacity, mode)
     x, topk_ids, topk_weights = _common.same_varying(names, x, topk_ids, topk_weights)
-    route = _routing.route(topk_ids, plan)
+    route, invalid = _routing.route(topk_ids, plan)
     grouped, positions, weights, counts, rows, dropped = _dispatch(x, topk_weights.astype(jnp.float32), route, plan)
-    return Dispatched(grouped, counts, dropped, Handle(route, positions, weights, rows, plan))
+    return Dispatched(grouped, counts, dropped + invalid, Handle(route, positions, weights, rows, plan))
 
 
 def combine(expert_out, handle: Handle):

@@ -75,7 +75,7 @@ def _dense(x, logits, w1, w2, top_k):
 
 
 def _reference_dispatch(x, ids, weights, plan):
-    route = _routing.route(ids, plan)
+    route, _ = _routing.route(ids, plan)
     return exchange.dispatch_reference(x, weights, route, plan), route
 
 
