@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
+from timing import best_seconds
 from jaxgin.runtime import parse_size
 
 
@@ -37,16 +36,6 @@ def chain_length(nbytes: int) -> int:
     if nbytes <= 16 << 20:
         return 50
     return 10
-
-
-def _time(f, x, repeats: int) -> float:
-    jax.block_until_ready(f(x))  # compile + warm up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(x))
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _array(mesh, nbytes: int, n: int):
@@ -119,9 +108,9 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
             xla_f, ours_f = program(xla_op), program(jaxgin_op)
             one_x, one_ours = program(xla_op, 1), program(jaxgin_op, 1)
             equal = bool(np.array_equal(np.asarray(one_x(x)), np.asarray(one_ours(x))))
-            t_xla = _time(xla_f, x, repeats) / steps
+            t_xla = best_seconds(xla_f, x, repeats=repeats) / steps
             calls_before = _handler_calls()
-            t_ours = _time(ours_f, x, repeats) / steps
+            t_ours = best_seconds(ours_f, x, repeats=repeats) / steps
             handler_calls = _handler_calls() - calls_before
             row = {
                 "op": op,

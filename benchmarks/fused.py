@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
@@ -31,20 +30,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
+from timing import best_seconds
 from jaxgin.fused import _common
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
-
-
-def _time(f, *args, repeats: int) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - start)
-    return best / STEPS
 
 
 def _chain(mesh, op):
@@ -96,10 +86,10 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         got = _once(mesh, gather_ops["fused_all_gather"])(xs, w)
         row["all_gather_rel_err"] = _rel(got, _once(mesh, gather_ops["xla_all_gather_matmul"])(xs, w))
         for name, op in gather_ops.items():
-            row[f"{name}_us"] = _time(_chain(mesh, op), xs, w, repeats=repeats) * 1e6
+            row[f"{name}_us"] = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
         row["all_gather_shard"] = list(shard)
     for name, op in ops.items():
-        row[f"{name}_us"] = _time(_chain(mesh, op), x, w, repeats=repeats) * 1e6
+        row[f"{name}_us"] = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
     flops = 2 * m * k * n
     row["xla_matmul_TFLOPs"] = flops / row["xla_matmul_us"] / 1e6
     row["triton_matmul_TFLOPs"] = flops / row["triton_matmul_us"] / 1e6
@@ -130,7 +120,7 @@ def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             plan = fused_a2a._Plan(("x",), mesh.size, x.shape[0], w.shape[1], x.shape[1], True, True, None, None)
             return fused_a2a._kernel(state, x, w, plan, parts)
 
-        row[name] = _time(_chain(mesh, op), x, w, repeats=repeats) * 1e6
+        row[name] = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
     print(json.dumps(row), flush=True)
     return row
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
@@ -31,19 +30,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
+from timing import best_seconds
 
 STEPS = 20
 SPEC = P("ep")
-
-
-def _time(f, *args, repeats: int) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - start)
-    return best / STEPS
 
 
 def _touch(a, b):
@@ -61,12 +51,7 @@ def _peer_copy_ceiling(repeats: int) -> float | None:
     if len(devices) < 2:
         return None
     a = jax.device_put(jnp.ones((256 << 20,), jnp.float32), devices[0])  # 1 GiB
-    jax.device_put(a, devices[1]).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.device_put(a, devices[1]).block_until_ready()
-        best = min(best, time.perf_counter() - start)
+    best = best_seconds(lambda: jax.device_put(a, devices[1]), repeats=repeats)
     return a.nbytes / best
 
 
@@ -139,7 +124,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
         if only and name not in only:
             continue
         args = (xla_block,) if n_in == 1 else (x, ids, weights)
-        times[name] = _time(_sm(mesh, f, n_in), *args, repeats=repeats) * 1e6
+        times[name] = best_seconds(_sm(mesh, f, n_in), *args, repeats=repeats) / STEPS * 1e6
         print(f"  {tokens} tokens  {name:28s} {times[name]:9.1f} us", flush=True)
     # The combine loops include one dispatch (outside the loop): subtract it.
     for kind in ("jaxgin", "ragged"):

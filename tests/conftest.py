@@ -82,3 +82,34 @@ def packaged_nccl():
     if install is None:
         skip_or_fail("needs the nvidia-nccl-cu13 package (pip install -e '.[test]')")
     return install
+
+
+@pytest.fixture(scope="session")
+def toolchain(nvcc, packaged_nccl, require):
+    """What compiling tritongin kernels here needs: Triton, nvcc and NCCL's headers (the device
+    library), nvJitLink (linking it in). Returns the packaged NCCL install."""
+    pytest.importorskip("triton")
+    from jaxgin.errors import ToolchainError
+    from tritongin import link
+
+    try:
+        link.nvjitlink()
+    except ToolchainError as e:
+        require(f"needs nvJitLink: {e}")
+    return packaged_nccl
+
+
+def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, num_warps: int = 4,
+                     num_stages: int = 3):
+    """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), pointers marked
+    16-byte aligned as jaxgin.triton_call marks them. `signature` names the runtime parameters;
+    `constexprs` binds the rest."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = constexprs or {}
+    signature = dict(signature) | {name: "constexpr" for name in constexprs if name not in signature}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

@@ -20,6 +20,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
+from conftest import compile_for_sm90
+
 
 @pytest.fixture
 def init():
@@ -184,41 +186,17 @@ def test_axis_route_needs_every_axis_manual(init):
 # The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
 
 
-@pytest.fixture(scope="module")
-def toolchain(nvcc, packaged_nccl, require):
-    pytest.importorskip("triton")
-    from jaxgin.errors import ToolchainError
-    from tritongin import link
-
-    try:
-        link.nvjitlink()
-    except ToolchainError as e:
-        require(f"needs nvJitLink: {e}")
-    return packaged_nccl
-
-
-def _compile(kernel, pointers: dict, constexprs: dict, num_warps=8, num_stages=3):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = dict(pointers) | {name: "constexpr" for name in constexprs}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
-
-
 def test_fused_kernels_compile_and_link_for_sm90a(toolchain):
     from jaxgin.fused import _kernels
 
     pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
                 "state": "*i64", "out": "*bf16"}
-    a2a = _compile(_kernels.matmul_all_to_all_kernel, pointers, dict(
+    a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
         BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7))
     pointers["gather"] = pointers.pop("recv")
     pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "gather", "flags", "state", "out")}
-    ag = _compile(_kernels.all_gather_matmul_kernel, pointers, dict(
+    ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, R=1, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
         SEND_BM=32, SEND_BK=1024))
     for kernel in (a2a, ag):

@@ -20,6 +20,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
+from conftest import compile_for_sm90
+
 SPEC = P("ep")
 
 
@@ -267,30 +269,6 @@ def test_layer_reports_what_overflows_the_capacity(init):
 # The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
 
 
-@pytest.fixture(scope="module")
-def toolchain(nvcc, packaged_nccl, require):
-    pytest.importorskip("triton")
-    from jaxgin.errors import ToolchainError
-    from tritongin import link
-
-    try:
-        link.nvjitlink()
-    except ToolchainError as e:
-        require(f"needs nvJitLink: {e}")
-    return packaged_nccl
-
-
-def _compile(kernel, pointers: dict, constexprs: dict, num_warps=8):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = dict(pointers) | {name: "constexpr" for name in constexprs}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 1})
-
-
 def test_moe_kernels_compile_and_link_for_sm90a(toolchain):
     from jaxgin.moe import _kernels
 
@@ -298,11 +276,12 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain):
                     route="*i32", stage_x="*bf16", stage_meta="*i32", stage_w="*fp32", stage_counts="*i32",
                     flags="*i64", state="*i64", out_x="*bf16", out_pos="*i32", out_w="*fp32",
                     out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
-    dispatch = _compile(_kernels.dispatch_kernel, pointers, dict(
+    dispatch = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
         T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16))
     pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
                     back="*bf16", flags="*i64", state="*i64", out="*bf16")
-    combine = _compile(_kernels.combine_kernel, pointers, dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4))
+    combine = compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1,
+                               constexprs=dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4))
     for kernel in (dispatch, combine):
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
         for symbol in (b"jaxgin_tt_set_flag", b"jaxgin_tt_wait_flag", b"jaxgin_tt_peer_delta"):

@@ -16,27 +16,13 @@ import pytest
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 import tritongin  # noqa: E402
 import tritongin.language as tgl  # noqa: E402
 from jaxgin import build  # noqa: E402
 from tritongin import link  # noqa: E402
 
-SM90 = GPUTarget("cuda", 90, 32)
-
-
-@pytest.fixture(scope="module")
-def toolchain(nvcc, packaged_nccl, require):
-    from jaxgin.errors import ToolchainError
-
-    try:
-        link.nvjitlink()
-    except ToolchainError as e:
-        require(f"needs nvJitLink: {e}")
-    return packaged_nccl
-
+from conftest import compile_for_sm90  # noqa: E402
 
 @pytest.fixture
 def fresh_triton_cache(tmp_path, monkeypatch):
@@ -46,12 +32,6 @@ def fresh_triton_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton-cache"), raising=False)
     return tmp_path
-
-
-def compile_for_sm90(kernel, signature, constexprs=None, num_warps=4):
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    return triton.compile(ASTSource(kernel, signature, constexprs or {}, attrs), target=SM90,
-                          options={"num_warps": num_warps})
 
 
 @triton.jit

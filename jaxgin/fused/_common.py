@@ -117,15 +117,22 @@ def cuda_state():
     return state if state.options.backend == "cuda" else None
 
 
+def by_backend(reference, kernel):
+    """f(*args): kernel(state, *args) when ops lower to kernels, else reference(*args)."""
+
+    def forward(*args):
+        state = cuda_state()
+        return reference(*args) if state is None else kernel(state, *args)
+
+    return forward
+
+
 def differentiable(reference, kernel, backward):
     """A fused op as op(x, w, plan): forward through kernel(state, x, w, plan) on GPUs or
     reference(x, w, plan) in reference mode, gradients from backward(plan, x, w, ct) -> (dx, dw).
     Both modes share the custom_vjp, so the CPU tests exercise the backward rules the GPUs use."""
 
-    def forward(x, w, plan):
-        state = cuda_state()
-        return reference(x, w, plan) if state is None else kernel(state, x, w, plan)
-
+    forward = by_backend(reference, kernel)
     op = jax.custom_vjp(forward, nondiff_argnums=(2,))
     op.defvjp(lambda x, w, plan: (forward(x, w, plan), (x, w)), lambda plan, saved, ct: backward(plan, *saved, ct))
     return op

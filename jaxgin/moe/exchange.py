@@ -238,33 +238,17 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
 # The differentiable ops (one custom_vjp each, for both modes).
 
 
-def _dispatch_forward(x, weights, route, plan):
-    state = _common.cuda_state()
-    if state is None:
-        return dispatch_reference(x, weights, route, plan)
-    return dispatch_kernel(state, x, weights, route, plan)
+_dispatch_forward = _common.by_backend(dispatch_reference, dispatch_kernel)
+_combine_forward = _common.by_backend(combine_reference, combine_kernel)
 
 
-def _combine_forward(y, weights, positions, rows, route, plan):
-    state = _common.cuda_state()
-    if state is None:
-        return combine_reference(y, weights, positions, rows, route, plan)
-    return combine_kernel(state, y, weights, positions, rows, route, plan)
+def _dispatch_fwd(x, weights, route, plan):
+    out = _dispatch_forward(x, weights, route, plan)
+    return out, (route, out[1], out[4])
 
 
-@jax.custom_vjp
-def _dispatch_op(x, weights, route, plan_box):
-    return _dispatch_forward(x, weights, route, plan_box.plan)
-
-
-def _dispatch_fwd(x, weights, route, plan_box):
-    out = _dispatch_forward(x, weights, route, plan_box.plan)
-    return out, (route, out[1], out[4], plan_box)
-
-
-def _dispatch_bwd(saved, cts):
-    route, positions, rows, plan_box = saved
-    plan = plan_box.plan
+def _dispatch_bwd(plan, saved, cts):
+    route, positions, rows = saved
     ct_x, _, ct_w = cts[0], cts[1], cts[2]
     landed = positions >= 0
     # x: each of a token's landed entries contributes its row's cotangent: a combine with weight 1.
@@ -274,10 +258,7 @@ def _dispatch_bwd(saved, cts):
     dest = route.dest
     rows_at = jnp.take_along_axis(route.slot, dest, axis=1)  # [T, K]: the token's row on its entry's GPU
     dw = home[dest, jnp.maximum(rows_at, 0), jnp.arange(plan.top_k)[None, :]]
-    return dx, dw, None, None
-
-
-_dispatch_op.defvjp(_dispatch_fwd, _dispatch_bwd)
+    return dx, dw, None
 
 
 def _exchange_back(a, plan):
@@ -287,19 +268,13 @@ def _exchange_back(a, plan):
     return all_to_all(a.reshape(p * t, k), plan.names, 0, 0, tiled=True).reshape(p, t, k)
 
 
-@jax.custom_vjp
-def _combine_op(y, weights, positions, rows, route, plan_box):
-    return _combine_forward(y, weights, positions, rows, route, plan_box.plan)
+def _combine_fwd(y, weights, positions, rows, route, plan):
+    out = _combine_forward(y, weights, positions, rows, route, plan)
+    return out, (y, weights, positions, route)
 
 
-def _combine_fwd(y, weights, positions, rows, route, plan_box):
-    out = _combine_forward(y, weights, positions, rows, route, plan_box.plan)
-    return out, (y, weights, positions, route, plan_box)
-
-
-def _combine_bwd(saved, ct):
-    y, weights, positions, route, plan_box = saved
-    plan = plan_box.plan
+def _combine_bwd(plan, saved, ct):
+    y, weights, positions, route = saved
     # The output cotangent of every token goes to each row its entries landed at (a dispatch with
     # the same routing reproduces the same layout).
     spread = _dispatch_forward(ct, jnp.zeros((plan.tokens, plan.top_k), jnp.float32), route, plan)[0]
@@ -309,25 +284,11 @@ def _combine_bwd(saved, ct):
     dy = (row_weight[:, None] * spread).astype(y.dtype)
     per_row = jnp.sum(spread * y.astype(jnp.float32), axis=1)
     dw = jnp.where(positions >= 0, per_row[jnp.maximum(positions, 0)], 0.0)
-    return dy, dw, None, None, None, None
+    return dy, dw, None, None, None
 
 
-_combine_op.defvjp(_combine_fwd, _combine_bwd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlanBox:
-    """Carries the static plan through custom_vjp as a pytree with no leaves."""
-
-    plan: Plan
-
-
-jax.tree_util.register_dataclass(_PlanBox, data_fields=[], meta_fields=["plan"])
-
-
-def _dispatch(x, weights, route, plan):
-    return _dispatch_op(x, weights, route, _PlanBox(plan))
-
-
-def _combine(y, weights, positions, rows, route, plan):
-    return _combine_op(y, weights, positions, rows, route, _PlanBox(plan))
+# The plan (static, hashable) is the last argument of both ops; the integer arrays get no cotangent.
+_dispatch = jax.custom_vjp(_dispatch_forward, nondiff_argnums=(3,))
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_combine = jax.custom_vjp(_combine_forward, nondiff_argnums=(5,))
+_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -20,6 +20,14 @@ def router(router_logits, top_k: int):
     return weights / jnp.sum(weights, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
+def expert_ffn(rows, w1, w2, group_sizes, activation):
+    """activation(rows @ w1[e]) @ w2[e] for rows grouped by expert e (group_sizes rows each), float32
+    accumulation, results in rows' dtype."""
+    hidden = jax.lax.ragged_dot(rows, w1, group_sizes, preferred_element_type=jnp.float32)
+    hidden = activation(hidden).astype(rows.dtype)
+    return jax.lax.ragged_dot(hidden, w2, group_sizes, preferred_element_type=jnp.float32).astype(rows.dtype)
+
+
 def check_layer(op, x, router_logits, w1, w2, top_k, size):
     if x.ndim != 2:
         raise ValueError(f"{op}: x must be [tokens, hidden], got shape {list(x.shape)}")
@@ -61,10 +69,7 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     experts = check_layer(OP, x, router_logits, w1, w2, top_k, size)
     weights, ids = router(router_logits, top_k)
     sent = dispatch(x, ids, weights, num_experts=experts, axis_name=names, capacity=capacity, mode=mode)
-    hidden = jax.lax.ragged_dot(sent.x, w1, sent.expert_counts, preferred_element_type=jnp.float32)
-    hidden = activation(hidden).astype(x.dtype)
-    out = jax.lax.ragged_dot(hidden, w2, sent.expert_counts, preferred_element_type=jnp.float32).astype(x.dtype)
-    y = combine(out, sent.handle)
+    y = combine(expert_ffn(sent.x, w1, w2, sent.expert_counts, activation), sent.handle)
     if return_stats:
         return y, {"dropped": sent.dropped, "expert_counts": sent.expert_counts}
     return y

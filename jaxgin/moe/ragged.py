@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgin.ffi import axes as axes_lib
-from jaxgin.moe.layer import check_layer, router
+from jaxgin.moe.layer import check_layer, expert_ffn, router
 
 OP = "jaxgin.moe.ragged.moe_layer"
 
@@ -25,10 +25,7 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     experts = check_layer(OP, x, router_logits, w1, w2, top_k, size)
     weights, ids = router(router_logits, top_k)
     received, group_sizes, state = dispatch(x, ids, num_experts=experts, axis_name=names, capacity=capacity)
-    h = jax.lax.ragged_dot(received, w1, group_sizes, preferred_element_type=jnp.float32)
-    h = activation(h).astype(x.dtype)
-    out = jax.lax.ragged_dot(h, w2, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    return combine(out, weights, state)
+    return combine(expert_ffn(received, w1, w2, group_sizes, activation), weights, state)
 
 
 def dispatch(x, ids, *, num_experts: int, axis_name, capacity: int | None = None):

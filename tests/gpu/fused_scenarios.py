@@ -15,15 +15,15 @@ jit with data that changes every call, each checked exactly. Prints RESULT: {jso
 """
 
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
+from harness import run_mesh_check
 from jaxgin.fused import TileConfig, _common
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
@@ -116,16 +116,5 @@ def check(mesh) -> dict:
     return {"devices": n, "processes": jax.process_count(), "cases": report}
 
 
-def main():
-    if len(sys.argv) > 3:
-        rank, world, coordinator = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-        jax.distributed.initialize(coordinator, num_processes=world, process_id=rank, local_device_ids=[rank])
-    jaxgin.initialize()
-    mesh = Mesh(np.array(jax.devices()), ("x",))
-    result = check(mesh)
-    jaxgin.finalize()
-    print("RESULT:" + json.dumps(result))
-
-
 if __name__ == "__main__":
-    main()
+    run_mesh_check(check, "x")

@@ -74,3 +74,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_mesh_check(check, axis_name: str) -> None:
+    """A scenario script's entry point. argv `check` runs one process over every visible GPU;
+    `check RANK WORLD COORDINATOR` is one process of a process-per-GPU job (run_processes). Calls
+    check(mesh) on a 1-D mesh of all devices named `axis_name`, between jaxgin.initialize and
+    finalize, and prints RESULT: {json} for result()."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jaxgin
+
+    if len(sys.argv) > 3:
+        rank, world, coordinator = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+        jax.distributed.initialize(coordinator, num_processes=world, process_id=rank, local_device_ids=[rank])
+    jaxgin.initialize()
+    report = check(Mesh(np.array(jax.devices()), (axis_name,)))
+    jaxgin.finalize()
+    print("RESULT:" + json.dumps(report))

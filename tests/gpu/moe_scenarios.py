@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
+from harness import run_mesh_check
 from jaxgin.moe import _routing, exchange
 
 
@@ -157,16 +158,5 @@ def check(mesh) -> dict:
     return {"devices": n, "processes": jax.process_count(), "cases": report}
 
 
-def main():
-    if len(sys.argv) > 3:
-        rank, world, coordinator = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-        jax.distributed.initialize(coordinator, num_processes=world, process_id=rank, local_device_ids=[rank])
-    jaxgin.initialize()
-    mesh = Mesh(np.array(jax.devices()), ("ep",))
-    result = check(mesh)
-    jaxgin.finalize()
-    print("RESULT:" + json.dumps(result))
-
-
 if __name__ == "__main__":
-    main()
+    run_mesh_check(check, "ep")
