@@ -30,8 +30,10 @@ __device__ __forceinline__ void check_peer(const jaxgin_context* ctx, int peer, 
 __device__ __forceinline__ uint64_t read_signal(const jaxgin_context* ctx, uint32_t signal) {
   cuda::atomic_ref<uint64_t, cuda::thread_scope_system> lsa(*local_signal(ctx, signal));
   uint64_t value = lsa.load(cuda::memory_order_acquire);
-  if (ctx->gin_contexts > 0) {
-    ncclGin gin(ctx->comm, 0);
+  // GIN signals are per context (NCCL's proxy backend keeps one word per context and signal), and
+  // a sender signals on its CTA's context: the arrivals are the sum over every context.
+  for (int context = 0; context < ctx->gin_contexts; context++) {
+    ncclGin gin(ctx->comm, context);
     value += gin.readSignal(signal);
   }
   return value;
