@@ -20,6 +20,7 @@ import jax
 
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
+from jaxgin import transport as transport_lib
 from jaxgin.errors import DeviceFault, JaxginError, NotInitializedError
 
 BACKENDS = ("cuda", "reference")
@@ -104,6 +105,7 @@ class Options:
     signal_count: int
     barrier_slots: int
     force_gin: bool
+    gin_transport: str  # as requested: 'auto', 'host' (jaxgin's NCCL RMA plugin) or 'nic'
     timeout_s: float
     backend: str
     channel: ChannelShape
@@ -123,6 +125,7 @@ class _State:
     signals: heap_lib.RangeAllocator | None = None  # user signals
     mailboxes: dict = dataclasses.field(default_factory=dict)  # (name, axis size) -> placement
     fused: dict = dataclasses.field(default_factory=dict)  # fused / moe op configuration -> its heap buffers
+    gin_transport: str = "none"  # in use: 'host', 'nic', or 'none' in reference mode
 
     @property
     def world_size(self) -> int:
@@ -145,7 +148,7 @@ def _env_flag(name: str) -> bool | None:
     raise ValueError(f"{name}={value!r}: use 1/0, true/false, yes/no or on/off")
 
 
-def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend) -> Options:
+def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend, gin_transport=None) -> Options:
     if backend is None:
         backend = "cuda" if jax.default_backend() == "gpu" else "reference"
     if backend not in BACKENDS:
@@ -157,6 +160,7 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
         )
     if force_gin is None:
         force_gin = bool(_env_flag("JAXGIN_FORCE_GIN"))
+    gin_transport = transport_lib.requested(gin_transport)
     if timeout is None:
         raw = os.environ.get("JAXGIN_TIMEOUT") or DEFAULT_TIMEOUT_S
         try:
@@ -181,7 +185,9 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
             f"{signal_count} signals, {barrier_slots} barrier slots and the exchange channel of {world} devices, "
             f"and needs {MIN_USER_HEAP_BYTES} more for data; use at least {reserved + MIN_USER_HEAP_BYTES} bytes"
         )
-    return Options(heap_bytes, signal_count, barrier_slots, bool(force_gin), float(timeout), backend, channel)
+    return Options(
+        heap_bytes, signal_count, barrier_slots, bool(force_gin), gin_transport, float(timeout), backend, channel
+    )
 
 
 def _extension():
@@ -239,6 +245,7 @@ def initialize(
     force_gin: bool | None = None,
     timeout: float | None = None,
     backend: str | None = None,
+    gin_transport: str | None = None,
 ) -> None:
     """Brings jaxgin up on every device of this process. Idempotent for the same arguments.
 
@@ -249,6 +256,11 @@ def initialize(
       barrier_slots: CTAs per kernel that may call the device-side barrier.
       force_gin: route every peer, same-host ones included, through GIN (tests the GIN path).
         Default from JAXGIN_FORCE_GIN. Fails when NCCL reports no GIN.
+      gin_transport: what carries GIN traffic: 'nic' (NCCL's own backends, which need an RDMA
+        NIC), 'host' (jaxgin's NCCL RMA plugin: CUDA IPC copies within a host, TCP across hosts;
+        needs NCCL >= 2.30 and must be chosen before the process's first NCCL communicator) or
+        'auto' ('host' when force_gin is set and there is no RDMA device, else 'nic'). Default
+        from JAXGIN_GIN_TRANSPORT, else 'auto'. See jaxgin.transport.
       timeout: seconds any device-side wait may take before the program fails with an error
         naming the op, rank, peer and signal. Default from JAXGIN_TIMEOUT, else 30.
       backend: 'cuda' or 'reference'; default: 'cuda' when JAX's default backend is a GPU.
@@ -257,7 +269,7 @@ def initialize(
     initialize() with the same arguments.
     """
     global _state, _generation
-    options = _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend)
+    options = _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend, gin_transport)
     if _state is not None:
         if _state.options == options:
             return
@@ -274,6 +286,11 @@ def initialize(
 
         arch = arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
+        v = state.nccl.version
+        nccl_version = (v // 10000, v % 10000 // 100, v % 100)
+        state.gin_transport = transport_lib.choose(options.gin_transport, options.force_gin, nccl_version)
+        if state.gin_transport == "host":
+            transport_lib.enable(transport_lib.build())
         ext = _extension()
         state.runtime_backend_path = backend_lib.path
         uid = _unique_id(backend_lib, state.generation)
@@ -386,6 +403,7 @@ def info() -> dict[str, Any]:
         "signal_count": o.signal_count,
         "barrier_slots": o.barrier_slots,
         "force_gin": o.force_gin,
+        "gin_transport": state.gin_transport,
         "timeout_s": o.timeout_s,
         "rdma_devices": rdma.devices(),
     }

@@ -1,0 +1,143 @@
+#include "device_memory.h"
+
+#include <cuda.h>
+#include <unistd.h>
+
+#include <mutex>
+
+namespace jaxgin::transport {
+
+namespace {
+
+struct Driver {
+  CUresult (*retain)(CUmemGenericAllocationHandle*, void*) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*address_range)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
+  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long) =
+      nullptr;
+  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*free_address)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  std::string missing;
+};
+
+template <typename F>
+void resolve(const char* symbol, F& fn, std::string& missing) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status;
+  if (cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+      status != cudaDriverEntryPointSuccess || p == nullptr) {
+    cudaGetLastError();
+    if (!missing.empty()) missing += ", ";
+    missing += symbol;
+    return;
+  }
+  fn = reinterpret_cast<F>(p);
+}
+
+const Driver& driver() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    resolve("cuMemRetainAllocationHandle", d.retain, d.missing);
+    resolve("cuMemRelease", d.release, d.missing);
+    resolve("cuMemGetAddressRange", d.address_range, d.missing);
+    resolve("cuMemExportToShareableHandle", d.export_handle, d.missing);
+    resolve("cuMemImportFromShareableHandle", d.import_handle, d.missing);
+    resolve("cuMemAddressReserve", d.reserve, d.missing);
+    resolve("cuMemAddressFree", d.free_address, d.missing);
+    resolve("cuMemMap", d.map, d.missing);
+    resolve("cuMemUnmap", d.unmap, d.missing);
+    resolve("cuMemSetAccess", d.set_access, d.missing);
+    resolve("cuStreamWriteValue64", d.write_value64, d.missing);
+    resolve("cuGetErrorString", d.error_string, d.missing);
+  });
+  return d;
+}
+
+bool check(CUresult r, const char* what, std::string& error) {
+  if (r == CUDA_SUCCESS) return true;
+  const char* text = "unknown error";
+  if (driver().error_string) driver().error_string(r, &text);
+  error = std::string(what) + " failed: " + text;
+  return false;
+}
+
+bool ready(std::string& error) {
+  if (driver().missing.empty()) return true;
+  error = "the CUDA driver lacks " + driver().missing;
+  return false;
+}
+
+}  // namespace
+
+bool export_allocation(const void* ptr, int& fd, uint64_t& allocation_bytes, uint64_t& offset, std::string& error) {
+  fd = -1;
+  if (!ready(error)) return false;
+  const Driver& d = driver();
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  if (!check(d.address_range(&base, &bytes, reinterpret_cast<CUdeviceptr>(ptr)), "cuMemGetAddressRange", error))
+    return false;
+  CUmemGenericAllocationHandle handle;
+  if (!check(d.retain(&handle, const_cast<void*>(ptr)), "cuMemRetainAllocationHandle", error)) return false;
+  int shared = -1;
+  bool ok = check(d.export_handle(&shared, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                  "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)", error);
+  d.release(handle);
+  if (!ok) return false;
+  fd = shared;
+  allocation_bytes = bytes;
+  offset = reinterpret_cast<CUdeviceptr>(ptr) - base;
+  return true;
+}
+
+bool import_allocation(int fd, uint64_t allocation_bytes, int device, void*& mapped, std::string& error) {
+  mapped = nullptr;
+  if (!ready(error)) return false;
+  const Driver& d = driver();
+  CUmemGenericAllocationHandle handle;
+  if (!check(d.import_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+             "cuMemImportFromShareableHandle", error))
+    return false;
+  CUdeviceptr va = 0;
+  bool ok = check(d.reserve(&va, allocation_bytes, 0, 0, 0), "cuMemAddressReserve", error);
+  if (ok && !check(d.map(va, allocation_bytes, 0, handle, 0), "cuMemMap", error)) {
+    d.free_address(va, allocation_bytes);
+    ok = false;
+  }
+  d.release(handle);  // the mapping keeps the memory alive
+  if (!ok) return false;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (!check(d.set_access(va, allocation_bytes, &access, 1), "cuMemSetAccess", error)) {
+    unmap_allocation(reinterpret_cast<void*>(va), allocation_bytes);
+    return false;
+  }
+  mapped = reinterpret_cast<void*>(va);
+  return true;
+}
+
+void unmap_allocation(void* mapped, uint64_t allocation_bytes) {
+  if (!mapped || !driver().unmap) return;
+  driver().unmap(reinterpret_cast<CUdeviceptr>(mapped), allocation_bytes);
+  driver().free_address(reinterpret_cast<CUdeviceptr>(mapped), allocation_bytes);
+}
+
+bool write_value64(cudaStream_t stream, void* address, uint64_t value, std::string& error) {
+  if (!ready(error)) return false;
+  // Default flags: the write waits until earlier writes of the stream are visible.
+  return check(driver().write_value64(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
+                                      value, CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue64", error);
+}
+
+}  // namespace jaxgin::transport

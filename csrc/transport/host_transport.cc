@@ -1,0 +1,971 @@
+// jaxgin's host transport: an NCCL RMA plugin (interface v14) that makes NCCL's GIN proxy backend
+// work on hosts without an RDMA NIC. NCCL's proxy thread reads the GPU's put/signal descriptors
+// and calls iput / iputSignal here; this library moves the bytes and applies the signals.
+//
+// Data: to a peer on the same host, a CUDA copy straight into the peer's region, mapped here
+// through cuMem IPC (the copy engines carry it over NVLink); to a peer on another host, or into a
+// region that cannot be mapped, the bytes travel in a kPut message and the receiver copies them
+// in. Signals: always applied by the receiving rank (NCCL's signal memory cannot be exported), by
+// its agent thread, in stream order after the data of that put, and only once every earlier
+// operation of the same context to that peer has delivered. That FIFO per (context, peer) gives
+// strong signals their meaning (all earlier puts visible first) and weak ones more than they need.
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device_memory.h"
+#include "rma_api.h"
+#include "wire.h"
+
+namespace jaxgin::transport {
+namespace {
+
+constexpr size_t kChunkBytes = 4u << 20;  // staged puts travel in pieces of this size
+
+// What moved, for tests and diagnostics: read through jaxgin_transport_counters().
+enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
+               kCounterCount };
+std::atomic<uint64_t> counters[kCounterCount];
+
+struct Plugin {
+  uint64_t comm_id;
+  rmaLogger_t log;
+};
+
+void log_message(rmaLogger_t log, rmaLogLevel_t level, int line, const char* fmt, ...) {
+  char text[1024];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(text, sizeof(text), fmt, args);
+  va_end(args);
+  if (log) {
+    log(level, RMA_LOG_SUBSYS_NET, __FILE__, line, "jaxgin transport: %s", text);
+  } else if (level == RMA_LOG_WARN || std::getenv("JAXGIN_TRANSPORT_DEBUG")) {
+    std::fprintf(stderr, "jaxgin transport: %s\n", text);
+  }
+}
+// JAXGIN_TRANSPORT_TRACE=1: one stderr line per request and per delivery (debugging only).
+bool tracing() {
+  static const bool on = std::getenv("JAXGIN_TRANSPORT_TRACE") != nullptr;
+  return on;
+}
+#define TRACE(...)                                          \
+  do {                                                      \
+    if (tracing()) {                                        \
+      std::fprintf(stderr, "jaxgin transport trace: " __VA_ARGS__); \
+      std::fputc('\n', stderr);                             \
+    }                                                       \
+  } while (0)
+#define WARN(comm, ...) log_message((comm)->plugin->log, RMA_LOG_WARN, __LINE__, __VA_ARGS__)
+#define INFO(comm, ...) log_message((comm)->plugin->log, RMA_LOG_INFO, __LINE__, __VA_ARGS__)
+
+// CUDA calls from NCCL's proxy thread must not be refused while another thread captures a graph.
+void relax_capture_mode() {
+  thread_local bool done = false;
+  if (done) return;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  done = true;
+}
+
+struct Listener {
+  Plugin* plugin;
+  Address address;
+  int tcp_fd = -1;
+  int unix_fd = -1;
+};
+
+// One symmetric registration. `seq` is its position in the communicator's registration order,
+// which is the same on every rank: messages name regions by it.
+struct Region {
+  uint64_t seq;
+  char* base;
+  size_t size;
+  bool on_device;
+  bool never_reset;  // NCCL_NET_MR_FLAG_SIGNAL_NEVER_RESET: only this transport writes its signals
+  std::vector<char*> peer_base;         // per rank: where that rank's region is mapped here, or null
+  std::vector<void*> peer_mapping;      // what to unmap
+  std::vector<uint64_t> peer_mapping_bytes;
+};
+
+struct PeerRegistration {
+  Message message;
+  int fd = -1;
+};
+
+enum class Route { kLocal, kMapped, kStaged };
+
+struct Context;
+
+struct Op {
+  Context* context;
+  Route route;
+  int peer;
+  size_t size = 0;
+  const char* host_source = nullptr;  // staged from host memory: sent straight from the source
+  char* staging = nullptr;            // staged from device memory: a pinned copy
+  char* local_destination = nullptr;  // kLocal from host to host: copied at delivery
+  const char* local_source = nullptr;
+  cudaEvent_t event = nullptr;
+  uint64_t region = 0, offset = 0;
+  bool has_signal = false;
+  uint64_t signal_region = 0, signal_offset = 0, signal_delta = 0;
+  bool returned = false;    // handed to NCCL as a request: test() frees it
+  std::atomic<int> state{0};  // 0 in flight, 1 delivered, -1 failed
+};
+
+struct Comm {
+  Plugin* plugin;
+  int rank = 0, nranks = 0, device = -1;
+  std::vector<Address> addresses;
+  std::vector<bool> same_host;
+  std::vector<int> out, in;
+  std::vector<std::unique_ptr<std::mutex>> out_lock;
+  std::thread agent;
+  int wake[2] = {-1, -1};
+  std::atomic<bool> closing{false};
+
+  std::mutex lock;  // regions, registrations, failure
+  std::condition_variable changed;
+  std::vector<Region*> regions;
+  std::vector<std::map<uint64_t, PeerRegistration>> peer_registrations;
+  std::vector<bool> peer_gone;
+  std::atomic<bool> failed{false};
+  std::string failure;
+
+  std::mutex apply_lock;  // the apply stream and the signal values it writes
+  cudaStream_t apply_stream = nullptr;
+  bool apply_stream_used = false;
+  std::map<std::pair<uint64_t, uint64_t>, uint64_t> signal_values;
+  char* receive_staging[2] = {nullptr, nullptr};
+  cudaEvent_t receive_done[2] = {nullptr, nullptr};
+  int next_staging = 0;
+
+  std::mutex pool_lock;  // pinned chunks for staged sends
+  std::vector<char*> pool;
+  std::vector<char*> pool_all;
+};
+
+struct Context {
+  Comm* comm;
+  int contexts;
+  std::mutex lock;
+  std::vector<std::deque<Op*>> queues;  // [context * nranks + peer]
+  std::vector<cudaStream_t> streams;    // same index, created on first use
+};
+
+void fail(Comm* c, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> g(c->lock);
+    if (c->failure.empty()) c->failure = why;
+    c->failed = true;
+  }
+  c->changed.notify_all();
+  WARN(c, "rank %d: %s", c->rank, why.c_str());
+}
+
+bool cuda_ok(Comm* c, cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return true;
+  fail(c, std::string(what) + " failed: " + cudaGetErrorString(e));
+  return false;
+}
+
+Region* find_region(Comm* c, uint64_t seq) {
+  std::lock_guard<std::mutex> g(c->lock);
+  return seq < c->regions.size() ? c->regions[seq] : nullptr;
+}
+
+// --- the receiving side --------------------------------------------------------------------
+
+bool ensure_apply_stream(Comm* c) {
+  if (c->apply_stream) return true;
+  if (c->device < 0) return cuda_ok(c, cudaErrorNoDevice, "using device memory on a rank without a CUDA device");
+  cudaSetDevice(c->device);
+  if (!cuda_ok(c, cudaStreamCreateWithFlags(&c->apply_stream, cudaStreamNonBlocking), "cudaStreamCreate"))
+    return false;
+  for (int i = 0; i < 2; i++) {
+    if (!cuda_ok(c, cudaHostAlloc(&c->receive_staging[i], kChunkBytes, cudaHostAllocPortable), "cudaHostAlloc") ||
+        !cuda_ok(c, cudaEventCreateWithFlags(&c->receive_done[i], cudaEventDisableTiming), "cudaEventCreate"))
+      return false;
+  }
+  return true;
+}
+
+// Adds `delta` to the signal word. Called with apply_lock held.
+bool apply_signal_locked(Comm* c, uint64_t region, uint64_t offset, uint64_t delta) {
+  Region* r = find_region(c, region);
+  if (!r || offset % 8 != 0 || offset + 8 > r->size) {
+    fail(c, "a signal names word " + std::to_string(offset) + " of region " + std::to_string(region) +
+                (r ? " of " + std::to_string(r->size) + " bytes" : ", which is not registered here"));
+    return false;
+  }
+  counters[kSignalsApplied]++;
+  TRACE("rank %d apply region %lu +%lu delta %lu", c->rank, (unsigned long)region, (unsigned long)offset,
+        (unsigned long)delta);
+  auto* word = reinterpret_cast<uint64_t*>(r->base + offset);
+  if (!r->on_device) {
+    // Host words change at once, so device copies queued before must land first.
+    if (c->apply_stream_used && !cuda_ok(c, cudaStreamSynchronize(c->apply_stream), "cudaStreamSynchronize"))
+      return false;
+    __atomic_fetch_add(word, delta, __ATOMIC_SEQ_CST);
+    return true;
+  }
+  if (!ensure_apply_stream(c)) return false;
+  c->apply_stream_used = true;
+  // This rank is the only writer of a never-reset signal, so its value is known here and one
+  // stream write suffices. Other words may be reset by their kernels: read them first.
+  auto key = std::make_pair(region, offset);
+  auto known = c->signal_values.find(key);
+  uint64_t value;
+  if (r->never_reset && known != c->signal_values.end()) {
+    value = known->second;
+  } else {
+    if (!cuda_ok(c, cudaMemcpyAsync(&value, word, 8, cudaMemcpyDeviceToHost, c->apply_stream), "reading a signal") ||
+        !cuda_ok(c, cudaStreamSynchronize(c->apply_stream), "cudaStreamSynchronize"))
+      return false;
+  }
+  value += delta;
+  c->signal_values[key] = value;
+  std::string error;
+  if (!write_value64(c->apply_stream, word, value, error)) {
+    fail(c, error);
+    return false;
+  }
+  return true;
+}
+
+bool apply_signal(Comm* c, uint64_t region, uint64_t offset, uint64_t delta) {
+  std::lock_guard<std::mutex> g(c->apply_lock);
+  return apply_signal_locked(c, region, offset, delta);
+}
+
+// A kPut's payload: straight into host regions, through pinned staging into device regions.
+bool receive_put(Comm* c, int fd, int peer, const Message& m) {
+  Region* r = find_region(c, m.region);
+  if (!r || m.offset + m.size > r->size) {
+    fail(c, "rank " + std::to_string(peer) + " put " + std::to_string(m.size) + " bytes at offset " +
+                std::to_string(m.offset) + " of region " + std::to_string(m.region) +
+                (r ? " of " + std::to_string(r->size) + " bytes" : ", which is not registered here"));
+    return false;
+  }
+  std::lock_guard<std::mutex> g(c->apply_lock);
+  if (!r->on_device) {
+    if (c->apply_stream_used && !cuda_ok(c, cudaStreamSynchronize(c->apply_stream), "cudaStreamSynchronize"))
+      return false;
+    if (!recv_all(fd, r->base + m.offset, m.size)) return false;
+  } else {
+    if (!ensure_apply_stream(c)) return false;
+    c->apply_stream_used = true;
+    for (uint64_t done = 0; done < m.size;) {
+      size_t n = std::min<uint64_t>(kChunkBytes, m.size - done);
+      int i = c->next_staging;
+      c->next_staging ^= 1;
+      // Two buffers: one fills from the socket while the other drains to the GPU.
+      if (!cuda_ok(c, cudaEventSynchronize(c->receive_done[i]), "cudaEventSynchronize")) return false;
+      if (!recv_all(fd, c->receive_staging[i], n)) return false;
+      if (!cuda_ok(c, cudaMemcpyAsync(r->base + m.offset + done, c->receive_staging[i], n, cudaMemcpyHostToDevice,
+                                      c->apply_stream), "cudaMemcpyAsync(staged put)") ||
+          !cuda_ok(c, cudaEventRecord(c->receive_done[i], c->apply_stream), "cudaEventRecord"))
+        return false;
+      done += n;
+    }
+  }
+  if (m.signal_region != kNoRegion) return apply_signal_locked(c, m.signal_region, m.signal_offset, m.signal_delta);
+  return true;
+}
+
+// Reads what peers send until closeColl wakes it. A connection that ends without kBye means the
+// peer is gone: every later operation towards it fails and queryLastError reports it.
+void agent_loop(Comm* c) {
+  if (c->device >= 0) cudaSetDevice(c->device);
+  relax_capture_mode();
+  std::vector<pollfd> fds;
+  std::vector<int> peer_of;
+  fds.push_back({c->wake[0], POLLIN, 0});
+  peer_of.push_back(-1);
+  for (int p = 0; p < c->nranks; p++)
+    if (c->in[p] >= 0) {
+      fds.push_back({c->in[p], POLLIN, 0});
+      peer_of.push_back(p);
+    }
+  while (true) {
+    if (poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      fail(c, std::string("poll: ") + std::strerror(errno));
+      return;
+    }
+    if (fds[0].revents) return;
+    for (size_t i = 1; i < fds.size(); i++) {
+      if (fds[i].fd < 0 || !fds[i].revents) continue;
+      int peer = peer_of[i];
+      Message m;
+      int passed = -1;
+      bool ok = recv_message(fds[i].fd, m, passed);
+      if (ok && m.type == MessageType::kRegister) {
+        {
+          std::lock_guard<std::mutex> g(c->lock);
+          c->peer_registrations[peer][m.region] = PeerRegistration{m, passed};
+        }
+        c->changed.notify_all();
+      } else if (ok && m.type == MessageType::kPut) {
+        ok = receive_put(c, fds[i].fd, peer, m);
+      } else if (ok && m.type == MessageType::kSignal) {
+        ok = apply_signal(c, m.signal_region, m.signal_offset, m.signal_delta);
+      } else if (ok && m.type == MessageType::kBye) {
+        fds[i].fd = -1;  // a clean goodbye
+        continue;
+      } else if (ok) {
+        ok = false;
+      }
+      if (!ok) {
+        if (passed >= 0 && m.type != MessageType::kRegister) close(passed);
+        fds[i].fd = -1;
+        if (c->closing) continue;
+        {
+          std::lock_guard<std::mutex> g(c->lock);
+          c->peer_gone[peer] = true;
+        }
+        fail(c, "the connection from rank " + std::to_string(peer) +
+                    " ended without a goodbye: that process exited or its host is unreachable");
+      }
+    }
+  }
+}
+
+// --- the sending side ----------------------------------------------------------------------
+
+char* pool_get(Comm* c) {
+  std::lock_guard<std::mutex> g(c->pool_lock);
+  if (!c->pool.empty()) {
+    char* p = c->pool.back();
+    c->pool.pop_back();
+    return p;
+  }
+  char* p = nullptr;
+  if (cudaHostAlloc(&p, kChunkBytes, cudaHostAllocPortable) != cudaSuccess) return nullptr;
+  c->pool_all.push_back(p);
+  return p;
+}
+
+void pool_put(Comm* c, char* p) {
+  if (!p) return;
+  std::lock_guard<std::mutex> g(c->pool_lock);
+  c->pool.push_back(p);
+}
+
+bool send_to(Comm* c, int peer, const Message& m, const void* payload, size_t bytes) {
+  std::lock_guard<std::mutex> g(*c->out_lock[peer]);
+  if (send_message(c->out[peer], m, -1) && (bytes == 0 || send_all(c->out[peer], payload, bytes))) return true;
+  {
+    std::lock_guard<std::mutex> l(c->lock);
+    c->peer_gone[peer] = true;
+  }
+  fail(c, "sending to rank " + std::to_string(peer) + " failed (" + std::strerror(errno) +
+              "): that process exited or its host is unreachable");
+  return false;
+}
+
+Message signal_message(const Op* op) {
+  Message m{};
+  m.magic = kMessageMagic;
+  m.type = MessageType::kSignal;
+  m.region = kNoRegion;
+  m.signal_region = op->signal_region;
+  m.signal_offset = op->signal_offset;
+  m.signal_delta = op->signal_delta;
+  return m;
+}
+
+// Runs when every earlier operation of the queue has delivered and this one's copy finished.
+bool deliver(Comm* c, Op* op) {
+  switch (op->route) {
+    case Route::kLocal:
+      if (op->local_destination) std::memcpy(op->local_destination, op->local_source, op->size);
+      return !op->has_signal || apply_signal(c, op->signal_region, op->signal_offset, op->signal_delta);
+    case Route::kMapped:
+      if (!op->has_signal) return true;
+      {
+        Message m = signal_message(op);
+        return send_to(c, op->peer, m, nullptr, 0);
+      }
+    case Route::kStaged: {
+      Message m = signal_message(op);
+      m.type = MessageType::kPut;
+      m.region = op->region;
+      m.offset = op->offset;
+      m.size = op->size;
+      if (!op->has_signal) m.signal_region = kNoRegion;
+      bool ok = send_to(c, op->peer, m, op->host_source ? op->host_source : op->staging, op->size);
+      pool_put(c, op->staging);
+      op->staging = nullptr;
+      return ok;
+    }
+  }
+  return false;
+}
+
+void progress(Context* x) {
+  Comm* c = x->comm;
+  std::lock_guard<std::mutex> g(x->lock);
+  for (auto& queue : x->queues) {
+    while (!queue.empty()) {
+      Op* op = queue.front();
+      bool ok = true;
+      if (op->event) {
+        cudaError_t e = cudaEventQuery(op->event);
+        if (e == cudaErrorNotReady) break;
+        ok = cuda_ok(c, e, "a transport copy");
+        cudaEventDestroy(op->event);
+        op->event = nullptr;
+      }
+      ok = ok && deliver(c, op);
+      TRACE("rank %d deliver peer %d size %zu ok %d req %p", c->rank, op->peer, op->size, ok, static_cast<void*>(op));
+      queue.pop_front();
+      if (!ok) pool_put(c, op->staging);
+      if (op->returned) {
+        op->state = ok ? 1 : -1;
+      } else {
+        delete op;
+      }
+    }
+  }
+}
+
+cudaStream_t stream_for(Context* x, int index) {
+  if (!x->streams[index]) cudaStreamCreateWithFlags(&x->streams[index], cudaStreamNonBlocking);
+  return x->streams[index];
+}
+
+rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size_t size, uint64_t dst_off,
+                    Region* dst, uint32_t peer, Region* signal, uint64_t signal_off, uint64_t signal_delta,
+                    void** request) {
+  Comm* c = x->comm;
+  *request = nullptr;
+  if (context < 0 || context >= x->contexts || peer >= static_cast<uint32_t>(c->nranks)) {
+    WARN(c, "rank %d: put on context %d (of %d) to rank %u (of %d): out of range", c->rank, context, x->contexts,
+         peer, c->nranks);
+    return rmaInvalidArgument;
+  }
+  if (size > 0 && (!src || !dst || src_off + size > src->size || dst_off + size > dst->size)) {
+    WARN(c, "rank %d: put of %zu bytes from offset %lu of a %zu-byte region to offset %lu of a %zu-byte region",
+         c->rank, size, (unsigned long)src_off, src ? src->size : 0, (unsigned long)dst_off, dst ? dst->size : 0);
+    return rmaInvalidArgument;
+  }
+  if (signal && (signal_off % 8 != 0 || signal_off + 8 > signal->size)) {
+    WARN(c, "rank %d: signal at offset %lu of a %zu-byte region", c->rank, (unsigned long)signal_off, signal->size);
+    return rmaInvalidArgument;
+  }
+  {
+    std::lock_guard<std::mutex> g(c->lock);
+    if (c->peer_gone[peer]) {
+      WARN(c, "rank %d: put to rank %u, whose connection is gone: %s", c->rank, peer, c->failure.c_str());
+      return rmaRemoteError;
+    }
+  }
+  if (c->device >= 0) cudaSetDevice(c->device);
+  relax_capture_mode();
+  const int index = context * c->nranks + static_cast<int>(peer);
+  Route route = static_cast<int>(peer) == c->rank ? Route::kLocal
+                : (size == 0 || dst->peer_base[peer]) ? Route::kMapped
+                                                      : Route::kStaged;
+  std::vector<Op*> ops;
+  auto make = [&](uint64_t at, size_t bytes) {
+    Op* op = new Op;
+    op->context = x;
+    op->route = route;
+    op->peer = static_cast<int>(peer);
+    op->size = bytes;
+    op->region = dst ? dst->seq : 0;
+    op->offset = dst_off + at;
+    ops.push_back(op);
+    return op;
+  };
+  bool ok = true;
+  if (route == Route::kStaged) {
+    for (uint64_t at = 0; ok && at < size; at += kChunkBytes) {
+      size_t bytes = std::min<uint64_t>(kChunkBytes, size - at);
+      Op* op = make(at, bytes);
+      const char* from = src->base + src_off + at;
+      if (!src->on_device) {
+        op->host_source = from;
+      } else {
+        op->staging = pool_get(c);
+        ok = op->staging && cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
+             cuda_ok(c, cudaMemcpyAsync(op->staging, from, bytes, cudaMemcpyDeviceToHost, stream_for(x, index)),
+                     "cudaMemcpyAsync(staging)") &&
+             cuda_ok(c, cudaEventRecord(op->event, stream_for(x, index)), "cudaEventRecord");
+      }
+      counters[kPutsStaged]++;
+      counters[kBytesStaged] += bytes;
+    }
+  } else {
+    Op* op = make(0, size);
+    if (size > 0) {
+      char* to = route == Route::kLocal ? dst->base + dst_off : dst->peer_base[peer] + dst_off;
+      const char* from = src->base + src_off;
+      if (!src->on_device && !dst->on_device) {
+        op->local_destination = to;
+        op->local_source = from;
+      } else {
+        ok = cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
+             cuda_ok(c, cudaMemcpyAsync(to, from, size, cudaMemcpyDefault, stream_for(x, index)), "cudaMemcpyAsync(put)") &&
+             cuda_ok(c, cudaEventRecord(op->event, stream_for(x, index)), "cudaEventRecord");
+      }
+      counters[route == Route::kLocal ? kPutsLocal : kPutsMapped]++;
+      if (route == Route::kMapped) counters[kBytesMapped] += size;
+    }
+  }
+  if (ops.empty()) make(0, 0);  // a staged signal without data
+  Op* last = ops.back();
+  if (signal) {
+    last->has_signal = true;
+    last->signal_region = signal->seq;
+    last->signal_offset = signal_off;
+    last->signal_delta = signal_delta;
+  }
+  last->returned = true;
+  if (!ok) {
+    for (Op* op : ops) {
+      if (op->event) cudaEventDestroy(op->event);
+      pool_put(c, op->staging);
+      delete op;
+    }
+    return rmaUnhandledCudaError;
+  }
+  {
+    std::lock_guard<std::mutex> g(x->lock);
+    for (Op* op : ops) x->queues[index].push_back(op);
+  }
+  TRACE("rank %d enqueue ctx %d peer %u route %d size %zu src %lu+%lu dst %lu+%lu signal %ld+%lu +%lu ops %zu req %p",
+        c->rank, context, peer, static_cast<int>(route), size, (unsigned long)(src ? src->seq : 0),
+        (unsigned long)src_off, (unsigned long)(dst ? dst->seq : 0), (unsigned long)dst_off,
+        signal ? (long)signal->seq : -1L, (unsigned long)signal_off, (unsigned long)signal_delta, ops.size(),
+        static_cast<void*>(last));
+  *request = last;
+  return rmaSuccess;
+}
+
+// --- the interface ---------------------------------------------------------------------------
+
+rmaResult_t plugin_init(void** ctx, uint64_t comm_id, rmaLogger_t log) {
+  *ctx = new Plugin{comm_id, log};
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_devices(int* ndev) {
+  *ndev = 1;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_properties(int dev, rmaProperties_t* props) {
+  if (dev != 0) return rmaInvalidArgument;
+  std::memset(props, 0, sizeof(*props));
+  static char name[] = "jaxgin-host";
+  props->name = name;
+  props->pciPath = nullptr;
+  props->guid = host_id();
+  props->ptrSupport = RMA_PTR_HOST | RMA_PTR_CUDA;
+  props->speed = 400000;
+  props->maxComms = 1 << 16;
+  props->maxRecvs = 8;  // NCCL sizes each GPU-to-proxy queue to 32 x this
+  props->netDeviceType = RMA_DEVICE_GIN_PROXY;
+  props->netDeviceVersion = 1;
+  props->vProps.ndevs = 1;
+  props->vProps.devs[0] = 0;
+  props->maxP2pBytes = size_t(1) << 40;
+  props->maxCollBytes = size_t(1) << 40;
+  props->maxMultiRequestSize = 1;
+  props->railId = -1;
+  props->planeId = -1;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_listen(void* ctx, int /*dev: there is one*/, void* handle, void** listen_comm) {
+  auto* l = new Listener{static_cast<Plugin*>(ctx), {}, -1, -1};
+  std::string error;
+  if (!listen_on(l->address, l->tcp_fd, l->unix_fd, error)) {
+    log_message(l->plugin->log, RMA_LOG_WARN, __LINE__, "listen failed: %s", error.c_str());
+    if (l->tcp_fd >= 0) close(l->tcp_fd);
+    if (l->unix_fd >= 0) close(l->unix_fd);
+    delete l;
+    return rmaSystemError;
+  }
+  std::memset(handle, 0, RMA_HANDLE_MAXSIZE);
+  std::memcpy(handle, &l->address, sizeof(Address));
+  *listen_comm = l;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_close_listen(void* listen_comm) {
+  auto* l = static_cast<Listener*>(listen_comm);
+  if (l->tcp_fd >= 0) close(l->tcp_fd);
+  if (l->unix_fd >= 0) close(l->unix_fd);
+  delete l;
+  return rmaSuccess;
+}
+
+void close_comm_fds(Comm* c) {
+  for (int fd : c->out)
+    if (fd >= 0) close(fd);
+  for (int fd : c->in)
+    if (fd >= 0) close(fd);
+  for (int fd : c->wake)
+    if (fd >= 0) close(fd);
+}
+
+rmaResult_t plugin_connect(void* ctx, void* handles[], int nranks, int rank, void* listen_comm, void** coll_comm) {
+  auto* l = static_cast<Listener*>(listen_comm);
+  auto* c = new Comm;
+  c->plugin = static_cast<Plugin*>(ctx);
+  c->rank = rank;
+  c->nranks = nranks;
+  if (cudaGetDevice(&c->device) != cudaSuccess) {
+    cudaGetLastError();
+    c->device = -1;  // host memory only (the CPU tests)
+  }
+  c->addresses.resize(nranks);
+  c->same_host.assign(nranks, false);
+  c->out.assign(nranks, -1);
+  c->in.assign(nranks, -1);
+  c->peer_registrations.resize(nranks);
+  c->peer_gone.assign(nranks, false);
+  for (int p = 0; p < nranks; p++) c->out_lock.emplace_back(new std::mutex);
+  const bool only_tcp = tcp_only();
+  int unix_peers = 0;
+  std::string error;
+  for (int p = 0; p < nranks; p++) {
+    std::memcpy(&c->addresses[p], handles[p], sizeof(Address));
+    if (c->addresses[p].magic != kAddressMagic) {
+      WARN(c, "rank %d: rank %d's connection handle is not a jaxgin transport address (two RMA plugins?)", rank, p);
+      delete c;
+      return rmaInvalidUsage;
+    }
+    c->same_host[p] = !only_tcp && c->addresses[p].host_id == l->address.host_id;
+  }
+  // Every rank dials every peer, then accepts its peers' calls; the kernel completes a connect
+  // without waiting for accept, so the order cannot deadlock.
+  for (int p = 0; p < nranks; p++) {
+    if (p == rank) continue;
+    c->out[p] = connect_to(c->addresses[p], c->same_host[p], error);
+    Message hello{};
+    hello.magic = kMessageMagic;
+    hello.type = MessageType::kHello;
+    hello.rank = static_cast<uint32_t>(rank);
+    if (c->out[p] < 0 || !send_message(c->out[p], hello)) {
+      WARN(c, "rank %d could not reach rank %d: %s", rank, p, error.empty() ? std::strerror(errno) : error.c_str());
+      close_comm_fds(c);
+      delete c;
+      return rmaRemoteError;
+    }
+    unix_peers += c->same_host[p];
+  }
+  for (int accepted = 0; accepted < nranks - 1; accepted++) {
+    int fd = accept_one(l->tcp_fd, l->unix_fd, connect_timeout_ms(), error);
+    Message hello;
+    int passed = -1;
+    bool ok = fd >= 0 && recv_message(fd, hello, passed) && hello.type == MessageType::kHello &&
+              hello.rank < static_cast<uint32_t>(nranks) && static_cast<int>(hello.rank) != rank &&
+              c->in[hello.rank] < 0;
+    if (!ok) {
+      WARN(c, "rank %d: accepting peers failed after %d of %d: %s", rank, accepted, nranks - 1,
+           error.empty() ? "a bad greeting" : error.c_str());
+      if (fd >= 0) close(fd);
+      close_comm_fds(c);
+      delete c;
+      return rmaRemoteError;
+    }
+    c->in[hello.rank] = fd;
+  }
+  if (pipe2(c->wake, O_CLOEXEC) != 0) {
+    close_comm_fds(c);
+    delete c;
+    return rmaSystemError;
+  }
+  c->agent = std::thread(agent_loop, c);
+  INFO(c, "rank %d of %d on CUDA device %d: %d peers on this host (CUDA IPC + Unix sockets), %d over TCP", rank,
+       nranks, c->device, unix_peers, nranks - 1 - unix_peers);
+  *coll_comm = c;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_reg_mr(void* coll_comm, void* data, size_t size, int type, uint64_t flags, void** mhandle) {
+  auto* c = static_cast<Comm*>(coll_comm);
+  auto* r = new Region;
+  r->base = static_cast<char*>(data);
+  r->size = size;
+  r->on_device = type == RMA_PTR_CUDA;
+  r->never_reset = flags & 2;  // NCCL_NET_MR_FLAG_SIGNAL_NEVER_RESET
+  r->peer_base.assign(c->nranks, nullptr);
+  r->peer_mapping.assign(c->nranks, nullptr);
+  r->peer_mapping_bytes.assign(c->nranks, 0);
+  {
+    std::lock_guard<std::mutex> g(c->lock);
+    r->seq = c->regions.size();
+    c->regions.push_back(r);
+  }
+  counters[kRegions]++;
+  if (c->device >= 0) cudaSetDevice(c->device);
+  bool any_same_host = false;
+  for (int p = 0; p < c->nranks; p++) any_same_host |= p != c->rank && c->same_host[p];
+  Message m{};
+  m.magic = kMessageMagic;
+  m.type = MessageType::kRegister;
+  m.region = r->seq;
+  m.size = size;
+  m.flags = r->on_device ? static_cast<uint32_t>(kRegionOnDevice) : 0u;
+  int fd = -1;
+  std::string error;
+  if (r->on_device && any_same_host) {
+    if (export_allocation(data, fd, m.allocation_bytes, m.allocation_offset, error))
+      m.flags |= kRegionExported;
+    else
+      INFO(c, "rank %d: region %lu (%zu bytes) cannot be shared (%s); puts into it travel through its owner",
+           c->rank, (unsigned long)r->seq, size, error.c_str());
+  }
+  for (int p = 0; p < c->nranks; p++) {
+    if (p == c->rank) continue;
+    std::lock_guard<std::mutex> g(*c->out_lock[p]);
+    if (!send_message(c->out[p], m, c->same_host[p] ? fd : -1)) {
+      if (fd >= 0) close(fd);
+      fail(c, "sending registration " + std::to_string(r->seq) + " to rank " + std::to_string(p) + " failed");
+      return rmaRemoteError;
+    }
+  }
+  if (fd >= 0) close(fd);
+  // Registration is collective: wait for every peer's matching one.
+  std::unique_lock<std::mutex> g(c->lock);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(connect_timeout_ms());
+  auto all_arrived = [&] {
+    for (int p = 0; p < c->nranks; p++)
+      if (p != c->rank && !c->peer_registrations[p].count(r->seq)) return false;
+    return true;
+  };
+  if (!c->changed.wait_until(g, deadline, [&] { return all_arrived() || c->failed.load(); }) || !all_arrived()) {
+    std::string why = c->failed ? c->failure : "a peer did not register within JAXGIN_TRANSPORT_CONNECT_TIMEOUT";
+    g.unlock();
+    WARN(c, "rank %d: symmetric registration %lu failed: %s", c->rank, (unsigned long)r->seq, why.c_str());
+    return rmaRemoteError;
+  }
+  std::vector<PeerRegistration> peers(c->nranks);
+  for (int p = 0; p < c->nranks; p++) {
+    if (p == c->rank) continue;
+    peers[p] = c->peer_registrations[p][r->seq];
+    c->peer_registrations[p].erase(r->seq);
+  }
+  g.unlock();
+  rmaResult_t result = rmaSuccess;
+  for (int p = 0; p < c->nranks; p++) {
+    if (p == c->rank) continue;
+    const Message& theirs = peers[p].message;
+    if (theirs.size != size || (theirs.flags & kRegionOnDevice) != (m.flags & kRegionOnDevice)) {
+      WARN(c, "rank %d: symmetric registration %lu is %zu bytes of %s memory here but %lu bytes of %s memory on "
+           "rank %d: ranks registered different regions in the same order",
+           c->rank, (unsigned long)r->seq, size, r->on_device ? "device" : "host", (unsigned long)theirs.size,
+           (theirs.flags & kRegionOnDevice) ? "device" : "host", p);
+      result = rmaInvalidUsage;
+    } else if (peers[p].fd >= 0 && (theirs.flags & kRegionExported) && c->device >= 0) {
+      void* mapped = nullptr;
+      if (import_allocation(peers[p].fd, theirs.allocation_bytes, c->device, mapped, error)) {
+        r->peer_mapping[p] = mapped;
+        r->peer_mapping_bytes[p] = theirs.allocation_bytes;
+        r->peer_base[p] = static_cast<char*>(mapped) + theirs.allocation_offset;
+      } else {
+        INFO(c, "rank %d: mapping rank %d's region %lu failed (%s); puts to it travel through rank %d", c->rank, p,
+             (unsigned long)r->seq, error.c_str(), p);
+      }
+    }
+    if (peers[p].fd >= 0) close(peers[p].fd);
+  }
+  *mhandle = r;
+  return result;
+}
+
+rmaResult_t plugin_reg_mr_dmabuf(void* coll_comm, void* data, size_t size, int type, uint64_t, int, uint64_t flags,
+                                 void** mhandle) {
+  return plugin_reg_mr(coll_comm, data, size, type, flags, mhandle);
+}
+
+rmaResult_t plugin_dereg_mr(void* coll_comm, void* mhandle) {
+  auto* c = static_cast<Comm*>(coll_comm);
+  auto* r = static_cast<Region*>(mhandle);
+  {
+    std::lock_guard<std::mutex> g(c->apply_lock);
+    if (c->apply_stream) cudaStreamSynchronize(c->apply_stream);
+    for (auto it = c->signal_values.begin(); it != c->signal_values.end();)
+      it = it->first.first == r->seq ? c->signal_values.erase(it) : std::next(it);
+  }
+  {
+    std::lock_guard<std::mutex> g(c->lock);
+    c->regions[r->seq] = nullptr;
+  }
+  for (int p = 0; p < c->nranks; p++) unmap_allocation(r->peer_mapping[p], r->peer_mapping_bytes[p]);
+  delete r;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** rma_ctx) {
+  auto* c = static_cast<Comm*>(coll_comm);
+  if (config->nContexts < 1) return rmaInvalidArgument;
+  auto* x = new Context;
+  x->comm = c;
+  x->contexts = config->nContexts;
+  x->queues.resize(static_cast<size_t>(config->nContexts) * c->nranks);
+  x->streams.assign(x->queues.size(), nullptr);
+  *rma_ctx = x;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_destroy_context(void* rma_ctx) {
+  auto* x = static_cast<Context*>(rma_ctx);
+  // Deliver what is still in flight, boundedly: a peer that is gone fails its operations.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline) {
+    progress(x);
+    std::lock_guard<std::mutex> g(x->lock);
+    bool empty = true;
+    for (auto& q : x->queues) empty &= q.empty();
+    if (empty) break;
+  }
+  for (auto& q : x->queues)
+    for (Op* op : q)
+      if (!op->returned) delete op;
+  for (cudaStream_t s : x->streams)
+    if (s) cudaStreamDestroy(s);
+  delete x;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_close_coll(void* coll_comm) {
+  auto* c = static_cast<Comm*>(coll_comm);
+  c->closing = true;
+  Message bye{};
+  bye.magic = kMessageMagic;
+  bye.type = MessageType::kBye;
+  for (int p = 0; p < c->nranks; p++)
+    if (c->out[p] >= 0) send_message(c->out[p], bye);
+  char one = 1;
+  if (write(c->wake[1], &one, 1) != 1) WARN(c, "rank %d: could not wake the agent thread", c->rank);
+  if (c->agent.joinable()) c->agent.join();
+  close_comm_fds(c);
+  if (c->apply_stream) {
+    cudaStreamSynchronize(c->apply_stream);
+    cudaStreamDestroy(c->apply_stream);
+  }
+  for (int i = 0; i < 2; i++) {
+    if (c->receive_staging[i]) cudaFreeHost(c->receive_staging[i]);
+    if (c->receive_done[i]) cudaEventDestroy(c->receive_done[i]);
+  }
+  for (char* p : c->pool_all) cudaFreeHost(p);
+  for (Region* r : c->regions)
+    if (r) {
+      for (int p = 0; p < c->nranks; p++) unmap_allocation(r->peer_mapping[p], r->peer_mapping_bytes[p]);
+      delete r;
+    }
+  for (auto& per_peer : c->peer_registrations)
+    for (auto& entry : per_peer)
+      if (entry.second.fd >= 0) close(entry.second.fd);
+  delete c;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_iput(void* rma_ctx, int context, uint64_t src_off, void* src, size_t size, uint64_t dst_off,
+                        void* dst, uint32_t rank, void** request) {
+  return enqueue(static_cast<Context*>(rma_ctx), context, src_off, static_cast<Region*>(src), size, dst_off,
+                 static_cast<Region*>(dst), rank, nullptr, 0, 0, request);
+}
+
+rmaResult_t plugin_iput_signal(void* rma_ctx, int context, uint64_t src_off, void* src, size_t size, uint64_t dst_off,
+                               void* dst, uint32_t rank, uint64_t signal_off, void* signal, uint64_t signal_value,
+                               uint32_t signal_op, bool /*strong: every signal here is strong*/, void** request) {
+  auto* x = static_cast<Context*>(rma_ctx);
+  if (!signal || (signal_op != RMA_SIGNAL_OP_INC && signal_op != RMA_SIGNAL_OP_ADD)) {
+    WARN(x->comm, "rank %d: signal operation %u on %s region: expected INC (1) or ADD (2) on a registered region",
+         x->comm->rank, signal_op, signal ? "a" : "no");
+    return rmaInvalidArgument;
+  }
+  uint64_t delta = signal_op == RMA_SIGNAL_OP_INC ? 1 : signal_value;
+  return enqueue(x, context, src_off, static_cast<Region*>(src), size, dst_off, static_cast<Region*>(dst), rank,
+                 static_cast<Region*>(signal), signal_off, delta, request);
+}
+
+rmaResult_t plugin_iget(void* rma_ctx, int, uint64_t, void*, size_t, uint64_t, void*, uint32_t, void** request) {
+  *request = nullptr;
+  WARN(static_cast<Context*>(rma_ctx)->comm, "get is not implemented by the jaxgin host transport");
+  return rmaInvalidUsage;
+}
+
+rmaResult_t plugin_iflush(void*, int, void*, uint32_t, void** request) {
+  // Flush makes earlier gets visible; there are none. Put completions are reported by test().
+  *request = nullptr;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_test(void*, void* request, int* done) {
+  auto* op = static_cast<Op*>(request);
+  if (!op) {  // NCCL tests no null request, but a flush's is null: done
+    *done = 1;
+    return rmaSuccess;
+  }
+  if (op->state == 0) progress(op->context);
+  int state = op->state;
+  *done = state != 0;
+  if (state == 0) return rmaSuccess;
+  delete op;
+  return state > 0 ? rmaSuccess : rmaRemoteError;
+}
+
+rmaResult_t plugin_progress(void* rma_ctx) {
+  progress(static_cast<Context*>(rma_ctx));
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_query_last_error(void* rma_ctx, bool* has_error) {
+  *has_error = static_cast<Context*>(rma_ctx)->comm->failed;
+  return rmaSuccess;
+}
+
+rmaResult_t plugin_finalize(void* ctx) {
+  delete static_cast<Plugin*>(ctx);
+  return rmaSuccess;
+}
+
+}  // namespace
+}  // namespace jaxgin::transport
+
+using namespace jaxgin::transport;
+
+extern "C" {
+
+// The symbol NCCL looks up in the library NCCL_RMA_PLUGIN names.
+extern __attribute__((visibility("default"))) const rmaPlugin_v14_t ncclRmaPlugin_v14;
+const rmaPlugin_v14_t ncclRmaPlugin_v14 = {
+    "jaxgin-host",        plugin_init,           plugin_devices,        plugin_properties,  plugin_listen,
+    plugin_connect,       plugin_create_context, plugin_reg_mr,         plugin_reg_mr_dmabuf, plugin_dereg_mr,
+    plugin_destroy_context, plugin_close_coll,   plugin_close_listen,   plugin_iput,        plugin_iput_signal,
+    plugin_iget,          plugin_iflush,         plugin_test,           plugin_progress,    plugin_query_last_error,
+    plugin_finalize,
+};
+
+// Totals since the library loaded, in the order of jaxgin.transport.COUNTERS.
+__attribute__((visibility("default"))) int jaxgin_transport_counters(uint64_t* out, int n) {
+  for (int i = 0; i < n && i < kCounterCount; i++) out[i] = counters[i].load();
+  return kCounterCount;
+}
+
+}  // extern "C"

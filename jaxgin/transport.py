@@ -1,0 +1,141 @@
+"""jaxgin's host transport: an NCCL RMA plugin that gives NCCL's GIN proxy backend a data path on
+hosts without an RDMA NIC (CUDA IPC copies within a host, TCP between hosts).
+
+NCCL loads it from the path in ``NCCL_RMA_PLUGIN`` when it first sets up its plugins, so the
+variable must be set before the process creates its first NCCL communicator, XLA's included:
+``jaxgin.initialize(gin_transport=...)`` does that, and ``python -m jaxgin.transport`` prints the
+path for launch scripts. NCCL >= 2.30 loads RMA plugins; older NCCL ignores the variable.
+
+Choices (``gin_transport`` / ``JAXGIN_GIN_TRANSPORT``):
+  ``"auto"`` (default): the host transport when GIN is requested (``force_gin``) and this machine
+      has no RDMA device; otherwise whatever NCCL finds.
+  ``"host"``: always the host transport.
+  ``"nic"``: never; GIN exists only where NCCL finds a NIC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from jaxgin.errors import JaxginError
+
+TRANSPORTS = ("auto", "host", "nic")
+LIBRARY_NAME = "libjaxgin_transport.so"
+SOURCES = ("rma_api.h", "wire.h", "wire.cc", "device_memory.h", "device_memory.cc", "host_transport.cc")
+# In the order of jaxgin_transport_counters() (csrc/transport/host_transport.cc).
+COUNTERS = ("puts_mapped", "puts_staged", "puts_local", "bytes_mapped", "bytes_staged", "signals_applied", "regions")
+MIN_NCCL = (2, 30, 0)
+
+
+def sources_dir() -> Path:
+    from jaxgin.build import sources_dir as csrc
+
+    return csrc() / "transport"
+
+
+def build(*, cache_dir: Path | None = None) -> Path:
+    """Compiles the plugin (host code only: g++ through nvcc, CUDA runtime linked statically) into
+    the cache and returns its path. Needs no NCCL headers: the interface is declared in rma_api.h."""
+    from jaxgin import build as build_lib
+
+    nvcc = build_lib.find_nvcc()
+    root = sources_dir()
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    digest.update(build_lib.nvcc_version(nvcc).encode())
+    cache_dir = Path(cache_dir) if cache_dir else build_lib.default_cache_dir()
+    final = cache_dir / f"transport-{digest.hexdigest()[:20]}"
+    library = final / LIBRARY_NAME
+    with build_lib._locked(cache_dir / f"{final.name}.lock"):
+        if library.exists():
+            return library
+        final.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=".transport-", dir=final)) / LIBRARY_NAME
+        command = [
+            str(nvcc), "-std=c++17", "-O2", "-shared", "-Xcompiler=-fPIC,-fvisibility=hidden",
+            *(str(root / s) for s in SOURCES if s.endswith(".cc")), "-lpthread", "-o", str(partial),
+        ]
+        build_lib._run(command, root)
+        partial.rename(library)
+        partial.parent.rmdir()
+    return library
+
+
+def requested(gin_transport: str | None) -> str:
+    """The validated request: the argument, else JAXGIN_GIN_TRANSPORT, else 'auto'."""
+    source = "gin_transport"
+    if gin_transport is None:
+        gin_transport = os.environ.get("JAXGIN_GIN_TRANSPORT") or "auto"
+        source = "JAXGIN_GIN_TRANSPORT"
+    if gin_transport not in TRANSPORTS:
+        raise ValueError(f"{source}={gin_transport!r}: expected one of {TRANSPORTS}")
+    return gin_transport
+
+
+def choose(request: str, force_gin: bool, nccl_version: tuple[int, int, int]) -> str:
+    """'host' or 'nic': what the request means on this machine with this NCCL."""
+    too_old = tuple(nccl_version) < MIN_NCCL
+    if request == "host" and too_old:
+        raise JaxginError(
+            f"gin_transport='host' needs NCCL >= {'.'.join(map(str, MIN_NCCL))} (RMA plugins), but NCCL "
+            f"{'.'.join(map(str, nccl_version))} is loaded; install nvidia-nccl-cu13>=2.30 or use gin_transport='nic'"
+        )
+    if request != "auto":
+        return request
+    from jaxgin import rdma
+
+    # Without force_gin, GIN only carries traffic to other hosts; then a missing NIC is reported
+    # by initialize() rather than papered over with TCP.
+    return "host" if force_gin and not too_old and not rdma.devices() else "nic"
+
+
+def enable(library: Path) -> None:
+    """Points NCCL at the plugin. Refuses what would silently not work."""
+    current = os.environ.get("NCCL_RMA_PLUGIN")
+    if current and Path(current).resolve() != library.resolve():
+        raise JaxginError(
+            f"gin_transport='host' would load {library} but NCCL_RMA_PLUGIN is already {current!r}; unset it or "
+            "use gin_transport='nic' to keep that plugin"
+        )
+    os.environ["NCCL_RMA_PLUGIN"] = str(library)
+    if not os.environ.get("JAXGIN_TRANSPORT_QUIET"):
+        warnings.warn(
+            "jaxgin: GIN traffic goes through the host transport (CUDA copies driven by NCCL's proxy thread, "
+            "TCP across hosts), not an RDMA NIC: it works everywhere but is slower than LSA or a NIC. "
+            "Set JAXGIN_TRANSPORT_QUIET=1 to silence this.",
+            stacklevel=3,
+        )
+
+
+def counters(library: Path | str | None = None) -> dict[str, int]:
+    """What the plugin loaded in this process moved so far (all communicators together)."""
+    path = library or os.environ.get("NCCL_RMA_PLUGIN")
+    if not path:
+        raise JaxginError("the host transport is not in use in this process (NCCL_RMA_PLUGIN is unset)")
+    lib = ctypes.CDLL(str(path))
+    values = (ctypes.c_uint64 * len(COUNTERS))()
+    lib.jaxgin_transport_counters(values, len(COUNTERS))
+    return dict(zip(COUNTERS, (int(v) for v in values)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxgin.transport",
+        description="Build jaxgin's host transport (an NCCL RMA plugin) and print the line that enables it.",
+    )
+    parser.add_argument("--cache-dir", type=Path)
+    args = parser.parse_args(argv)
+    print(f"export NCCL_RMA_PLUGIN={build(cache_dir=args.cache_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
