@@ -93,7 +93,7 @@ def force_gin(argv):
     import jaxgin
 
     try:
-        jaxgin.initialize(heap_size="64MiB", force_gin=True)
+        jaxgin.initialize(heap_size="64MiB", force_gin=True, gin_transport="nic")
     except jaxgin.JaxginError as e:
         return {"raised": type(e).__name__, "message": str(e)}
     info = jaxgin.info()

@@ -1,0 +1,288 @@
+"""jaxgin's host transport (the NCCL RMA plugin) on the CPU: built with nvcc, loaded and driven
+through its plugin table as NCCL's GIN proxy would, with host-memory regions. Ranks are threads
+of this process (one process for all GPUs) or separate processes (one process per GPU)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transport_plugin import (
+    INVALID_ARGUMENT,
+    INVALID_USAGE,
+    NEVER_RESET,
+    REMOTE_ERROR,
+    SIGNAL_INC,
+    Rank,
+    TransportError,
+    load,
+    wait_word,
+)
+
+from jaxgin import transport
+
+pytestmark = pytest.mark.usefixtures("nvcc")
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return transport.build(cache_dir=tmp_path_factory.mktemp("transport"))
+
+
+@pytest.fixture(scope="module")
+def table(library):
+    return load(library)
+
+
+def connect_all(table, nranks, contexts=2):
+    ranks = [Rank(table, contexts) for _ in range(nranks)]
+    handles = [r.handle.raw for r in ranks]
+    with concurrent.futures.ThreadPoolExecutor(nranks) as pool:  # connect is collective
+        list(pool.map(lambda i: ranks[i].connect(handles, i), range(nranks)))
+    return ranks
+
+
+def register_all(ranks, arrays, flags=0):
+    with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:  # so is registration
+        return list(pool.map(lambda i: ranks[i].register(arrays[i], flags), range(len(ranks))))
+
+
+def close_all(ranks):
+    for r in ranks:
+        r.close()
+
+
+def test_plugin_table_is_what_nccl_loads(table):
+    import ctypes
+
+    from transport_plugin import Properties
+
+    assert table.name == b"jaxgin-host"
+    props = Properties()
+    assert table.getProperties(0, ctypes.byref(props)) == 0
+    assert props.netDeviceType == 2  # GIN proxy: NCCL's proxy thread drives the plugin
+    assert props.ptrSupport == 3  # host and CUDA memory
+    assert props.maxRecvs * 32 >= 128  # NCCL sizes its descriptor queues from it
+    count = ctypes.c_int()
+    assert table.devices(ctypes.byref(count)) == 0 and count.value == 1
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_ring_put_signal_many_rounds(table, nranks, tcp, monkeypatch):
+    if tcp:
+        monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    ranks = connect_all(table, nranks)
+    chunk = 4096
+    data = [np.zeros(2 * chunk, np.uint8) for _ in ranks]
+    signals = [np.zeros(nranks, np.uint64) for _ in ranks]
+    data_h = register_all(ranks, data)
+    signal_h = register_all(ranks, signals, NEVER_RESET)
+    rng = np.random.default_rng(nranks)
+    for round_ in range(1, 51):
+        sent = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in ranks]
+        for i, r in enumerate(ranks):
+            data[i][:chunk] = sent[i]
+            # value = round: the word sums to round * (round + 1) / 2 after `round` rounds
+            r.wait(r.put(data_h[i], 0, chunk, data_h[i], chunk, (i + 1) % nranks, signal=signal_h[i],
+                         signal_off=8 * i, value=round_))
+        for i in range(nranks):
+            left = (i - 1) % nranks
+            wait_word(signals[i], left, round_ * (round_ + 1) // 2)
+            np.testing.assert_array_equal(data[i][chunk:], sent[left], err_msg=f"round {round_}, rank {i}")
+    close_all(ranks)
+
+
+def test_signal_follows_every_earlier_put(table, library):
+    """Many puts of assorted sizes (some over the 4 MiB piece size), then one signal without data:
+    when the receiver sees the signal, every byte of every earlier put must already be there."""
+    ranks = connect_all(table, 2, contexts=1)
+    sizes = [1, 7, 4096, 65536, (4 << 20) + 13, 300, 9 << 20]
+    total = sum(sizes)
+    src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    dst = np.zeros(total, np.uint8)
+    signals = [np.zeros(1, np.uint64), np.zeros(1, np.uint64)]
+    data_h = register_all(ranks, [src, dst])
+    signal_h = register_all(ranks, signals, NEVER_RESET)
+    requests, at = [], 0
+    for size in sizes:
+        requests.append(ranks[0].put(data_h[0], at, size, data_h[0], at, 1))
+        at += size
+    requests.append(ranks[0].put(data_h[0], 0, 0, None, 0, 1, signal=signal_h[0], op=SIGNAL_INC))
+    wait_word(signals[1], 0, 1, progress=ranks[0])
+    np.testing.assert_array_equal(dst, src)  # checked before anything else completes
+    for request in requests:
+        ranks[0].wait(request)
+    assert transport.counters(library)["puts_staged"] >= len(sizes) + 3  # two puts went in 3 pieces each
+    close_all(ranks)
+
+
+def test_contexts_and_self_puts(table):
+    ranks = connect_all(table, 2, contexts=3)
+    data = [np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)]
+    signals = [np.zeros(4, np.uint64), np.zeros(4, np.uint64)]
+    data_h = register_all(ranks, data)
+    signal_h = register_all(ranks, signals, NEVER_RESET)
+    # to itself (the local route) on context 2, then to the peer on every context
+    ranks[0].wait(ranks[0].put(data_h[0], 0, 16, data_h[0], 32, 0, signal=signal_h[0], signal_off=24, context=2))
+    wait_word(signals[0], 3, 1)
+    np.testing.assert_array_equal(data[0][32:48], np.arange(16))
+    for context in range(3):
+        ranks[0].wait(ranks[0].put(data_h[0], 0, 64, data_h[1], 0, 1, signal=signal_h[0], signal_off=8 * context,
+                                   value=context + 10, context=context))
+        wait_word(signals[1], context, context + 10)
+    np.testing.assert_array_equal(data[1], data[0])
+    close_all(ranks)
+
+
+def test_bad_requests_are_refused_with_the_right_code(table):
+    ranks = connect_all(table, 2)
+    data = [np.zeros(128, np.uint8) for _ in ranks]
+    signals = [np.zeros(2, np.uint64) for _ in ranks]
+    data_h = register_all(ranks, data)
+    signal_h = register_all(ranks, signals, NEVER_RESET)
+    r = ranks[0]
+    cases = [
+        lambda: r.put(data_h[0], 100, 64, data_h[0], 0, 1),  # source overrun
+        lambda: r.put(data_h[0], 0, 64, data_h[0], 100, 1),  # destination overrun
+        lambda: r.put(data_h[0], 0, 8, data_h[0], 0, 2),  # no rank 2
+        lambda: r.put(data_h[0], 0, 8, data_h[0], 0, 1, context=5),  # no context 5
+        lambda: r.put(data_h[0], 0, 8, data_h[0], 0, 1, signal=signal_h[0], signal_off=16),  # past the words
+        lambda: r.put(data_h[0], 0, 8, data_h[0], 0, 1, signal=signal_h[0], signal_off=4),  # unaligned
+        lambda: r.put(data_h[0], 0, 8, data_h[0], 0, 1, signal=signal_h[0], op=3),  # no such operation
+    ]
+    for case in cases:
+        with pytest.raises(TransportError) as e:
+            case()
+        assert e.value.code == INVALID_ARGUMENT
+    import ctypes
+
+    request = ctypes.c_void_p()
+    assert r.t.iget(r.rma, 0, 0, data_h[1], 8, 0, data_h[0], 1, ctypes.byref(request)) == INVALID_USAGE
+    assert not r.has_error()
+    close_all(ranks)
+
+
+def test_mismatched_registration_is_an_error(table):
+    ranks = connect_all(table, 2)
+    arrays = [np.zeros(128, np.uint8), np.zeros(256, np.uint8)]
+    with pytest.raises(TransportError) as e:
+        register_all(ranks, arrays)
+    assert e.value.code == INVALID_USAGE
+    close_all(ranks)
+
+
+def test_connect_times_out_when_a_peer_never_comes(table, monkeypatch):
+    monkeypatch.setenv("JAXGIN_TRANSPORT_CONNECT_TIMEOUT", "1")
+    ranks = [Rank(table) for _ in range(2)]
+    start = time.monotonic()
+    with pytest.raises(TransportError) as e:
+        ranks[0].connect([ranks[0].handle.raw, ranks[1].handle.raw], 0)  # rank 1 never connects
+    assert e.value.code == REMOTE_ERROR
+    assert time.monotonic() - start < 10
+    ranks[0].comm = ranks[0].rma = None
+    for r in ranks:
+        r.close()
+
+
+def run_processes(library, tmp_path, nranks, scenario, env=None):
+    import os
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "transport_plugin.py"), str(library), str(tmp_path), str(r), str(nranks),
+             scenario],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        )
+        for r in range(nranks)
+    ]
+    return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
+
+
+@pytest.mark.parametrize("env", [{}, {"JAXGIN_TRANSPORT_TCP": "1"}], ids=["unix", "tcp"])
+def test_process_per_rank_ring(library, tmp_path, env):
+    results = run_processes(library, tmp_path, 3, "ring", env)
+    for rank, (code, output) in enumerate(results):
+        assert code == 0 and "ring ok" in output, f"rank {rank}: {output}"
+
+
+def test_two_hosts_emulated_by_host_ids(library, tmp_path):
+    """Processes with different JAXGIN_TRANSPORT_HOST_ID treat each other as remote (TCP)."""
+    import os
+
+    procs = []
+    for r in range(2):
+        env = {**os.environ, "JAXGIN_TRANSPORT_HOST_ID": f"host{r}", "JAXGIN_TRANSPORT_DEBUG": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "transport_plugin.py"), str(library), str(tmp_path), str(r), "2", "ring"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+        output = p.stdout.read()
+        assert "ring ok" in output and "0 peers on this host" in output and "1 over TCP" in output, output
+
+
+def test_a_dead_peer_is_reported_not_waited_for(library, tmp_path):
+    results = run_processes(library, tmp_path, 3, "die")
+    assert results[2][0] == 3  # the rank that exits without a goodbye
+    for rank in (0, 1):
+        code, output = results[rank]
+        assert code == 0, f"rank {rank}: {output}"
+        assert "ended without a goodbye" in output  # the plugin's warning names what happened
+        assert f"failed with {REMOTE_ERROR}" in output
+
+
+# --- choosing the transport (jaxgin.initialize(gin_transport=...)) ------------------------------
+
+
+def test_bad_transport_names_the_setting(monkeypatch):
+    monkeypatch.setenv("JAXGIN_GIN_TRANSPORT", "tcp")
+    with pytest.raises(ValueError, match=r"JAXGIN_GIN_TRANSPORT='tcp': expected one of \('auto', 'host', 'nic'\)"):
+        transport.requested(None)
+    with pytest.raises(ValueError, match="gin_transport='rdma'"):
+        transport.requested("rdma")
+    assert transport.requested("nic") == "nic"
+
+
+def test_host_transport_needs_nccl_2_30():
+    from jaxgin.errors import JaxginError
+
+    with pytest.raises(JaxginError, match=r"needs NCCL >= 2\.30\.0 .* NCCL 2\.28\.9 is loaded"):
+        transport.choose("host", True, (2, 28, 9))
+    assert transport.choose("auto", True, (2, 28, 9)) == "nic"  # auto never picks what cannot load
+
+
+@pytest.mark.parametrize(
+    "force_gin, nics, expected",
+    [(True, [], "host"), (True, ["mlx5_0"], "nic"), (False, [], "nic")],
+)
+def test_auto_uses_the_host_transport_only_for_forced_gin_without_a_nic(monkeypatch, force_gin, nics, expected):
+    from jaxgin import rdma
+
+    monkeypatch.setattr(rdma, "devices", lambda: nics)
+    assert transport.choose("auto", force_gin, (2, 32, 3)) == expected
+
+
+def test_enable_refuses_another_plugin(monkeypatch, library):
+    from jaxgin.errors import JaxginError
+
+    monkeypatch.setenv("NCCL_RMA_PLUGIN", "/opt/other/libnccl-rma.so")
+    with pytest.raises(JaxginError, match="NCCL_RMA_PLUGIN is already '/opt/other/libnccl-rma.so'"):
+        transport.enable(library)
+    monkeypatch.delenv("NCCL_RMA_PLUGIN")
+    with pytest.warns(UserWarning, match="host transport"):
+        transport.enable(library)
+    assert transport.counters()["regions"] >= 0  # the variable now names a loadable plugin
+
+
+def test_reference_mode_reports_no_transport():
+    import jaxgin
+
+    jaxgin.initialize(backend="reference")
+    assert jaxgin.info()["gin_transport"] == "none"

@@ -1,0 +1,231 @@
+"""Drives jaxgin's host transport the way NCCL's GIN proxy does, through its RMA plugin table
+(ncclRmaPlugin_v14), with ctypes: the CPU tests use host-memory regions, so no GPU is needed.
+
+Run as a script it is one rank of a multi-process scenario (tests/test_transport.py starts them):
+    python tests/transport_plugin.py LIBRARY DIR RANK NRANKS SCENARIO
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from ctypes import (
+    CFUNCTYPE,
+    POINTER,
+    Structure,
+    c_bool,
+    c_char_p,
+    c_float,
+    c_int,
+    c_int16,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+import numpy as np
+
+SUCCESS, INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = 0, 4, 5, 6
+PTR_HOST, PTR_CUDA = 1, 2
+SIGNAL_INC, SIGNAL_ADD = 1, 2
+NEVER_RESET = 2
+HANDLE_BYTES = 128
+
+
+class Properties(Structure):
+    _fields_ = [
+        ("name", c_char_p), ("pciPath", c_char_p), ("guid", c_uint64), ("ptrSupport", c_int),
+        ("regIsGlobal", c_int), ("forceFlush", c_int), ("speed", c_int), ("port", c_int), ("latency", c_float),
+        ("maxComms", c_int), ("maxRecvs", c_int), ("netDeviceType", c_int), ("netDeviceVersion", c_int),
+        ("vndevs", c_int), ("vdevs", c_int * 8), ("maxP2pBytes", c_size_t), ("maxCollBytes", c_size_t),
+        ("maxMultiRequestSize", c_int), ("railId", c_int16), ("planeId", c_int16),
+    ]
+
+
+class Config(Structure):
+    _fields_ = [("nContexts", c_int), ("trafficClass", c_int), ("rankStride", c_int)]
+
+
+P = c_void_p
+PP = POINTER(c_void_p)
+_TABLE = [
+    ("name", c_char_p),
+    ("init", CFUNCTYPE(c_int, PP, c_uint64, c_void_p)),
+    ("devices", CFUNCTYPE(c_int, POINTER(c_int))),
+    ("getProperties", CFUNCTYPE(c_int, c_int, POINTER(Properties))),
+    ("listen", CFUNCTYPE(c_int, P, c_int, P, PP)),
+    ("connect", CFUNCTYPE(c_int, P, PP, c_int, c_int, P, PP)),
+    ("createContext", CFUNCTYPE(c_int, P, POINTER(Config), PP)),
+    ("regMrSym", CFUNCTYPE(c_int, P, P, c_size_t, c_int, c_uint64, PP)),
+    ("regMrSymDmaBuf", CFUNCTYPE(c_int, P, P, c_size_t, c_int, c_uint64, c_int, c_uint64, PP)),
+    ("deregMrSym", CFUNCTYPE(c_int, P, P)),
+    ("destroyContext", CFUNCTYPE(c_int, P)),
+    ("closeColl", CFUNCTYPE(c_int, P)),
+    ("closeListen", CFUNCTYPE(c_int, P)),
+    ("iput", CFUNCTYPE(c_int, P, c_int, c_uint64, P, c_size_t, c_uint64, P, c_uint32, PP)),
+    ("iputSignal", CFUNCTYPE(c_int, P, c_int, c_uint64, P, c_size_t, c_uint64, P, c_uint32, c_uint64, P, c_uint64,
+                             c_uint32, c_bool, PP)),
+    ("iget", CFUNCTYPE(c_int, P, c_int, c_uint64, P, c_size_t, c_uint64, P, c_uint32, PP)),
+    ("iflush", CFUNCTYPE(c_int, P, c_int, P, c_uint32, PP)),
+    ("test", CFUNCTYPE(c_int, P, P, POINTER(c_int))),
+    ("rmaProgress", CFUNCTYPE(c_int, P)),
+    ("queryLastError", CFUNCTYPE(c_int, P, POINTER(c_bool))),
+    ("finalize", CFUNCTYPE(c_int, P)),
+]
+
+
+class PluginTable(Structure):
+    _fields_ = _TABLE
+
+
+def load(library: str | Path) -> PluginTable:
+    lib = ctypes.CDLL(str(library))
+    return PluginTable.in_dll(lib, "ncclRmaPlugin_v14")
+
+
+class TransportError(RuntimeError):
+    def __init__(self, what: str, code: int):
+        super().__init__(f"{what} returned {code}")
+        self.code = code
+
+
+def check(code: int, what: str) -> None:
+    if code != SUCCESS:
+        raise TransportError(what, code)
+
+
+class Rank:
+    """One rank's view: its plugin context, listener, communicator and RMA context."""
+
+    def __init__(self, table: PluginTable, contexts: int = 2):
+        self.t = table
+        self.contexts = contexts
+        self.ctx = c_void_p()
+        check(table.init(ctypes.byref(self.ctx), 1234, None), "init")
+        self.handle = ctypes.create_string_buffer(HANDLE_BYTES)
+        self.listener = c_void_p()
+        check(table.listen(self.ctx, 0, self.handle, ctypes.byref(self.listener)), "listen")
+        self.comm = c_void_p()
+        self.rma = c_void_p()
+        self.keep = []  # arrays registered with the plugin must outlive it
+
+    def connect(self, handles: list[bytes], rank: int) -> None:
+        self.rank, self.nranks = rank, len(handles)
+        buffers = [ctypes.create_string_buffer(h, HANDLE_BYTES) for h in handles]
+        array = (c_void_p * len(handles))(*[ctypes.cast(b, c_void_p) for b in buffers])
+        check(self.t.connect(self.ctx, array, len(handles), rank, self.listener, ctypes.byref(self.comm)), "connect")
+        config = Config(self.contexts, -1, 1)
+        check(self.t.createContext(self.comm, ctypes.byref(config), ctypes.byref(self.rma)), "createContext")
+
+    def register(self, array: np.ndarray, flags: int = 0) -> c_void_p:
+        handle = c_void_p()
+        self.keep.append(array)
+        check(self.t.regMrSym(self.comm, array.ctypes.data, array.nbytes, PTR_HOST, flags, ctypes.byref(handle)),
+              "regMrSym")
+        return handle
+
+    def put(self, src, src_off, size, dst, dst_off, peer, *, signal=None, signal_off=0, value=1, op=SIGNAL_ADD,
+            context=0):
+        request = c_void_p()
+        if signal is None:
+            code = self.t.iput(self.rma, context, src_off, src, size, dst_off, dst, peer, ctypes.byref(request))
+        else:
+            code = self.t.iputSignal(self.rma, context, src_off, src, size, dst_off, dst, peer, signal_off, signal,
+                                     value, op, True, ctypes.byref(request))
+        check(code, "iputSignal" if signal is not None else "iput")
+        return request
+
+    def wait(self, request, timeout: float = 30.0) -> None:
+        done = c_int(0)
+        deadline = time.monotonic() + timeout
+        while not done.value:
+            check(self.t.test(self.comm, request, ctypes.byref(done)), "test")
+            if time.monotonic() > deadline:
+                raise TimeoutError("a transport request did not complete")
+
+    def progress(self) -> None:
+        check(self.t.rmaProgress(self.rma), "rmaProgress")
+
+    def has_error(self) -> bool:
+        flag = c_bool(False)
+        check(self.t.queryLastError(self.rma, ctypes.byref(flag)), "queryLastError")
+        return flag.value
+
+    def close(self) -> None:
+        if self.rma:
+            check(self.t.destroyContext(self.rma), "destroyContext")
+        if self.comm:
+            check(self.t.closeColl(self.comm), "closeColl")
+        check(self.t.closeListen(self.listener), "closeListen")
+        check(self.t.finalize(self.ctx), "finalize")
+
+
+def wait_word(array: np.ndarray, index: int, value: int, timeout: float = 30.0, progress=None) -> None:
+    """Polls a host signal word; `progress` (a Rank) is driven meanwhile, as NCCL's proxy thread would."""
+    deadline = time.monotonic() + timeout
+    while int(array[index]) < value:
+        if progress is not None:
+            progress.progress()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"signal word {index} stayed at {int(array[index])}, expected {value}")
+        time.sleep(0.0005)
+
+
+def _exchange_handles(directory: Path, rank: int, nranks: int, handle: bytes) -> list[bytes]:
+    (directory / f"handle.{rank}.tmp").write_bytes(handle)
+    os.rename(directory / f"handle.{rank}.tmp", directory / f"handle.{rank}")
+    deadline = time.monotonic() + 60
+    while not all((directory / f"handle.{r}").exists() for r in range(nranks)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("peers did not publish their handles")
+        time.sleep(0.01)
+    return [(directory / f"handle.{r}").read_bytes() for r in range(nranks)]
+
+
+def main(argv: list[str]) -> int:
+    library, directory, rank, nranks, scenario = argv[1], Path(argv[2]), int(argv[3]), int(argv[4]), argv[5]
+    table = load(library)
+    me = Rank(table)
+    me.connect(_exchange_handles(directory, rank, nranks, me.handle.raw), rank)
+    data = np.zeros(1 << 16, np.uint8)
+    signals = np.zeros(nranks, np.uint64)
+    data_h, signal_h = me.register(data), me.register(signals, NEVER_RESET)
+    (directory / f"ready.{rank}").write_text("")
+    if scenario == "die" and rank == nranks - 1:
+        os._exit(3)  # no goodbye: the survivors must notice
+    if scenario == "die":
+        deadline = time.monotonic() + 30
+        while not me.has_error():
+            if time.monotonic() > deadline:
+                print("no error reported after a peer died", flush=True)
+                return 1
+            time.sleep(0.01)
+        start = time.monotonic()
+        try:
+            me.wait(me.put(data_h, 0, 64, data_h, 0, nranks - 1, signal=signal_h, signal_off=8 * rank))
+            print("a put to the dead rank succeeded", flush=True)
+            return 1
+        except TransportError as e:
+            print(f"put to the dead rank failed with {e.code} after {time.monotonic() - start:.3f} s", flush=True)
+            return 0 if e.code == REMOTE_ERROR else 1
+    # scenario "ring": one round, then a clean close
+    right = (rank + 1) % nranks
+    data[:1024] = rank + 1
+    me.wait(me.put(data_h, 0, 1024, data_h, 1024, right, signal=signal_h, signal_off=8 * rank, value=5))
+    left = (rank - 1) % nranks
+    wait_word(signals, left, 5)
+    ok = bool((data[1024:2048] == left + 1).all())
+    (directory / f"done.{rank}").write_text("")
+    while not all((directory / f"done.{r}").exists() for r in range(nranks)):
+        time.sleep(0.01)
+    me.close()
+    print("ring ok" if ok else "ring data wrong", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
