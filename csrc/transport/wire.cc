@@ -58,6 +58,19 @@ socklen_t unix_address(const char* name, sockaddr_un& addr) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + len);
 }
 
+// A message header with room for one passed file descriptor (SCM_RIGHTS).
+struct WithDescriptor {
+  iovec iov;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {0};
+  msghdr msg{};
+  explicit WithDescriptor(Message* message) : iov{message, sizeof(Message)} {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+  }
+};
+
 }  // namespace
 
 uint64_t host_id() {
@@ -190,13 +203,8 @@ bool recv_all(int fd, void* data, size_t bytes) {
 bool send_message(int fd, const Message& message, int pass_fd) {
   if (pass_fd < 0) return send_all(fd, &message, sizeof(message));
   // The descriptor travels with the message's first byte; the rest follows normally.
-  iovec iov{const_cast<Message*>(&message), sizeof(message)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {0};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
+  WithDescriptor w(const_cast<Message*>(&message));
+  msghdr& msg = w.msg;
   cmsghdr* c = CMSG_FIRSTHDR(&msg);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
@@ -210,13 +218,8 @@ bool send_message(int fd, const Message& message, int pass_fd) {
 
 bool recv_message(int fd, Message& message, int& received_fd) {
   received_fd = -1;
-  iovec iov{&message, sizeof(message)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {0};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
+  WithDescriptor w(&message);
+  msghdr& msg = w.msg;
   ssize_t n;
   do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
   if (n <= 0) return false;
