@@ -286,9 +286,7 @@ def initialize(
 
         arch = arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
-        v = state.nccl.version
-        nccl_version = (v // 10000, v % 10000 // 100, v % 100)
-        state.gin_transport = transport_lib.choose(options.gin_transport, options.force_gin, nccl_version)
+        state.gin_transport = transport_lib.choose(options.gin_transport, options.force_gin, state.nccl.version)
         if state.gin_transport == "host":
             transport_lib.enable(transport_lib.build())
         ext = _extension()

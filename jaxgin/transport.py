@@ -25,13 +25,14 @@ import warnings
 from pathlib import Path
 
 from jaxgin.errors import JaxginError
+from jaxgin.nccl import version_string
 
 TRANSPORTS = ("auto", "host", "nic")
 LIBRARY_NAME = "libjaxgin_transport.so"
 SOURCES = ("rma_api.h", "wire.h", "wire.cc", "device_memory.h", "device_memory.cc", "host_transport.cc")
 # In the order of jaxgin_transport_counters() (csrc/transport/host_transport.cc).
 COUNTERS = ("puts_mapped", "puts_staged", "puts_local", "bytes_mapped", "bytes_staged", "signals_applied", "regions")
-MIN_NCCL = (2, 30, 0)
+MIN_NCCL = 23000  # NCCL_VERSION_CODE of 2.30.0, the first NCCL that loads RMA plugins
 
 
 def sources_dir() -> Path:
@@ -80,13 +81,13 @@ def requested(gin_transport: str | None) -> str:
     return gin_transport
 
 
-def choose(request: str, force_gin: bool, nccl_version: tuple[int, int, int]) -> str:
-    """'host' or 'nic': what the request means on this machine with this NCCL."""
-    too_old = tuple(nccl_version) < MIN_NCCL
+def choose(request: str, force_gin: bool, nccl_version: int) -> str:
+    """'host' or 'nic': what the request means on this machine with this NCCL (a version code)."""
+    too_old = nccl_version < MIN_NCCL
     if request == "host" and too_old:
         raise JaxginError(
-            f"gin_transport='host' needs NCCL >= {'.'.join(map(str, MIN_NCCL))} (RMA plugins), but NCCL "
-            f"{'.'.join(map(str, nccl_version))} is loaded; install nvidia-nccl-cu13>=2.30 or use gin_transport='nic'"
+            f"gin_transport='host' needs NCCL >= {version_string(MIN_NCCL)} (RMA plugins), but NCCL "
+            f"{version_string(nccl_version)} is loaded; install nvidia-nccl-cu13>=2.30 or use gin_transport='nic'"
         )
     if request != "auto":
         return request

@@ -452,6 +452,13 @@ cudaStream_t stream_for(Context* x, int index) {
   return x->streams[index];
 }
 
+// Queues the op's copy on `stream` and records the event progress() waits for.
+bool start_copy(Comm* c, Op* op, void* to, const void* from, size_t bytes, cudaStream_t stream) {
+  return cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
+         cuda_ok(c, cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync") &&
+         cuda_ok(c, cudaEventRecord(op->event, stream), "cudaEventRecord");
+}
+
 rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size_t size, uint64_t dst_off,
                     Region* dst, uint32_t peer, Region* signal, uint64_t signal_off, uint64_t signal_delta,
                     void** request) {
@@ -506,10 +513,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
         op->host_source = from;
       } else {
         op->staging = pool_get(c);
-        ok = op->staging && cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
-             cuda_ok(c, cudaMemcpyAsync(op->staging, from, bytes, cudaMemcpyDeviceToHost, stream_for(x, index)),
-                     "cudaMemcpyAsync(staging)") &&
-             cuda_ok(c, cudaEventRecord(op->event, stream_for(x, index)), "cudaEventRecord");
+        ok = op->staging && start_copy(c, op, op->staging, from, bytes, stream_for(x, index));
       }
       counters[kPutsStaged]++;
       counters[kBytesStaged] += bytes;
@@ -523,9 +527,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
         op->local_destination = to;
         op->local_source = from;
       } else {
-        ok = cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
-             cuda_ok(c, cudaMemcpyAsync(to, from, size, cudaMemcpyDefault, stream_for(x, index)), "cudaMemcpyAsync(put)") &&
-             cuda_ok(c, cudaEventRecord(op->event, stream_for(x, index)), "cudaEventRecord");
+        ok = start_copy(c, op, to, from, size, stream_for(x, index));
       }
       counters[route == Route::kLocal ? kPutsLocal : kPutsMapped]++;
       if (route == Route::kMapped) counters[kBytesMapped] += size;

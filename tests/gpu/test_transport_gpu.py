@@ -15,10 +15,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl_with_rma_plugins():
-    from jaxgin import nccl
+    from jaxgin import nccl, transport
 
     install = nccl.load()
-    if install.version < 23000:
+    if install.version < transport.MIN_NCCL:
         pytest.skip(f"NCCL {install.version_string} loads no RMA plugins (needs >= 2.30)")
 
 
