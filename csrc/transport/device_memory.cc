@@ -23,6 +23,9 @@ struct Driver {
   CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
   CUresult (*write_value64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
+  // Optional: older drivers lack the stream atomic reduction, and the library works without it.
+  CUresult (*batch_mem_op)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int) = nullptr;
+  CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   std::string missing;
 };
 
@@ -56,6 +59,9 @@ const Driver& driver() {
     resolve("cuMemSetAccess", d.set_access, d.missing);
     resolve("cuStreamWriteValue64", d.write_value64, d.missing);
     resolve("cuGetErrorString", d.error_string, d.missing);
+    std::string optional;
+    resolve("cuStreamBatchMemOp", d.batch_mem_op, optional);
+    resolve("cuDeviceGetAttribute", d.device_attribute, optional);
   });
   return d;
 }
@@ -139,5 +145,37 @@ bool write_value64(cudaStream_t stream, void* address, uint64_t value, std::stri
                                       value, CU_STREAM_WRITE_VALUE_DEFAULT),
                "cuStreamWriteValue64", error);
 }
+
+// The stream atomic reduction is declared by CUDA 13.5's headers (not by 13.0's); a library built
+// with older headers writes signals instead.
+#if CUDA_VERSION >= 13050
+bool can_add_value64(int device) {
+  const Driver& d = driver();
+  if (!d.batch_mem_op || !d.device_attribute) return false;
+  int reductions = 0, wide = 0;
+  if (d.device_attribute(&reductions, CU_DEVICE_ATTRIBUTE_ATOMIC_REDUCTION_SUPPORTED, device) != CUDA_SUCCESS ||
+      d.device_attribute(&wide, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) != CUDA_SUCCESS)
+    return false;
+  return reductions != 0 && wide != 0;
+}
+
+bool add_value64(cudaStream_t stream, void* address, uint64_t value, std::string& error) {
+  CUstreamBatchMemOpParams op{};
+  op.atomicReduction.operation = CU_STREAM_MEM_OP_ATOMIC_REDUCTION;
+  op.atomicReduction.flags = 0;
+  op.atomicReduction.reductionOp = CU_STREAM_ATOMIC_REDUCTION_OP_ADD;
+  op.atomicReduction.dataType = CU_STREAM_ATOMIC_REDUCTION_UNSIGNED_64;
+  op.atomicReduction.address = reinterpret_cast<CUdeviceptr>(address);
+  op.atomicReduction.value = value;
+  return check(driver().batch_mem_op(reinterpret_cast<CUstream>(stream), 1, &op, 0),
+               "cuStreamBatchMemOp(atomic add)", error);
+}
+#else
+bool can_add_value64(int) { return false; }
+bool add_value64(cudaStream_t, void*, uint64_t, std::string& error) {
+  error = "this library was built with CUDA headers older than 13.5, which lack the stream atomic add";
+  return false;
+}
+#endif
 
 }  // namespace jaxgin::transport

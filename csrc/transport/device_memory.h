@@ -21,5 +21,12 @@ void unmap_allocation(void* mapped, uint64_t allocation_bytes);
 // Writes `value` to the 64-bit word at `address` in stream order, after all earlier work of
 // `stream` is visible (a stream memory operation: no kernel, no SM needed).
 bool write_value64(cudaStream_t stream, void* address, uint64_t value, std::string& error);
+// Whether `device` can add to a 64-bit word in stream order (CUDA's stream atomic reduction, when
+// both the driver and the headers this library was built with have it): then signals need neither
+// a read nor a known value.
+bool can_add_value64(int device);
+// Adds `value` to the 64-bit word at `address` atomically, in stream order after all earlier work
+// of `stream`. Only where can_add_value64 said so.
+bool add_value64(cudaStream_t stream, void* address, uint64_t value, std::string& error);
 
 }  // namespace jaxgin::transport

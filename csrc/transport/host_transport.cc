@@ -37,6 +37,7 @@ namespace jaxgin::transport {
 namespace {
 
 constexpr size_t kChunkBytes = 4u << 20;  // staged puts travel in pieces of this size
+constexpr int kPrestagedChunks = 4;       // pinned chunks made at connect for staged sends
 
 // What moved, for tests and diagnostics: read through jaxgin_transport_counters().
 enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
@@ -149,10 +150,16 @@ struct Comm {
   std::atomic<bool> failed{false};
   std::string failure;
 
+  // The receiving side's CUDA resources, all made in connect: creating streams or pinned memory
+  // later, on the agent or proxy thread, could wait on kernels that are spinning for this very
+  // transport's signals.
   std::mutex apply_lock;  // the apply stream and the signal values it writes
   cudaStream_t apply_stream = nullptr;
   bool apply_stream_used = false;
+  bool adds_in_stream = false;  // the driver adds to device words itself (no read, no known value)
   std::map<std::pair<uint64_t, uint64_t>, uint64_t> signal_values;
+  uint64_t* read_word = nullptr;  // pinned: where a resettable signal word is read into
+  cudaEvent_t read_done = nullptr;
   char* receive_staging[2] = {nullptr, nullptr};
   cudaEvent_t receive_done[2] = {nullptr, nullptr};
   int next_staging = 0;
@@ -167,7 +174,10 @@ struct Context {
   int contexts;
   std::mutex lock;
   std::vector<std::deque<Op*>> queues;  // [context * nranks + peer]
-  std::vector<cudaStream_t> streams;    // same index, created on first use
+  // Copies towards each peer, made in createContext. One stream per peer keeps every queue's
+  // copies in order, and few streams make it less likely that CUDA places one of them in the same
+  // hardware queue as a kernel that spins (work in one hardware queue runs in order).
+  std::vector<cudaStream_t> streams;  // [peer]
 };
 
 void fail(Comm* c, const std::string& why) {
@@ -193,18 +203,40 @@ Region* find_region(Comm* c, uint64_t seq) {
 
 // --- the receiving side --------------------------------------------------------------------
 
-bool ensure_apply_stream(Comm* c) {
-  if (c->apply_stream) return true;
-  if (c->device < 0) return cuda_ok(c, cudaErrorNoDevice, "using device memory on a rank without a CUDA device");
+// Made once, in connect, on ranks with a CUDA device.
+bool create_apply_resources(Comm* c) {
   cudaSetDevice(c->device);
-  if (!cuda_ok(c, cudaStreamCreateWithFlags(&c->apply_stream, cudaStreamNonBlocking), "cudaStreamCreate"))
+  if (!cuda_ok(c, cudaStreamCreateWithFlags(&c->apply_stream, cudaStreamNonBlocking), "cudaStreamCreate") ||
+      !cuda_ok(c, cudaHostAlloc(&c->read_word, sizeof(uint64_t), cudaHostAllocPortable), "cudaHostAlloc") ||
+      !cuda_ok(c, cudaEventCreateWithFlags(&c->read_done, cudaEventDisableTiming), "cudaEventCreate"))
     return false;
   for (int i = 0; i < 2; i++) {
     if (!cuda_ok(c, cudaHostAlloc(&c->receive_staging[i], kChunkBytes, cudaHostAllocPortable), "cudaHostAlloc") ||
         !cuda_ok(c, cudaEventCreateWithFlags(&c->receive_done[i], cudaEventDisableTiming), "cudaEventCreate"))
       return false;
   }
+  c->adds_in_stream = can_add_value64(c->device);
   return true;
+}
+
+bool ensure_apply_stream(Comm* c) {
+  if (c->apply_stream) return true;
+  return cuda_ok(c, cudaErrorNoDevice, "using device memory on a rank without a CUDA device");
+}
+
+// Waits for `event` boundedly: the agent must never hang, whatever the GPU is doing.
+bool wait_event(Comm* c, cudaEvent_t event, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(connect_timeout_ms());
+  while (true) {
+    cudaError_t e = cudaEventQuery(event);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) return cuda_ok(c, e, what);
+    if (std::chrono::steady_clock::now() > deadline) {
+      fail(c, std::string(what) + " did not finish within JAXGIN_TRANSPORT_CONNECT_TIMEOUT");
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 // Adds `delta` to the signal word. Called with apply_lock held.
@@ -228,21 +260,30 @@ bool apply_signal_locked(Comm* c, uint64_t region, uint64_t offset, uint64_t del
   }
   if (!ensure_apply_stream(c)) return false;
   c->apply_stream_used = true;
-  // This rank is the only writer of a never-reset signal, so its value is known here and one
-  // stream write suffices. Other words may be reset by their kernels: read them first.
+  std::string error;
+  if (c->adds_in_stream) {
+    if (add_value64(c->apply_stream, word, delta, error)) return true;
+    fail(c, error);
+    return false;
+  }
+  // Without the stream add: this rank is the only writer of a never-reset signal, so its value is
+  // known here (NCCL zeroes signals when it makes them) and one stream write suffices. Other words
+  // may be reset by their kernels, so they are read first.
   auto key = std::make_pair(region, offset);
   auto known = c->signal_values.find(key);
-  uint64_t value;
-  if (r->never_reset && known != c->signal_values.end()) {
-    value = known->second;
+  uint64_t value = 0;
+  if (r->never_reset) {
+    if (known != c->signal_values.end()) value = known->second;
   } else {
-    if (!cuda_ok(c, cudaMemcpyAsync(&value, word, 8, cudaMemcpyDeviceToHost, c->apply_stream), "reading a signal") ||
-        !cuda_ok(c, cudaStreamSynchronize(c->apply_stream), "cudaStreamSynchronize"))
+    if (!cuda_ok(c, cudaMemcpyAsync(c->read_word, word, 8, cudaMemcpyDeviceToHost, c->apply_stream),
+                 "reading a signal") ||
+        !cuda_ok(c, cudaEventRecord(c->read_done, c->apply_stream), "cudaEventRecord") ||
+        !wait_event(c, c->read_done, "reading a signal word"))
       return false;
+    value = *c->read_word;
   }
   value += delta;
   c->signal_values[key] = value;
-  std::string error;
   if (!write_value64(c->apply_stream, word, value, error)) {
     fail(c, error);
     return false;
@@ -277,7 +318,7 @@ bool receive_put(Comm* c, int fd, int peer, const Message& m) {
       int i = c->next_staging;
       c->next_staging ^= 1;
       // Two buffers: one fills from the socket while the other drains to the GPU.
-      if (!cuda_ok(c, cudaEventSynchronize(c->receive_done[i]), "cudaEventSynchronize")) return false;
+      if (!wait_event(c, c->receive_done[i], "a staged put's copy")) return false;
       if (!recv_all(fd, c->receive_staging[i], n)) return false;
       if (!cuda_ok(c, cudaMemcpyAsync(r->base + m.offset + done, c->receive_staging[i], n, cudaMemcpyHostToDevice,
                                       c->apply_stream), "cudaMemcpyAsync(staged put)") ||
@@ -447,11 +488,6 @@ void progress(Context* x) {
   }
 }
 
-cudaStream_t stream_for(Context* x, int index) {
-  if (!x->streams[index]) cudaStreamCreateWithFlags(&x->streams[index], cudaStreamNonBlocking);
-  return x->streams[index];
-}
-
 // Queues the op's copy on `stream` and records the event progress() waits for.
 bool start_copy(Comm* c, Op* op, void* to, const void* from, size_t bytes, cudaStream_t stream) {
   return cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
@@ -485,6 +521,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
       return rmaRemoteError;
     }
   }
+  TRACE("rank %d request ctx %d peer %u size %zu", c->rank, context, peer, size);
   if (c->device >= 0) cudaSetDevice(c->device);
   relax_capture_mode();
   const int index = context * c->nranks + static_cast<int>(peer);
@@ -513,7 +550,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
         op->host_source = from;
       } else {
         op->staging = pool_get(c);
-        ok = op->staging && start_copy(c, op, op->staging, from, bytes, stream_for(x, index));
+        ok = op->staging && start_copy(c, op, op->staging, from, bytes, x->streams[peer]);
       }
       counters[kPutsStaged]++;
       counters[kBytesStaged] += bytes;
@@ -527,7 +564,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
         op->local_destination = to;
         op->local_source = from;
       } else {
-        ok = start_copy(c, op, to, from, size, stream_for(x, index));
+        ok = start_copy(c, op, to, from, size, x->streams[peer]);
       }
       counters[route == Route::kLocal ? kPutsLocal : kPutsMapped]++;
       if (route == Route::kMapped) counters[kBytesMapped] += size;
@@ -694,14 +731,26 @@ rmaResult_t plugin_connect(void* ctx, void* handles[], int nranks, int rank, voi
     }
     c->in[hello.rank] = fd;
   }
+  if (c->device >= 0 && !create_apply_resources(c)) {
+    close_comm_fds(c);
+    delete c;
+    return rmaUnhandledCudaError;
+  }
   if (pipe2(c->wake, O_CLOEXEC) != 0) {
     close_comm_fds(c);
     delete c;
     return rmaSystemError;
   }
   c->agent = std::thread(agent_loop, c);
-  INFO(c, "rank %d of %d on CUDA device %d: %d peers on this host (CUDA IPC + Unix sockets), %d over TCP", rank,
-       nranks, c->device, unix_peers, nranks - 1 - unix_peers);
+  // Staged sends (peers on other hosts) start with pinned chunks made here, not on the proxy thread.
+  if (c->device >= 0 && unix_peers < nranks - 1) {
+    char* chunks[kPrestagedChunks];
+    for (char*& chunk : chunks) chunk = pool_get(c);
+    for (char* chunk : chunks) pool_put(c, chunk);
+  }
+  INFO(c, "rank %d of %d on CUDA device %d: %d peers on this host (CUDA IPC + Unix sockets), %d over TCP; "
+       "signals applied by %s", rank, nranks, c->device, unix_peers, nranks - 1 - unix_peers,
+       c->adds_in_stream ? "stream atomic adds" : "stream writes of known values");
   *coll_comm = c;
   return rmaSuccess;
 }
@@ -828,7 +877,18 @@ rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** r
   x->comm = c;
   x->contexts = config->nContexts;
   x->queues.resize(static_cast<size_t>(config->nContexts) * c->nranks);
-  x->streams.assign(x->queues.size(), nullptr);
+  x->streams.assign(c->nranks, nullptr);
+  if (c->device >= 0) {
+    cudaSetDevice(c->device);
+    for (int p = 0; p < c->nranks; p++)
+      if (!cuda_ok(c, cudaStreamCreateWithFlags(&x->streams[p], cudaStreamNonBlocking),
+                                   "cudaStreamCreate")) {
+        for (cudaStream_t s : x->streams)
+          if (s) cudaStreamDestroy(s);
+        delete x;
+        return rmaUnhandledCudaError;
+      }
+  }
   *rma_ctx = x;
   return rmaSuccess;
 }
@@ -869,6 +929,8 @@ rmaResult_t plugin_close_coll(void* coll_comm) {
     cudaStreamSynchronize(c->apply_stream);
     cudaStreamDestroy(c->apply_stream);
   }
+  if (c->read_word) cudaFreeHost(c->read_word);
+  if (c->read_done) cudaEventDestroy(c->read_done);
   for (int i = 0; i < 2; i++) {
     if (c->receive_staging[i]) cudaFreeHost(c->receive_staging[i]);
     if (c->receive_done[i]) cudaEventDestroy(c->receive_done[i]);
