@@ -11,6 +11,7 @@
 // XLA's output buffers are not registered with NCCL, so no peer can address them; it is pipelined
 // with the transfer, lane by lane. The local part (a rank's message to itself) is one copy.
 #include "exchange.h"
+#include "preload.h"
 
 #include "../device/impl/channel__funcs.h"
 #include "../device/impl/put__funcs.h"
@@ -115,6 +116,11 @@ cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_conte
   const uint32_t lanes = ch.lanes;
   exchange_kernel<<<2 * lanes * (uint32_t)plan.count, kThreads, 0, stream>>>(device_ctx, plan, lanes);
   return cudaGetLastError();
+}
+
+cudaError_t preload_exchange_kernels() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, exchange_kernel);
 }
 
 }  // namespace jaxgin

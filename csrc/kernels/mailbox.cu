@@ -8,6 +8,7 @@
 // replay is safe. A put is split over `put_parts` CTAs; each signals once, and the receiver counts
 // a put as arrived when all of its parts have.
 #include "mailbox.h"
+#include "preload.h"
 
 #include "../device/impl/put__funcs.h"
 
@@ -174,6 +175,15 @@ cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& bo
     collect_kernel<false><<<parts, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
   }
   return cudaGetLastError();
+}
+
+cudaError_t preload_mailbox_kernels() {
+  cudaFuncAttributes attributes;
+  for (cudaError_t e : {cudaFuncGetAttributes(&attributes, put_kernel), cudaFuncGetAttributes(&attributes, decide_kernel),
+                        cudaFuncGetAttributes(&attributes, collect_kernel<true>),
+                        cudaFuncGetAttributes(&attributes, collect_kernel<false>)})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 }  // namespace jaxgin

@@ -4,12 +4,18 @@
 #include "../device/jaxgin_device.h"
 #include "../runtime/errors.h"
 #include "../runtime/runtime.h"
+#include "preload.h"
 
 namespace {
 __global__ void wait_signal_kernel(const void* ctx, uint32_t signal, uint64_t value) {
   jaxgin_wait_signal(ctx, signal, value);
 }
 }  // namespace
+
+cudaError_t jaxgin::preload_wait_signal_kernel() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, wait_signal_kernel);
+}
 
 extern "C" int jaxgin_wait_signal_on_device(jaxgin_runtime* rt, int32_t local_index, uint32_t signal,
                                             uint64_t value) {

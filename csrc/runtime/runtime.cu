@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "errors.h"
+#include "../kernels/preload.h"
 
 namespace jaxgin {
 
@@ -81,6 +82,10 @@ Error gin_unavailable(const jaxgin_runtime_config& cfg, int lsa_ranks, int dev, 
 void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   const int dev = s.device;
   JAXGIN_CUDA(cudaSetDevice(dev), dev);
+  // Before any kernel can spin: see preload.h.
+  JAXGIN_CUDA(preload_exchange_kernels(), dev);
+  JAXGIN_CUDA(preload_mailbox_kernels(), dev);
+  JAXGIN_CUDA(preload_wait_signal_kernel(), dev);
   // Peers outside this rank's LSA team (other hosts) are reachable only through GIN.
   const ncclTeam_t lsa_team = ncclTeamLsa(s.comm);
   const bool spans_hosts = lsa_team.nRanks < cfg.world_size;
