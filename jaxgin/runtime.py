@@ -21,7 +21,7 @@ import jax
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import transport as transport_lib
-from jaxgin.errors import DeviceFault, JaxginError, NotInitializedError
+from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError
 
 BACKENDS = ("cuda", "reference")
 GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
@@ -237,6 +237,24 @@ def _unique_id(backend, generation: int) -> bytes:
     return client.blocking_key_value_get_bytes(key, timeout_ms)
 
 
+def _agree_on_nccl(client, generation: int, process_index: int, version: str, timeout_ms: int) -> None:
+    """Every process must load the same NCCL: the device API's structures (ncclDevComm, windows)
+    change between releases, so kernels built against one and a peer running another would
+    misread each other. Process 0 publishes its version; the others compare before any
+    communicator exists, and fail with both versions named."""
+    key = f"jaxgin/nccl_version/{generation}"
+    if process_index == 0:
+        client.key_value_set_bytes(key, version.encode())
+        return
+    theirs = client.blocking_key_value_get_bytes(key, timeout_ms).decode()
+    if theirs != version:
+        raise NcclError(
+            f"process {process_index} loaded NCCL {version} but process 0 loaded NCCL {theirs}; every process of a "
+            "jaxgin job must load the same NCCL (install the same nvidia-nccl-cu13 version in every "
+            "process's environment)"
+        )
+
+
 def initialize(
     *,
     heap_size: int | str = DEFAULT_HEAP_SIZE,
@@ -291,6 +309,13 @@ def initialize(
             transport_lib.enable(transport_lib.build())
         ext = _extension()
         state.runtime_backend_path = backend_lib.path
+        if jax.process_count() > 1:
+            from jax._src import distributed
+
+            timeout_ms = int(float(os.environ.get("JAXGIN_BOOTSTRAP_TIMEOUT", 300)) * 1000)
+            if distributed.global_state.client is not None:
+                _agree_on_nccl(distributed.global_state.client, state.generation, jax.process_index(),
+                               state.nccl.version_string, timeout_ms)
         uid = _unique_id(backend_lib, state.generation)
         try:
             state.runtime = ext.Runtime(
