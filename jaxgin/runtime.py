@@ -217,7 +217,9 @@ def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
     return _backends[path]
 
 
-def _unique_id(backend, generation: int) -> bytes:
+def _unique_id(backend, generation: int, nccl_version: str) -> bytes:
+    """NCCL's unique id, made by process 0 and shared through jax.distributed's key-value store,
+    after every process agreed on the NCCL version (_agree_on_nccl)."""
     if jax.process_count() == 1:
         return backend.unique_id()
     from jax._src import distributed
@@ -228,12 +230,13 @@ def _unique_id(backend, generation: int) -> bytes:
             f"JAX runs {jax.process_count()} processes but jax.distributed has no client; call "
             "jax.distributed.initialize() before jaxgin.initialize()"
         )
+    timeout_ms = int(float(os.environ.get("JAXGIN_BOOTSTRAP_TIMEOUT", "300")) * 1000)
+    _agree_on_nccl(client, generation, jax.process_index(), nccl_version, timeout_ms)
     key = f"jaxgin/nccl_unique_id/{generation}"
     if jax.process_index() == 0:
         uid = backend.unique_id()
         client.key_value_set_bytes(key, uid)
         return uid
-    timeout_ms = int(float(os.environ.get("JAXGIN_BOOTSTRAP_TIMEOUT", 300)) * 1000)
     return client.blocking_key_value_get_bytes(key, timeout_ms)
 
 
@@ -309,14 +312,7 @@ def initialize(
             transport_lib.enable(transport_lib.build())
         ext = _extension()
         state.runtime_backend_path = backend_lib.path
-        if jax.process_count() > 1:
-            from jax._src import distributed
-
-            timeout_ms = int(float(os.environ.get("JAXGIN_BOOTSTRAP_TIMEOUT", 300)) * 1000)
-            if distributed.global_state.client is not None:
-                _agree_on_nccl(distributed.global_state.client, state.generation, jax.process_index(),
-                               state.nccl.version_string, timeout_ms)
-        uid = _unique_id(backend_lib, state.generation)
+        uid = _unique_id(backend_lib, state.generation, state.nccl.version_string)
         try:
             state.runtime = ext.Runtime(
                 backend_lib,

@@ -219,7 +219,7 @@ bool create_apply_resources(Comm* c) {
   return true;
 }
 
-bool ensure_apply_stream(Comm* c) {
+bool have_apply_stream(Comm* c) {
   if (c->apply_stream) return true;
   return cuda_ok(c, cudaErrorNoDevice, "using device memory on a rank without a CUDA device");
 }
@@ -258,7 +258,7 @@ bool apply_signal_locked(Comm* c, uint64_t region, uint64_t offset, uint64_t del
     __atomic_fetch_add(word, delta, __ATOMIC_SEQ_CST);
     return true;
   }
-  if (!ensure_apply_stream(c)) return false;
+  if (!have_apply_stream(c)) return false;
   c->apply_stream_used = true;
   std::string error;
   if (c->adds_in_stream) {
@@ -311,7 +311,7 @@ bool receive_put(Comm* c, int fd, int peer, const Message& m) {
       return false;
     if (!recv_all(fd, r->base + m.offset, m.size)) return false;
   } else {
-    if (!ensure_apply_stream(c)) return false;
+    if (!have_apply_stream(c)) return false;
     c->apply_stream_used = true;
     for (uint64_t done = 0; done < m.size;) {
       size_t n = std::min<uint64_t>(kChunkBytes, m.size - done);

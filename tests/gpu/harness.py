@@ -50,12 +50,14 @@ def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags:
     return result(proc.stdout)
 
 
-def run_processes(script: Path, args, world: int, timeout: float = 600) -> list[dict]:
-    """The scenario in `world` processes of one GPU each (jax.distributed on localhost)."""
+def start_processes(script: Path, args, world: int, timeout: float = 600, env: dict | None = None):
+    """The scenario in `world` processes of one GPU each (jax.distributed on localhost), each
+    given `RANK WORLD ADDR` after `args`. Returns [(returncode, stdout, stderr)] per rank."""
     port = free_port()
+    env = {**scenario_env(world), **(env or {})}
     procs = [
         subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
-                         env=scenario_env(world), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)
     ]
     outputs = []
@@ -65,9 +67,15 @@ def run_processes(script: Path, args, world: int, timeout: float = 600) -> list[
     finally:
         for p in procs:
             p.kill()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {rank} failed ({p.returncode}):\n{out[-4000:]}\n{err[-8000:]}"
-    return [result(out) for out, _ in outputs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def run_processes(script: Path, args, world: int, timeout: float = 600) -> list[dict]:
+    """start_processes, every process expected to succeed; their RESULT lines."""
+    finished = start_processes(script, args, world, timeout)
+    for rank, (code, out, err) in enumerate(finished):
+        assert code == 0, f"process {rank} failed ({code}):\n{out[-4000:]}\n{err[-8000:]}"
+    return [result(out) for _, out, _ in finished]
 
 
 def free_port() -> int:

@@ -3,12 +3,10 @@
 with jaxgin's named timeout instead of hanging)."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from harness import GPUS, free_port, record, result, run_scenario, scenario_env
+from harness import GPUS, record, result, run_scenario, start_processes
 
 SCENARIOS = Path(__file__).with_name("reliability_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -34,19 +32,10 @@ def test_stress_equals_lax_without_memory_growth(command_buffers):
 
 def test_dead_peer_fails_survivors_within_the_timeout():
     world = GPUS
-    port = free_port()
-    env = scenario_env(world)
-    env["JAXGIN_TIMEOUT"] = "5"
-    procs = [subprocess.Popen([sys.executable, str(SCENARIOS), "fault", str(r), str(world), f"127.0.0.1:{port}"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outputs = []
-    try:
-        outputs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert procs[-1].returncode == 17, outputs[-1][1][-3000:]  # the victim died as planned
-    survivors = [result(out) for out, _ in outputs[:-1]]
+    finished = start_processes(SCENARIOS, ["fault"], world, timeout=180, env={"JAXGIN_TIMEOUT": "5"})
+    code, _, err = finished[-1]
+    assert code == 17, err[-3000:]  # the victim died as planned
+    survivors = [result(out) for _, out, _ in finished[:-1]]
     record(f"fault_dead_peer_{world}gpu", {"survivors": survivors})
     for s in survivors:
         assert s["completed"] >= 20 and s["error"], s
