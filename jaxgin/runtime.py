@@ -88,15 +88,21 @@ def channel_shape(world_size: int) -> ChannelShape:
     return ChannelShape(lanes, DEFAULT_CHANNEL_SLOTS, slot_bytes)
 
 
+# Small messages between NVLink peers travel as 16-byte lines (8 payload bytes, two flag copies);
+# each sender has `slots` line slots of twice JAXGIN_LINE_MAX_BYTES at every receiver.
+LINE_SLOT_BYTES = 2 * 8192
+
+
 def reserved_bytes(signal_count: int, barrier_slots: int, world_size: int = 1, channel: ChannelShape | None = None) -> int:
-    """Heap bytes jaxgin keeps for itself: signal counters, the exchange channel's rings and GIN
-    staging (mirrors jaxgin_reserved_bytes in C++)."""
+    """Heap bytes jaxgin keeps for itself: signal counters, the exchange channel's rings, GIN
+    staging and line slots (mirrors jaxgin_reserved_bytes in C++)."""
     channel = channel or channel_shape(world_size)
     signals = signal_count + barrier_slots + 2 * world_size * channel.lanes
     signal_area = (signals * 8 + 4095) // 4096 * 4096
     rings = world_size * channel.lanes * channel.slots * channel.slot_bytes
     staging = world_size * channel.lanes * channel.slot_bytes
-    return signal_area + rings + staging
+    lines = world_size * channel.slots * LINE_SLOT_BYTES
+    return signal_area + rings + staging + lines
 
 
 @dataclasses.dataclass(frozen=True)

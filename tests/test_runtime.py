@@ -77,11 +77,12 @@ def test_info_defaults(monkeypatch):
 @pytest.mark.parametrize("signals, slots", [(1, 1), (511, 1), (512, 0), (1024, 256), (1 << 20, 1 << 20)])
 def test_reserved_bytes(signals, slots, world):
     """Reserved = page-rounded signal counters (user signals, barrier slots and two per channel lane
-    per peer), then the channel's rings (lanes x slots x slot_bytes per peer) and GIN staging."""
+    per peer), then the channel's rings (lanes x slots x slot_bytes per peer), GIN staging and the
+    line slots (slots x 16 KiB per peer)."""
     channel = runtime.ChannelShape(lanes=4, slots=2, slot_bytes=4096)
     reserved = runtime.reserved_bytes(signals, slots, world, channel)
-    rings, staging = world * 4 * 2 * 4096, world * 4 * 4096
-    signal_area = reserved - rings - staging
+    rings, staging, lines = world * 4 * 2 * 4096, world * 4 * 4096, world * 2 * 16384
+    signal_area = reserved - rings - staging - lines
     counters = signals + slots + 2 * world * 4
     assert signal_area % 4096 == 0
     assert counters * 8 <= signal_area < counters * 8 + 4096

@@ -82,6 +82,62 @@ __device__ void receive_lane(const jaxgin_context* ctx, const exchange_plan& pla
   if (linear_thread() == 0) ctx->channel_received[slot_index] = first + chunks;
 }
 
+// A message of at most JAXGIN_LINE_MAX_BYTES to an LSA peer: one chunk of lane 0, as lines (see
+// channel__funcs.h). Every thread stores its lines and is done; nothing waits for them to land.
+__device__ void send_lines(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p) {
+  const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes;  // lane 0
+  const uint64_t n = ctx->channel_sent[slot_index];                   // as in send_lane
+  if (linear_thread() == 0 && n >= ctx->channel_slots)
+    wait_until(ctx, channel_credit_signal(ctx, p.rank, 0), n + 1 - ctx->channel_slots, (jaxgin_op_tag)plan.op,
+               p.rank);
+  __syncthreads();
+  line* dst = static_cast<line*>(
+      ncclGetPeerPointer(ctx->window, channel_line_offset(ctx, ctx->rank, n % ctx->channel_slots), p.rank));
+  const uint32_t flag = line_flag(n);
+  const uint64_t lines = (plan.bytes + 7) / 8;
+  for (uint64_t i = linear_thread(); i < lines; i += block_threads()) {
+    uint32_t low, high;
+    read_line_payload(p.src, plan.bytes, i, low, high);
+    store_line(dst + i, low, high, flag);
+  }
+  if (linear_thread() == 0) {
+    // Lane 0's data signal counts every chunk, since ring receivers wait for absolute counts. No
+    // one waits on it for this chunk, so the add needs no ordering.
+    add_signal(ctx, p.rank, channel_data_signal(ctx, ctx->rank, 0), 1, /*release=*/false);
+    ctx->channel_sent[slot_index] = n + 1;
+  }
+}
+
+__device__ void receive_lines(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p) {
+  const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes;
+  const uint64_t n = ctx->channel_received[slot_index];
+  const line* src = reinterpret_cast<const line*>(ctx->heap + channel_line_offset(ctx, p.rank, n % ctx->channel_slots));
+  const uint32_t flag = line_flag(n);
+  const uint64_t lines = (plan.bytes + 7) / 8;
+  for (uint64_t i = linear_thread(); i < lines; i += block_threads()) {
+    line v;
+    uint64_t deadline = 0;
+    for (uint32_t polls = 1;; polls++) {
+      v = load_line(src + i);
+      if (v.flag == flag && v.flag_again == flag) break;
+      if (polls % kClockPolls != 0) continue;
+      const uint64_t now = clock_ns();
+      if (deadline == 0) {
+        deadline = now + ctx->timeout_ns;
+      } else if (now > deadline) {
+        const uint32_t data = channel_data_signal(ctx, p.rank, 0);
+        fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, (jaxgin_op_tag)plan.op, p.rank, data, n + 1, read_signal(ctx, data));
+      }
+    }
+    write_line_payload(p.dst, plan.bytes, i, v.low, v.high);
+  }
+  __syncthreads();  // every line was read before the credit frees the slot
+  if (linear_thread() == 0) {
+    add_signal(ctx, p.rank, channel_credit_signal(ctx, ctx->rank, 0), 1, /*release=*/false);
+    ctx->channel_received[slot_index] = n + 1;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context* ctx,
                                                             const __grid_constant__ exchange_plan plan,
                                                             uint32_t lanes) {
@@ -101,6 +157,13 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context
     return;
   }
   if (linear_thread() == 0) check_peer(ctx, p.rank, (jaxgin_op_tag)plan.op);
+  // Both sides choose lines alike: the size is the plan's and the route is symmetric. Such a
+  // message is one chunk (JAXGIN_LINE_MAX_BYTES is the smallest chunk), so lane is 0 here.
+  if (plan.bytes <= JAXGIN_LINE_MAX_BYTES && !routes_through_gin(ctx, p.rank)) {
+    if (sender && (p.roles & kSend)) send_lines(ctx, plan, p);
+    if (!sender && (p.roles & kReceive)) receive_lines(ctx, plan, p);
+    return;
+  }
   if (sender && (p.roles & kSend)) send_lane(ctx, plan, p, ch, lane);
   if (!sender && (p.roles & kReceive)) receive_lane(ctx, plan, p, ch, lane);
 }

@@ -167,6 +167,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   c.channel_slot_bytes = shape.slot_bytes;
   c.channel_offset = jaxgin_signal_area_bytes(signals);
   c.staging_offset = c.channel_offset + jaxgin_ring_bytes(cfg.world_size, shape);
+  c.line_offset = c.staging_offset + jaxgin_staging_bytes(cfg.world_size, shape);
   c.channel_signal_base = cfg.signal_count + cfg.barrier_slots;
   c.channel_sent = s.channel_counters;
   c.channel_received = s.channel_counters + (size_t)cfg.world_size * cfg.channel_lanes;

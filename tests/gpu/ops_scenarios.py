@@ -88,7 +88,8 @@ def correctness(argv):
         "identity": [(i, i) for i in range(n)],
         "swap_pairs": [(i, i ^ 1) for i in range(n)] if n % 2 == 0 else [(0, 0)],
     }
-    shapes = {"8B": (1, 2), "4KiB": (1, 1024), "odd": (3, 37), "1MiB": (256, 1024), "40MiB": (10, 1 << 20), "empty": (0, 4)}
+    # 8 KiB is the largest message sent as lines (JAXGIN_LINE_MAX_BYTES for f32), 8 KiB + 16 the ring.
+    shapes = {"8B": (1, 2), "4KiB": (1, 1024), "8KiB": (1, 2048), "8KiB+16": (1, 2052), "odd": (3, 37), "1MiB": (256, 1024), "40MiB": (10, 1 << 20), "empty": (0, 4)}
     dtypes = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
     seed = 0
     for pname, perm in perms.items():
@@ -211,9 +212,11 @@ def iterations(argv):
         token = jaxgin.put_signal(v[0, :256], box, peer=(me + 1) % n, axis_name="x")
         a = jaxgin.ppermute(v, "x", ring)
         b = jaxgin.all_to_all(v, "x", 0, 0, tiled=True)
+        c = jaxgin.ppermute(v[1, :16] * 2, "x", ring)  # a line message between ring ones on the same pairs
         inbox = jaxgin.wait_signal(box, 1, axis_name="x", after=token)
         ok = jnp.array_equal(a, jax.lax.ppermute(v, "x", ring))
         ok &= jnp.array_equal(b, jax.lax.all_to_all(v, "x", 0, 0, tiled=True))
+        ok &= jnp.array_equal(c, jax.lax.ppermute(v[1, :16] * 2, "x", ring))
         ok &= jnp.array_equal(inbox[(me - 1) % n], jax.lax.ppermute(v[0, :256], "x", ring))
         return ok[None]
 

@@ -70,6 +70,7 @@ struct jaxgin_context {
   uint64_t channel_slot_bytes;
   uint64_t channel_offset;        // heap offset of the rings: [sender][lane][slot]
   uint64_t staging_offset;        // heap offset of GIN send staging: [receiver][lane]
+  uint64_t line_offset;           // heap offset of the line slots: [sender][slot]
   uint32_t channel_signal_base;   // data signals [sender][lane], then credit signals [receiver][lane]
   uint64_t* channel_sent;         // device memory [peer][lane]: chunks sent to peer on lane
   uint64_t* channel_received;     // device memory [peer][lane]: chunks received from peer on lane
@@ -89,8 +90,15 @@ static inline uint32_t jaxgin_total_signals(uint32_t signal_count, uint32_t barr
 
 static inline uint64_t jaxgin_round_up(uint64_t bytes, uint64_t to) { return (bytes + to - 1) / to * to; }
 
-// Heap layout: [signal counters][channel rings][GIN send staging][user area]. Returns the offset of
-// the user area; ring and staging offsets follow from it (see jaxgin_channel_offsets).
+// Messages up to this size between LSA peers travel as "lines" (see channel__funcs.h): 8 payload
+// bytes and two copies of a flag per 16-byte store, so the data is its own signal. It is also the
+// smallest chunk of the ring protocol, so such a message is always one chunk on one lane.
+#define JAXGIN_LINE_MAX_BYTES 8192u
+// One line slot holds a whole line message: twice its payload.
+#define JAXGIN_LINE_SLOT_BYTES (2u * JAXGIN_LINE_MAX_BYTES)
+
+// Heap layout: [signal counters][channel rings][GIN send staging][line slots][user area]. Returns
+// the offset of the user area; the other offsets follow from it (see the runtime's setup).
 static inline uint64_t jaxgin_signal_area_bytes(uint32_t total_signals) {
   return jaxgin_round_up((uint64_t)total_signals * sizeof(uint64_t), 4096);
 }
@@ -100,8 +108,12 @@ static inline uint64_t jaxgin_ring_bytes(int world, jaxgin_channel_shape ch) {
 static inline uint64_t jaxgin_staging_bytes(int world, jaxgin_channel_shape ch) {
   return (uint64_t)world * ch.lanes * ch.slot_bytes;
 }
+// Line slots: [sender][slot], the ring's slot count.
+static inline uint64_t jaxgin_line_bytes(int world, jaxgin_channel_shape ch) {
+  return (uint64_t)world * ch.slots * JAXGIN_LINE_SLOT_BYTES;
+}
 static inline uint64_t jaxgin_reserved_bytes(uint32_t signal_count, uint32_t barrier_slots, int world,
                                              jaxgin_channel_shape ch) {
   return jaxgin_signal_area_bytes(jaxgin_total_signals(signal_count, barrier_slots, world, ch)) +
-         jaxgin_ring_bytes(world, ch) + jaxgin_staging_bytes(world, ch);
+         jaxgin_ring_bytes(world, ch) + jaxgin_staging_bytes(world, ch) + jaxgin_line_bytes(world, ch);
 }
