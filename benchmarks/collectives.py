@@ -66,8 +66,12 @@ def make_ops(n: int):
         token = jaxgin.put_signal(v, box, peer=(me + 1) % n, axis_name="x")
         return jaxgin.wait_signal(box, 1, axis_name="x", after=token)[(me - 1) % n]
 
+    identity = [(i, i) for i in range(n)]
     return {
         "ppermute": (lambda v: jax.lax.ppermute(v, "x", ring), lambda v: jaxgin.ppermute(v, "x", ring)),
+        # The floor of any one-kernel custom call in this harness: jaxgin's ppermute to itself
+        # (XLA's dispatch of the call, one launch, a local copy, no communication).
+        "self_copy": (lambda v: jax.lax.ppermute(v, "x", identity), lambda v: jaxgin.ppermute(v, "x", identity)),
         "all_to_all": (
             lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
             lambda v: jaxgin.all_to_all(v, "x", 0, 0, tiled=True),
@@ -91,7 +95,7 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
     for op in ops:
         xla_op, jaxgin_op = implementations[op]
         for nbytes in sizes:
-            if op == "put_wait" and nbytes > 64 << 20:
+            if (op == "put_wait" and nbytes > 64 << 20) or (op == "self_copy" and nbytes > 64 << 10):
                 continue
             x = _array(mesh, nbytes, n)
             steps = chain_length(nbytes)
@@ -130,6 +134,9 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
                 rt = jaxgin.runtime.current().runtime
                 row["kernel_stream_us"] = max(rt.exchange_latency(nbytes, 200, False))
                 row["kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True))
+                # Empty kernels in the same chain: the launch floor, raw and in a CUDA graph.
+                row["empty_kernel_stream_us"] = max(rt.exchange_latency(0, 200, False))
+                row["empty_kernel_graph_us"] = max(rt.exchange_latency(0, 200, True))
             results.append(row)
             print(
                 f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "

@@ -2,6 +2,7 @@
 // exchanges (each op's output is the next op's input) on its own stream, launched directly or as
 // one CUDA graph, timed with CUDA events. It separates the kernel's own latency from the host
 // overhead of XLA's custom-call dispatch (see benchmarks/collectives.py for the XLA numbers).
+// With bytes == 0 the chain is of empty kernels instead: the launch floor any one-kernel op pays.
 #include <string>
 #include <vector>
 
@@ -20,6 +21,8 @@ jaxgin::exchange_plan ring_plan(const jaxgin_context& c, const char* src, char* 
   return plan;
 }
 
+__global__ void empty_kernel() {}
+
 }  // namespace
 
 extern "C" JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t bytes, int32_t iterations,
@@ -35,8 +38,14 @@ extern "C" JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t b
       for (int k = 0; k < iterations; k++) {
         char* a = buffers[i] + (k % 2) * bytes;
         char* b = buffers[i] + ((k + 1) % 2) * bytes;
-        JAXGIN_CUDA(jaxgin::launch_exchange(s.context, s.host_context, ring_plan(s.host_context, a, b, bytes), s.stream),
-                    s.device);
+        if (bytes == 0) {
+          empty_kernel<<<1, 32, 0, s.stream>>>();
+          JAXGIN_CUDA(cudaGetLastError(), s.device);
+        } else {
+          JAXGIN_CUDA(jaxgin::launch_exchange(s.context, s.host_context, ring_plan(s.host_context, a, b, bytes),
+                                              s.stream),
+                      s.device);
+        }
       }
     };
     for (size_t i = 0; i < n; i++) {
