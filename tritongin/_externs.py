@@ -134,6 +134,15 @@ def wait_flag(ctx, flag, value, _semantic=None):
 
 
 @core.extern
+def wait_peer_flag(ctx, flag, value, peer, _semantic=None):
+    ctx = _address(ctx, "ctx", "wait_peer_flag", _semantic)
+    flag = _address(flag, "flag", "wait_peer_flag", _semantic)
+    value = _integer(value, "value", "wait_peer_flag", _I64, _semantic)
+    peer = _integer(peer, "peer", "wait_peer_flag", _I32, _semantic)
+    return _call("jaxgin_tt_wait_peer_flag", [ctx, flag, value, peer], (_I64, _I64, _I64, _I32), _I64, _semantic)
+
+
+@core.extern
 def flush(ctx, _semantic=None):
     ctx = _address(ctx, "ctx", "flush", _semantic)
     return _call("jaxgin_tt_flush", [ctx], (_I64,), _I32, _semantic)

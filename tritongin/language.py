@@ -144,6 +144,15 @@ def wait_flag(ctx, flag, value):
 
 
 @_device_function
+def wait_peer_flag(ctx, flag, value, peer):
+    """CTA-collective. As ``wait_flag``, but waits on LSA peer `peer`'s copy of the heap word `flag`
+    (polled over NVLink): the consumer side of a pull, where the peer stores data into its own heap,
+    sets its own flag with ``set_flag(ctx, flag, value, own_rank)``, and readers load it through
+    ``peer_ptr``. Faults naming the peer if it is not an LSA peer."""
+    return _externs.wait_peer_flag(ctx, flag, value, peer)
+
+
+@_device_function
 def flush(ctx):
     """CTA-collective. The sources of this program's earlier puts may be overwritten afterwards
     (it does not mean they arrived: a signal says that)."""
@@ -169,6 +178,7 @@ __all__ = [
     "signal",
     "wait_arrivals",
     "wait_flag",
+    "wait_peer_flag",
     "wait_signal",
     "world_size",
 ]

@@ -48,6 +48,11 @@ __device__ int32_t jaxgin_tt_set_flag(const void* ctx, const void* flag, uint64_
 // Bounded by the runtime's timeout (fault: JAXGIN_FAULT_FLAG_TIMEOUT).
 __device__ uint64_t jaxgin_tt_wait_flag(const void* ctx, const void* flag, uint64_t value);
 
+// CTA-collective. As jaxgin_tt_wait_flag, but polls LSA peer `peer`'s copy of the word (over
+// NVLink), for consumers that pull data the peer published in its own heap. Faults if `peer` is not
+// an LSA peer.
+__device__ uint64_t jaxgin_tt_wait_peer_flag(const void* ctx, const void* flag, uint64_t value, int peer);
+
 // CTA-collective. jaxgin_flush and jaxgin_barrier.
 __device__ int32_t jaxgin_tt_flush(const void* ctx);
 __device__ int32_t jaxgin_tt_barrier(const void* ctx);

@@ -133,24 +133,44 @@ __device__ int32_t jaxgin_tt_set_flag(const void* ctx, const void* flag, uint64_
   return 0;
 }
 
+namespace {
+// One thread polls `word` until it reaches `value` (acquire), bounded by the runtime's timeout.
+__device__ uint64_t poll_flag(const jaxgin_context* c, uint64_t* word, uint64_t value, uint64_t offset, int peer) {
+  cuda::atomic_ref<uint64_t, cuda::thread_scope_system> ref(*word);
+  uint64_t seen, deadline = 0;
+  for (uint32_t polls = 1; (seen = ref.load(cuda::memory_order_acquire)) < value; polls++) {
+    if (polls % jaxgin::kClockPolls != 0) continue;
+    const uint64_t now = jaxgin::clock_ns();
+    if (deadline == 0) deadline = now + c->timeout_ns;
+    else if (now > deadline)
+      jaxgin::fail(c, JAXGIN_FAULT_FLAG_TIMEOUT, JAXGIN_OP_DEVICE_CALL, peer, (uint32_t)(offset / 8), value, seen);
+  }
+  return seen;
+}
+}  // namespace
+
 __device__ uint64_t jaxgin_tt_wait_flag(const void* ctx, const void* flag, uint64_t value) {
   const jaxgin_context* c = as_context(ctx);
   if (jaxgin::linear_thread() == 0) {
     const uint64_t offset = flag_offset(c, flag, -1);
-    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*reinterpret_cast<uint64_t*>(c->heap + offset));
-    uint64_t deadline = 0;
-    for (uint32_t polls = 1; word.load(cuda::memory_order_acquire) < value; polls++) {
-      if (polls % jaxgin::kClockPolls != 0) continue;
-      const uint64_t now = jaxgin::clock_ns();
-      if (deadline == 0) deadline = now + c->timeout_ns;
-      else if (now > deadline)
-        jaxgin::fail(c, JAXGIN_FAULT_FLAG_TIMEOUT, JAXGIN_OP_DEVICE_CALL, -1, (uint32_t)(offset / 8), value,
-                     word.load(cuda::memory_order_relaxed));
-    }
+    poll_flag(c, reinterpret_cast<uint64_t*>(c->heap + offset), value, offset, -1);
   }
   __syncthreads();
   return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*const_cast<uint64_t*>(
              static_cast<const uint64_t*>(flag))).load(cuda::memory_order_relaxed);
+}
+
+__device__ uint64_t jaxgin_tt_wait_peer_flag(const void* ctx, const void* flag, uint64_t value, int peer) {
+  const jaxgin_context* c = as_context(ctx);
+  // Every thread checks (the first to fail records the fault), since every thread reads the peer below.
+  if (peer < 0 || peer >= c->world_size || !jaxgin::is_lsa_peer(c, peer))
+    jaxgin::fail(c, JAXGIN_FAULT_NOT_LSA_PEER, JAXGIN_OP_DEVICE_CALL, peer, 0, 0, 0);
+  const uint64_t offset = flag_offset(c, flag, peer);
+  uint64_t* word = static_cast<uint64_t*>(ncclGetPeerPointer(c->window, offset, peer));
+  if (jaxgin::linear_thread() == 0) poll_flag(c, word, value, offset, peer);
+  __syncthreads();
+  // No shared memory in the library (Triton owns it): every thread reads the value itself.
+  return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*word).load(cuda::memory_order_relaxed);
 }
 
 __device__ int32_t jaxgin_tt_flush(const void* ctx) {
