@@ -4,7 +4,7 @@
 
 Per device and per shape (M x K x N, x [M, K] @ w [K, N]):
   xla_matmul            x @ w (cuBLAS through XLA)
-  triton_matmul         the fused kernels' tile code alone (same tile configuration)
+  triton_matmul         the fused all_to_all's tile code alone (same tile configuration)
   xla_matmul_all_to_all jax.lax.all_to_all(x @ w, tiled) in one jit
   fused_all_to_all      jaxgin.fused.matmul_all_to_all
 and for all_gather_matmul (M = rows after the gather, each device holding M / devices):
@@ -20,6 +20,7 @@ fused.json and fused.png (matplotlib, if installed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -44,7 +45,9 @@ def _chain(mesh, op):
             # x changes with y (by +0, which XLA cannot prove), so call i + 1 waits for call i.
             return x.at[0, 0].set((x[0, 0].astype(jnp.float32) + y[0, 0].astype(jnp.float32) * 0).astype(x.dtype))
 
-        return jax.lax.fori_loop(0, STEPS, step, x)
+        # Unrolled: a device-side loop would sync its predicate to the host every iteration and
+        # leave the GPU idle for that time in every variant alike.
+        return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
@@ -62,7 +65,8 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
     devices = mesh.size
     state = jaxgin.runtime.current()
     precision = _common.dot_precision(dtype, None)
-    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None)
+    # triton_matmul: the tile code of the fused all_to_all alone, in that op's configuration.
+    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None, _common.EXCHANGE_CANDIDATES)
     keys = jax.random.split(jax.random.key(m + k + n))
     x = jax.device_put(jax.random.normal(keys[0], (devices * m, k), dtype), NamedSharding(mesh, P("x")))
     w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
@@ -125,6 +129,53 @@ def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
+VARIANT_TILES = (
+    _common.TileConfig(128, 256, 64, 8, 8, 4),  # one program per SM (192 KiB of pipeline buffers)
+    _common.TileConfig(128, 128, 64, 8, 8, 3),  # two per SM: one computes while the other stores
+    _common.TileConfig(128, 128, 64, 8, 4, 3),
+)
+VARIANT_LAYOUTS = {"push": (False, False), "push interleaved": (True, False), "pull": (False, True),
+                   "pull interleaved": (True, True)}
+
+
+def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """matmul_all_to_all's kernel under each tile configuration and exchange layout (program order,
+    push or pull; see _kernels.matmul_all_to_all_kernel), each checked against XLA, next to the
+    same kernel's matmul alone and XLA's unfused composition."""
+    import importlib
+
+    fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    state = jaxgin.runtime.current()
+    keys = jax.random.split(jax.random.key(2))
+    x = jax.device_put(jax.random.normal(keys[0], (mesh.size * m, k), dtype), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+
+    def unfused(x, w):
+        return jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
+
+    expected = _once(mesh, unfused)(x, w)
+    row = {"m": m, "k": k, "n": n, "xla_matmul_all_to_all_us": best_seconds(_chain(mesh, unfused), x, w, repeats=repeats) / STEPS * 1e6,
+           "xla_matmul_us": best_seconds(_chain(mesh, lambda x, w: x @ w), x, w, repeats=repeats) / STEPS * 1e6, "tiles": {}}
+    for tiles in VARIANT_TILES:
+        plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, tiles)
+        times = {}
+
+        def matmul_only(x, w, plan=plan):
+            return fused_a2a._kernel(state, x, w, plan, 0)
+
+        times["matmul only"] = best_seconds(_chain(mesh, matmul_only), x, w, repeats=repeats) / STEPS * 1e6
+        for name, (interleave, pull) in VARIANT_LAYOUTS.items():
+            def op(x, w, plan=plan, interleave=interleave, pull=pull):
+                return fused_a2a._kernel(state, x, w, plan, 7, interleave, pull)
+
+            rel = _rel(_once(mesh, op)(x, w), expected)
+            t = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
+            times[name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_all_to_all_us"] / t}
+        row["tiles"][str(dataclasses.astuple(tiles))] = times
+        print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **times}), flush=True)
+    return row
+
+
 def plot(report: dict, path: Path) -> Path:
     import matplotlib
 
@@ -167,10 +218,18 @@ def main() -> None:
     parser.add_argument("--sweep", default="512,1024,2048,4096,8192", help="M per device, K=7168, N=2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--breakdown-only", action="store_true", help="only the breakdown of matmul_all_to_all")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
     args = parser.parse_args()
     jaxgin.initialize(heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     dtype = jnp.dtype(args.dtype)
+    if args.variants_only:
+        rows = [variants(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fused_variants.json").write_text(json.dumps({"devices": mesh.size, "shapes": rows}, indent=1))
+        jaxgin.finalize()
+        return
     parts = [breakdown(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
     if args.breakdown_only:
         jaxgin.finalize()

@@ -4,10 +4,14 @@ One launch per op does everything, so consecutive calls never interleave on a GP
 
 - matmul_all_to_all: program (i, tile) computes one output tile of the chunk for destination
   (me + 1 + i) % P (rotated so that no GPU is everyone's first destination; its own chunk last),
-  stores it straight into that destination's receive buffer through NVLink and sets the tile's
-  flag there. The own chunk goes straight into the XLA output. Then the program copies one
-  arrived tile from the receive buffer into the output (XLA's buffers are not in the symmetric
-  heap, so peers cannot write them: one local copy remains, spread over the kernel).
+  stores it into this GPU's exchange buffer (slot of that destination) and sets the tile's flag
+  there. The own chunk goes straight into the XLA output. Then the program fetches one tile that a
+  peer published for this GPU, through NVLink, into the output (XLA's buffers are not in the
+  symmetric heap, so peers cannot write them: the fetch is that one copy, spread over the kernel).
+  Programs are numbered tile-major, so every wave mixes tiles of every destination.
+  Fetching (pull) rather than storing into the peer (push) keeps NVLink traffic out of the matmul
+  epilogue; on 2 x H200 the op took 231 us pulled vs 253 us pushed (4096x7168x2048, bf16), see
+  benchmarks/fused.py --variants-only.
 - all_gather_matmul: the first SENDERS programs push this GPU's shard of x to every peer's gather
   buffer (nearest destination first, row group by row group, flagging each); the others compute
   output tiles, own shard first, then each peer's as its row groups arrive. No copy-out: every
@@ -16,11 +20,12 @@ One launch per op does everything, so consecutive calls never interleave on a GP
 Readiness is announced with flags (tritongin.set_flag / wait_flag) holding the call counter + 1
 rather than with counting signals: any number of programs can wait for the same flag.
 
-Buffer reuse across calls: the receive/gather buffers have two halves, picked by the parity of a
+Buffer reuse across calls: the exchange/gather buffers have two halves, picked by the parity of a
 call counter kept on the device (state[0], advanced by the last program to finish; state[1] counts
 finished programs). A GPU that starts call n has received every peer's data of call n - 1, so every
-peer has started n - 1 and finished n - 2: the half that call n writes is no longer read. Nothing
-depends on host values, so CUDA-graph replay is right.
+peer has started n - 1 and finished n - 2: the half that call n writes (its own when pulling, the
+peers' when pushing) is no longer read. Nothing depends on host values, so CUDA-graph replay is
+right.
 """
 
 import triton
@@ -95,7 +100,7 @@ def matmul_all_to_all_kernel(
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    PARTS: tl.constexpr,
+    PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr,
 ):
     """y = x @ w; chunk [CM, CN] of y for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
     d*CN..) goes to d, whose output holds the chunk from s at rows s*CM.. if CONCAT_ROWS, else at
@@ -103,18 +108,28 @@ def matmul_all_to_all_kernel(
 
     Step i sends to (me + 1 + i) % P, so step i's arrivals come from (me - 1 - i) % P. Having
     stored its own tile, program (i, t) copies tile t of step i - 1's arrivals into the output:
-    those were computed a whole step earlier on the sender, so the wait is almost always already
-    over, and the copy-out is spread over the whole kernel instead of trailing it.
-    flags[s * TILES + t] (receiver side) = the call counter + 1 once tile t from s has landed.
-    PARTS (all bits set for the op; the breakdown benchmark clears some to see what each costs):
-    1 stores remote tiles to their destination (else into this GPU's own output), 2 flags them,
-    4 copies arrivals out."""
+    the peer computed it in a program numbered below this one, so the wait is short, and the
+    copy-out is spread over the whole kernel instead of trailing it. A program only ever waits for
+    a peer program with a lower number, so the kernels cannot deadlock.
+
+    The op runs with INTERLEAVE and PULL (the defaults of matmul_all_to_all._kernel):
+    INTERLEAVE numbers programs tile-major (program t * P + i) instead of step-major, so every wave
+    of programs mixes tiles of every destination. PULL keeps a remote tile in this GPU's own buffer
+    (slot d; flags[d * TILES + t] here = the call counter + 1 once it is stored) and the destination
+    fetches it over NVLink in its copy-out; without PULL the tile is stored into the destination's
+    buffer (slot me there; flags[me * TILES + t] there). PARTS (7 for the op; the breakdown
+    benchmark clears bits to see what each costs): 1 sends remote tiles (else they go into this
+    GPU's own output), 2 flags them, 4 copies arrivals out."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     pid = tl.program_id(0)
-    step = pid // TILES
-    t = pid % TILES
+    if INTERLEAVE:
+        step = pid % P
+        t = pid // P
+    else:
+        step = pid // TILES
+        t = pid % TILES
     me = tl.load(route)
     epoch = tl.load(state)
     half = epoch % 2
@@ -133,6 +148,10 @@ def matmul_all_to_all_kernel(
             tl.store(out + (d * CM + r)[:, None] * OUT_N + c[None, :], tile, mask=ok)
         else:
             tl.store(out + r[:, None] * OUT_N + (d * CN + c)[None, :], tile, mask=ok)
+    elif PULL:
+        tl.store(recv + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
+        if PARTS & 2:
+            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
     else:
         peer = tl.load(route + 1 + d)
         slot = tgl.peer_ptr(ctx, recv, peer) + (half * P + me) * (CM * CN)
@@ -141,9 +160,14 @@ def matmul_all_to_all_kernel(
             tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
     if step > 0 and PARTS & 4:
         s = (me + P - step) % P
-        tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
-        arrived = tl.load(recv + (half * P + s) * (CM * CN) + r[:, None] * CN + c[None, :], mask=ok,
-                          cache_modifier=".cg")
+        if PULL:
+            source = tl.load(route + 1 + s)
+            tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
+            slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
+        else:
+            tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
+            slot = recv + (half * P + s) * (CM * CN)
+        arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
         if CONCAT_ROWS:
             tl.store(out + (s * CM + r)[:, None] * OUT_N + c[None, :], arrived, mask=ok)
         else:

@@ -102,7 +102,9 @@ def reference(x, w, plan: _Plan):
     return jnp.swapaxes(arrived, 0, 1).reshape(cm, plan.size * cn).astype(x.dtype)
 
 
-def _kernel(state, x, w, plan: _Plan, parts: int = 7):
+def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True):
+    """The fused kernel; `parts`, `interleave` and `pull` select variants for benchmarks/fused.py
+    (the defaults are the op: see _kernels.matmul_all_to_all_kernel)."""
     _common.require_tritongin(OP)
     from jaxgin.ffi.route import axis_route
     from jaxgin.fused import _kernels
@@ -111,7 +113,8 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7):
     size, dtype = plan.size, x.dtype
     cm, cn = plan.chunk
     precision = _common.dot_precision(dtype, plan.precision)
-    tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles)
+    tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles,
+                                 _common.EXCHANGE_CANDIDATES)
     tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
     buffers = _common.op_buffers(
         state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles),
@@ -125,7 +128,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7):
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        PARTS=parts,
+        PARTS=parts, INTERLEAVE=interleave, PULL=pull,
     )
 
 
