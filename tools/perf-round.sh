@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A latency and fused-op round on a lent GPU machine (stock NCCL, LSA): build, then the GPU tests of
+# what the round changes, then the benchmarks, each step bounded. Usage:
+#   bash tools/perf-round.sh tests      # ops (lines and ring), fused and stress GPU tests
+#   bash tools/perf-round.sh bench      # small-message latency and the fused benchmark
+# Logs and JSON go to $OUT.
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
+OUT=${OUT:-$(mktemp -d)}
+export JAXGIN_RESULTS_DIR=$OUT JAXGIN_CACHE_DIR=${JAXGIN_CACHE_DIR:-/tmp/jaxgin-cache}
+cd "$(dirname "$0")/.."
+status=0
+step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 || { echo "=== FAILED ($?): $name"; status=1; }; grep -v -i "warning" "$OUT/$name.log" | tail -"${TAIL:-8}"; }
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+python3 -m jaxgin.build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+case "${1:-tests}" in
+  tests)
+    step 300 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
+    step 200 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py
+    step 120 stress python3 -m pytest -x -q -rA tests/gpu/test_reliability_gpu.py -k stress
+    ;;
+  bench)
+    (cd benchmarks && TAIL=40 step 200 latency python3 collectives.py --ops ppermute,all_to_all,put_wait,self_copy \
+      --max-bytes 64KiB --out "$OUT" --name latency)
+    (cd benchmarks && TAIL=30 step 330 fused python3 fused.py --out "$OUT")
+    ;;
+esac
+exit $status
