@@ -21,7 +21,8 @@ namespace {
 
 constexpr int kThreads = 512;
 
-__device__ void send_lane(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p,
+template <class Plan>
+__device__ void send_lane(const jaxgin_context* ctx, const Plan& plan, const exchange_peer& p,
                           chunking ch, uint32_t lane) {
   const uint64_t chunks = lane_chunks(ch.count, ch.lanes, lane);
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes + lane;
@@ -61,7 +62,8 @@ __device__ void send_lane(const jaxgin_context* ctx, const exchange_plan& plan, 
   if (linear_thread() == 0) ctx->channel_sent[slot_index] = first_sent + chunks;
 }
 
-__device__ void receive_lane(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p,
+template <class Plan>
+__device__ void receive_lane(const jaxgin_context* ctx, const Plan& plan, const exchange_peer& p,
                              chunking ch, uint32_t lane) {
   const uint64_t chunks = lane_chunks(ch.count, ch.lanes, lane);
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes + lane;
@@ -84,7 +86,8 @@ __device__ void receive_lane(const jaxgin_context* ctx, const exchange_plan& pla
 
 // A message of at most JAXGIN_LINE_MAX_BYTES to an LSA peer: one chunk of lane 0, as lines (see
 // channel__funcs.h). Every thread stores its lines and is done; nothing waits for them to land.
-__device__ void send_lines(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p) {
+template <class Plan>
+__device__ void send_lines(const jaxgin_context* ctx, const Plan& plan, const exchange_peer& p) {
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes;  // lane 0
   const uint64_t n = ctx->channel_sent[slot_index];                   // as in send_lane
   if (linear_thread() == 0 && n >= ctx->channel_slots)
@@ -108,7 +111,8 @@ __device__ void send_lines(const jaxgin_context* ctx, const exchange_plan& plan,
   }
 }
 
-__device__ void receive_lines(const jaxgin_context* ctx, const exchange_plan& plan, const exchange_peer& p) {
+template <class Plan>
+__device__ void receive_lines(const jaxgin_context* ctx, const Plan& plan, const exchange_peer& p) {
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes;
   const uint64_t n = ctx->channel_received[slot_index];
   const line* src = reinterpret_cast<const line*>(ctx->heap + channel_line_offset(ctx, p.rank, n % ctx->channel_slots));
@@ -138,8 +142,9 @@ __device__ void receive_lines(const jaxgin_context* ctx, const exchange_plan& pl
   }
 }
 
+template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context* ctx,
-                                                            const __grid_constant__ exchange_plan plan,
+                                                            const __grid_constant__ exchange_plan_of<kCapacity> plan,
                                                             uint32_t lanes) {
   const uint32_t entry = blockIdx.x / (2 * lanes);
   const uint32_t within = blockIdx.x % (2 * lanes);
@@ -168,6 +173,18 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context
   if (!sender && (p.roles & kReceive)) receive_lane(ctx, plan, p, ch, lane);
 }
 
+template <int kCapacity>
+cudaError_t launch_with_capacity(const jaxgin_context* device_ctx, const exchange_plan& plan, uint32_t lanes,
+                                 cudaStream_t stream) {
+  exchange_plan_of<kCapacity> small{};
+  small.op = plan.op;
+  small.count = plan.count;
+  small.bytes = plan.bytes;
+  for (int i = 0; i < plan.count; i++) small.peers[i] = plan.peers[i];
+  exchange_kernel<kCapacity><<<2 * lanes * (uint32_t)plan.count, kThreads, 0, stream>>>(device_ctx, small, lanes);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx,
@@ -177,13 +194,19 @@ cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_conte
   // copy gets the same number of CTAs, at least enough to keep a large copy fast.
   chunking ch = chunk_message(plan.bytes, host_ctx.channel_lanes, host_ctx.channel_slot_bytes);
   const uint32_t lanes = ch.lanes;
-  exchange_kernel<<<2 * lanes * (uint32_t)plan.count, kThreads, 0, stream>>>(device_ctx, plan, lanes);
+  if (plan.count <= 2) return launch_with_capacity<2>(device_ctx, plan, lanes, stream);
+  if (plan.count <= 8) return launch_with_capacity<8>(device_ctx, plan, lanes, stream);
+  exchange_kernel<kMaxExchangePeers><<<2 * lanes * (uint32_t)plan.count, kThreads, 0, stream>>>(device_ctx, plan, lanes);
   return cudaGetLastError();
 }
 
 cudaError_t preload_exchange_kernels() {
   cudaFuncAttributes attributes;
-  return cudaFuncGetAttributes(&attributes, exchange_kernel);
+  for (cudaError_t e : {cudaFuncGetAttributes(&attributes, exchange_kernel<2>),
+                        cudaFuncGetAttributes(&attributes, exchange_kernel<8>),
+                        cudaFuncGetAttributes(&attributes, exchange_kernel<kMaxExchangePeers>)})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 }  // namespace jaxgin

@@ -21,12 +21,16 @@ struct exchange_peer {
 
 // Every rank sends `bytes` to each peer with kSend and receives `bytes` from each peer with
 // kReceive; both sides of a pair must agree (they do: the plan comes from one SPMD program).
-struct exchange_plan {
+// Kernels take the plan by value as a parameter; launch_exchange passes the smallest capacity that
+// holds it, since copying parameters is part of every launch (a ppermute has at most 2 entries).
+template <int kCapacity>
+struct exchange_plan_of {
   uint32_t op;         // jaxgin_op_tag, named in fault reports
   int32_t count;       // entries of `peers`
   uint64_t bytes;
-  exchange_peer peers[kMaxExchangePeers];
+  exchange_peer peers[kCapacity];
 };
+using exchange_plan = exchange_plan_of<kMaxExchangePeers>;
 
 // Adds the entries of a permutation step: send `src` to rank `to`, receive into `dst` from rank
 // `from` (either may be -1 for none); one entry when both are the same rank.
