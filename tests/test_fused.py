@@ -193,7 +193,8 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain):
                 "state": "*i64", "out": "*bf16"}
     a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
-        BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7))
+        BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True))
+    assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     pointers["gather"] = pointers.pop("recv")
     pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "gather", "flags", "state", "out")}
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8, constexprs=dict(
@@ -204,5 +205,5 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain):
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
         assert b"jaxgin_tt_set_flag" in kernel.asm["cubin"]  # linked with the device library
         assert "wgmma" in ptx  # Hopper tensor cores
-        assert re.search(r"st\.global\.v4", ptx)  # 16-byte stores, remote tiles included
+        assert re.search(r"st\.global\.v4", ptx)  # 16-byte stores
         assert kernel.metadata.shared > 48 * 1024  # multi-stage pipeline (triton_call raises the limit)
