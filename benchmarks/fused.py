@@ -66,7 +66,7 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
     state = jaxgin.runtime.current()
     precision = _common.dot_precision(dtype, None)
     # triton_matmul: the tile code of the fused all_to_all alone, in that op's configuration.
-    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None, _common.EXCHANGE_CANDIDATES)
+    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None, "exchange")
     keys = jax.random.split(jax.random.key(m + k + n))
     x = jax.device_put(jax.random.normal(keys[0], (devices * m, k), dtype), NamedSharding(mesh, P("x")))
     w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))

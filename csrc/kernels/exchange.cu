@@ -173,6 +173,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context
   if (!sender && (p.roles & kReceive)) receive_lane(ctx, plan, p, ch, lane);
 }
 
+// Launches the kernel whose plan parameter holds kCapacity entries (>= plan.count).
 template <int kCapacity>
 cudaError_t launch_with_capacity(const jaxgin_context* device_ctx, const exchange_plan& plan, uint32_t lanes,
                                  cudaStream_t stream) {
@@ -196,8 +197,7 @@ cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_conte
   const uint32_t lanes = ch.lanes;
   if (plan.count <= 2) return launch_with_capacity<2>(device_ctx, plan, lanes, stream);
   if (plan.count <= 8) return launch_with_capacity<8>(device_ctx, plan, lanes, stream);
-  exchange_kernel<kMaxExchangePeers><<<2 * lanes * (uint32_t)plan.count, kThreads, 0, stream>>>(device_ctx, plan, lanes);
-  return cudaGetLastError();
+  return launch_with_capacity<kMaxExchangePeers>(device_ctx, plan, lanes, stream);
 }
 
 cudaError_t preload_exchange_kernels() {

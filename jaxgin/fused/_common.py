@@ -207,17 +207,20 @@ def _cache_file() -> Path:
     return build.default_cache_dir() / "fused-tiles.json"
 
 
+# Candidate sets by name: "matmul" (CANDIDATES), "exchange" (EXCHANGE_CANDIDATES).
+FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES}
+
+
 def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: TileConfig | None,
-                 candidates: dict | None = None) -> TileConfig:
-    """`tiles` if given, else the fastest of `candidates` (CANDIDATES by default) for the matmul
-    alone, tuned once per GPU kind, shape and candidate set."""
+                 family: str = "matmul") -> TileConfig:
+    """`tiles` if given, else the fastest of the `family` candidate set (FAMILIES) for the matmul
+    alone, tuned once per GPU kind, shape and family."""
     if tiles is not None:
         if not isinstance(tiles, TileConfig):
             raise TypeError(f"tiles must be a jaxgin.fused.TileConfig, got {type(tiles).__name__}")
         return tiles
     dtype = np.dtype(dtype)
-    family = "exchange" if candidates is EXCHANGE_CANDIDATES else "matmul"
-    candidates = (candidates or CANDIDATES)[min(dtype.itemsize, 4)]
+    candidates = FAMILIES[family][min(dtype.itemsize, 4)]
     if not _tuning_enabled():
         return candidates[0]
     device = state.local_devices[0]

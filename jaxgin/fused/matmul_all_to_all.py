@@ -114,7 +114,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     cm, cn = plan.chunk
     precision = _common.dot_precision(dtype, plan.precision)
     tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles,
-                                 _common.EXCHANGE_CANDIDATES)
+                                 "exchange")
     tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
     buffers = _common.op_buffers(
         state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles),
