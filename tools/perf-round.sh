@@ -20,9 +20,10 @@ case "${1:-tests}" in
     step 120 stress python3 -m pytest -x -q -rA tests/gpu/test_reliability_gpu.py -k stress
     ;;
   bench)
-    (cd benchmarks && TAIL=40 step 200 latency python3 collectives.py --ops ppermute,all_to_all,put_wait,self_copy \
-      --max-bytes 64KiB --out "$OUT" --name latency)
-    (cd benchmarks && TAIL=30 step 330 fused python3 fused.py --out "$OUT")
+    # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).
+    TAIL=40 step 200 latency python3 benchmarks/collectives.py --ops ppermute,all_to_all,put_wait,self_copy \
+      --max-bytes 64KiB --out "$OUT" --name latency
+    TAIL=30 step 330 fused python3 benchmarks/fused.py --out "$OUT"
     ;;
 esac
 exit $status
