@@ -85,7 +85,7 @@ __device__ void receive_lane(const jaxgin_context* ctx, const Plan& plan, const 
 }
 
 // A message of at most JAXGIN_LINE_MAX_BYTES to an LSA peer: one chunk of lane 0, as lines (see
-// channel__funcs.h). Every thread stores its lines and is done; nothing waits for them to land.
+// line__funcs.h). Every thread stores its lines and is done; nothing waits for them to land.
 template <class Plan>
 __device__ void send_lines(const jaxgin_context* ctx, const Plan& plan, const exchange_peer& p) {
   const uint64_t slot_index = (uint64_t)p.rank * ctx->channel_lanes;  // lane 0
@@ -97,7 +97,7 @@ __device__ void send_lines(const jaxgin_context* ctx, const Plan& plan, const ex
   line* dst = static_cast<line*>(
       ncclGetPeerPointer(ctx->window, channel_line_offset(ctx, ctx->rank, n % ctx->channel_slots), p.rank));
   const uint32_t flag = line_flag(n);
-  const uint64_t lines = (plan.bytes + 7) / 8;
+  const uint64_t lines = line_count(plan.bytes);
   for (uint64_t i = linear_thread(); i < lines; i += block_threads()) {
     uint32_t low, high;
     read_line_payload(p.src, plan.bytes, i, low, high);
@@ -117,22 +117,12 @@ __device__ void receive_lines(const jaxgin_context* ctx, const Plan& plan, const
   const uint64_t n = ctx->channel_received[slot_index];
   const line* src = reinterpret_cast<const line*>(ctx->heap + channel_line_offset(ctx, p.rank, n % ctx->channel_slots));
   const uint32_t flag = line_flag(n);
-  const uint64_t lines = (plan.bytes + 7) / 8;
+  const uint64_t lines = line_count(plan.bytes);
   for (uint64_t i = linear_thread(); i < lines; i += block_threads()) {
-    line v;
-    uint64_t deadline = 0;
-    for (uint32_t polls = 1;; polls++) {
-      v = load_line(src + i);
-      if (v.flag == flag && v.flag_again == flag) break;
-      if (polls % kClockPolls != 0) continue;
-      const uint64_t now = clock_ns();
-      if (deadline == 0) {
-        deadline = now + ctx->timeout_ns;
-      } else if (now > deadline) {
-        const uint32_t data = channel_data_signal(ctx, p.rank, 0);
-        fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, (jaxgin_op_tag)plan.op, p.rank, data, n + 1, read_signal(ctx, data));
-      }
-    }
+    const line v = await_line(ctx, src + i, flag, [&] {
+      const uint32_t data = channel_data_signal(ctx, p.rank, 0);
+      fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, (jaxgin_op_tag)plan.op, p.rank, data, n + 1, read_signal(ctx, data));
+    });
     write_line_payload(p.dst, plan.bytes, i, v.low, v.high);
   }
   __syncthreads();  // every line was read before the credit frees the slot

@@ -8,6 +8,11 @@
 
 namespace jaxgin {
 
+// Spin loops read the clock once every kClockPolls polls only: reading %globaltimer on every poll
+// lengthens the loop and delays noticing the awaited value, which is all a small message's
+// latency is made of.
+constexpr uint32_t kClockPolls = 256;
+
 __device__ __forceinline__ uint64_t clock_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -39,10 +39,8 @@ __device__ __forceinline__ uint64_t read_signal(const jaxgin_context* ctx, uint3
   return value;
 }
 
-// One thread spins until the signal reaches `expected`; gives up after ctx->timeout_ns. The clock
-// is read once every kClockPolls polls only: reading %globaltimer on every poll lengthens the loop
-// and delays noticing the signal, which is all a small message's latency is made of.
-constexpr uint32_t kClockPolls = 256;
+// One thread spins until the signal reaches `expected`; gives up after ctx->timeout_ns (the clock
+// is read every kClockPolls polls).
 
 __device__ __forceinline__ uint64_t wait_until(const jaxgin_context* ctx, uint32_t signal,
                                                uint64_t expected, jaxgin_op_tag op, int peer) {
