@@ -4,6 +4,11 @@ Every rank must place a buffer at the same heap offset, because peers address it
 allocators here are deterministic (first fit, in request order), and every process of an SPMD job
 makes the same requests in the same order (it traces the same program), so offsets agree without
 any communication.
+
+Free heap bytes are zero: the runtime clears the heap at initialize, and whoever frees a region
+clears it first. Buffers that peers write before the owner runs (mailbox line slots, whose
+flags any stale nonzero bytes could imitate) rely on that instead of clearing at placement, which
+could erase a put that already arrived.
 """
 
 from __future__ import annotations

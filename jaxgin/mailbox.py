@@ -7,13 +7,20 @@
     ...                                   # compute while the block travels
     inbox = jaxgin.wait_signal(box, count=1, axis_name="x", after=token)   # [n, 1024]
     left = inbox[(me - 1) % n]            # == jax.lax.ppermute(block, "x", ring)
+    # or, waiting for that one sender only (no [n, ...] result):
+    left = jaxgin.wait_signal_from(box, (me - 1) % n, axis_name="x", after=token)
 
 A mailbox is a named region of every device's symmetric heap with one slot per sender on the
 axis. put_signal writes an array into slot `my index` of the mailbox at `peer` (an axis index: a
 Python int or a traced int32 scalar, so the destination may depend on data) and bumps that
 mailbox's signal there. wait_signal blocks on the device until `count` puts arrived in this
 device's mailbox and returns them as [axis size, *shape], the row of each sender that put, zeros
-elsewhere.
+elsewhere. wait_signal_from waits for the next put of one given sender (an axis index, Python int
+or traced) and returns just its payload; other senders' puts stay for later waits.
+
+On GPUs a put to an NVLink peer of at most 8 KiB travels as "lines" (8 payload bytes and a flag
+per 16-byte store, so the data is its own signal); larger puts and puts over GIN write the
+sender's slot and then bump the mailbox's signal.
 
 Rules (the device checks what it can and fails with a named error instead of hanging):
   - every put to a device needs a wait_signal on that device before the next put to it from the
@@ -81,8 +88,11 @@ class Mailbox:
 
 
 def mailbox_bytes(payload_bytes: int, axis_size: int) -> int:
+    """Heap bytes of a mailbox (mirrors mailbox_bytes in csrc/kernels/mailbox.h): header, a slot per
+    sender, a GIN staging slot, and a line slot per sender when the payload fits lines."""
     slot = 16 if payload_bytes == 0 else -(-payload_bytes // 16) * 16
-    return MAILBOX_HEADER_BYTES + slot * (axis_size + 1)
+    line_slot = 0 if payload_bytes > runtime.LINE_MAX_BYTES else 16 * max(1, -(-payload_bytes // 8))
+    return MAILBOX_HEADER_BYTES + slot * (axis_size + 1) + line_slot * axis_size
 
 
 @jax.tree_util.register_pytree_node_class
@@ -107,6 +117,7 @@ class Token:
 
 put_signal_p = Primitive("jaxgin_put_signal")
 wait_signal_p = Primitive("jaxgin_wait_signal")
+wait_signal_from_p = Primitive("jaxgin_wait_signal_from")
 
 
 @put_signal_p.def_abstract_eval
@@ -127,8 +138,14 @@ def _no_batching(name):
     return rule
 
 
+@wait_signal_from_p.def_abstract_eval
+def _wait_from_abstract(source, *tokens, shape, dtype, **_):
+    return tokens[0].update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
+
+
 batching.primitive_batchers[put_signal_p] = _no_batching("jaxgin.put_signal")
 batching.primitive_batchers[wait_signal_p] = _no_batching("jaxgin.wait_signal")
+batching.primitive_batchers[wait_signal_from_p] = _no_batching("jaxgin.wait_signal_from")
 
 # Reference mode computes with lax collectives at trace time, which vmap would batch silently; an
 # identity primitive with the same batching rule makes vmap fail the same way on every backend.
@@ -181,6 +198,16 @@ def _lower_wait(ctx, *tokens, axis_name, size, shape, dtype, mailbox, count):
     )
 
 
+def _lower_wait_from(ctx, source, *tokens, axis_name, size, shape, dtype, mailbox):
+    state = _cuda_state("jaxgin.wait_signal_from")
+    attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal_from")
+    payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    offset, signal_base = _placement(state, mailbox, payload_bytes, size)
+    return jax.ffi.ffi_lowering("jaxgin_wait_signal_from", has_side_effect=True)(
+        ctx, source, *tokens, offset=np.int64(offset), signal_base=np.int64(signal_base), **attrs
+    )
+
+
 def _unsupported_platform(op):
     def rule(ctx, *args, **params):
         raise JaxginError(f"{op} was traced for jaxgin's cuda backend; it can only be compiled for CUDA GPUs")
@@ -190,8 +217,10 @@ def _unsupported_platform(op):
 
 mlir.register_lowering(put_signal_p, _unsupported_platform("jaxgin.put_signal"))
 mlir.register_lowering(wait_signal_p, _unsupported_platform("jaxgin.wait_signal"))
+mlir.register_lowering(wait_signal_from_p, _unsupported_platform("jaxgin.wait_signal_from"))
 mlir.register_lowering(put_signal_p, _lower_put, platform="cuda")
 mlir.register_lowering(wait_signal_p, _lower_wait, platform="cuda")
+mlir.register_lowering(wait_signal_from_p, _lower_wait_from, platform="cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,18 +243,20 @@ def _not_differentiable(op: str):
     return wrap
 
 
-def _check_peer(peer, size: int):
-    if isinstance(peer, (int, np.integer)) and not isinstance(peer, bool):
-        if not 0 <= int(peer) < size:
-            raise ValueError(f"jaxgin.put_signal: peer={int(peer)} is out of range for an axis of size {size}")
-        return jnp.int32(peer)
-    peer = jnp.asarray(peer)
-    if peer.shape != () or not jnp.issubdtype(peer.dtype, jnp.integer):
-        raise TypeError(
-            f"jaxgin.put_signal: peer must be a Python int or an integer scalar (the destination's axis index), "
-            f"got {peer.dtype}{list(peer.shape)}"
-        )
-    return peer.astype(jnp.int32)
+def _axis_index_arg(value, size: int, op: str, name: str, role: str):
+    """A Python int checked now, or an integer scalar checked on the device (int32 either way)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if not 0 <= int(value) < size:
+            raise ValueError(f"{op}: {name}={int(value)} is out of range for an axis of size {size}")
+        return jnp.int32(value)
+    wanted = f"{op}: {name} must be a Python int or an integer scalar (the {role}'s axis index)"
+    try:
+        value = jnp.asarray(value)
+    except TypeError:
+        raise TypeError(f"{wanted}, got {type(value).__name__} {value!r}") from None
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{wanted}, got {value.dtype}{list(value.shape)}")
+    return value.astype(jnp.int32)
 
 
 def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
@@ -245,7 +276,7 @@ def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
             f"jaxgin.put_signal: x is {x.dtype}{list(x.shape)} but mailbox {mailbox.name!r} holds "
             f"{mailbox.dtype}{list(mailbox.shape)}; every sender and receiver of a mailbox uses its shape and dtype"
         )
-    peer = _check_peer(peer, size)
+    peer = _axis_index_arg(peer, size, "jaxgin.put_signal", "peer", "destination")
     state = runtime.current()
 
     @_not_differentiable("jaxgin.put_signal")
@@ -268,6 +299,16 @@ def _reference_put(x, peer, names):
     return mail, arrived.astype(jnp.int32)
 
 
+def _after_tokens(mailbox: Mailbox, after, op: str) -> list:
+    tokens = [after] if isinstance(after, Token) else list(after) if isinstance(after, (list, tuple)) else None
+    if not tokens or not all(isinstance(t, Token) for t in tokens):
+        raise TypeError(f"{op}: after= needs the Token(s) returned by jaxgin.put_signal")
+    for t in tokens:
+        if t.mailbox != mailbox.name:
+            raise ValueError(f"{op}: a token of mailbox {t.mailbox!r} was passed to wait on {mailbox.name!r}")
+    return [v for t in tokens for v in t.values]
+
+
 def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
     """Waits until `count` puts arrived in this device's `mailbox`; returns [axis size, *shape]:
     row s holds what axis index s put (every put complete when `count` were), zeros elsewhere.
@@ -283,14 +324,8 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
     size = axes_lib.axis_size(names, "jaxgin.wait_signal")
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= size:
         raise ValueError(f"jaxgin.wait_signal: count must be an int in [0, {size}] (puts from distinct senders), got {count!r}")
-    tokens = [after] if isinstance(after, Token) else list(after) if isinstance(after, (list, tuple)) else None
-    if not tokens or not all(isinstance(t, Token) for t in tokens):
-        raise TypeError("jaxgin.wait_signal: after= needs the Token(s) returned by jaxgin.put_signal")
-    for t in tokens:
-        if t.mailbox != mailbox.name:
-            raise ValueError(f"jaxgin.wait_signal: a token of mailbox {t.mailbox!r} was passed to wait on {mailbox.name!r}")
+    values = _after_tokens(mailbox, after, "jaxgin.wait_signal")
     state = runtime.current()
-    values = [v for t in tokens for v in t.values]
 
     @_not_differentiable("jaxgin.wait_signal")
     def wait(*values):
@@ -305,3 +340,38 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
         )
 
     return wait(*values)
+
+
+def wait_signal_from(mailbox: Mailbox, source, *, axis_name, after) -> jax.Array:
+    """Waits for the next put of the device at axis index `source` into this device's `mailbox` and
+    returns its payload (the mailbox's shape and dtype). Puts of other senders stay in the mailbox
+    for later waits.
+
+    `source`: a Python int or a traced integer scalar; out of [0, axis size) on a GPU, the program
+    fails with an error naming it. `after`: the Token(s) of the put_signal calls this wait follows.
+    On GPUs the wait is bounded by the runtime timeout (the error names the sender). In reference
+    mode the payload comes from the tokens; a sender that did not put gives zeros.
+    """
+    op = "jaxgin.wait_signal_from"
+    if not isinstance(mailbox, Mailbox):
+        raise TypeError(f"{op}: mailbox must be a jaxgin.Mailbox, got {type(mailbox).__name__}")
+    names = axes_lib.axis_names(axis_name, op)
+    size = axes_lib.axis_size(names, op)
+    source = _axis_index_arg(source, size, op, "source", "sender")
+    values = _after_tokens(mailbox, after, op)
+    state = runtime.current()
+
+    @_not_differentiable(op)
+    def wait(source, *values):
+        if state.options.backend == "reference":
+            out = jnp.zeros(mailbox.shape, mailbox.dtype)
+            valid = (source >= 0) & (source < size)  # out of range: nothing arrives, as no sender has it
+            index = jnp.clip(source, 0, size - 1)
+            for mail, arrived in zip(values[0::2], values[1::2]):
+                out = jnp.where(valid & (arrived[index] > 0), mail[index], out)
+            return out
+        return wait_signal_from_p.bind(
+            source, *values, axis_name=names, size=size, shape=mailbox.shape, dtype=mailbox.dtype, mailbox=mailbox.name
+        )
+
+    return wait(source, *values)

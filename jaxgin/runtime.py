@@ -90,7 +90,8 @@ def channel_shape(world_size: int) -> ChannelShape:
 
 # Small messages between NVLink peers travel as 16-byte lines (8 payload bytes, two flag copies);
 # each sender has `slots` line slots of twice JAXGIN_LINE_MAX_BYTES at every receiver.
-LINE_SLOT_BYTES = 2 * 8192
+LINE_MAX_BYTES = 8192
+LINE_SLOT_BYTES = 2 * LINE_MAX_BYTES
 
 
 def reserved_bytes(signal_count: int, barrier_slots: int, world_size: int = 1, channel: ChannelShape | None = None) -> int:

@@ -754,6 +754,102 @@ def test_mailbox_reused_across_programs(init, request):
         assert_same(run(mesh_of(4), body, x), numpy_ppermute(x, [(i, (i + shift) % 4) for i in range(4)]))
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_wait_signal_from_ring_matches_ppermute(init, request, n):
+    """The ring with wait_signal_from(left neighbour): exactly lax.ppermute's result, one row."""
+    box = jaxgin.Mailbox(_mailbox_name(request), (2, 9), jnp.bfloat16)
+
+    def body(v):
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v, box, (me + 1) % n, axis_name="x")
+        return jaxgin.wait_signal_from(box, (me - 1) % n, axis_name="x", after=token), jax.lax.ppermute(
+            v, "x", perms(n)["ring"]
+        )
+
+    got, want = run(mesh_of(n), body, data((n, 2, 9), jnp.bfloat16, seed=n))
+    assert got.shape == (n, 2, 9)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_wait_signal_from_picks_one_sender(init, request, n):
+    """Every device puts to device 0, which waits for one given sender (a Python int and a
+    traced source): it gets that sender's payload; a device nobody put to gets zeros."""
+    box = jaxgin.Mailbox(_mailbox_name(request), (6,), jnp.int32)
+    x = data((n, 6), jnp.int32, seed=7)
+    source = np.full((n,), 3, np.int32)
+
+    def body(v, src):
+        token = jaxgin.put_signal(v, box, 0, axis_name="x")
+        by_int = jaxgin.wait_signal_from(box, 2, axis_name="x", after=token)
+        by_traced = jaxgin.wait_signal_from(box, src, axis_name="x", after=token)
+        return by_int, by_traced
+
+    by_int, by_traced = run(mesh_of(n), body, x, source)
+    assert_same(by_int[0], x[2])
+    assert_same(by_traced[0], x[3])
+    assert_same(by_int[1:], np.zeros((n - 1, 6), np.int32))
+
+
+@pytest.mark.parametrize("source", [4, -1])
+def test_wait_signal_from_int_source_out_of_range(init, request, source):
+    box = jaxgin.Mailbox(_mailbox_name(request), (3,), jnp.float32)
+
+    def body(v):
+        token = jaxgin.put_signal(v[0], box, 0, axis_name="x")
+        return jaxgin.wait_signal_from(box, source, axis_name="x", after=token)[None]
+
+    with pytest.raises(ValueError, match=rf"jaxgin.wait_signal_from: source={source} is out of range for an axis of size 4"):
+        _trace(mesh_of(4), body)
+
+
+@pytest.mark.parametrize("source", [1.5, "left", "vector"])
+def test_wait_signal_from_bad_source_type(init, request, source):
+    box = jaxgin.Mailbox(_mailbox_name(request), (3,), jnp.float32)
+
+    def body(v):
+        token = jaxgin.put_signal(v[0], box, 0, axis_name="x")
+        src = jnp.zeros(2, jnp.int32) if source == "vector" else source
+        return jaxgin.wait_signal_from(box, src, axis_name="x", after=token)[None]
+
+    with pytest.raises(TypeError, match="source must be a Python int or an integer scalar"):
+        _trace(mesh_of(4), body)
+
+
+def test_wait_signal_from_token_of_another_mailbox(init, request):
+    a = jaxgin.Mailbox(_mailbox_name(request) + "a", (3,), jnp.float32)
+    b = jaxgin.Mailbox(_mailbox_name(request) + "b", (3,), jnp.float32)
+
+    def body(v):
+        token = jaxgin.put_signal(v[0], a, 0, axis_name="x")
+        return jaxgin.wait_signal_from(b, 0, axis_name="x", after=token)[None]
+
+    with pytest.raises(ValueError, match="wait_signal_from: a token of mailbox"):
+        _trace(mesh_of(4), body)
+
+
+def test_wait_signal_from_is_not_differentiable(init, request):
+    box = jaxgin.Mailbox(_mailbox_name(request), (3,), jnp.float32)
+
+    def loss(u):
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(u, box, (me + 1) % 4, axis_name="x")
+        return jnp.sum(jaxgin.wait_signal_from(box, (me - 1) % 4, axis_name="x", after=token))
+
+    with pytest.raises(JaxginError, match="not differentiable"):
+        run(mesh_of(4), lambda v: jax.grad(loss)(v), data((4, 3), jnp.float32))
+
+
+@pytest.mark.parametrize("payload, axis", [(0, 4), (13, 2), (8192, 4), (8193, 4), (1 << 20, 8)])
+def test_mailbox_bytes_mirror(payload, axis):
+    """The Python placement size equals the C++ layout: header, slots, staging, line slots."""
+    from jaxgin.mailbox import mailbox_bytes
+
+    slot = max(16, -(-payload // 16) * 16)
+    line_slot = 16 * max(1, -(-payload // 8)) if payload <= 8192 else 0
+    assert mailbox_bytes(payload, axis) == 256 + slot * (axis + 1) + line_slot * axis
+
+
 def test_mailbox_properties(request):
     box = jaxgin.Mailbox(_mailbox_name(request), (3, 5), jnp.bfloat16)
     assert box.shape == (3, 5) and box.dtype == np.dtype(jnp.bfloat16) and box.nbytes == 30

@@ -157,8 +157,14 @@ def test_bad_block_bytes(block_bytes):
 
 
 class _FakeRuntime:
-    def __init__(self, world, fail=None, counts=None):
+    def __init__(self, world, fail=None, counts=None, clear_fails=None):
         self.world, self.fail, self.counts, self.calls = world, fail, counts, []
+        self.clear_fails, self.cleared = clear_fails, []
+
+    def heap_clear(self, offset, nbytes):
+        if self.clear_fails is not None:
+            raise self.clear_fails
+        self.cleared.append((offset, nbytes))
 
     def selftest_exchange(self, rounds, block_bytes, seed, heap_offset, signal_base):
         self.calls.append(dict(rounds=rounds, block_bytes=block_bytes, seed=seed, heap_offset=heap_offset,
@@ -201,6 +207,7 @@ def test_cuda_selftest_places_and_frees_its_buffers(fake_cuda):
     assert call["heap_offset"] + 2 * 8 * 4096 <= state.options.heap_bytes
     assert 0 <= call["signal_base"] and call["signal_base"] + 2 * 8 <= state.options.signal_count
     assert (state.heap.available(), state.signals.available()) == (heap_free, signals_free)  # given back
+    assert state.runtime.cleared == [(call["heap_offset"], 2 * 8 * 4096)]  # zeroed first (see jaxgin/heap.py)
     jaxgin.selftest(rounds=1, block_bytes=16, seed=1)  # and reused by the next call
     assert state.runtime.calls[1]["heap_offset"] == call["heap_offset"]
     assert state.runtime.calls[1]["signal_base"] == call["signal_base"]
@@ -239,6 +246,20 @@ def test_cuda_selftest_frees_on_failure(fake_cuda, fault):
     with pytest.raises(expected, match="wait timed out|bad offset"):
         jaxgin.selftest(rounds=1, block_bytes=64, seed=4)
     assert (state.heap.available(), state.signals.available()) == (heap_free, signals_free)
+
+
+def test_cuda_selftest_keeps_a_region_it_cannot_clear(fake_cuda):
+    """Free heap must be zero (mailbox line slots rely on it): when clearing fails (the device
+    faulted), the region is never handed out again; the signals still come back."""
+    from jaxgin import _jaxgin_ext as ext
+
+    state = fake_cuda(clear_fails=ext.DeviceFaultError("context lost"))
+    heap_free, signals_free = state.heap.available(), state.signals.available()
+    jaxgin.selftest(rounds=1, block_bytes=64, seed=6)
+    assert state.heap.available() == heap_free - 2 * 8 * 64  # the 1 KiB it used stays taken
+    assert state.signals.available() == signals_free
+    jaxgin.selftest(rounds=1, block_bytes=64, seed=7)
+    assert state.runtime.calls[1]["heap_offset"] != state.runtime.calls[0]["heap_offset"]
 
 
 def test_cuda_selftest_out_of_signals_frees_the_heap(fake_cuda):

@@ -1,4 +1,4 @@
-// XLA FFI handlers behind jaxgin.put_signal and jaxgin.wait_signal.
+// XLA FFI handlers behind jaxgin.put_signal, jaxgin.wait_signal and jaxgin.wait_signal_from.
 #include "../kernels/mailbox.h"
 #include "common.h"
 
@@ -15,7 +15,8 @@ mailbox_desc describe(const jaxgin_context& c, const AxisGroup& group, int64_t o
   mailbox_desc box{};
   box.offset = (uint64_t)offset;
   box.payload_bytes = (uint64_t)payload_bytes;
-  box.slot_bytes = payload_bytes == 0 ? 16 : ((uint64_t)payload_bytes + 15) / 16 * 16;
+  box.slot_bytes = mailbox_slot_bytes((uint64_t)payload_bytes);
+  box.line_slot_bytes = mailbox_line_slot_bytes((uint64_t)payload_bytes);
   box.signal_base = (uint32_t)signal_base;
   box.axis_size = size;
   box.my_index = group.my_index;
@@ -54,11 +55,26 @@ ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::R
   });
 }
 
+ffi::Error wait_from(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32> source, ffi::RemainingArgs,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
+                     ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                     int64_t signal_base, int64_t generation) {
+  return guarded([&] {
+    wait_calls.fetch_add(1, std::memory_order_relaxed);
+    DeviceState& s = device_for_ordinal(ordinal, generation);
+    AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
+    mailbox_desc box = describe(s.host_context, group, offset, (int64_t)out->size_bytes(), signal_base);
+    check_launch(launch_wait_from(s.context, box, source.typed_data(), out->untyped_data(), stream),
+                 "launching the wait_from kernel", s.device);
+  });
+}
+
 }  // namespace
 }  // namespace jaxgin::ffi_support
 
 extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_put(XLA_FFI_CallFrame* call_frame);
 extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_wait(XLA_FFI_CallFrame* call_frame);
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_wait_from(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
                               xla::ffi::Ffi::Bind()
@@ -87,5 +103,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("signal_base")
                                   .Attr<int64_t>("count")
+                                  .Attr<int64_t>("generation"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait_from, jaxgin::ffi_support::wait_from,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")
+                                  .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<xla::ffi::Span<const int64_t>>("axes")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("signal_base")
                                   .Attr<int64_t>("generation"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -5,11 +5,20 @@
 // sender's previous put there (the receiver's credit signal), so a slot never holds two puts and a
 // put never overwrites data that has not been read. Every count lives in device memory (the
 // runtime's per-signal consumed counters), so nothing depends on host-side values and CUDA-graph
-// replay is safe. A put is split over `put_parts` CTAs; each signals once, and the receiver counts
-// a put as arrived when all of its parts have.
+// replay is safe.
+//
+// Two ways a put travels (mailbox.h says which one a pair of ranks uses):
+//   - lines (LSA peers, payloads of at most JAXGIN_LINE_MAX_BYTES): one CTA stores the payload as
+//     flagged lines into the sender's line slot at the receiver; flag = line_flag(put number), the
+//     put number being the sender's credit count (consumed[credit]) and the receiver's data count
+//     (consumed[data]), which both sides keep alike. No fence, no signal.
+//   - slots: the payload is split over `put_parts` CTAs; each copies its part (LSA stores or a GIN
+//     put from a staging slot) and signals once; the receiver counts a put as arrived when all of
+//     its parts have.
 #include "mailbox.h"
 #include "preload.h"
 
+#include "../device/impl/line__funcs.h"
 #include "../device/impl/put__funcs.h"
 
 namespace jaxgin {
@@ -23,6 +32,7 @@ struct mailbox_header {
   uint8_t arrived[kMailboxHeaderBytes - 8];  // per sender: taken by the last wait
 };
 static_assert(sizeof(mailbox_header) == kMailboxHeaderBytes, "mailbox header layout");
+static_assert(kMaxExchangePeers <= 64, "a wait keeps the senders it took in a 64-bit mask");
 
 __device__ __forceinline__ mailbox_header* header(const jaxgin_context* ctx, const mailbox_desc& box) {
   return reinterpret_cast<mailbox_header*>(ctx->heap + box.offset);
@@ -30,11 +40,18 @@ __device__ __forceinline__ mailbox_header* header(const jaxgin_context* ctx, con
 __device__ __forceinline__ uint64_t slot_offset(const mailbox_desc& box, int index) {
   return box.offset + kMailboxHeaderBytes + (uint64_t)index * box.slot_bytes;
 }
+__device__ __forceinline__ uint64_t line_slot_offset(const mailbox_desc& box, int sender) {
+  return slot_offset(box, box.axis_size + 1) + (uint64_t)sender * box.line_slot_bytes;
+}
 __device__ __forceinline__ uint32_t data_signal(const mailbox_desc& box, int sender) {
   return box.signal_base + (uint32_t)sender;
 }
 __device__ __forceinline__ uint32_t credit_signal(const mailbox_desc& box, int receiver) {
   return box.signal_base + (uint32_t)(box.axis_size + receiver);
+}
+// Whether puts between this rank and global rank `rank` (either direction) travel as lines.
+__device__ __forceinline__ bool travels_as_lines(const jaxgin_context* ctx, const mailbox_desc& box, int rank) {
+  return box.line_slot_bytes != 0 && !routes_through_gin(ctx, rank);
 }
 
 // [begin, end) of `bytes` that part `part` of `parts` handles, 16-byte aligned starts.
@@ -45,8 +62,10 @@ __device__ __forceinline__ void part_range(uint64_t bytes, uint32_t part, uint32
   end = min(bytes, begin + per);
 }
 
-// The last CTA of a grid to call this gets true (and resets the counter for the next launch).
+// The last CTA of a grid to call this gets true (and resets the counter for the next launch). A
+// single CTA is last without the fences and the atomic, which sit on a small message's path.
 __device__ __forceinline__ bool last_block(uint32_t* counter) {
+  if (gridDim.x == 1) return true;
   __threadfence();
   const uint32_t done = atomicAdd(counter, 1u);
   if (done + 1 == gridDim.x) {
@@ -57,16 +76,22 @@ __device__ __forceinline__ bool last_block(uint32_t* counter) {
   return false;
 }
 
+// Thread 0 reads a device-side axis index and fails the program (naming `op`) if it is out of range.
+__device__ __forceinline__ int checked_index(const jaxgin_context* ctx, const mailbox_desc& box, const int32_t* index,
+                                             jaxgin_op_tag op) {
+  const int value = *index;
+  if (value < 0 || value >= box.axis_size)
+    fail(ctx, JAXGIN_FAULT_BAD_ARGUMENT, op, value, box.signal_base + (uint32_t)box.axis_size, (uint64_t)box.axis_size,
+         (uint64_t)(int64_t)value);
+  return value;
+}
+
 __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx, const __grid_constant__ mailbox_desc box,
                                                        const char* src, const int32_t* peer_index, int32_t* token) {
   __shared__ int peer, rank;
   __shared__ uint64_t epoch;
-  const uint32_t credit_base = box.signal_base + (uint32_t)box.axis_size;
   if (linear_thread() == 0) {
-    peer = *peer_index;
-    if (peer < 0 || peer >= box.axis_size)
-      fail(ctx, JAXGIN_FAULT_BAD_ARGUMENT, JAXGIN_OP_PUT_SIGNAL, peer, credit_base, (uint64_t)box.axis_size,
-           (uint64_t)(int64_t)peer);
+    peer = checked_index(ctx, box, peer_index, JAXGIN_OP_PUT_SIGNAL);
     rank = box.ranks[peer];
     check_peer(ctx, rank, JAXGIN_OP_PUT_SIGNAL);
     // Every earlier put of ours into this mailbox at `rank` must have been consumed.
@@ -74,6 +99,20 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
     wait_until(ctx, credit_signal(box, peer), epoch, JAXGIN_OP_PUT_SIGNAL, rank);
   }
   __syncthreads();
+  if (travels_as_lines(ctx, box, rank)) {  // one CTA: a line-sized payload is one put part
+    line* dst = static_cast<line*>(ncclGetPeerPointer(ctx->window, line_slot_offset(box, box.my_index), rank));
+    const uint32_t flag = line_flag(epoch);
+    for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads()) {
+      uint32_t low, high;
+      read_line_payload(src, box.payload_bytes, i, low, high);
+      store_line(dst + i, low, high, flag);
+    }
+    if (linear_thread() == 0) {
+      *token = peer;
+      ctx->consumed[credit_signal(box, peer)] = epoch + 1;
+    }
+    return;
+  }
   uint64_t begin, end;
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
   const uint64_t dst = slot_offset(box, box.my_index) + begin;
@@ -99,58 +138,143 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
   }
 }
 
-// One thread: waits until `count` senders' puts are complete, records which ones it takes.
-__device__ void decide(const jaxgin_context* ctx, const mailbox_desc& box, int32_t count) {
-  mailbox_header* h = header(ctx, box);
-  const uint64_t deadline = clock_ns() + ctx->timeout_ns;
-  int complete = 0;
-  while (true) {
-    complete = 0;
-    for (int s = 0; s < box.axis_size; s++) {
-      const uint32_t signal = data_signal(box, s);
-      const bool done = read_signal(ctx, signal) - ctx->consumed[signal] >= box.put_parts;
-      h->arrived[s] = done;
-      complete += done;
-    }
-    if (complete >= count) break;
-    if (clock_ns() > deadline)
-      fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, JAXGIN_OP_WAIT_SIGNAL, -1, box.signal_base, (uint64_t)count,
-           (uint64_t)complete);
+// CTA-collective: whether sender `s`'s next put is complete in this rank's mailbox (every thread
+// gets the same answer). Reads only; consumed counts change after the wait decided.
+__device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box, int s) {
+  const uint32_t signal = data_signal(box, s);
+  if (travels_as_lines(ctx, box, box.ranks[s])) {
+    const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
+    const uint32_t flag = line_flag(ctx->consumed[signal]);
+    bool mine = true;
+    for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads())
+      mine &= line_arrived(load_line(src + i), flag);
+    return __syncthreads_and(mine);
   }
-  for (int s = 0; s < box.axis_size; s++)
-    if (h->arrived[s]) ctx->consumed[data_signal(box, s)] += box.put_parts;
+  return __syncthreads_or(linear_thread() == 0 && read_signal(ctx, signal) - ctx->consumed[signal] >= box.put_parts);
 }
 
-__global__ void decide_kernel(const jaxgin_context* ctx, const __grid_constant__ mailbox_desc box, int32_t count) {
-  if (linear_thread() == 0) decide(ctx, box, count);
+// CTA-collective: waits until puts of at least `count` senders are complete, takes every complete
+// one (arrival flags in the header, consumed counts advanced) and returns them as a mask.
+__device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, int32_t count) {
+  uint64_t taken = 0;  // the same in every thread: put_complete answers alike
+  uint64_t deadline = 0;
+  while (true) {
+    for (int s = 0; s < box.axis_size; s++)
+      if (!(taken >> s & 1) && put_complete(ctx, box, s)) taken |= 1ull << s;
+    if (__popcll(taken) >= count) break;
+    if (linear_thread() == 0) {
+      const uint64_t now = clock_ns();
+      if (deadline == 0) deadline = now + ctx->timeout_ns;
+      else if (now > deadline)
+        fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, JAXGIN_OP_WAIT_SIGNAL, -1, box.signal_base, (uint64_t)count,
+             (uint64_t)__popcll(taken));
+    }
+  }
+  __syncthreads();  // every thread is done reading consumed counts
+  if (linear_thread() == 0) {
+    mailbox_header* h = header(ctx, box);
+    for (int s = 0; s < box.axis_size; s++) {
+      const bool took = taken >> s & 1;
+      h->arrived[s] = took;
+      if (took) ctx->consumed[data_signal(box, s)] += box.put_parts;  // a line put is one part
+    }
+  }
+  return taken;
 }
 
-// Copies the taken slots into `out` (zeros elsewhere), then the last CTA returns the credits.
+__global__ void __launch_bounds__(kThreads) decide_kernel(const jaxgin_context* ctx,
+                                                          const __grid_constant__ mailbox_desc box, int32_t count) {
+  decide(ctx, box, count);
+}
+
+// Part [begin, end) of sender `s`'s taken put, from its slot or its lines, into `row`.
+__device__ __forceinline__ void copy_out(const jaxgin_context* ctx, const mailbox_desc& box, int s, char* row,
+                                         uint64_t begin, uint64_t end) {
+  if (travels_as_lines(ctx, box, box.ranks[s])) {
+    // begin is a multiple of 16 and end is too unless it is the payload's end: whole lines.
+    const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
+    for (uint64_t i = begin / 8 + linear_thread(); i < (end + 7) / 8; i += block_threads()) {
+      const line v = load_line(src + i);
+      write_line_payload(row, box.payload_bytes, i, v.low, v.high);
+    }
+  } else {
+    cta_copy(row + begin, ctx->heap + slot_offset(box, s) + begin, end - begin);
+  }
+}
+
+// Returns the credits of the taken senders once every CTA read its part (the last CTA does it).
+__device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const mailbox_desc& box, uint64_t taken) {
+  __syncthreads();  // every read of the slots precedes the credits that free them
+  if (linear_thread() == 0 && last_block(&header(ctx, box)->wait_done)) {
+    for (int s = 0; s < box.axis_size; s++)
+      if (taken >> s & 1) add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1, /*release=*/false);
+  }
+}
+
+// Copies the taken puts into `out` (zeros elsewhere), then the last CTA returns the credits.
 // With `also_decide` (single-CTA launches) it first makes the decision itself.
 template <bool also_decide>
 __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context* ctx,
                                                            const __grid_constant__ mailbox_desc box, int32_t count,
                                                            char* out) {
-  mailbox_header* h = header(ctx, box);
+  uint64_t taken = 0;
   if (also_decide) {
-    if (linear_thread() == 0) decide(ctx, box, count);
-    __syncthreads();
+    taken = decide(ctx, box, count);
+  } else {
+    const mailbox_header* h = header(ctx, box);
+    for (int s = 0; s < box.axis_size; s++) taken |= (uint64_t)(h->arrived[s] != 0) << s;
   }
   uint64_t begin, end;
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
   for (int s = 0; s < box.axis_size; s++) {
     char* row = out + (uint64_t)s * box.payload_bytes;
-    if (h->arrived[s]) {
-      cta_copy(row + begin, ctx->heap + slot_offset(box, s) + begin, end - begin);
+    if (taken >> s & 1) {
+      copy_out(ctx, box, s, row, begin, end);
     } else {
       for (uint64_t i = begin + linear_thread(); i < end; i += block_threads()) row[i] = 0;
     }
   }
-  __syncthreads();  // every read of the slots precedes the credits that free them
-  if (linear_thread() == 0 && last_block(&h->wait_done)) {
-    for (int s = 0; s < box.axis_size; s++)
-      if (h->arrived[s]) add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1, /*release=*/false);
+  return_credits(ctx, box, taken);
+}
+
+// Waits for the next put of the sender at axis index *source and copies it to `out`. Every CTA
+// reads the consumed count before any can advance it: the last CTA to finish does, after all
+// arrived at last_block.
+__global__ void __launch_bounds__(kThreads) wait_from_kernel(const jaxgin_context* ctx,
+                                                             const __grid_constant__ mailbox_desc box,
+                                                             const int32_t* source, char* out) {
+  __shared__ int s;
+  if (linear_thread() == 0) s = checked_index(ctx, box, source, JAXGIN_OP_WAIT_SIGNAL_FROM);
+  __syncthreads();
+  const uint32_t signal = data_signal(box, s);
+  uint64_t begin, end;
+  part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
+  if (travels_as_lines(ctx, box, box.ranks[s])) {  // one CTA: at most 8 KiB of output
+    const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
+    const uint64_t expected = ctx->consumed[signal];
+    for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads()) {
+      const line v = await_line(ctx, src + i, line_flag(expected), [&] {
+        fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, JAXGIN_OP_WAIT_SIGNAL_FROM, box.ranks[s], signal, expected + 1, expected);
+      });
+      write_line_payload(out, box.payload_bytes, i, v.low, v.high);
+    }
+  } else {
+    if (linear_thread() == 0)
+      wait_until(ctx, signal, ctx->consumed[signal] + box.put_parts, JAXGIN_OP_WAIT_SIGNAL_FROM, box.ranks[s]);
+    __syncthreads();
+    cta_copy(out + begin, ctx->heap + slot_offset(box, s) + begin, end - begin);
   }
+  __syncthreads();  // every read of the slot precedes the credit that frees it
+  if (linear_thread() == 0 && last_block(&header(ctx, box)->wait_done)) {
+    ctx->consumed[signal] += box.put_parts;
+    add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1, /*release=*/false);
+  }
+}
+
+// About 256 KiB of output per CTA, at most 64 CTAs.
+uint32_t copy_parts(uint64_t bytes) {
+  const uint64_t wanted = (bytes + (256u << 10) - 1) / (256u << 10);
+  return wanted <= 1 ? 1 : wanted > 64 ? 64 : (uint32_t)wanted;
 }
 
 }  // namespace
@@ -164,16 +288,20 @@ cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box
 
 cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out,
                         cudaStream_t stream) {
-  // About 256 KiB of output per CTA, at most 64 CTAs.
-  const uint64_t total = box.payload_bytes * (uint64_t)box.axis_size;
-  const uint64_t wanted = (total + (256u << 10) - 1) / (256u << 10);
-  const uint32_t parts = wanted <= 1 ? 1 : wanted > 64 ? 64 : (uint32_t)wanted;
+  const uint32_t parts = copy_parts(box.payload_bytes * (uint64_t)box.axis_size);
   if (parts == 1) {
     collect_kernel<true><<<1, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
   } else {
-    decide_kernel<<<1, 32, 0, stream>>>(device_ctx, box, count);
+    decide_kernel<<<1, kThreads, 0, stream>>>(device_ctx, box, count);
     collect_kernel<false><<<parts, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_wait_from(const jaxgin_context* device_ctx, const mailbox_desc& box, const int32_t* source,
+                             void* out, cudaStream_t stream) {
+  const uint32_t parts = copy_parts(box.payload_bytes);  // 1 for a line-sized payload
+  wait_from_kernel<<<parts, kThreads, 0, stream>>>(device_ctx, box, source, static_cast<char*>(out));
   return cudaGetLastError();
 }
 
@@ -181,7 +309,8 @@ cudaError_t preload_mailbox_kernels() {
   cudaFuncAttributes attributes;
   for (cudaError_t e : {cudaFuncGetAttributes(&attributes, put_kernel), cudaFuncGetAttributes(&attributes, decide_kernel),
                         cudaFuncGetAttributes(&attributes, collect_kernel<true>),
-                        cudaFuncGetAttributes(&attributes, collect_kernel<false>)})
+                        cudaFuncGetAttributes(&attributes, collect_kernel<false>),
+                        cudaFuncGetAttributes(&attributes, wait_from_kernel)})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -10,10 +10,15 @@ namespace jaxgin {
 
 // A mailbox lives at the same heap offset on every rank of a mesh axis of size `axis_size`:
 //   [header: counters and the arrival flags of the last wait][slot per sender][GIN staging slot]
-// with signals [data from sender s][credit from receiver r], 2 * axis_size of them.
+//   [line slot per sender, for payloads of at most JAXGIN_LINE_MAX_BYTES]
+// with signals [data from sender s][credit from receiver r], 2 * axis_size of them. A put to an
+// LSA peer of a payload that fits a line slot travels as lines (no data signal); any other put
+// goes through the sender's slot and bumps the data signal. Both sides pick alike: the size is the
+// mailbox's and the route is symmetric.
 struct mailbox_desc {
   uint64_t offset;          // heap offset of the header
   uint64_t slot_bytes;      // payload rounded up to 16
+  uint64_t line_slot_bytes; // 16 per 8 payload bytes; 0 if the payload is too large for lines
   uint64_t payload_bytes;
   uint32_t signal_base;
   int32_t axis_size;
@@ -24,15 +29,24 @@ struct mailbox_desc {
 
 constexpr uint64_t kMailboxHeaderBytes = 256;  // 2 counters + one arrival flag per sender (<= 64)
 
+__host__ __device__ inline uint64_t mailbox_slot_bytes(uint64_t payload_bytes) {
+  return payload_bytes == 0 ? 16 : (payload_bytes + 15) / 16 * 16;
+}
+
+__host__ __device__ inline uint64_t mailbox_line_slot_bytes(uint64_t payload_bytes) {
+  return payload_bytes > JAXGIN_LINE_MAX_BYTES ? 0 : 16 * (payload_bytes == 0 ? 1 : (payload_bytes + 7) / 8);
+}
+
 __host__ __device__ inline uint64_t mailbox_bytes(uint64_t payload_bytes, int axis_size) {
-  const uint64_t slot = payload_bytes == 0 ? 16 : (payload_bytes + 15) / 16 * 16;
-  return kMailboxHeaderBytes + slot * (uint64_t)(axis_size + 1);
+  return kMailboxHeaderBytes + mailbox_slot_bytes(payload_bytes) * (uint64_t)(axis_size + 1) +
+         mailbox_line_slot_bytes(payload_bytes) * (uint64_t)axis_size;
 }
 
 __host__ __device__ inline uint32_t mailbox_put_parts(uint64_t payload_bytes) {
   const uint64_t parts = (payload_bytes + (64u << 10) - 1) / (64u << 10);  // 64 KiB per CTA
   return parts < 1 ? 1 : parts > 32 ? 32 : (uint32_t)parts;
 }
+static_assert(JAXGIN_LINE_MAX_BYTES <= (64u << 10), "a line-sized put must be one CTA");
 
 // `peer_index` is a device int32 (the destination's index along the axis, possibly data
 // dependent); `token` receives it.
@@ -41,5 +55,10 @@ cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box
 // Waits until `count` puts arrived, then writes every arrived payload to its sender's row of `out`
 // ([axis_size][payload]) and zeros the other rows.
 cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out, cudaStream_t stream);
+
+// Waits for the put of the sender at axis index `*source` (a device int32, possibly data
+// dependent) and writes its payload to `out` ([payload]); other senders' puts stay for later waits.
+cudaError_t launch_wait_from(const jaxgin_context* device_ctx, const mailbox_desc& box, const int32_t* source,
+                             void* out, cudaStream_t stream);
 
 }  // namespace jaxgin

@@ -27,6 +27,7 @@ const char* op_name(uint32_t op) {
     case JAXGIN_OP_ALL_TO_ALL: return "jaxgin.all_to_all";
     case JAXGIN_OP_PUT_SIGNAL: return "jaxgin.put_signal";
     case JAXGIN_OP_WAIT_SIGNAL: return "jaxgin.wait_signal";
+    case JAXGIN_OP_WAIT_SIGNAL_FROM: return "jaxgin.wait_signal_from";
     default: return "a jaxgin operation";
   }
 }
@@ -300,6 +301,10 @@ std::string describe_fault(const DeviceState& s) {
         return timeout + where + ": waited for " + std::to_string(f->expected) +
                " puts into the mailbox whose signals start at " + std::to_string(f->signal) + " but only " +
                std::to_string(f->observed) + " arrived (fewer senders put than the count, or a sender died)";
+      if (f->op == JAXGIN_OP_WAIT_SIGNAL_FROM)
+        return timeout + where + peer + ": that sender's next put into the mailbox (data " + signal_name(c, f->signal) +
+               ") never arrived: its arrival count was to reach " + std::to_string(f->expected) + " but stayed at " +
+               std::to_string(f->observed) + " (the sender never put, ran a different program, or died)";
       if (f->op == JAXGIN_OP_PUT_SIGNAL)
         return timeout + where + peer + ": the receiver never consumed this rank's previous put into the mailbox "
                "(credit " + signal_name(c, f->signal) + " stayed at " + std::to_string(f->observed) + ", needed " +
@@ -326,9 +331,10 @@ std::string describe_fault(const DeviceState& s) {
              " to " + std::to_string(c.rank - c.lsa_rank + c.lsa_size - 1) +
              "); reach it with put_signal, which goes through GIN";
     case JAXGIN_FAULT_BAD_ARGUMENT:
-      if (f->op == JAXGIN_OP_PUT_SIGNAL)
-        return "peer index " + std::to_string((int64_t)f->observed) + " is out of range at " + where +
-               ": the mesh axis has " + std::to_string(f->expected) + " devices, so peer must be in [0, " +
+      if (f->op == JAXGIN_OP_PUT_SIGNAL || f->op == JAXGIN_OP_WAIT_SIGNAL_FROM)
+        return std::string(f->op == JAXGIN_OP_PUT_SIGNAL ? "peer" : "source") + " index " +
+               std::to_string((int64_t)f->observed) + " is out of range at " + where +
+               ": the mesh axis has " + std::to_string(f->expected) + " devices, so it must be in [0, " +
                std::to_string(f->expected) + ")";
       return "argument out of range at " + where + peer + ": got " + std::to_string(f->observed) +
              ", limit " + std::to_string(f->expected) + " (signal ids < signal_count, peers < world size, "

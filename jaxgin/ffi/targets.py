@@ -17,6 +17,7 @@ TARGETS = {
     "jaxgin_exchange": "jaxgin_ffi_exchange",
     "jaxgin_put_signal": "jaxgin_ffi_put",
     "jaxgin_wait_signal": "jaxgin_ffi_wait",
+    "jaxgin_wait_signal_from": "jaxgin_ffi_wait_from",
     # jaxgin.triton_call loads its kernel once per executable (instantiate), then launches.
     "jaxgin_triton_call": {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},
 }

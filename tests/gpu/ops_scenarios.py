@@ -176,6 +176,32 @@ def correctness(argv):
     _, run = _all_equal(jax, mesh, traced_peer, x, shift)
     checks["put_signal/traced_peer"] = run(x, shift)
 
+    # Mailboxes of every size class: empty, odd bytes, the largest line payload (8 KiB), the
+    # smallest slot payload (8 KiB + 16) and a put split over several CTAs (256 KiB + 16). Each
+    # payload is what the previous wait returned, so the puts into a slot follow the waits that
+    # free it: the ring via wait_signal, the ring again via wait_signal_from, then self + right
+    # neighbour with count=2. Three runs: the slots and flags are reused.
+    mailbox_sizes = {"empty": ((0,), jnp.float32), "13B": ((13,), jnp.int8), "8KiB": ((2048,), jnp.float32),
+                     "8KiB+16": ((2052,), jnp.float32), "256KiB+16": ((65540,), jnp.float32)}
+    for sname, (shape, dtype) in mailbox_sizes.items():
+        sized = jaxgin.Mailbox(f"sizes_{sname}", shape, dtype)
+
+        def three_ways(v, sized=sized):
+            me = jax.lax.axis_index("x")
+            left, right = (me - 1) % n, (me + 1) % n
+            a = jaxgin.wait_signal(sized, 1, axis_name="x", after=jaxgin.put_signal(v[0], sized, right, axis_name="x"))[left]
+            want_a = jax.lax.ppermute(v[0], "x", ring)
+            b = jaxgin.wait_signal_from(sized, left, axis_name="x", after=jaxgin.put_signal(a, sized, right, axis_name="x"))
+            want_b = jax.lax.ppermute(want_a, "x", ring)
+            to_self = jaxgin.put_signal(b, sized, me, axis_name="x")
+            to_right = jaxgin.put_signal(b, sized, right, axis_name="x")
+            c = jaxgin.wait_signal(sized, 2, axis_name="x", after=[to_self, to_right])
+            return [(a, want_a), (b, want_b), (c[me], want_b), (c[left], jax.lax.ppermute(want_b, "x", ring))]
+
+        x = _global(jax, mesh, (1, *shape), dtype, 80)
+        _, run = _all_equal(jax, mesh, three_ways, x)
+        checks[f"mailbox/{sname}"] = all(run(x) for _ in range(3))
+
     # Mixing with XLA's own NCCL collectives in one program.
     def mixed(v):
         a = jax.lax.psum(v, "x")
@@ -204,7 +230,8 @@ def iterations(argv):
     mesh = _mesh(jax)
     n = mesh.size
     ring = [(i, (i + 1) % n) for i in range(n)]
-    box = jaxgin.Mailbox("iter", (256,), jnp.float32)
+    box = jaxgin.Mailbox("iter", (256,), jnp.float32)  # lines (1 KiB)
+    big = jaxgin.Mailbox("iter_big", (4096,), jnp.float32)  # the slot path (16 KiB)
 
     def step(v, i):
         v = v + i.astype(v.dtype)  # new data every call
@@ -214,7 +241,10 @@ def iterations(argv):
         b = jaxgin.all_to_all(v, "x", 0, 0, tiled=True)
         c = jaxgin.ppermute(v[1, :16] * 2, "x", ring)  # a line message between ring ones on the same pairs
         inbox = jaxgin.wait_signal(box, 1, axis_name="x", after=token)
+        from_left = jaxgin.wait_signal_from(big, (me - 1) % n, axis_name="x",
+                                            after=jaxgin.put_signal(v[2] - 1, big, (me + 1) % n, axis_name="x"))
         ok = jnp.array_equal(a, jax.lax.ppermute(v, "x", ring))
+        ok &= jnp.array_equal(from_left, jax.lax.ppermute(v[2] - 1, "x", ring))
         ok &= jnp.array_equal(b, jax.lax.all_to_all(v, "x", 0, 0, tiled=True))
         ok &= jnp.array_equal(c, jax.lax.ppermute(v[1, :16] * 2, "x", ring))
         ok &= jnp.array_equal(inbox[(me - 1) % n], jax.lax.ppermute(v[0, :256], "x", ring))
@@ -288,34 +318,77 @@ def _ffi_calls(jaxgin):
     return runtime.current().backend_lib.ffi_calls()
 
 
-def timeout(argv):
-    """A wait for more puts than anyone sends fails with a named error instead of hanging."""
+def _expect_fault(argv, body, shape, dtype_name="float32"):
+    """Runs body (under shard_map + jit) once with a 2 s timeout; prints how long until the
+    program failed, the error and the device faults. The process exits without teardown."""
     os.environ["JAXGIN_TIMEOUT"] = "2"
     jax, jaxgin = _setup(argv)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     mesh = _mesh(jax)
-    n = mesh.size
-    box = jaxgin.Mailbox("starved", (8,), jnp.float32)
-
-    def starve(v):
-        me = jax.lax.axis_index("x")
-        token = jaxgin.put_signal(v[0], box, peer=(me + 1) % n, axis_name="x")
-        return jaxgin.wait_signal(box, 2, axis_name="x", after=token)[None]  # only one put comes
-
-    f = jax.jit(jax.shard_map(starve, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    x = _global(jax, mesh, (1, 8), jnp.float32, 3)
+    f = jax.jit(jax.shard_map(lambda v: body(jax, jaxgin, mesh.size, v), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = _global(jax, mesh, shape, getattr(jnp, dtype_name), 3)
+    compiled = f.lower(x).compile()  # so the time below is the run's alone
     start = time.perf_counter()
     error = ""
     try:
-        jax.block_until_ready(f(x))
+        jax.block_until_ready(compiled(x))
     except Exception as e:  # XLA reports the trapped kernel as a CUDA error
         error = f"{type(e).__name__}: {e}"[:500]
     elapsed = time.perf_counter() - start
     faults = jaxgin.device_faults()
     print("RESULT:" + json.dumps({"seconds": elapsed, "error": error, "faults": faults}))
     os._exit(0)  # the CUDA context is gone; skip teardown
+
+
+def timeout(argv):
+    """A wait for more puts than anyone sends fails with a named error instead of hanging."""
+
+    def starve(jax, jaxgin, n, v):
+        box = jaxgin.Mailbox("starved", (8,), v.dtype)
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v[0], box, peer=(me + 1) % n, axis_name="x")
+        return jaxgin.wait_signal(box, 2, axis_name="x", after=token)[None]  # only one put comes
+
+    _expect_fault(argv, starve, (1, 8))
+
+
+def timeout_from(argv):
+    """wait_signal_from a sender that never puts (everyone puts to itself) fails naming it."""
+
+    def starve(jax, jaxgin, n, v):
+        box = jaxgin.Mailbox("starved_from", (8,), v.dtype)
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v[0], box, peer=me, axis_name="x")
+        return jaxgin.wait_signal_from(box, (me + 1) % n, axis_name="x", after=token)[None]
+
+    _expect_fault(argv, starve, (1, 8))
+
+
+def peer_out_of_range(argv):
+    """A traced put_signal peer outside the axis (computed from data) fails naming the index."""
+
+    def bad_peer(jax, jaxgin, n, v):
+        box = jaxgin.Mailbox("bad_peer", (8,), v.dtype)
+        peer = (v[0, 0] * 0).astype("int32") + n + 3  # n + 3, known only at run time
+        token = jaxgin.put_signal(v[0], box, peer=peer, axis_name="x")
+        return jaxgin.wait_signal(box, 1, axis_name="x", after=token)
+
+    _expect_fault(argv, bad_peer, (1, 8))
+
+
+def source_out_of_range(argv):
+    """A traced wait_signal_from source below 0 fails naming the index."""
+
+    def bad_source(jax, jaxgin, n, v):
+        box = jaxgin.Mailbox("bad_source", (8,), v.dtype)
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v[0], box, peer=(me + 1) % n, axis_name="x")
+        source = (v[0, 0] * 0).astype("int32") - 2
+        return jaxgin.wait_signal_from(box, source, axis_name="x", after=token)[None]
+
+    _expect_fault(argv, bad_source, (1, 8))
 
 
 if __name__ == "__main__":

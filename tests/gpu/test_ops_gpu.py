@@ -1,7 +1,8 @@
 """jaxgin's JAX ops on NVIDIA GPUs (skipped where there are none): ppermute, all_to_all and
 put_signal / wait_signal against jax.lax in the same program (shapes, dtypes, gradients, traced
 peers, XLA collectives in the same jit), 1000 back-to-back iterations with and without XLA command
-buffers, replay of CUDA graphs, and a starved wait that must fail with a named error instead of hanging. On 2 GPUs and
+buffers, replay of CUDA graphs, and starved waits and out-of-range traced indices that must fail with a named
+error instead of hanging. On 2 GPUs and
 on all visible ones, in one process and in one process per GPU."""
 
 from pathlib import Path
@@ -70,3 +71,22 @@ def test_starved_wait_fails_with_a_named_error():
     assert result["faults"], "the device must record why"
     fault = result["faults"][0]
     assert "jaxgin.wait_signal" in fault and "waited for 2 puts" in fault and "only 1 arrived" in fault, fault
+
+
+def test_starved_wait_from_fails_naming_the_sender():
+    result = run_scenario(SCENARIOS, ["timeout_from"], 2, timeout=180)
+    record("ops_timeout_from", result)
+    assert result["error"] and 2.0 <= result["seconds"] < 60.0, result
+    fault = result["faults"][0]
+    assert "jaxgin.wait_signal_from" in fault and "peer rank" in fault and "never arrived" in fault, fault
+
+
+@pytest.mark.parametrize("scenario, name, index", [("peer_out_of_range", "peer", 5), ("source_out_of_range", "source", -2)])
+def test_traced_index_out_of_range_fails_naming_it(scenario, name, index):
+    """An axis index known only at run time and outside [0, 2): the program fails at once (no
+    timeout needed) and the error names the argument, its value and the valid range."""
+    result = run_scenario(SCENARIOS, [scenario], 2, timeout=180)
+    record(f"ops_{scenario}", result)
+    assert result["error"] and result["seconds"] < 2.0, result
+    fault = result["faults"][0]
+    assert f"{name} index {index} is out of range" in fault and "must be in [0, 2)" in fault, fault

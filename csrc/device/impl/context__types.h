@@ -33,6 +33,7 @@ enum jaxgin_op_tag : uint32_t {
   JAXGIN_OP_ALL_TO_ALL = 4,
   JAXGIN_OP_PUT_SIGNAL = 5,
   JAXGIN_OP_WAIT_SIGNAL = 6,
+  JAXGIN_OP_WAIT_SIGNAL_FROM = 7,
 };
 
 // First fault of a context. Lives in host-mapped pinned memory so the host can still read it after
