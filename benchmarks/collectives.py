@@ -1,6 +1,6 @@
 """jaxgin vs XLA's collectives, same process, same data, timed inside one jit.
 
-    python benchmarks/collectives.py [--out DIR] [--max-bytes 512MiB] [--ops ppermute,all_to_all,put_wait]
+    python benchmarks/collectives.py [--out DIR] [--max-bytes 512MiB] [--ops ppermute,all_to_all,put_wait,put_wait_from]
 
 XLA_FLAGS apply to both implementations alike; with
 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -66,6 +66,12 @@ def make_ops(n: int):
         token = jaxgin.put_signal(v, box, peer=(me + 1) % n, axis_name="x")
         return jaxgin.wait_signal(box, 1, axis_name="x", after=token)[(me - 1) % n]
 
+    def put_wait_from(v):
+        box = box_for(v.shape, v.dtype)
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v, box, peer=(me + 1) % n, axis_name="x")
+        return jaxgin.wait_signal_from(box, (me - 1) % n, axis_name="x", after=token)
+
     identity = [(i, i) for i in range(n)]
     return {
         "ppermute": (lambda v: jax.lax.ppermute(v, "x", ring), lambda v: jaxgin.ppermute(v, "x", ring)),
@@ -77,6 +83,8 @@ def make_ops(n: int):
             lambda v: jaxgin.all_to_all(v, "x", 0, 0, tiled=True),
         ),
         "put_wait": (lambda v: jax.lax.ppermute(v, "x", ring), put_wait),
+        # The same ring waiting for the left neighbour only (no [n, ...] inbox, no row selection).
+        "put_wait_from": (lambda v: jax.lax.ppermute(v, "x", ring), put_wait_from),
     }
 
 
@@ -95,7 +103,7 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
     for op in ops:
         xla_op, jaxgin_op = implementations[op]
         for nbytes in sizes:
-            if (op == "put_wait" and nbytes > 64 << 20) or (op == "self_copy" and nbytes > 64 << 10):
+            if (op.startswith("put_wait") and nbytes > 64 << 20) or (op == "self_copy" and nbytes > 64 << 10):
                 continue
             x = _array(mesh, nbytes, n)
             steps = chain_length(nbytes)
@@ -160,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--max-bytes", default="512MiB")
-    parser.add_argument("--ops", default="ppermute,all_to_all,put_wait")
+    parser.add_argument("--ops", default="ppermute,all_to_all,put_wait,put_wait_from")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--name", default="collectives", help="output file stem")
     args = parser.parse_args()

@@ -2,14 +2,14 @@
 
     python -m jaxgin.stress --ops 10000 [--seed S] [--max-bytes B]
 
-Runs a random sequence of ppermute (random permutations), all_to_all and put_signal/wait_signal
-exchanges (random peers), with message sizes from 0 B up to `max_bytes` per device, several
-dtypes, and data that changes every op. Each op is one jitted program that computes jaxgin's
-result and jax.lax's on the same data and counts differing elements on the device, so a mismatch
-anywhere is caught without copying results to the host. Reports the ops run, mismatches, and the
-device memory in use after one warm-up pass (so compilation is not counted as growth), half-way
-and at the end. On GPUs this exercises the CUDA kernels (and, under XLA command buffers, graph replay); in
-reference mode it checks the reference lowering and this harness itself.
+Runs a random sequence of ppermute (random permutations), all_to_all and put_signal + wait exchanges
+(random peers; wait_signal or wait_signal_from), with message sizes from 0 B up to `max_bytes` per
+device, several dtypes, and data that changes every op. Each op is one jitted program that computes
+jaxgin's result and jax.lax's on the same data and counts differing elements on the device, so a
+mismatch anywhere is caught without copying results to the host. Reports the ops run, mismatches,
+and the device memory in use after one warm-up pass (so compilation is not counted as growth),
+half-way and at the end. On GPUs this exercises the CUDA kernels (and, under XLA command buffers,
+graph replay); in reference mode it checks the reference lowering and this harness itself.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class Stress:
                 v = _local(step, n, rows, cols, dtype)
                 ours = jaxgin.all_to_all(v, "x", 0, 0, tiled=True)
                 return _mismatches(ours, jax.lax.all_to_all(v, "x", 0, 0, tiled=True))[None]
-        else:  # put_wait: every device puts to (me + shift) % n, a permutation whatever the shift
+        else:  # put_wait: every device puts to (me + shift) % n, a permutation whatever the shift;
+            # extra = 0 waits with wait_signal (one row of the inbox), 1 with wait_signal_from
             rows, cols = self._shape(min(nbytes, MAILBOX_MAX_BYTES), dtype, 1)
             box_key = (rows, cols, np.dtype(dtype).name)
             if box_key not in self.boxes:
@@ -110,9 +111,13 @@ class Stress:
                 me = jax.lax.axis_index("x")
                 shift = step % (n - 1) + 1 if n > 1 else step * 0
                 token = jaxgin.put_signal(v, box, peer=((me + shift) % n).astype(jnp.int32), axis_name="x")
-                inbox = jaxgin.wait_signal(box, 1, axis_name="x", after=token)
-                expected = jax.lax.all_gather(v, "x")[(me - shift) % n]
-                return _mismatches(inbox[(me - shift) % n], expected)[None]
+                source = ((me - shift) % n).astype(jnp.int32)
+                if extra:
+                    got = jaxgin.wait_signal_from(box, source, axis_name="x", after=token)
+                else:
+                    got = jaxgin.wait_signal(box, 1, axis_name="x", after=token)[source]
+                expected = jax.lax.all_gather(v, "x")[source]
+                return _mismatches(got, expected)[None]
 
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=P("x")))
         self.programs[key] = f
@@ -124,7 +129,7 @@ class Stress:
         for i, nbytes in enumerate(self.sizes):
             for j, dtype in enumerate(DTYPES):
                 keys += [("ppermute", nbytes, dtype, (i + j) % len(self.perms)), ("all_to_all", nbytes, dtype, 0),
-                         ("put_wait", nbytes, dtype, 0)]
+                         ("put_wait", nbytes, dtype, (i + j) % 2)]
         return keys
 
     def run(self, ops: int, check_every: int = 200) -> dict:

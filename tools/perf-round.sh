@@ -15,13 +15,13 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.lo
 python3 -m jaxgin.build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
 case "${1:-tests}" in
   tests)
-    step 300 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
+    step 330 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
     step 200 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py
     step 120 stress python3 -m pytest -x -q -rA tests/gpu/test_reliability_gpu.py -k stress
     ;;
   bench)
     # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).
-    TAIL=40 step 200 latency python3 benchmarks/collectives.py --ops ppermute,all_to_all,put_wait,self_copy \
+    TAIL=40 step 200 latency python3 benchmarks/collectives.py --ops ppermute,all_to_all,put_wait,put_wait_from,self_copy \
       --max-bytes 64KiB --out "$OUT" --name latency
     TAIL=30 step 330 fused python3 benchmarks/fused.py --out "$OUT"
     ;;
