@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -353,14 +354,29 @@ def initialize(
 
 
 def finalize() -> None:
-    """Releases everything initialize() created (GPU memory, communicators). Safe to call twice."""
+    """Releases everything initialize() created (GPU memory, communicators). Safe to call twice.
+
+    After a device fault (a jaxgin wait timed out, a peer died) the GPU's CUDA context is unusable
+    for every library in the process; finalize() then aborts the communicators and resets the GPU,
+    and warns (RuntimeWarning): JAX cannot use that GPU again in this process, and jaxgin's heap
+    (a virtual-memory allocation, which neither the reset nor NCCL can free in a context in error)
+    stays allocated until the process exits. Exit after handling the error."""
     global _state
     state, _state = _state, None
     if state is not None and state.runtime is not None:
+        faults = [line for line in state.runtime.device_faults().splitlines() if line]
         try:
             state.runtime.destroy()
         except RuntimeError as e:
             raise JaxginError(f"jaxgin.finalize() could not release everything: {e}") from None
+        if faults:
+            warnings.warn(
+                "jaxgin.finalize() after a device fault: the GPU's CUDA context was unusable, so it was reset to "
+                "release its memory; jaxgin's symmetric heap stays allocated until the process exits, and JAX "
+                "cannot use this GPU again in this process. The fault: " + faults[0],
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def is_initialized() -> bool:

@@ -176,6 +176,11 @@ class _FakeRuntime:
     def destroy(self):  # jaxgin.finalize() releases the runtime
         pass
 
+    faults = ""
+
+    def device_faults(self):  # finalize() reads them first
+        return self.faults
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
@@ -272,3 +277,19 @@ def test_cuda_selftest_out_of_signals_frees_the_heap(fake_cuda):
         jaxgin.selftest(rounds=1, block_bytes=64, seed=5)
     assert state.heap.available() == heap_free
     assert state.runtime.calls == []
+
+
+def test_finalize_after_a_device_fault_warns_that_the_gpu_was_reset(fake_cuda):
+    """finalize() reads the recorded faults before releasing (the record lives in the context it
+    resets) and says what happened to the GPU, naming the fault."""
+    state = fake_cuda()
+    state.runtime.faults = "device-side wait timed out after 5 s at rank 0\n"
+    with pytest.warns(RuntimeWarning, match=r"was reset to release its memory.*heap stays allocated.*device-side wait timed out"):
+        jaxgin.finalize()
+    assert not jaxgin.is_initialized()
+
+
+def test_finalize_without_faults_is_quiet(fake_cuda, recwarn):
+    fake_cuda()
+    jaxgin.finalize()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

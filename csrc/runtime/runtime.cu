@@ -196,10 +196,12 @@ std::string teardown_device(DeviceState& s) {
   std::string first;
   auto note = [&](const std::string& what) { if (first.empty()) first = what; };
   if (cudaSetDevice(s.device) != cudaSuccess) note("cudaSetDevice failed");
-  // A kernel that trapped leaves the CUDA context unusable: then only ncclCommAbort is safe.
-  cudaError_t sync = cudaDeviceSynchronize();
-  const bool broken = sync != cudaSuccess;
-  if (broken) note(std::string("CUDA device ") + std::to_string(s.device) + " is in error: " + cudaGetErrorString(sync));
+  // A kernel that trapped leaves the CUDA context unusable (the error is sticky: every later call
+  // returns it, so a second synchronize tells it from an error that was merely pending). Then only
+  // ncclCommAbort is safe, and what the context holds comes back only with the context itself: the
+  // device is reset. Whatever else lived in that context (JAX's arrays on this GPU) was lost with
+  // the fault already.
+  const bool broken = cudaDeviceSynchronize() != cudaSuccess && cudaDeviceSynchronize() != cudaSuccess;
   if (!broken) {
     if (s.stream && cudaStreamDestroy(s.stream) != cudaSuccess) note("cudaStreamDestroy failed");
     if (s.context && cudaFree(s.context) != cudaSuccess) note("cudaFree(context) failed");
@@ -218,6 +220,12 @@ std::string teardown_device(DeviceState& s) {
       if (ncclCommDestroy(s.comm) != ncclSuccess) note("ncclCommDestroy failed");
     }
   }
+  // Not the heap: it is a virtual-memory allocation (ncclMemAlloc), which a reset does not return,
+  // and ncclMemFree fails in a context in error (measured on H200: the 2 GiB test heap stayed
+  // until the process exited, while the reset returned the context's other 0.75 GiB).
+  if (broken && cudaDeviceReset() != cudaSuccess)
+    note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
+         "allocated until the process exits");
   s = DeviceState{s.device, s.rank};
   return first;
 }

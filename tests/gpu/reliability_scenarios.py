@@ -2,14 +2,17 @@
 
     python tests/gpu/reliability_scenarios.py stress OPS            # one process, all visible GPUs
     python tests/gpu/reliability_scenarios.py fault RANK N ADDR     # one of N processes, one GPU each
+    python tests/gpu/reliability_scenarios.py memory_model          # one process, all visible GPUs
 
 Each prints one JSON line prefixed with RESULT:.
 """
 
 import json
 import os
+import subprocess
 import sys
 import time
+import warnings
 
 import ops_scenarios
 
@@ -29,12 +32,63 @@ def stress(argv):
     print("RESULT:" + json.dumps(result), flush=True)
 
 
+MEMORY_MODEL_ITERATIONS = 3000
+
+
+def memory_model(argv):
+    """Would catch a missing fence: in one jitted loop, each iteration writes a payload (an XLA
+    fusion right before the put), sends it, waits, and compares every element right after the
+    wait. Element j of the payload sender s writes in iteration i is (i * n + s) * E + j (mod 2^32),
+    so a read that ran ahead of the data sees the previous iteration's value and counts. Three
+    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 64 CTAs write, 16 read) and
+    ppermute's rings (4 MiB over many lanes)."""
+    jax, jaxgin = ops_scenarios._setup(argv)
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ops_scenarios._mesh(jax)
+    n = mesh.size
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    report = {"devices": n, "iterations": MEMORY_MODEL_ITERATIONS, "paths": {}}
+    for path, elements in {"lines": 2048, "slots": 1 << 20, "ppermute": 1 << 20}.items():
+        box = jaxgin.Mailbox(f"memory_model_{path}", (elements,), jnp.uint32)
+
+        def body(dummy, path=path, elements=elements, box=box):
+            me = jax.lax.axis_index("x").astype(jnp.uint32)
+            left = (me + n - 1) % n
+            j = jnp.arange(elements, dtype=jnp.uint32)
+
+            def step(i, bad):
+                i = i.astype(jnp.uint32)
+                payload = (i * n + me) * elements + j + dummy[0]  # written right before the put
+                if path == "ppermute":
+                    got = jaxgin.ppermute(payload, "x", ring)
+                else:
+                    token = jaxgin.put_signal(payload, box, (me + 1) % n, axis_name="x")
+                    got = jaxgin.wait_signal_from(box, left, axis_name="x", after=token)
+                want = (i * n + left) * elements + j + dummy[0]
+                return bad + jnp.sum(got != want, dtype=jnp.int32)  # read right after the wait
+
+            return jax.lax.fori_loop(0, MEMORY_MODEL_ITERATIONS, step, (dummy[0] * 0).astype(jnp.int32))[None]
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        dummy = ops_scenarios._global(jax, mesh, (1,), jnp.uint32, 0) * 0  # zeros XLA cannot fold
+        start = time.perf_counter()
+        counts = ops_scenarios._gather(jax, f(dummy))
+        report["paths"][path] = {"payload_bytes": elements * 4, "mismatched_elements": int(counts.sum()),
+                                 "elements_checked": MEMORY_MODEL_ITERATIONS * elements * n,
+                                 "seconds": time.perf_counter() - start}
+    jaxgin.finalize()
+    print("RESULT:" + json.dumps(report), flush=True)
+
+
 KILL_AT = 20  # iterations the victim completes before it dies
 
 
 def fault(argv):
     """The last rank dies mid-loop (os._exit, no finalize); the others must fail with jaxgin's
-    named wait timeout, not hang. Reports how long after their last good iteration they failed."""
+    named wait timeout, not hang. Reports how long after their last good iteration they failed,
+    then finalizes and reports the GPU memory in use before and after."""
     jax, jaxgin = ops_scenarios._setup(argv)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -58,9 +112,29 @@ def fault(argv):
             error = f"{type(e).__name__}: {e}"[:400]
             break
     seconds = time.perf_counter() - last_good
-    print("RESULT:" + json.dumps({"rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
-                                  "faults": jaxgin.device_faults(), "timeout_s": jaxgin.info()["timeout_s"]}), flush=True)
-    os._exit(0)  # the CUDA context is gone after the trap, and the coordinator's peer is dead
+    report = {"rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
+              "faults": jaxgin.device_faults(), "timeout_s": jaxgin.info()["timeout_s"]}
+    # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
+    report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            jaxgin.finalize()
+            report["finalize_error"] = ""
+        except Exception as e:  # reported, asserted empty by the test
+            report["finalize_error"] = f"{type(e).__name__}: {e}"[:400]
+    report["finalize_warnings"] = [str(w.message)[:300] for w in caught]
+    report["gpu_used_mib_after_finalize"] = _gpu_used_mib(rank)
+    print("RESULT:" + json.dumps(report), flush=True)
+    os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
+
+
+def _gpu_used_mib(index: int) -> int | None:
+    """Memory in use on GPU `index` (nvidia-smi, outside this process's CUDA context, which may be
+    broken): with one process per GPU, what this process holds there."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(index)],
+                         capture_output=True, text=True, check=False)
+    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else None
 
 
 if __name__ == "__main__":
