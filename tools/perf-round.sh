@@ -3,6 +3,7 @@
 # what the round changes, then the benchmarks, each step bounded. Usage:
 #   bash tools/perf-round.sh tests      # ops (lines and ring), fused and stress GPU tests
 #   bash tools/perf-round.sh bench      # small-message latency and the fused benchmark
+#   bash tools/perf-round.sh reliability  # ops and reliability GPU tests (fault, memory model, stress), latency
 # Logs and JSON go to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
@@ -18,6 +19,12 @@ case "${1:-tests}" in
     step 330 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
     step 200 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py
     step 120 stress python3 -m pytest -x -q -rA tests/gpu/test_reliability_gpu.py -k stress
+    ;;
+  reliability)
+    step 200 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
+    step 260 reliability python3 -m pytest -q -rA tests/gpu/test_reliability_gpu.py
+    TAIL=40 step 120 latency python3 benchmarks/collectives.py --ops ppermute,put_wait,put_wait_from,self_copy \
+      --max-bytes 64KiB --out "$OUT" --name latency
     ;;
   bench)
     # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).
