@@ -152,9 +152,8 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const jaxgin_context
     return;
   }
   if (linear_thread() == 0) check_peer(ctx, p.rank, (jaxgin_op_tag)plan.op);
-  // Both sides choose lines alike: the size is the plan's and the route is symmetric. Such a
-  // message is one chunk (JAXGIN_LINE_MAX_BYTES is the smallest chunk), so lane is 0 here.
-  if (plan.bytes <= JAXGIN_LINE_MAX_BYTES && !routes_through_gin(ctx, p.rank)) {
+  // A line message is one chunk (JAXGIN_LINE_MAX_BYTES is the smallest chunk), so lane is 0 here.
+  if (travels_as_lines(ctx, plan.bytes, p.rank)) {
     if (sender && (p.roles & kSend)) send_lines(ctx, plan, p);
     if (!sender && (p.roles & kReceive)) receive_lines(ctx, plan, p);
     return;

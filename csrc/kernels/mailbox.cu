@@ -49,10 +49,6 @@ __device__ __forceinline__ uint32_t data_signal(const mailbox_desc& box, int sen
 __device__ __forceinline__ uint32_t credit_signal(const mailbox_desc& box, int receiver) {
   return box.signal_base + (uint32_t)(box.axis_size + receiver);
 }
-// Whether puts between this rank and global rank `rank` (either direction) travel as lines.
-__device__ __forceinline__ bool travels_as_lines(const jaxgin_context* ctx, const mailbox_desc& box, int rank) {
-  return box.line_slot_bytes != 0 && !routes_through_gin(ctx, rank);
-}
 
 // [begin, end) of `bytes` that part `part` of `parts` handles, 16-byte aligned starts.
 __device__ __forceinline__ void part_range(uint64_t bytes, uint32_t part, uint32_t parts, uint64_t& begin,
@@ -99,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
     wait_until(ctx, credit_signal(box, peer), epoch, JAXGIN_OP_PUT_SIGNAL, rank);
   }
   __syncthreads();
-  if (travels_as_lines(ctx, box, rank)) {  // one CTA: a line-sized payload is one put part
+  if (travels_as_lines(ctx, box.payload_bytes, rank)) {  // one CTA: a line-sized payload is one put part
     line* dst = static_cast<line*>(ncclGetPeerPointer(ctx->window, line_slot_offset(box, box.my_index), rank));
     const uint32_t flag = line_flag(epoch);
     for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads()) {
@@ -142,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
 // gets the same answer). Reads only; consumed counts change after the wait decided.
 __device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box, int s) {
   const uint32_t signal = data_signal(box, s);
-  if (travels_as_lines(ctx, box, box.ranks[s])) {
+  if (travels_as_lines(ctx, box.payload_bytes, box.ranks[s])) {
     const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
     const uint32_t flag = line_flag(ctx->consumed[signal]);
     bool mine = true;
@@ -190,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) decide_kernel(const jaxgin_context* 
 // Part [begin, end) of sender `s`'s taken put, from its slot or its lines, into `row`.
 __device__ __forceinline__ void copy_out(const jaxgin_context* ctx, const mailbox_desc& box, int s, char* row,
                                          uint64_t begin, uint64_t end) {
-  if (travels_as_lines(ctx, box, box.ranks[s])) {
+  if (travels_as_lines(ctx, box.payload_bytes, box.ranks[s])) {
     // begin is a multiple of 16 and end is too unless it is the payload's end: whole lines.
     const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
     for (uint64_t i = begin / 8 + linear_thread(); i < (end + 7) / 8; i += block_threads()) {
@@ -249,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) wait_from_kernel(const jaxgin_contex
   const uint32_t signal = data_signal(box, s);
   uint64_t begin, end;
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
-  if (travels_as_lines(ctx, box, box.ranks[s])) {  // one CTA: at most 8 KiB of output
+  if (travels_as_lines(ctx, box.payload_bytes, box.ranks[s])) {  // one CTA: at most 8 KiB of output
     const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
     const uint64_t expected = ctx->consumed[signal];
     for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads()) {

@@ -4,6 +4,7 @@
 #include <stdint.h>
 
 #include "../device/impl/context__types.h"
+#include "../device/impl/line__funcs.h"
 #include "exchange.h"
 
 namespace jaxgin {
@@ -34,7 +35,7 @@ __host__ __device__ inline uint64_t mailbox_slot_bytes(uint64_t payload_bytes) {
 }
 
 __host__ __device__ inline uint64_t mailbox_line_slot_bytes(uint64_t payload_bytes) {
-  return payload_bytes > JAXGIN_LINE_MAX_BYTES ? 0 : 16 * (payload_bytes == 0 ? 1 : (payload_bytes + 7) / 8);
+  return payload_bytes > JAXGIN_LINE_MAX_BYTES ? 0 : sizeof(line) * line_count(payload_bytes);
 }
 
 __host__ __device__ inline uint64_t mailbox_bytes(uint64_t payload_bytes, int axis_size) {

@@ -9,6 +9,7 @@
 // the sender writes message n + 1 only after the receiver read message n (a credit).
 #pragma once
 #include "fault__funcs.h"
+#include "transport__funcs.h"
 
 namespace jaxgin {
 
@@ -80,6 +81,13 @@ __device__ __forceinline__ line await_line(const jaxgin_context* ctx, const line
     if (deadline == 0) deadline = now + ctx->timeout_ns;
     else if (now > deadline) on_timeout();
   }
+}
+
+// Whether a message of `bytes` between this rank and `peer` travels as lines: small enough, and to
+// an LSA (NVLink) peer rather than through GIN. Both ends decide alike: both know the size, and
+// the route is symmetric.
+__device__ __forceinline__ bool travels_as_lines(const jaxgin_context* ctx, uint64_t bytes, int peer) {
+  return bytes <= JAXGIN_LINE_MAX_BYTES && !routes_through_gin(ctx, peer);
 }
 
 // Lines a message of `bytes` takes (an empty message still takes one, to carry its flag).
