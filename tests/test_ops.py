@@ -816,18 +816,6 @@ def test_wait_signal_from_bad_source_type(init, request, source):
         _trace(mesh_of(4), body)
 
 
-def test_wait_signal_from_token_of_another_mailbox(init, request):
-    a = jaxgin.Mailbox(_mailbox_name(request) + "a", (3,), jnp.float32)
-    b = jaxgin.Mailbox(_mailbox_name(request) + "b", (3,), jnp.float32)
-
-    def body(v):
-        token = jaxgin.put_signal(v[0], a, 0, axis_name="x")
-        return jaxgin.wait_signal_from(b, 0, axis_name="x", after=token)[None]
-
-    with pytest.raises(ValueError, match="wait_signal_from: a token of mailbox"):
-        _trace(mesh_of(4), body)
-
-
 def test_wait_signal_from_is_not_differentiable(init, request):
     box = jaxgin.Mailbox(_mailbox_name(request), (3,), jnp.float32)
 
@@ -931,15 +919,19 @@ def test_wait_signal_count_bounds_are_accepted(init, request):
         _trace(mesh_of(4), body)
 
 
-def test_wait_signal_token_of_another_mailbox(init, request):
+@pytest.mark.parametrize("op", ["wait_signal", "wait_signal_from"])
+def test_wait_signal_token_of_another_mailbox(init, request, op):
     a = jaxgin.Mailbox(_mailbox_name(request) + "a", (3,), jnp.float32)
     b = jaxgin.Mailbox(_mailbox_name(request) + "b", (3,), jnp.float32)
 
     def body(v):
         token = jaxgin.put_signal(v[0], a, 0, axis_name="x")
-        return jaxgin.wait_signal(b, 1, axis_name="x", after=token)
+        if op == "wait_signal":
+            return jaxgin.wait_signal(b, 1, axis_name="x", after=token)
+        return jaxgin.wait_signal_from(b, 0, axis_name="x", after=token)[None]
 
-    with pytest.raises(ValueError, match=re.escape(f"a token of mailbox {a.name!r} was passed to wait on {b.name!r}")):
+    message = f"jaxgin.{op}: a token of mailbox {a.name!r} was passed to wait on {b.name!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
         _trace(mesh_of(4), body)
 
 
