@@ -135,6 +135,7 @@ def _spec_layout(x, ids, n, experts, capacity):
     (4, 5, 16, 8, None, jnp.float32),
     (4, 8, 8, 2, 9, jnp.float32),  # capacity too small: entries dropped and counted
     (8, 3, 8, 1, None, jnp.float16),
+    (2, 300, 8, 4, None, jnp.float32),  # 1200 entries per GPU: the routing's prefix counts span blocks
 ])
 def test_dispatch_layout_follows_the_spec(init, n, tokens, experts, top_k, capacity, dtype):
     mesh = _mesh(n)

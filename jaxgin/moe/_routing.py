@@ -61,6 +61,39 @@ class SourceRoute:
 jax.tree_util.register_dataclass(SourceRoute, data_fields=["slot", "meta", "dest", "send_counts"], meta_fields=[])
 
 
+# Rows of one block in the prefix counts below: the work is (entries x _BLOCK) comparisons, all
+# fused by XLA into a few elementwise-reduce kernels (no sort, no scatter).
+_BLOCK = 256
+
+
+def _exclusive_prefix(a):
+    """int32 [N, C] -> out[i, c] = sum over j < i of a[j, c]. Blocked: within a block by a
+    lower-triangular masked sum, across blocks by a cumsum of block totals (N / _BLOCK rows)."""
+    n, c = a.shape
+    nb = -(-n // _BLOCK)
+    blocks = jnp.pad(a, ((0, nb * _BLOCK - n), (0, 0))).reshape(nb, _BLOCK, c)
+    totals = jnp.sum(blocks, axis=1)
+    before = jnp.cumsum(totals, axis=0) - totals
+    earlier = jnp.tril(jnp.ones((_BLOCK, _BLOCK), bool), -1)  # [i, j]: j comes before i
+    within = jnp.sum(jnp.where(earlier[None, :, :, None], blocks[:, None, :, :], 0), axis=2, dtype=jnp.int32)
+    return (before[:, None, :] + within).reshape(nb * _BLOCK, c)[:n]
+
+
+def _rank_among_equal(keys, bins: int):
+    """keys int32 [N] in [0, bins) -> (rank[i] = number of j < i with keys[j] == keys[i],
+    totals[b] = number of keys equal to b). Blocked like _exclusive_prefix, with per-block
+    histograms instead of one-hot prefix sums (N x bins would not fit the within-block form)."""
+    n = keys.shape[0]
+    nb = -(-n // _BLOCK)
+    blocks = jnp.pad(keys, (0, nb * _BLOCK - n), constant_values=bins).reshape(nb, _BLOCK)  # pad: no bin
+    hist = jnp.sum(blocks[:, :, None] == jnp.arange(bins, dtype=jnp.int32), axis=1, dtype=jnp.int32)  # [nb, bins]
+    before = jnp.cumsum(hist, axis=0) - hist
+    earlier = jnp.tril(jnp.ones((_BLOCK, _BLOCK), bool), -1)
+    within = jnp.sum((blocks[:, :, None] == blocks[:, None, :]) & earlier[None], axis=2, dtype=jnp.int32)
+    rank = jnp.take_along_axis(before, jnp.minimum(blocks, bins - 1), axis=1) + within
+    return rank.reshape(-1)[:n], jnp.sum(hist, axis=0)
+
+
 def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     """(routing, entries with an expert id outside [0, num_experts): not sent, reported as dropped)."""
     t, k, p, el = plan.tokens, plan.top_k, plan.size, plan.local_experts
@@ -69,16 +102,10 @@ def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     ids = jnp.where(valid, ids, plan.num_experts)  # a bin past the last expert, owned by no GPU
     dest, local = jnp.where(valid, ids // el, -1), ids % el
     goes = jnp.any(dest[:, :, None] == jnp.arange(p, dtype=jnp.int32), axis=1)  # [T, P]
-    slot = jnp.where(goes, jnp.cumsum(goes, axis=0, dtype=jnp.int32) - 1, -1)
-    # rank of each entry among this GPU's entries for the same expert, (token, k) order: a stable
-    # sort by expert id, minus where that expert's run starts.
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    per_expert = jnp.bincount(flat, length=plan.num_experts + 1).astype(jnp.int32)
-    starts = jnp.cumsum(per_expert) - per_expert
-    rank_sorted = jnp.arange(t * k, dtype=jnp.int32) - starts[flat[order]]
-    rank = jnp.zeros_like(flat).at[order].set(rank_sorted).reshape(t, k)
-    code = local + el * rank
+    slot = jnp.where(goes, _exclusive_prefix(goes.astype(jnp.int32)), -1)
+    # rank of each entry among this GPU's entries for the same expert, in (token, k) order
+    rank, per_expert = _rank_among_equal(ids.reshape(-1), plan.num_experts + 1)
+    code = local + el * rank.reshape(t, k)
     meta = jnp.where(dest[:, None, :] == jnp.arange(p, dtype=jnp.int32)[None, :, None], code[:, None, :], -1)
     send_counts = jnp.concatenate(
         [per_expert[:-1].reshape(p, el), jnp.sum(goes, axis=0, dtype=jnp.int32)[:, None]], axis=1
