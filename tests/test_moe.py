@@ -278,7 +278,7 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain):
                     flags="*i64", state="*i64", out_x="*bf16", out_pos="*i32", out_w="*fp32",
                     out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
     dispatch = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
-        T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16))
+        T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16, PR=3))
     pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
                     back="*bf16", flags="*i64", state="*i64", out="*bf16")
     combine = compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1,

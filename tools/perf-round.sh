@@ -4,6 +4,7 @@
 #   bash tools/perf-round.sh tests      # ops (lines and ring), fused and stress GPU tests
 #   bash tools/perf-round.sh bench      # small-message latency and the fused benchmark
 #   bash tools/perf-round.sh reliability  # ops and reliability GPU tests (fault, memory model, stress), latency
+#   bash tools/perf-round.sh moe        # MoE GPU tests, then the MoE benchmark
 # Logs and JSON go to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
@@ -25,6 +26,10 @@ case "${1:-tests}" in
     step 260 reliability python3 -m pytest -q -rA tests/gpu/test_reliability_gpu.py
     TAIL=40 step 120 latency python3 benchmarks/collectives.py --ops ppermute,put_wait,put_wait_from,self_copy \
       --max-bytes 64KiB --out "$OUT" --name latency
+    ;;
+  moe)
+    step 300 moe python3 -m pytest -x -q -rA tests/gpu/test_moe_gpu.py
+    TAIL=30 step 240 moe_bench python3 benchmarks/moe.py --out "$OUT"
     ;;
   bench)
     # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).

@@ -7,13 +7,17 @@ resident for its "everything sent" flag to be raised; a grid larger than the GPU
 waiting programs occupying the SMs that the unsent work needs.
 
 dispatch (routing arithmetic: _routing.py):
-  1. token blocks: each token's row goes once to every GPU that owns one of its experts, into this
-     GPU's staging area there (row slot[t, d]), with its codes and weights (NVLink stores);
-  2. the last program to finish sending writes this GPU's counts into every peer's counts area
-     and sets this GPU's flag there (release: every program's stores precede it);
-  3. after all P flags: each received row is copied from staging into the expert-grouped output
-     once per entry that landed here (placement computed from the received counts), its positions
-     and weights written out for combine; rows past the last entry are zeroed.
+  1. counts first: program 0 writes this GPU's send counts into every GPU's counts area and raises
+     this GPU's counts flag there; every program waits for all P, so from then on every GPU knows
+     where each source's entries land in its grouped output;
+  2. token blocks: each token's row is loaded once, stored into this GPU's staging area on every
+     other GPU that owns one of its experts (NVLink) and straight to its grouped positions here for
+     the entries whose experts are local (no staging for this GPU's own tokens), so the local
+     placement runs while the NVLink stores drain;
+  3. the last program to finish sending raises this GPU's data flag on every GPU (release: every
+     program's stores precede it); rows past the last kept entry are zeroed meanwhile;
+  4. after the other GPUs' data flags: each row received from them is copied from staging into the
+     grouped output once per entry that landed here, its positions and weights written for combine.
 combine:
   1. every received token's entries are reduced (weighted, float32) into one row that goes back
      to the GPU it came from, into this GPU's slot of that GPU's return area;
@@ -62,18 +66,38 @@ def _finished(state, epoch, nprog):
 
 
 @triton.jit
+def _first_rows(counts, es, ps, source, EL: tl.constexpr):
+    """[BE] first grouped row of (local expert e, source) from the received counts [BP, BE]."""
+    pairs = tl.where((es < EL)[None, :], counts, 0)  # [BP, BE] entries from source s for expert e
+    total = tl.sum(pairs, axis=0)
+    base = tl.cumsum(total, axis=0) - total
+    return base + tl.sum(tl.where((ps < source)[:, None], pairs, 0), axis=0)
+
+
+@triton.jit
+def _positions(codes, start, es, C: tl.constexpr, EL: tl.constexpr):
+    """Grouped rows of [rows, K] entry codes (local expert + EL * rank; -1: none) given the first
+    row of each expert for their source; -1 where nothing lands (no entry, or past capacity)."""
+    e = tl.where(codes >= 0, codes % EL, 0)
+    first = tl.sum(tl.where(e[:, :, None] == es[None, None, :], start[None, None, :], 0), axis=2)
+    pos = first + codes // EL
+    return tl.where((codes >= 0) & (pos < C), pos, -1)
+
+
+@triton.jit
 def dispatch_kernel(
     ctx, x, slot, meta, weights, send_counts, route,
     stage_x, stage_meta, stage_w, stage_counts, flags, state,
     out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
-    BZ: tl.constexpr,
+    BZ: tl.constexpr, PR: tl.constexpr,
 ):
     """x [T, H] -> out_x [C, H] grouped by local expert. Staging on every GPU: stage_x [2, P, T, H],
-    stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1] (half, source, row).
-    out_pos / out_w [P, T, K]: where entry k of the row from source s landed (-1: nowhere) and its
-    weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows per source; out_dropped [1]."""
+    stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1] (half, source, row); flags [2, P]
+    (counts, data; by source). out_pos / out_w [P, T, K]: where entry k of the row from source s
+    landed (-1: nowhere) and its weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows
+    per source; out_dropped [1]. PR = max(P - 1, 1), the other GPUs (as a divisor)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -86,7 +110,23 @@ def dispatch_kernel(
     ps = tl.arange(0, BP)
     es = tl.arange(0, BE)
 
-    # 1. Send every token once to each GPU that owns one of its experts.
+    # 1. Counts first.
+    if pid == 0:
+        for d in tl.static_range(P):
+            peer = tl.load(route + 1 + d)
+            counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
+            tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
+                     mask=es < EL + 1)
+            tgl.set_flag(ctx, flags + me, epoch + 1, peer)
+    for source in tl.static_range(P):
+        tgl.wait_flag(ctx, flags + source, epoch + 1)
+    counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
+                     mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
+    rows_from = tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)  # [BP]
+    my_start = _first_rows(counts, es, ps, me, EL)
+    my_rows = tl.sum(tl.where(ps == me, rows_from, 0))
+
+    # 2. Token blocks: to the other GPUs' staging, and this GPU's own entries straight into place.
     for blk in range(pid, TB, nprog):
         t = blk * BT + tl.arange(0, BT)
         t_ok = t < T
@@ -94,12 +134,23 @@ def dispatch_kernel(
         w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         for d in tl.static_range(P):
             sl = _column(slots, ps, d)
-            go = (sl >= 0)[:, None] & k_ok[None, :]
+            go = ((sl >= 0) & (d != me))[:, None] & k_ok[None, :]
             peer = tl.load(route + 1 + d)
             row = (half * P + me) * T + sl
             codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go, other=-1)
             tl.store(tgl.peer_ptr(ctx, stage_meta, peer) + row[:, None] * K + ks[None, :], codes, mask=go)
             tl.store(tgl.peer_ptr(ctx, stage_w, peer) + row[:, None] * K + ks[None, :], w_rows, mask=go)
+        mine = _column(slots, ps, me)  # this GPU's own row of each token, -1 where it has no entry here
+        here = (mine >= 0)[:, None] & k_ok[None, :]
+        codes = tl.load(meta + (t[:, None] * P + me) * K + ks[None, :], mask=here, other=-1)
+        pos = _positions(codes, my_start, es, C, EL)
+        tl.store(out_pos + (me * T + mine)[:, None] * K + ks[None, :], pos, mask=here)
+        tl.store(out_w + (me * T + mine)[:, None] * K + ks[None, :], tl.where(pos >= 0, w_rows, 0.0), mask=here)
+        # rows of this block's range past this GPU's own rows hold nothing
+        r = blk * BT + tl.arange(0, BT)
+        empty = ((r >= my_rows) & (r < T))[:, None] & k_ok[None, :]
+        tl.store(out_pos + (me * T + r)[:, None] * K + ks[None, :], tl.full((BT, BK), -1, tl.int32), mask=empty)
+        tl.store(out_w + (me * T + r)[:, None] * K + ks[None, :], tl.zeros((BT, BK), tl.float32), mask=empty)
         for h0 in range(0, H, BH):
             h = h0 + hs
             h_ok = h < H
@@ -109,51 +160,17 @@ def dispatch_kernel(
                 peer = tl.load(route + 1 + d)
                 row = ((half * P + me) * T + sl).to(tl.int64)
                 tl.store(tgl.peer_ptr(ctx, stage_x, peer) + row[:, None] * H + h[None, :], rows,
-                         mask=(sl >= 0)[:, None] & h_ok[None, :])
-
-    # 2. The last program announces this GPU's counts and raises its flag on every GPU.
-    if _sent(state, nprog):
-        for d in tl.static_range(P):
-            peer = tl.load(route + 1 + d)
-            counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
-            tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
-                     mask=es < EL + 1)
-            tgl.set_flag(ctx, flags + me, epoch + 1, peer)
-
-    # 3. Place what arrived.
-    for source in tl.static_range(P):
-        tgl.wait_flag(ctx, flags + source, epoch + 1)
-    counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
-                     mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
-    pairs = tl.where((es < EL)[None, :], counts, 0)  # [BP, BE] entries from source s for expert e
-    total = tl.sum(pairs, axis=0)
-    base = tl.cumsum(total, axis=0) - total
-    rows_from = tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)  # [BP]
-    for item in range(pid, P * TB, nprog):
-        s = item // TB
-        r = (item % TB) * BT + tl.arange(0, BT)
-        r_ok = r < tl.sum(tl.where(ps == s, rows_from, 0))
-        start = base + tl.sum(tl.where((ps < s)[:, None], pairs, 0), axis=0)  # [BE] first row of (e, s)
-        srow = (half * P + s) * T + r
-        present = r_ok[:, None] & k_ok[None, :]
-        codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
-        w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
-        e = tl.where(codes >= 0, codes % EL, 0)
-        first = tl.sum(tl.where(e[:, :, None] == es[None, None, :], start[None, None, :], 0), axis=2)
-        pos = first + codes // EL
-        ok = (codes >= 0) & (pos < C)
-        pos = tl.where(ok, pos, -1)
-        mine = (r < T)[:, None] & k_ok[None, :]
-        tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=mine)
-        tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(ok, w, 0.0), mask=mine)
-        for h0 in range(0, H, BH):
-            h = h0 + hs
-            h_ok = h < H
-            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :],
-                           cache_modifier=".cg")
+                         mask=((sl >= 0) & (d != me))[:, None] & h_ok[None, :])
             for k in tl.static_range(K):
                 pk = _column(pos, ks, k)
                 tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
+
+    # 3. The last program raises this GPU's data flag everywhere; meanwhile, zero the unused rows.
+    if _sent(state, nprog):
+        for d in tl.static_range(P):
+            tgl.set_flag(ctx, flags + P + me, epoch + 1, tl.load(route + 1 + d))
+    pairs = tl.where((es < EL)[None, :], counts, 0)
+    total = tl.sum(pairs, axis=0)
     filled = tl.minimum(tl.sum(total), C)
     for zb in range(pid, (C + BZ - 1) // BZ, nprog):
         z = zb * BZ + tl.arange(0, BZ)
@@ -163,7 +180,33 @@ def dispatch_kernel(
                 h = h0 + hs
                 tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
                          tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
+
+    # 4. Place the rows that arrived from the other GPUs (items alternate between sources).
+    for source in tl.static_range(P):
+        tgl.wait_flag(ctx, flags + P + source, epoch + 1)
+    for item in range(pid, (P - 1) * TB, nprog):
+        other = item % PR
+        s = other + (other >= me).to(tl.int32)
+        r = (item // PR) * BT + tl.arange(0, BT)
+        r_ok = r < tl.sum(tl.where(ps == s, rows_from, 0))
+        srow = (half * P + s) * T + r
+        present = r_ok[:, None] & k_ok[None, :]
+        codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
+        w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
+        pos = _positions(codes, _first_rows(counts, es, ps, s, EL), es, C, EL)
+        rows_ok = (r < T)[:, None] & k_ok[None, :]
+        tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=rows_ok)
+        tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(pos >= 0, w, 0.0), mask=rows_ok)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            h_ok = h < H
+            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :],
+                           cache_modifier=".cg")
+            for k in tl.static_range(K):
+                pk = _column(pos, ks, k)
+                tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
     if pid == 0:
+        base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)
         tl.store(out_expert_counts + es, kept, mask=es < EL)
         tl.store(out_rows + ps, rows_from, mask=ps < P)
@@ -192,8 +235,8 @@ def combine_kernel(
 
     # 1. Reduce each received token's entries here; send one row home.
     for item in range(pid, P * TB, nprog):
-        s = item // TB
-        r = (item % TB) * BT + tl.arange(0, BT)
+        s = item % P  # sources alternate, so NVLink stores and local ones interleave on every SM
+        r = (item // P) * BT + tl.arange(0, BT)
         r_ok = r < tl.load(rows + s)
         present = r_ok[:, None] & k_ok[None, :]
         landed = tl.load(pos + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=-1)

@@ -174,7 +174,7 @@ def _buffers(state, plan: Plan):
         cache[key] = dict(
             stage_x=sym((2, p, t, h), plan.dtype), stage_meta=sym((2, p, t, k), np.int32),
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
-            dispatch_flags=sym((p,), np.int64, True), dispatch_state=sym((4,), np.int64, True),
+            dispatch_flags=sym((2, p), np.int64, True), dispatch_state=sym((4,), np.int64, True),
             back=sym((2, p, t, h), plan.dtype),
             combine_flags=sym((p,), np.int64, True), combine_state=sym((4,), np.int64, True),
         )
@@ -210,6 +210,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
         ],
         num_warps=warps, num_stages=1,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
+        PR=max(p - 1, 1),
     )
     grouped, positions, weights_out, counts, rows, dropped = outs
     return grouped, positions, weights_out, counts, rows, dropped.reshape(())
