@@ -1,34 +1,38 @@
 """Triton kernels of MoE dispatch and combine (tritongin device functions for the communication).
 
 One launch per op, so consecutive calls never interleave on a GPU. Both kernels are persistent:
-the grid is at most one program per SM and programs loop over work items, because every program
-first sends, then waits for what all GPUs (itself included) sent. All programs of a GPU must be
-resident for its "everything sent" flag to be raised; a grid larger than the GPU could leave
-waiting programs occupying the SMs that the unsent work needs.
+the grid is at most one program per SM and programs loop over work items, because programs wait
+for what other programs (of this GPU or of others) sent. All programs of every GPU must be resident
+for those waits to end; a grid larger than the GPU could leave waiting programs occupying the SMs
+that the unsent work needs.
 
 dispatch (routing arithmetic: _routing.py):
-  1. counts first: program 0 writes this GPU's send counts into every GPU's counts area and raises
-     this GPU's counts flag there; every program waits for all P, so from then on every GPU knows
-     where each source's entries land in its grouped output;
-  2. token blocks: each token's row is loaded once, stored into this GPU's staging area on every
-     other GPU that owns one of its experts (NVLink) and straight to its grouped positions here for
-     the entries whose experts are local (no staging for this GPU's own tokens), so the local
-     placement runs while the NVLink stores drain;
-  3. the last program to finish sending raises this GPU's data flag on every GPU (release: every
-     program's stores precede it); rows past the last kept entry are zeroed meanwhile;
-  4. after the other GPUs' data flags: each row received from them is copied from staging into the
-     grouped output once per entry that landed here, its positions and weights written for combine.
+  1. counts first: program 0 writes this GPU's send counts, and where each of its token blocks'
+     rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
+     there; every program waits for all P, so from then on every GPU knows where each source's
+     entries land in its grouped output, and which staging rows each source block fills;
+  2. the programs split in two kinds, so that stores bound by NVLink and stores bound by HBM never
+     wait behind each other in one SM (a warp stalled on a full NVLink queue stalls its local
+     stores too). Senders (a fraction of the SMs) store every token block into this GPU's staging
+     area on every other GPU that owns one of its experts, in block order, and raise the block's
+     flag there (release). Placers meanwhile put this GPU's own entries from x straight into their
+     grouped rows (no staging for this GPU's own tokens), zero the rows past the last kept entry,
+     then take the other GPUs' blocks as their flags come up: each received row is copied from
+     staging into the grouped output once per entry that landed here, with its positions and
+     weights for combine.
 combine:
   1. every received token's entries are reduced (weighted, float32) into one row that goes back
      to the GPU it came from, into this GPU's slot of that GPU's return area;
-  2. flags as above;
+  2. the last program to finish sending raises this GPU's flag on every GPU (release: every
+     program's stores precede it);
   3. every token adds up what each GPU returned for it.
 
-Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return areas have two halves
-picked by a device-side call counter (state[0]) that the last program to finish advances; a GPU
-that starts call n has received every peer's data of call n - 1, so no peer still reads the half
-call n writes. state[1] counts programs done sending, state[2] programs done altogether.
-Nothing depends on host values, so CUDA-graph replay is right.
+Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/counts areas have two
+halves picked by a device-side call counter (state[0]) that the last program to finish advances; a
+GPU that starts call n + 1 has received a flag of every peer's call n, so every peer finished call
+n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so they need no
+reset. state[1] counts programs done sending, state[2] programs done altogether. Nothing depends
+on host values, so CUDA-graph replay is right.
 """
 
 import triton
@@ -85,38 +89,159 @@ def _positions(codes, start, es, C: tl.constexpr, EL: tl.constexpr):
 
 
 @triton.jit
+def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags, me, half, epoch,
+                T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
+    tokens' experts, then the block's flag there (release)."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    ks = tl.arange(0, BK)
+    k_ok = ks < K
+    hs = tl.arange(0, BH)
+    ps = tl.arange(0, BP)
+    t = blk * BT + tl.arange(0, BT)
+    t_ok = t < T
+    slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
+    w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+    for d in tl.static_range(P):
+        if d != me:
+            sl = _column(slots, ps, d)
+            go = sl >= 0
+            peer = tl.load(route + 1 + d)
+            row = (half * P + me) * T + sl
+            codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & k_ok[None, :], other=-1)
+            tl.store(tgl.peer_ptr(ctx, stage_meta, peer) + row[:, None] * K + ks[None, :], codes,
+                     mask=go[:, None] & k_ok[None, :])
+            tl.store(tgl.peer_ptr(ctx, stage_w, peer) + row[:, None] * K + ks[None, :], w_rows,
+                     mask=go[:, None] & k_ok[None, :])
+            # The peer's address once per block and peer: it is a chain of dependent loads in the
+            # device library, which the compiler cannot hoist out of the column loop by itself.
+            dst = tgl.peer_ptr(ctx, stage_x, peer) + row.to(tl.int64)[:, None] * H
+            for h0 in range(0, H, BH):
+                h = h0 + hs
+                h_ok = go[:, None] & (h < H)[None, :]
+                rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=h_ok)
+                tl.store(dst + h[None, :], rows, mask=h_ok)
+    for d in tl.static_range(P):
+        if d != me:
+            tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, tl.load(route + 1 + d))
+
+
+@triton.jit
+def _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
+                     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+    """This GPU's own entries of token block `blk`, from x straight into their grouped rows."""
+    ks = tl.arange(0, BK)
+    k_ok = ks < K
+    hs = tl.arange(0, BH)
+    es = tl.arange(0, BE)
+    t = blk * BT + tl.arange(0, BT)
+    t_ok = t < T
+    mine = tl.load(slot + t * P + me, mask=t_ok, other=-1)  # own row of each token, -1: no entry here
+    here = (mine >= 0)[:, None] & k_ok[None, :]
+    w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=here, other=0.0)
+    codes = tl.load(meta + (t[:, None] * P + me) * K + ks[None, :], mask=here, other=-1)
+    pos = _positions(codes, my_start, es, C, EL)
+    tl.store(out_pos + (me * T + mine)[:, None] * K + ks[None, :], pos, mask=here)
+    tl.store(out_w + (me * T + mine)[:, None] * K + ks[None, :], tl.where(pos >= 0, w_rows, 0.0), mask=here)
+    _no_rows_past(out_pos, out_w, me, blk, my_rows, T, K, BT, BK)
+    for h0 in range(0, H, BH):
+        h = h0 + hs
+        h_ok = h < H
+        rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=(mine >= 0)[:, None] & h_ok[None, :])
+        for k in tl.static_range(K):
+            pk = _column(pos, ks, k)
+            tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _no_rows_past(out_pos, out_w, source, blk, rows, T: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr):
+    """Rows of block `blk`'s range at or past `rows` (what `source` sent here) hold no entry."""
+    ks = tl.arange(0, BK)
+    r = blk * BT + tl.arange(0, BT)
+    empty = ((r >= rows) & (r < T))[:, None] & (ks < K)[None, :]
+    tl.store(out_pos + (source * T + r)[:, None] * K + ks[None, :], tl.full((BT, BK), -1, tl.int32), mask=empty)
+    tl.store(out_w + (source * T + r)[:, None] * K + ks[None, :], tl.zeros((BT, BK), tl.float32), mask=empty)
+
+
+@triton.jit
+def _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_flags, out_x, out_pos, out_w,
+                 me, half, epoch, counts, rows_from,
+                 T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                 C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                 BE: tl.constexpr):
+    """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    ks = tl.arange(0, BK)
+    k_ok = ks < K
+    hs = tl.arange(0, BH)
+    ps = tl.arange(0, BP)
+    es = tl.arange(0, BE)
+    for other in tl.static_range(P - 1):
+        s = other + (other >= me).to(tl.int32)
+        tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
+        starts = stage_starts + (half * P + s) * (T + 1) + blk
+        first = tl.load(starts, cache_modifier=".cg")
+        r = first + tl.arange(0, BT)
+        r_ok = r < tl.load(starts + 1, cache_modifier=".cg")
+        srow = (half * P + s) * T + r
+        present = r_ok[:, None] & k_ok[None, :]
+        codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
+        w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
+        pos = _positions(codes, _first_rows(counts, es, ps, s, EL), es, C, EL)
+        tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=present)
+        tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(pos >= 0, w, 0.0), mask=present)
+        _no_rows_past(out_pos, out_w, s, blk, tl.sum(tl.where(ps == s, rows_from, 0)), T, K, BT, BK)
+        for h0 in range(0, H, BH):
+            h = h0 + hs
+            h_ok = h < H
+            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :],
+                           cache_modifier=".cg")
+            for k in tl.static_range(K):
+                pk = _column(pos, ks, k)
+                tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
+
+
+@triton.jit
 def dispatch_kernel(
-    ctx, x, slot, meta, weights, send_counts, route,
-    stage_x, stage_meta, stage_w, stage_counts, flags, state,
+    ctx, x, slot, before, meta, weights, send_counts, route,
+    stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
     out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
-    BZ: tl.constexpr, PR: tl.constexpr,
+    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr,
 ):
-    """x [T, H] -> out_x [C, H] grouped by local expert. Staging on every GPU: stage_x [2, P, T, H],
-    stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1] (half, source, row); flags [2, P]
-    (counts, data; by source). out_pos / out_w [P, T, K]: where entry k of the row from source s
-    landed (-1: nowhere) and its weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows
-    per source; out_dropped [1]. PR = max(P - 1, 1), the other GPUs (as a divisor)."""
+    """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, H],
+    stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1], stage_starts [2, P, T + 1]
+    (half, source, row or block: staging row where each block's rows start, then the total);
+    flags [P] (counts, by source); block_flags [P, TB] (by source and token block).
+    out_pos / out_w [P, T, K]: where entry k of the row from source s landed (-1: nowhere) and its
+    weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows per source; out_dropped [1].
+    BB: a power of two > T / BT, the blocks as one vector. NS: programs that send (0 when P = 1),
+    fewer than the grid; the others place."""
     TB: tl.constexpr = (T + BT - 1) // BT
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tl.load(route)
     epoch = tl.load(state)
     half = epoch % 2
-    ks = tl.arange(0, BK)
-    k_ok = ks < K
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
     es = tl.arange(0, BE)
+    bs = tl.arange(0, BB)
 
-    # 1. Counts first.
+    # 1. Counts and block starts first.
     if pid == 0:
         for d in tl.static_range(P):
             peer = tl.load(route + 1 + d)
             counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
             tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
                      mask=es < EL + 1)
+            starts = tl.load(before + tl.minimum(bs * BT, T - 1) * P + d, mask=bs < TB)
+            starts = tl.where(bs < TB, starts, tl.sum(tl.where(es == EL, counts, 0)))
+            tl.store(tgl.peer_ptr(ctx, stage_starts, peer) + (half * P + me) * (T + 1) + bs, starts, mask=bs <= TB)
             tgl.set_flag(ctx, flags + me, epoch + 1, peer)
     for source in tl.static_range(P):
         tgl.wait_flag(ctx, flags + source, epoch + 1)
@@ -126,85 +251,33 @@ def dispatch_kernel(
     my_start = _first_rows(counts, es, ps, me, EL)
     my_rows = tl.sum(tl.where(ps == me, rows_from, 0))
 
-    # 2. Token blocks: to the other GPUs' staging, and this GPU's own entries straight into place.
-    for blk in range(pid, TB, nprog):
-        t = blk * BT + tl.arange(0, BT)
-        t_ok = t < T
-        slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
-        w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        for d in tl.static_range(P):
-            sl = _column(slots, ps, d)
-            go = ((sl >= 0) & (d != me))[:, None] & k_ok[None, :]
-            peer = tl.load(route + 1 + d)
-            row = (half * P + me) * T + sl
-            codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go, other=-1)
-            tl.store(tgl.peer_ptr(ctx, stage_meta, peer) + row[:, None] * K + ks[None, :], codes, mask=go)
-            tl.store(tgl.peer_ptr(ctx, stage_w, peer) + row[:, None] * K + ks[None, :], w_rows, mask=go)
-        mine = _column(slots, ps, me)  # this GPU's own row of each token, -1 where it has no entry here
-        here = (mine >= 0)[:, None] & k_ok[None, :]
-        codes = tl.load(meta + (t[:, None] * P + me) * K + ks[None, :], mask=here, other=-1)
-        pos = _positions(codes, my_start, es, C, EL)
-        tl.store(out_pos + (me * T + mine)[:, None] * K + ks[None, :], pos, mask=here)
-        tl.store(out_w + (me * T + mine)[:, None] * K + ks[None, :], tl.where(pos >= 0, w_rows, 0.0), mask=here)
-        # rows of this block's range past this GPU's own rows hold nothing
-        r = blk * BT + tl.arange(0, BT)
-        empty = ((r >= my_rows) & (r < T))[:, None] & k_ok[None, :]
-        tl.store(out_pos + (me * T + r)[:, None] * K + ks[None, :], tl.full((BT, BK), -1, tl.int32), mask=empty)
-        tl.store(out_w + (me * T + r)[:, None] * K + ks[None, :], tl.zeros((BT, BK), tl.float32), mask=empty)
-        for h0 in range(0, H, BH):
-            h = h0 + hs
-            h_ok = h < H
-            rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :])
-            for d in tl.static_range(P):
-                sl = _column(slots, ps, d)
-                peer = tl.load(route + 1 + d)
-                row = ((half * P + me) * T + sl).to(tl.int64)
-                tl.store(tgl.peer_ptr(ctx, stage_x, peer) + row[:, None] * H + h[None, :], rows,
-                         mask=((sl >= 0) & (d != me))[:, None] & h_ok[None, :])
-            for k in tl.static_range(K):
-                pk = _column(pos, ks, k)
-                tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
-
-    # 3. The last program raises this GPU's data flag everywhere; meanwhile, zero the unused rows.
-    if _sent(state, nprog):
-        for d in tl.static_range(P):
-            tgl.set_flag(ctx, flags + P + me, epoch + 1, tl.load(route + 1 + d))
+    # 2. Senders: every token block to the other GPUs, in block order.
+    SEND_STEP: tl.constexpr = NS if NS > 0 else 1
+    if pid < NS:
+        for blk in range(pid, TB, SEND_STEP):
+            _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
+                        me, half, epoch, T, H, K, P, BT, BH, BK, BP)
+    else:
+        # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
+        q = pid - NS
+        placers = nprog - NS
+        for blk in range(q, TB, placers):
+            _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
+                             T, H, K, P, EL, C, BT, BH, BK, BE)
+        filled = tl.minimum(tl.sum(tl.sum(tl.where((es < EL)[None, :], counts, 0), axis=0)), C)
+        for zb in range(q, (C + BZ - 1) // BZ, placers):
+            z = zb * BZ + tl.arange(0, BZ)
+            if zb * BZ + BZ > filled:
+                z_ok = (z >= filled) & (z < C)
+                for h0 in range(0, H, BH):
+                    h = h0 + hs
+                    tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
+                             tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
+        for blk in range(q, TB, placers):
+            _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_flags, out_x, out_pos, out_w,
+                         me, half, epoch, counts, rows_from, T, H, K, P, EL, C, BT, BH, BK, BP, BE)
     pairs = tl.where((es < EL)[None, :], counts, 0)
     total = tl.sum(pairs, axis=0)
-    filled = tl.minimum(tl.sum(total), C)
-    for zb in range(pid, (C + BZ - 1) // BZ, nprog):
-        z = zb * BZ + tl.arange(0, BZ)
-        if zb * BZ + BZ > filled:
-            z_ok = (z >= filled) & (z < C)
-            for h0 in range(0, H, BH):
-                h = h0 + hs
-                tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
-                         tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
-
-    # 4. Place the rows that arrived from the other GPUs (items alternate between sources).
-    for source in tl.static_range(P):
-        tgl.wait_flag(ctx, flags + P + source, epoch + 1)
-    for item in range(pid, (P - 1) * TB, nprog):
-        other = item % PR
-        s = other + (other >= me).to(tl.int32)
-        r = (item // PR) * BT + tl.arange(0, BT)
-        r_ok = r < tl.sum(tl.where(ps == s, rows_from, 0))
-        srow = (half * P + s) * T + r
-        present = r_ok[:, None] & k_ok[None, :]
-        codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
-        w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
-        pos = _positions(codes, _first_rows(counts, es, ps, s, EL), es, C, EL)
-        rows_ok = (r < T)[:, None] & k_ok[None, :]
-        tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=rows_ok)
-        tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(pos >= 0, w, 0.0), mask=rows_ok)
-        for h0 in range(0, H, BH):
-            h = h0 + hs
-            h_ok = h < H
-            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :],
-                           cache_modifier=".cg")
-            for k in tl.static_range(K):
-                pk = _column(pos, ks, k)
-                tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
     if pid == 0:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)

@@ -53,12 +53,13 @@ class SourceRoute:
     """Source-side routing of one dispatch (arrays, computed by route())."""
 
     slot: jax.Array  # int32 [T, P]: staging row on GPU d, -1 where token t does not go to d
+    before: jax.Array  # int32 [T, P]: tokens before t that go to GPU d (slot where t goes there too)
     meta: jax.Array  # int32 [T, P, K]: code of entry k for GPU d, -1 where its expert is elsewhere
     dest: jax.Array  # int32 [T, K]: GPU of entry k's expert
     send_counts: jax.Array  # int32 [P, EL + 1]: entries per local expert of d, then tokens sent to d
 
 
-jax.tree_util.register_dataclass(SourceRoute, data_fields=["slot", "meta", "dest", "send_counts"], meta_fields=[])
+jax.tree_util.register_dataclass(SourceRoute, data_fields=["slot", "before", "meta", "dest", "send_counts"], meta_fields=[])
 
 
 # Rows of one block in the prefix counts below: the work is (entries x _BLOCK) comparisons, all
@@ -102,7 +103,8 @@ def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     ids = jnp.where(valid, ids, plan.num_experts)  # a bin past the last expert, owned by no GPU
     dest, local = jnp.where(valid, ids // el, -1), ids % el
     goes = jnp.any(dest[:, :, None] == jnp.arange(p, dtype=jnp.int32), axis=1)  # [T, P]
-    slot = jnp.where(goes, _exclusive_prefix(goes.astype(jnp.int32)), -1)
+    before = _exclusive_prefix(goes.astype(jnp.int32))
+    slot = jnp.where(goes, before, -1)
     # rank of each entry among this GPU's entries for the same expert, in (token, k) order
     rank, per_expert = _rank_among_equal(ids.reshape(-1), plan.num_experts + 1)
     code = local + el * rank.reshape(t, k)
@@ -110,7 +112,7 @@ def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     send_counts = jnp.concatenate(
         [per_expert[:-1].reshape(p, el), jnp.sum(goes, axis=0, dtype=jnp.int32)[:, None]], axis=1
     )
-    return SourceRoute(slot, meta, jnp.maximum(dest, 0), send_counts), per_expert[-1]
+    return SourceRoute(slot, before, meta, jnp.maximum(dest, 0), send_counts), per_expert[-1]
 
 
 def placement(counts, codes, capacity: int, local_experts: int):

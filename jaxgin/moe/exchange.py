@@ -142,22 +142,29 @@ def combine_reference(y, weights, positions, rows, route: SourceRoute, plan: Pla
 # ---------------------------------------------------------------------------------------------
 # GPU kernels.
 
-# (tokens per block, hidden columns per step, warps). Low latency: small blocks so a few hundred
-# tokens still spread over many SMs; high throughput: larger blocks for fewer, longer stores.
-_BLOCKS = {_routing.LOW_LATENCY: (2, 1024, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8)}
+# (tokens per block, hidden columns per step, warps, dispatch's sending programs per 8 SMs). Low
+# latency: small blocks so a few hundred tokens still spread over many SMs; high throughput: larger
+# blocks for fewer, longer stores, and 3/8 of the SMs sending (NVLink-bound) while the rest
+# place rows (HBM-bound), so neither kind of store waits behind the other.
+_BLOCKS = {_routing.LOW_LATENCY: (2, 1024, 4, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8, 3)}
 _ZERO_ROWS = 16
 
 
-def _blocks(plan: Plan) -> tuple[int, int, int]:
-    """(tokens per block, hidden columns per step, warps). JAXGIN_MOE_BLOCKS="bt,bh,warps"
-    overrides the mode's preset (benchmarks/moe.py --blocks compares settings with it)."""
+def _blocks(plan: Plan) -> tuple[int, int, int, int]:
+    """The mode's _BLOCKS preset. JAXGIN_MOE_BLOCKS="bt,bh,warps,senders" overrides it
+    (benchmarks/moe.py --blocks compares settings with it)."""
     override = os.environ.get("JAXGIN_MOE_BLOCKS")
     if override:
         try:
-            bt, bh, warps = (int(v) for v in override.split(","))
+            bt, bh, warps, senders = (int(v) for v in override.split(","))
+            if not (bt > 0 and bh > 0 and warps > 0 and 0 < senders < 8):
+                raise ValueError
         except ValueError:
-            raise ValueError(f"JAXGIN_MOE_BLOCKS={override!r}: expected 'tokens,hidden,warps', e.g. '8,1024,8'") from None
-        return bt, bh, warps
+            raise ValueError(
+                f"JAXGIN_MOE_BLOCKS={override!r}: expected 'tokens,hidden,warps,senders' (positive ints, senders: "
+                "dispatch's sending programs per 8 SMs, 1 to 7), e.g. '8,1024,8,2'"
+            ) from None
+        return bt, bh, warps, senders
     return _BLOCKS[plan.mode]
 
 
@@ -174,17 +181,31 @@ def _buffers(state, plan: Plan):
         cache[key] = dict(
             stage_x=sym((2, p, t, h), plan.dtype), stage_meta=sym((2, p, t, k), np.int32),
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
-            dispatch_flags=sym((2, p), np.int64, True), dispatch_state=sym((4,), np.int64, True),
+            stage_starts=sym((2, p, t + 1), np.int32),
+            dispatch_flags=sym((p,), np.int64, True), block_flags=sym((p, t), np.int64, True),
+            dispatch_state=sym((4,), np.int64, True),
             back=sym((2, p, t, h), plan.dtype),
             combine_flags=sym((p,), np.int64, True), combine_state=sym((4,), np.int64, True),
         )
     return cache[key]
 
 
+def _sms(state) -> int:
+    return int(getattr(state.local_devices[0], "core_count", 0) or 132)
+
+
 def _grid(state, items: int) -> int:
     """At most one program per SM: the kernels need every program resident (see _kernels.py)."""
-    sms = int(getattr(state.local_devices[0], "core_count", 0) or 132)
-    return max(1, min(sms, items))
+    return max(1, min(_sms(state), items))
+
+
+def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[int, int]:
+    """(programs, of which senders): dispatch's senders get senders_per_8 / 8 of the SMs (none with
+    one GPU), its placers the rest, each no more than their work items; at most one per SM."""
+    sms = _sms(state)
+    senders = 0 if plan.size == 1 else max(1, min(blocks, sms * senders_per_8 // 8))
+    placers = max(1, min(sms - senders, max(blocks, -(-plan.capacity // _ZERO_ROWS))))
+    return senders + placers, senders
 
 
 def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
@@ -194,15 +215,15 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
     from jaxgin.triton_call import triton_call
 
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
-    bt, bh, warps = _blocks(plan)
+    bt, bh, warps, senders_per_8 = _blocks(plan)
     bh = min(bh, _pow2(h))
     buf = _buffers(state, plan)
-    items = max(p * -(-t // bt), -(-c // _ZERO_ROWS))
+    programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8)
     outs = triton_call(
-        _kernels.dispatch_kernel, x, route.slot, route.meta, weights, route.send_counts, axis_route(plan.names),
-        buf["stage_x"], buf["stage_meta"], buf["stage_w"], buf["stage_counts"], buf["dispatch_flags"],
-        buf["dispatch_state"],
-        grid=(_grid(state, items),),
+        _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
+        axis_route(plan.names), buf["stage_x"], buf["stage_meta"], buf["stage_w"], buf["stage_counts"],
+        buf["stage_starts"], buf["dispatch_flags"], buf["block_flags"], buf["dispatch_state"],
+        grid=(programs,),
         out_shape=[
             jax.core.ShapedArray((c, h), x.dtype), jax.core.ShapedArray((p, t, k), jnp.int32),
             jax.core.ShapedArray((p, t, k), jnp.float32), jax.core.ShapedArray((el,), jnp.int32),
@@ -210,7 +231,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
         ],
         num_warps=warps, num_stages=1,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
-        PR=max(p - 1, 1),
+        BB=_pow2(-(-t // bt) + 1), NS=senders,
     )
     grouped, positions, weights_out, counts, rows, dropped = outs
     return grouped, positions, weights_out, counts, rows, dropped.reshape(())
@@ -223,7 +244,7 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
     from jaxgin.triton_call import triton_call
 
     p, t, h, k = plan.size, plan.tokens, plan.hidden, plan.top_k
-    bt, bh, warps = _blocks(plan)
+    bt, bh, warps, _ = _blocks(plan)
     bh = min(bh, _pow2(h))
     buf = _buffers(state, plan)
     return triton_call(
