@@ -12,9 +12,10 @@ latency) and 4096 (high throughput). Per token count, per GPU:
 Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and destination GPU) over
 the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
 
-Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output;
-best of REPEATS runs / STEPS. Before timing, combine(dispatch(x)) with identity experts must give
-x back (the routing weights sum to 1) on both paths. Writes moe.json and moe.png.
+Timing: one jitted, unrolled fori_loop of STEPS calls (no loop control between calls), each
+call's input depending on the previous output; best of REPEATS runs / STEPS. Before timing,
+combine(dispatch(x)) with identity experts must give x back (the routing weights sum to 1) on both
+paths. Writes moe.json and moe.png.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
 
     def chain(step):
         def body(*args):
-            return jax.lax.fori_loop(0, STEPS, lambda _, a: step(*a), args)[0]
+            return jax.lax.fori_loop(0, STEPS, lambda _, a: step(*a), args, unroll=True)[0]
 
         return body
 
@@ -103,12 +104,12 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     def jg_combine(x, ids, w):
         sent = jg_dispatch(x, ids, w)
         body = lambda _, y: _touch(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
-        return jax.lax.fori_loop(0, STEPS, body, _touch(sent.x, x))[:1]
+        return jax.lax.fori_loop(0, STEPS, body, _touch(sent.x, x), unroll=True)[:1]
 
     def rg_combine(x, ids, w):
         rows, _, state = rg_dispatch(x, ids)
         body = lambda _, y: _touch(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
-        return jax.lax.fori_loop(0, STEPS, body, _touch(rows, x))[:1]
+        return jax.lax.fori_loop(0, STEPS, body, _touch(rows, x), unroll=True)[:1]
 
     variants["jaxgin_combine"] = (jg_combine, 3)
     variants["ragged_combine"] = (rg_combine, 3)
@@ -187,7 +188,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     parser.add_argument("--blocks", default=None,
-                        help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps' to compare")
+                        help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
     args = parser.parse_args()
     devices = jax.devices()
     tokens = [int(t) for t in args.tokens.split(",")]
