@@ -25,18 +25,32 @@ mailbox_desc describe(const jaxgin_context& c, const AxisGroup& group, int64_t o
   return box;
 }
 
+// What every mailbox handler starts with: the device running the call and the mailbox its
+// attributes name. `buffer_bytes` is the payload, or for wait (one slot per sender) the whole output.
+struct MailboxCall {
+  DeviceState& device;
+  mailbox_desc box;
+};
+
+MailboxCall open_mailbox(int32_t ordinal, int64_t generation, ffi::Span<const int32_t> mesh_ranks,
+                         ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                         int64_t signal_base, size_t buffer_bytes, bool slot_per_sender) {
+  DeviceState& s = device_for_ordinal(ordinal, generation);
+  AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
+  const size_t payload = slot_per_sender ? buffer_bytes / group.ranks.size() : buffer_bytes;
+  return MailboxCall{s, describe(s.host_context, group, offset, (int64_t)payload, signal_base)};
+}
+
 ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer,
                ffi::Result<ffi::Buffer<ffi::S32>> token, ffi::Span<const int32_t> mesh_ranks,
                ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
                int64_t signal_base, int64_t generation) {
   return guarded([&] {
     put_calls.fetch_add(1, std::memory_order_relaxed);
-    DeviceState& s = device_for_ordinal(ordinal, generation);
-    AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
-    mailbox_desc box = describe(s.host_context, group, offset, (int64_t)x.size_bytes(), signal_base);
-    check_launch(launch_put(s.context, box, x.untyped_data(), peer.typed_data(),
-                            token->typed_data(), stream),
-                 "launching the put kernel", s.device);
+    MailboxCall m = open_mailbox(ordinal, generation, mesh_ranks, mesh_shape, axes, offset, signal_base,
+                                 x.size_bytes(), /*slot_per_sender=*/false);
+    check_launch(launch_put(m.device.context, m.box, x.untyped_data(), peer.typed_data(), token->typed_data(), stream),
+                 "launching the put kernel", m.device.device);
   });
 }
 
@@ -46,12 +60,10 @@ ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::R
                 int64_t generation) {
   return guarded([&] {
     wait_calls.fetch_add(1, std::memory_order_relaxed);
-    DeviceState& s = device_for_ordinal(ordinal, generation);
-    AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
-    const int64_t payload = (int64_t)(out->size_bytes() / group.ranks.size());
-    mailbox_desc box = describe(s.host_context, group, offset, payload, signal_base);
-    check_launch(launch_wait(s.context, box, (int32_t)count, out->untyped_data(), stream),
-                 "launching the wait kernels", s.device);
+    MailboxCall m = open_mailbox(ordinal, generation, mesh_ranks, mesh_shape, axes, offset, signal_base,
+                                 out->size_bytes(), /*slot_per_sender=*/true);
+    check_launch(launch_wait(m.device.context, m.box, (int32_t)count, out->untyped_data(), stream),
+                 "launching the wait kernels", m.device.device);
   });
 }
 
@@ -61,16 +73,23 @@ ffi::Error wait_from(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32>
                      int64_t signal_base, int64_t generation) {
   return guarded([&] {
     wait_calls.fetch_add(1, std::memory_order_relaxed);
-    DeviceState& s = device_for_ordinal(ordinal, generation);
-    AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
-    mailbox_desc box = describe(s.host_context, group, offset, (int64_t)out->size_bytes(), signal_base);
-    check_launch(launch_wait_from(s.context, box, source.typed_data(), out->untyped_data(), stream),
-                 "launching the wait_from kernel", s.device);
+    MailboxCall m = open_mailbox(ordinal, generation, mesh_ranks, mesh_shape, axes, offset, signal_base,
+                                 out->size_bytes(), /*slot_per_sender=*/false);
+    check_launch(launch_wait_from(m.device.context, m.box, source.typed_data(), out->untyped_data(), stream),
+                 "launching the wait_from kernel", m.device.device);
   });
 }
 
 }  // namespace
 }  // namespace jaxgin::ffi_support
+
+// The attributes that name a mailbox, in the order the handlers above take them.
+#define JAXGIN_MAILBOX_ATTRS                             \
+  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")     \
+      .Attr<xla::ffi::Span<const int64_t>>("mesh_shape") \
+      .Attr<xla::ffi::Span<const int64_t>>("axes")       \
+      .Attr<int64_t>("offset")                           \
+      .Attr<int64_t>("signal_base")
 
 extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_put(XLA_FFI_CallFrame* call_frame);
 extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_wait(XLA_FFI_CallFrame* call_frame);
@@ -83,11 +102,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")
-                                  .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")
-                                  .Attr<xla::ffi::Span<const int64_t>>("axes")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("signal_base")
+                                  JAXGIN_MAILBOX_ATTRS
                                   .Attr<int64_t>("generation"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -97,11 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")
-                                  .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")
-                                  .Attr<xla::ffi::Span<const int64_t>>("axes")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("signal_base")
+                                  JAXGIN_MAILBOX_ATTRS
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("generation"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -113,10 +124,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait_from, jaxgin::ffi_support::wait_fr
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")
-                                  .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")
-                                  .Attr<xla::ffi::Span<const int64_t>>("axes")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("signal_base")
+                                  JAXGIN_MAILBOX_ATTRS
                                   .Attr<int64_t>("generation"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
