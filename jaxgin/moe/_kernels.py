@@ -250,6 +250,7 @@ def dispatch_kernel(
     rows_from = tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)  # [BP]
     my_start = _first_rows(counts, es, ps, me, EL)
     my_rows = tl.sum(tl.where(ps == me, rows_from, 0))
+    total = tl.sum(tl.where((es < EL)[None, :], counts, 0), axis=0)  # [BE] entries per local expert
 
     # 2. Senders: every token block to the other GPUs, in block order.
     SEND_STEP: tl.constexpr = NS if NS > 0 else 1
@@ -264,7 +265,7 @@ def dispatch_kernel(
         for blk in range(q, TB, placers):
             _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
                              T, H, K, P, EL, C, BT, BH, BK, BE)
-        filled = tl.minimum(tl.sum(tl.sum(tl.where((es < EL)[None, :], counts, 0), axis=0)), C)
+        filled = tl.minimum(tl.sum(total), C)
         for zb in range(q, (C + BZ - 1) // BZ, placers):
             z = zb * BZ + tl.arange(0, BZ)
             if zb * BZ + BZ > filled:
@@ -276,8 +277,6 @@ def dispatch_kernel(
         for blk in range(q, TB, placers):
             _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_flags, out_x, out_pos, out_w,
                          me, half, epoch, counts, rows_from, T, H, K, P, EL, C, BT, BH, BK, BP, BE)
-    pairs = tl.where((es < EL)[None, :], counts, 0)
-    total = tl.sum(pairs, axis=0)
     if pid == 0:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)
