@@ -190,6 +190,16 @@ def triton_call(
     params += [_NULL_POINTER, 0, _NULL_POINTER, 0]  # Triton's global and profile scratch pointers
     cubin = compiled.asm["cubin"]
     call = jax.ffi.ffi_call(TARGET, out_types, has_side_effect=True)
+    if operands:
+        # Why the barrier: XLA's dynamic-slice fusion (on by default in the XLA of JAX 0.11) moves a
+        # custom call whose operand is a slice into a fusion that reads the slice in place, and
+        # for a side-effecting call with several results it leaves the original call in the
+        # program too, so the kernel runs twice per call (measured: MoE dispatch, 2 x 24 us).
+        # For a kernel that communicates that doubles its puts and signals. An operand that
+        # comes out of an optimization barrier is not a slice to that pass. The barrier adds no
+        # device work (the profile of tools/profile_moe.py shows no copies); newer XLA removes the
+        # original call itself (dynamic_slice_fusion_rewriter_v2.cc).
+        operands = list(jax.lax.optimization_barrier(tuple(operands)))
     results = call(
         *operands,
         cubin=np.frombuffer(cubin, dtype=np.int8),

@@ -80,6 +80,22 @@ def _reference_dispatch(x, ids, weights, plan):
     return exchange.dispatch_reference(x, weights, route, plan), route
 
 
+def _kernel_calls() -> dict:
+    """How many dispatch and combine kernels have run on each of this process's GPUs: the call
+    counter each kernel's last program advances (state[0] of every MoE configuration's buffers)."""
+    import torch
+
+    state = jaxgin.runtime.current()
+    totals = {"dispatch": [0] * len(state.local_devices), "combine": [0] * len(state.local_devices)}
+    for key, buffers in state.fused.items():
+        if key[0] != "moe":
+            continue
+        for op in totals:
+            for d in range(len(state.local_devices)):
+                totals[op][d] += int(torch.from_dlpack(buffers[f"{op}_state"].local(d)).cpu()[0])
+    return totals
+
+
 def check(mesh) -> dict:
     n = mesh.size
     spec = P("ep")
@@ -113,6 +129,12 @@ def check(mesh) -> dict:
 
         exact_fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec, spec, spec)))
         same, got, ref, dropped = exact_fn(x, logits)
+        # Each call must run each kernel once.
+        before = _kernel_calls()
+        for _ in range(3):
+            jax.block_until_ready(exact_fn(x, logits))
+        after = _kernel_calls()
+        launches = {op: sorted({(a - b) / 3 for a, b in zip(after[op], before[op])}) for op in after}
         same = _host(same).all(axis=0).tolist()
         combine_err = _rel(got, ref)
 
@@ -125,7 +147,7 @@ def check(mesh) -> dict:
         sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)  # noqa: E731
         row = dict(case=name, tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, dtype=np.dtype(dtype).name,
                    mode=mode, capacity=capacity, dispatch_exact=same, dropped=int(_host(dropped).sum()),
-                   combine_rel_err=combine_err)
+                   combine_rel_err=combine_err, launches_per_call=launches)
         if capacity is None:  # the dense definition has no capacity
             row["layer_rel_err"] = _rel(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
             loss = lambda f: (lambda x, l, a, b, ct: jnp.sum(sm(f)(x, l, a, b).astype(jnp.float32)  # noqa: E731
@@ -155,7 +177,29 @@ def check(mesh) -> dict:
         row.update(loop_500_dispatch_mismatches=loop_wrong, loop_500_combine_max_diff=loop_err)
         print(json.dumps(row), flush=True)
         report.append(row)
-    return {"devices": n, "processes": jax.process_count(), "cases": report}
+    return {"devices": n, "processes": jax.process_count(), "cases": report, "rows_only": _rows_only_launches(mesh)}
+
+
+def _rows_only_launches(mesh) -> dict:
+    """Dispatch launches per call in the program where XLA's dynamic-slice fusion doubled the
+    kernel before jaxgin.triton_call guarded its operands: 128 tokens per GPU, only the rows used,
+    so the routing's `before` operand is an aligned slice of a padded prefix sum."""
+    spec = P("ep")
+    n, tokens, hidden, experts, top_k = mesh.size, 128, 1024, 32 * mesh.size, 8
+    sharding = NamedSharding(mesh, spec)
+    keys = jax.random.split(jax.random.key(7), 2)
+    x = jax.device_put(jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(jnp.bfloat16), sharding)
+    logits = jax.device_put(jax.random.normal(keys[1], (n * tokens, experts), jnp.float32), sharding)
+    weights, ids = jax.jit(lambda l: jaxgin.moe.router(l, top_k))(logits)
+    rows_only = jax.jit(jax.shard_map(
+        lambda x, i, w: jaxgin.moe.dispatch(x, i, w, num_experts=experts, axis_name="ep", capacity=1280).x,
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    jax.block_until_ready(rows_only(x, ids, weights))
+    before = _kernel_calls()
+    for _ in range(3):
+        jax.block_until_ready(rows_only(x, ids, weights))
+    after = _kernel_calls()
+    return {op: sorted({(a - b) / 3 for a, b in zip(after[op], before[op])}) for op in after}
 
 
 if __name__ == "__main__":

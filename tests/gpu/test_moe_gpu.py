@@ -18,9 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 
 
 def _assert_cases(result):
     assert len(result["cases"]) == 6, result
+    assert result["rows_only"] == {"dispatch": [1.0], "combine": [0.0]}, result  # one kernel per call
     for case in result["cases"]:
         f32 = case["dtype"] == "float32"
         assert all(case["dispatch_exact"]), case
+        assert case["launches_per_call"] == {"dispatch": [1.0], "combine": [1.0]}, case
         assert case["loop_500_dispatch_mismatches"] == 0.0, case
         assert case["combine_rel_err"] <= (1e-5 if f32 else 2e-2), case
         assert case["loop_500_combine_max_diff"] <= (1e-4 if f32 else 0.125), case
