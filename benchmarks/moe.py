@@ -6,6 +6,7 @@ same routing.
 DeepSeek-V3-like defaults: hidden 7168, 256 experts, top-8, bfloat16, 128 tokens per GPU (low
 latency) and 4096 (high throughput). Per token count, per GPU:
   jaxgin_dispatch / jaxgin_combine    jaxgin.moe.dispatch / combine (routing arithmetic included)
+  jaxgin_pair                         dispatch then combine of its output, back to back
   ragged_dispatch / ragged_combine    jaxgin.moe.ragged.dispatch / combine (ragged_all_to_all)
   xla_all_to_all_same_bytes           jax.lax.all_to_all moving as many bytes to each peer as
                                       dispatch sends remotely, for scale
@@ -113,6 +114,14 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
 
     variants["jaxgin_combine"] = (jg_combine, 3)
     variants["ragged_combine"] = (rg_combine, 3)
+
+    def jg_pair(x, ids, w):
+        """dispatch then combine of its output, as a layer runs them and as benchmarks/nccl_ep.py times
+        NCCL EP's pairs."""
+        sent = jg_dispatch(x, ids, w)
+        return _touch(x, jaxgin.moe.combine(sent.x, sent.handle)), ids, w
+
+    variants["jaxgin_pair"] = (chain(jg_pair), 3)
     per_peer = max(1, remote_bytes // (2 * max(n - 1, 1)))  # bf16 elements to each peer
     xla_block = jax.device_put(jnp.zeros((n * n, per_peer), dtype), sharding)
     variants["xla_all_to_all_same_bytes"] = (

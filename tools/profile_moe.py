@@ -1,0 +1,126 @@
+"""Where jaxgin.moe's time goes: a jitted chain of dispatches, and one of dispatch + combine pairs,
+traced with JAX's profiler at benchmarks/moe.py's shapes. Prints, for the first GPU, the device
+events of one call in order (start offset, duration, name) and each name's total over the chain, so
+a change to the kernels can be judged by what it removes.
+
+    python tools/profile_moe.py [--tokens 128] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxgin
+
+STEPS = 8
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Complete events ('X') of the first device's streams from the Perfetto trace JAX wrote."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise SystemExit(f"no trace under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = [pid for pid, name in names.items() if "GPU:0" in name or "/device:GPU:0" in name]
+    if not device:
+        device = [pid for pid, name in names.items() if "device" in name.lower()][:1]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device}
+    # The device's stream lines hold the kernels and copies; its "XLA Ops" / "XLA Modules" lines
+    # repeat them by HLO name.
+    streams = {key for key, name in threads.items() if name.lower().startswith("stream")} or set(threads)
+    return sorted((e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams),
+                  key=lambda e: e["ts"])
+
+
+def report(title: str, events: list[dict], calls: int) -> None:
+    print(f"\n== {title}: {len(events)} device events over {calls} calls")
+    if not events:
+        return
+    span = events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]
+    print(f"   span {span:.1f} us, {span / calls:.1f} us per call")
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        totals[e["name"]][0] += 1
+        totals[e["name"]][1] += e["dur"]
+    for name, (n, total) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"   {total / calls:8.1f} us/call  x{n / calls:<4.1f} {name[:110]}")
+    per_call = max(1, len(events) // calls)
+    middle = events[per_call * (calls // 2):per_call * (calls // 2 + 1)]  # one call from the middle
+    t0 = middle[0]["ts"]
+    print("   one call:")
+    for e in middle:
+        print(f"   +{e['ts'] - t0:8.1f} {e['dur']:8.1f} us  {e['name'][:100]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--out", default=None, help="keep the traces here (default: a temporary folder)")
+    args = parser.parse_args()
+    devices = jax.devices()
+    jaxgin.initialize(heap_size=max(1 << 30, 5 * len(devices) * args.tokens * args.hidden * 2))
+    mesh = Mesh(np.array(devices), ("ep",))
+    n, t, e, k = mesh.size, args.tokens, args.experts, args.top_k
+    spec = P("ep")
+    sharding = NamedSharding(mesh, spec)
+    keys = jax.random.split(jax.random.key(t), 2)
+    x = jax.device_put(jax.random.normal(keys[0], (n * t, args.hidden), jnp.float32).astype(jnp.bfloat16), sharding)
+    logits = jax.device_put(jax.random.normal(keys[1], (n * t, e), jnp.float32), sharding)
+    weights, ids = jax.jit(lambda v: jaxgin.moe.router(v, k))(logits)
+    capacity = -(-t * k * 5 // 4)
+
+    def dispatch(x, ids, w):
+        return jaxgin.moe.dispatch(x, ids, w, num_experts=e, axis_name="ep", capacity=capacity)
+
+    def touch(a, b):
+        return a.at[0, 0].set((a[0, 0].astype(jnp.float32) + b.reshape(-1)[0].astype(jnp.float32) * 0).astype(a.dtype))
+
+    def dispatches(x, ids, w):
+        return jax.lax.fori_loop(0, STEPS, lambda _, a: touch(a, dispatch(a, ids, w).x), x, unroll=True)
+
+    def pairs(x, ids, w):
+        def step(_, a):
+            sent = dispatch(a, ids, w)
+            return touch(a, jaxgin.moe.combine(sent.x, sent.handle))
+
+        return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
+
+    def combines(x, ids, w):
+        sent = dispatch(x, ids, w)
+        return jax.lax.fori_loop(0, STEPS, lambda _, y: touch(y, jaxgin.moe.combine(y, sent.handle)), sent.x,
+                                 unroll=True)[:t]
+
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-moe-"))
+    for name, body in (("dispatch", dispatches), ("combine", combines), ("dispatch + combine", pairs)):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        jax.block_until_ready(f(x, ids, weights))  # compile, and load every kernel
+        jax.block_until_ready(f(x, ids, weights))
+        where = out / name.replace(" ", "").replace("+", "_")
+        with jax.profiler.trace(str(where), create_perfetto_trace=True):
+            jax.block_until_ready(f(x, ids, weights))
+        report(f"{name}, {t} tokens/GPU, {n} GPUs", device_events(where), STEPS)
+    jaxgin.finalize()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
