@@ -4,7 +4,7 @@
 #   bash tools/perf-round.sh tests      # ops (lines and ring), fused and stress GPU tests
 #   bash tools/perf-round.sh bench      # small-message latency and the fused benchmark
 #   bash tools/perf-round.sh reliability  # ops and reliability GPU tests (fault, memory model, stress), latency
-#   bash tools/perf-round.sh moe        # MoE GPU tests, the MoE example, then the MoE benchmark
+#   bash tools/perf-round.sh moe        # MoE GPU tests, the MoE example, the MoE benchmark and profile
 # Logs and JSON go to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
@@ -31,6 +31,7 @@ case "${1:-tests}" in
     step 300 moe python3 -m pytest -x -q -rA tests/gpu/test_moe_gpu.py
     TAIL=12 step 150 moe_example python3 examples/moe_layer.py
     TAIL=30 step 240 moe_bench python3 benchmarks/moe.py --out "$OUT"
+    TAIL=40 step 150 moe_profile python3 tools/profile_moe.py --tokens 128
     ;;
   bench)
     # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).
