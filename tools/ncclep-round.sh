@@ -16,16 +16,9 @@
 #   bash tools/ncclep-round.sh run            (.device-ncclep) NCCL EP's benchmark, then jaxgin.moe's
 #                                             again on the same NCCL
 # Logs and JSON go to $OUT.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
-OUT=${OUT:-$(mktemp -d)}
-export JAXGIN_RESULTS_DIR=$OUT JAXGIN_CACHE_DIR=${JAXGIN_CACHE_DIR:-/tmp/jaxgin-cache}
-cd "$(dirname "$0")/.."
-status=0
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 || { echo "=== FAILED ($?): $name"; status=1; }; grep -v -i "warning" "$OUT/$name.log" | tail -"${TAIL:-8}"; }
+source "$(dirname "$0")/round-common.sh"
 jaxgin_moe() {  # jaxgin.moe's benchmark at 128 tokens: NAME [moe.py options]
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; return 1; }
-  python3 -m jaxgin.build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; return 1; }
+  install_jaxgin || return 1
   local name=$1; shift
   TAIL=24 step 240 "moe_bench_$name" python3 benchmarks/moe.py --tokens 128 --out "$OUT/$name" "$@"
 }
@@ -34,8 +27,7 @@ case "${1:-}" in
     bash ".device-stage$2/recv.sh" || exit 1
     case "$2" in
       0)
-        step 200 install python3 -m pip install -q --no-build-isolation --no-deps -e .
-        step 200 build python3 -m jaxgin.build
+        install_jaxgin || status=1
         step 120 transport python3 -m jaxgin.transport
         ;;
       1) jaxgin_moe nccl-stock || status=1 ;;

@@ -6,15 +6,8 @@
 #   bash tools/perf-round.sh reliability  # ops and reliability GPU tests (fault, memory model, stress), latency
 #   bash tools/perf-round.sh moe        # MoE GPU tests, the MoE example, the MoE benchmark and profile
 # Logs and JSON go to $OUT.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
-OUT=${OUT:-$(mktemp -d)}
-export JAXGIN_RESULTS_DIR=$OUT JAXGIN_CACHE_DIR=${JAXGIN_CACHE_DIR:-/tmp/jaxgin-cache}
-cd "$(dirname "$0")/.."
-status=0
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 || { echo "=== FAILED ($?): $name"; status=1; }; grep -v -i "warning" "$OUT/$name.log" | tail -"${TAIL:-8}"; }
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-python3 -m jaxgin.build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+source "$(dirname "$0")/round-common.sh"
+install_jaxgin || exit 1
 case "${1:-tests}" in
   tests)
     step 330 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
