@@ -96,6 +96,16 @@ def _kernel_calls() -> dict:
     return totals
 
 
+def _launches_per_call(run, calls: int = 3) -> dict:
+    """Kernels launched per call of run() on each GPU, as a sorted set per op (after one warm call)."""
+    jax.block_until_ready(run())
+    before = _kernel_calls()
+    for _ in range(calls):
+        jax.block_until_ready(run())
+    after = _kernel_calls()
+    return {op: sorted({(a - b) / calls for a, b in zip(after[op], before[op])}) for op in after}
+
+
 def check(mesh) -> dict:
     n = mesh.size
     spec = P("ep")
@@ -129,12 +139,7 @@ def check(mesh) -> dict:
 
         exact_fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec, spec, spec)))
         same, got, ref, dropped = exact_fn(x, logits)
-        # Each call must run each kernel once.
-        before = _kernel_calls()
-        for _ in range(3):
-            jax.block_until_ready(exact_fn(x, logits))
-        after = _kernel_calls()
-        launches = {op: sorted({(a - b) / 3 for a, b in zip(after[op], before[op])}) for op in after}
+        launches = _launches_per_call(lambda: exact_fn(x, logits))  # each kernel once per call
         same = _host(same).all(axis=0).tolist()
         combine_err = _rel(got, ref)
 
@@ -194,12 +199,7 @@ def _rows_only_launches(mesh) -> dict:
     rows_only = jax.jit(jax.shard_map(
         lambda x, i, w: jaxgin.moe.dispatch(x, i, w, num_experts=experts, axis_name="ep", capacity=1280).x,
         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-    jax.block_until_ready(rows_only(x, ids, weights))
-    before = _kernel_calls()
-    for _ in range(3):
-        jax.block_until_ready(rows_only(x, ids, weights))
-    after = _kernel_calls()
-    return {op: sorted({(a - b) / 3 for a, b in zip(after[op], before[op])}) for op in after}
+    return _launches_per_call(lambda: rows_only(x, ids, weights))
 
 
 if __name__ == "__main__":
