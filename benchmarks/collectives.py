@@ -142,6 +142,9 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
                 rt = jaxgin.runtime.current().runtime
                 row["kernel_stream_us"] = max(rt.exchange_latency(nbytes, 200, False))
                 row["kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True))
+                if nbytes <= 8192:
+                    # The generic exchange kernel on the same chain: what the line exchange saves.
+                    row["generic_kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True, generic_kernel=True))
                 # Empty kernels in the same chain: the launch floor, raw and in a CUDA graph.
                 row["empty_kernel_stream_us"] = max(rt.exchange_latency(0, 200, False))
                 row["empty_kernel_graph_us"] = max(rt.exchange_latency(0, 200, True))
@@ -150,7 +153,8 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
                 f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "
                 f"x{row['speedup']:6.2f}  {row['jaxgin_GBps']:7.1f} GB/s  {'ok' if equal else 'MISMATCH'}"
                 f"  calls/op {row['handler_calls_per_op']:.2f}"
-                + (f"  raw {row['kernel_stream_us']:.1f} / graph {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else ""),
+                + (f"  raw {row['kernel_stream_us']:.1f} / graph {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else "")
+                + (f" (generic kernel {row['generic_kernel_graph_us']:.1f} us)" if "generic_kernel_graph_us" in row else ""),
                 flush=True,
             )
     return {

@@ -40,6 +40,7 @@ BACKEND_SOURCES = (
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",
     "kernels/exchange.cu",
+    "kernels/line_exchange.cu",
     "kernels/exchange_latency.cu",
     "kernels/mailbox.cu",
     "ffi/collectives.cu",

@@ -5,6 +5,7 @@
 #   bash tools/perf-round.sh bench      # small-message latency and the fused benchmark
 #   bash tools/perf-round.sh reliability  # ops and reliability GPU tests (fault, memory model, stress), latency
 #   bash tools/perf-round.sh moe        # MoE GPU tests, the MoE example, the MoE benchmark and profile
+#   bash tools/perf-round.sh latency    # ops tests, memory-model and dead-peer tests, small-message latency
 # Logs and JSON go to $OUT.
 source "$(dirname "$0")/round-common.sh"
 install_jaxgin || exit 1
@@ -25,6 +26,12 @@ case "${1:-tests}" in
     TAIL=12 step 150 moe_example python3 examples/moe_layer.py
     TAIL=30 step 240 moe_bench python3 benchmarks/moe.py --out "$OUT"
     TAIL=40 step 150 moe_profile python3 tools/profile_moe.py --tokens 128
+    ;;
+  latency)
+    step 200 ops python3 -m pytest -x -q -rA tests/gpu/test_ops_gpu.py
+    step 150 reliability python3 -m pytest -q -rA tests/gpu/test_reliability_gpu.py -k "payloads or dead_peer"
+    TAIL=40 step 150 latency python3 benchmarks/collectives.py --ops ppermute,put_wait,put_wait_from,self_copy,all_to_all \
+      --max-bytes 64KiB --out "$OUT" --name latency
     ;;
   bench)
     # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).

@@ -240,12 +240,13 @@ class Runtime {
     backend_.check(status);
   }
 
-  std::vector<double> exchange_latency(uint64_t bytes, int iterations, bool use_graph) {
+  std::vector<double> exchange_latency(uint64_t bytes, int iterations, bool use_graph, bool generic_kernel) {
     std::vector<double> us((size_t)local_count_, 0.0);
     int status;
     {
       nb::gil_scoped_release release;
-      status = backend_.api().exchange_latency(live(), bytes, iterations, use_graph ? 1 : 0, us.data());
+      status = backend_.api().exchange_latency(live(), bytes, iterations, use_graph ? 1 : 0,
+                                                generic_kernel ? 1 : 0, us.data());
     }
     backend_.check(status);
     return us;
@@ -314,7 +315,8 @@ NB_MODULE(_jaxgin_ext, m) {
       .def("selftest_exchange", &Runtime::selftest_exchange, nb::arg("rounds"), nb::arg("block_bytes"),
            nb::arg("seed"), nb::arg("heap_offset"), nb::arg("signal_base"))
       .def("exchange_latency", &Runtime::exchange_latency, nb::arg("bytes"), nb::arg("iterations"),
-           nb::arg("use_graph"), "us per ring exchange of a chain, per local GPU (diagnostic, no XLA)")
+           nb::arg("use_graph"), nb::arg("generic_kernel") = false,
+           "us per ring exchange of a chain, per local GPU (diagnostic, no XLA)")
       .def("device_faults", &Runtime::device_faults, "descriptions of recorded device faults, '' when none")
       .def("heap_clear", &Runtime::heap_clear, nb::arg("offset"), nb::arg("bytes"),
            "zero a heap range on every local GPU (synchronously)")

@@ -44,7 +44,7 @@ ffi::Error exchange(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer in, ffi
       if (from < 0 && total > 0) check_launch(cudaMemsetAsync(dst, 0, total, stream), "cudaMemsetAsync", s.device);
       add_permute_peers(plan, to >= 0 ? group.ranks[to] : -1, from >= 0 ? group.ranks[from] : -1, src, dst);
     }
-    check_launch(launch_exchange(s.context, c, plan, stream), "launching the exchange kernel", s.device);
+    check_launch(launch_exchange(s.context, c, s.lsa_heaps, plan, stream), "launching the exchange kernel", s.device);
   });
 }
 

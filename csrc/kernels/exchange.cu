@@ -11,6 +11,7 @@
 // XLA's output buffers are not registered with NCCL, so no peer can address them; it is pipelined
 // with the transfer, lane by lane. The local part (a rank's message to itself) is one copy.
 #include "exchange.h"
+#include "line_exchange.h"
 #include "preload.h"
 
 #include "../device/impl/channel__funcs.h"
@@ -178,8 +179,11 @@ cudaError_t launch_with_capacity(const jaxgin_context* device_ctx, const exchang
 }  // namespace
 
 cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx,
-                            const exchange_plan& plan, cudaStream_t stream) {
+                            const std::vector<char*>& lsa_heaps, const exchange_plan& plan, cudaStream_t stream,
+                            exchange_route route) {
   if (plan.count == 0 || plan.bytes == 0) return cudaSuccess;
+  if (route == exchange_route::kAuto && fits_line_exchange(host_ctx, lsa_heaps, plan))
+    return launch_line_exchange(device_ctx, host_ctx, lsa_heaps, plan, stream);
   // Remote messages use as many lanes as they have chunks (up to the channel's lanes); the local
   // copy gets the same number of CTAs, at least enough to keep a large copy fast.
   chunking ch = chunk_message(plan.bytes, host_ctx.channel_lanes, host_ctx.channel_slot_bytes);

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <vector>
 
 #include "../device/impl/context__types.h"
 
@@ -43,8 +44,15 @@ inline void add_permute_peers(exchange_plan& plan, int to, int from, const char*
   if (from >= 0) plan.peers[plan.count++] = exchange_peer{from, kReceive, nullptr, dst};
 }
 
+// Which kernel carries an exchange: kAuto takes the line exchange (line_exchange.h) for small
+// messages between LSA peers and the generic kernel otherwise; kGeneric always takes the generic
+// one (diagnostics time both).
+enum class exchange_route { kAuto, kGeneric };
+
 // Enqueues the exchange on `stream`. Graph-capturable: no host synchronisation, no host state.
+// `lsa_heaps[r]` is rank r's heap base as this GPU addresses it (nullptr outside the LSA team).
 cudaError_t launch_exchange(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx,
-                            const exchange_plan& plan, cudaStream_t stream);
+                            const std::vector<char*>& lsa_heaps, const exchange_plan& plan, cudaStream_t stream,
+                            exchange_route route = exchange_route::kAuto);
 
 }  // namespace jaxgin

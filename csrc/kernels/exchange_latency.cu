@@ -26,10 +26,11 @@ __global__ void empty_kernel() {}
 }  // namespace
 
 extern "C" JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t bytes, int32_t iterations,
-                                                  int32_t use_graph, double* us_per_op) {
+                                                  int32_t use_graph, int32_t generic_kernel, double* us_per_op) {
   return jaxgin::c_api([&] {
     if (iterations < 1) throw jaxgin::Error("iterations must be >= 1");
     const size_t n = rt->devices.size();
+    const auto route = generic_kernel ? jaxgin::exchange_route::kGeneric : jaxgin::exchange_route::kAuto;
     std::vector<char*> buffers(n, nullptr);
     std::vector<cudaGraphExec_t> graphs(n, nullptr);
     std::vector<cudaEvent_t> start(n), stop(n);
@@ -42,8 +43,8 @@ extern "C" JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t b
           empty_kernel<<<1, 32, 0, s.stream>>>();
           JAXGIN_CUDA(cudaGetLastError(), s.device);
         } else {
-          JAXGIN_CUDA(jaxgin::launch_exchange(s.context, s.host_context, ring_plan(s.host_context, a, b, bytes),
-                                              s.stream),
+          JAXGIN_CUDA(jaxgin::launch_exchange(s.context, s.host_context, s.lsa_heaps,
+                                              ring_plan(s.host_context, a, b, bytes), s.stream, route),
                       s.device);
         }
       }

@@ -12,6 +12,7 @@ namespace jaxgin {
 
 // Each loads its file's kernels on the current device (cudaFuncGetAttributes forces the load).
 cudaError_t preload_exchange_kernels();
+cudaError_t preload_line_exchange_kernels();
 cudaError_t preload_mailbox_kernels();
 cudaError_t preload_wait_signal_kernel();
 

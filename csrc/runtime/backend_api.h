@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define JAXGIN_BACKEND_ABI 2
+#define JAXGIN_BACKEND_ABI 3
 #define JAXGIN_UNIQUE_ID_BYTES 128
 
 // The backend is linked with hidden visibility; only these entry points are exported.
@@ -81,9 +81,10 @@ JAXGIN_API int jaxgin_ffi_calls(uint64_t* exchange, uint64_t* put, uint64_t* wai
 // Descriptions of device faults recorded on this process's GPUs since the runtime started
 // ("" when none), separated by newlines; `out` receives at most `capacity` bytes, NUL-terminated.
 // Times a chain of `iterations` ring exchanges of `bytes` on every local GPU, launched directly or
-// as one CUDA graph; us_per_op[local_index] receives the time per exchange (a diagnostic).
+// as one CUDA graph, through the kernel jaxgin.ppermute picks or (generic_kernel != 0) the generic
+// exchange kernel; us_per_op[local_index] receives the time per exchange (a diagnostic).
 JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t bytes, int32_t iterations, int32_t use_graph,
-                                       double* us_per_op);
+                                       int32_t generic_kernel, double* us_per_op);
 // Zeroes heap bytes [offset, offset + bytes) on every local GPU and waits for it (used once when a
 // mailbox is placed, for its local bookkeeping header).
 JAXGIN_API int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes);

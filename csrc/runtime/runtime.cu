@@ -42,6 +42,29 @@ void check_versions() {
                 "automatically unless JAXGIN_BACKEND points at a prebuilt library)");
 }
 
+// Fills out[peer] with peer's heap base as this GPU maps it, nullptr for peers outside the LSA
+// team. The window's layout is NCCL's device-side business, hence a kernel.
+__global__ void lsa_heaps_kernel(ncclWindow_t window, int rank, int lsa_rank, int lsa_size, int world, char** out) {
+  for (int peer = (int)threadIdx.x; peer < world; peer += (int)blockDim.x) {
+    const int lsa_index = lsa_rank + (peer - rank);
+    out[peer] = 0 <= lsa_index && lsa_index < lsa_size ? static_cast<char*>(ncclGetPeerPointer(window, 0, peer)) : nullptr;
+  }
+}
+
+std::vector<char*> lsa_heap_bases(const DeviceState& s, const jaxgin_context& c) {
+  std::vector<char*> bases((size_t)c.world_size, nullptr);
+  char** on_device = nullptr;
+  JAXGIN_CUDA(cudaMalloc(&on_device, bases.size() * sizeof(char*)), s.device);
+  lsa_heaps_kernel<<<1, 128>>>(s.window, c.rank, c.lsa_rank, c.lsa_size, c.world_size, on_device);
+  cudaError_t launched = cudaGetLastError();
+  cudaError_t copied = launched == cudaSuccess
+                           ? cudaMemcpy(bases.data(), on_device, bases.size() * sizeof(char*), cudaMemcpyDeviceToHost)
+                           : launched;
+  cudaFree(on_device);
+  JAXGIN_CUDA(copied, s.device);
+  return bases;
+}
+
 jaxgin_channel_shape channel_shape(const jaxgin_runtime_config& c) {
   return jaxgin_channel_shape{c.channel_lanes, c.channel_slots, c.channel_slot_bytes};
 }
@@ -85,6 +108,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   JAXGIN_CUDA(cudaSetDevice(dev), dev);
   // Before any kernel can spin: see preload.h.
   JAXGIN_CUDA(preload_exchange_kernels(), dev);
+  JAXGIN_CUDA(preload_line_exchange_kernels(), dev);
   JAXGIN_CUDA(preload_mailbox_kernels(), dev);
   JAXGIN_CUDA(preload_wait_signal_kernel(), dev);
   // Peers outside this rank's LSA team (other hosts) are reachable only through GIN.
@@ -186,6 +210,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   if (c.rank != s.rank)
     throw Error("NCCL assigned rank " + std::to_string(c.rank) + " where jaxgin asked for " +
                 std::to_string(s.rank));
+  s.lsa_heaps = lsa_heap_bases(s, c);
   JAXGIN_CUDA(cudaMalloc(&s.context, sizeof(jaxgin_context)), dev);
   JAXGIN_CUDA(cudaMemcpy(s.context, &c, sizeof(jaxgin_context), cudaMemcpyHostToDevice), dev);
   JAXGIN_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), dev);

@@ -25,6 +25,9 @@ struct DeviceState {
   jaxgin_fault* fault = nullptr;  // host-mapped pinned
   jaxgin_context* context = nullptr;  // device copy of `host_context`
   jaxgin_context host_context{};
+  // Heap base of every rank as this GPU addresses it; nullptr for ranks outside the LSA team.
+  // Fixed once the window exists, so launches can pass peer addresses by value.
+  std::vector<char*> lsa_heaps;
   cudaStream_t stream = nullptr;
 };
 

@@ -40,8 +40,8 @@ def memory_model(argv):
     fusion right before the put), sends it, waits, and compares every element right after the
     wait. Element j of the payload sender s writes in iteration i is (i * n + s) * E + j (mod 2^32),
     so a read that ran ahead of the data sees the previous iteration's value and counts. Three
-    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 64 CTAs write, 16 read) and
-    ppermute's rings (4 MiB over many lanes)."""
+    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 64 CTAs write, 16 read),
+    ppermute's line exchange (8 KiB) and ppermute's rings (4 MiB over many lanes)."""
     jax, jaxgin = ops_scenarios._setup(argv)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -50,7 +50,8 @@ def memory_model(argv):
     n = mesh.size
     ring = [(i, (i + 1) % n) for i in range(n)]
     report = {"devices": n, "iterations": MEMORY_MODEL_ITERATIONS, "paths": {}}
-    for path, elements in {"lines": 2048, "slots": 1 << 20, "ppermute": 1 << 20}.items():
+    paths = {"lines": 2048, "slots": 1 << 20, "ppermute_lines": 2048, "ppermute": 1 << 20}
+    for path, elements in paths.items():
         box = jaxgin.Mailbox(f"memory_model_{path}", (elements,), jnp.uint32)
 
         def body(dummy, path=path, elements=elements, box=box):
@@ -61,7 +62,7 @@ def memory_model(argv):
             def step(i, bad):
                 i = i.astype(jnp.uint32)
                 payload = (i * n + me) * elements + j + dummy[0]  # written right before the put
-                if path == "ppermute":
+                if path.startswith("ppermute"):
                     got = jaxgin.ppermute(payload, "x", ring)
                 else:
                     token = jaxgin.put_signal(payload, box, (me + 1) % n, axis_name="x")
@@ -85,10 +86,17 @@ def memory_model(argv):
 KILL_AT = 20  # iterations the victim completes before it dies
 
 
+# Per-device ppermute payloads of the fault scenario: a line message (line exchange kernel) and a
+# 16 KiB one (two ring chunks, generic exchange kernel).
+FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024)}
+
+
 def fault(argv):
     """The last rank dies mid-loop (os._exit, no finalize); the others must fail with jaxgin's
     named wait timeout, not hang. Reports how long after their last good iteration they failed,
-    then finalizes and reports the GPU memory in use before and after."""
+    then finalizes and reports the GPU memory in use before and after. argv: the message kind
+    (FAULT_MESSAGES), then rank, world and coordinator address."""
+    message, argv = argv[0], argv[1:]
     jax, jaxgin = ops_scenarios._setup(argv)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -97,7 +105,7 @@ def fault(argv):
     mesh = ops_scenarios._mesh(jax)
     ring = [(i, (i + 1) % n) for i in range(n)]
     f = jax.jit(jax.shard_map(lambda v: jaxgin.ppermute(v, "x", ring) + 1, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    x = ops_scenarios._global(jax, mesh, (4, 1024), jnp.float32, 5)
+    x = ops_scenarios._global(jax, mesh, FAULT_MESSAGES[message], jnp.float32, 5)
     last_good = time.perf_counter()
     completed, error = 0, ""
     for i in range(10 * KILL_AT):
@@ -112,7 +120,7 @@ def fault(argv):
             error = f"{type(e).__name__}: {e}"[:400]
             break
     seconds = time.perf_counter() - last_good
-    report = {"rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
+    report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
               "faults": jaxgin.device_faults(), "timeout_s": jaxgin.info()["timeout_s"]}
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
     report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)

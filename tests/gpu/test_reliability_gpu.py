@@ -31,15 +31,16 @@ def test_stress_equals_lax_without_memory_growth(command_buffers):
     assert after - half <= 2 << 20, out
 
 
-def test_dead_peer_fails_survivors_within_the_timeout():
+@pytest.mark.parametrize("message", ["lines", "ring"])
+def test_dead_peer_fails_survivors_within_the_timeout(message):
     world = GPUS
     # XLA allocates as it goes (no 75% pool up front), so the survivors' used memory is mostly jaxgin's.
-    finished = start_processes(SCENARIOS, ["fault"], world, timeout=180,
+    finished = start_processes(SCENARIOS, ["fault", message], world, timeout=180,
                                env={"JAXGIN_TIMEOUT": "5", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     code, _, err = finished[-1]
     assert code == 17, err[-3000:]  # the victim died as planned
     survivors = [result(out) for _, out, _ in finished[:-1]]
-    record(f"fault_dead_peer_{world}gpu", {"survivors": survivors})
+    record(f"fault_dead_peer_{message}_{world}gpu", {"survivors": survivors})
     for s in survivors:
         assert s["completed"] >= 20 and s["error"], s
         assert any("timed out" in f for f in s["faults"]), s["faults"]
@@ -56,7 +57,7 @@ def test_dead_peer_fails_survivors_within_the_timeout():
 def test_payloads_are_complete_when_the_wait_returns():
     out = run_scenario(SCENARIOS, ["memory_model"], 2, timeout=300)
     record("memory_model_2gpu", out)
-    assert set(out["paths"]) == {"lines", "slots", "ppermute"}, out
+    assert set(out["paths"]) == {"lines", "slots", "ppermute_lines", "ppermute"}, out
     for path, r in out["paths"].items():
         assert r["elements_checked"] >= 3000 * 2048 * 2, (path, r)
         assert r["mismatched_elements"] == 0, (path, r)

@@ -49,11 +49,11 @@ __host__ __device__ inline void lane_chunk_span(chunking c, uint32_t lane, uint6
   length = bytes - begin < c.chunk ? bytes - begin : c.chunk;
 }
 
-__device__ __forceinline__ uint32_t channel_data_signal(const jaxgin_context* ctx, int sender, uint32_t lane) {
+__host__ __device__ inline uint32_t channel_data_signal(const jaxgin_context* ctx, int sender, uint32_t lane) {
   return ctx->channel_signal_base + (uint32_t)sender * ctx->channel_lanes + lane;
 }
 
-__device__ __forceinline__ uint32_t channel_credit_signal(const jaxgin_context* ctx, int receiver, uint32_t lane) {
+__host__ __device__ inline uint32_t channel_credit_signal(const jaxgin_context* ctx, int receiver, uint32_t lane) {
   return ctx->channel_signal_base + ((uint32_t)ctx->world_size + (uint32_t)receiver) * ctx->channel_lanes + lane;
 }
 
@@ -70,7 +70,7 @@ __device__ __forceinline__ uint64_t channel_staging_offset(const jaxgin_context*
 
 // Line slots of the channel: [sender][slot] (see line__funcs.h for what a line is). A line chunk
 // is chunk n of lane 0 and goes to slot n % slots; flow control and counters are lane 0's.
-__device__ __forceinline__ uint64_t channel_line_offset(const jaxgin_context* ctx, int sender, uint64_t slot) {
+__host__ __device__ inline uint64_t channel_line_offset(const jaxgin_context* ctx, int sender, uint64_t slot) {
   return ctx->line_offset + ((uint64_t)sender * ctx->channel_slots + slot) * JAXGIN_LINE_SLOT_BYTES;
 }
 
