@@ -5,8 +5,9 @@
 namespace jaxgin::ffi_support {
 namespace {
 
-mailbox_desc describe(const jaxgin_context& c, const AxisGroup& group, int64_t offset, int64_t payload_bytes,
+mailbox_desc describe(const DeviceState& state, const AxisGroup& group, int64_t offset, int64_t payload_bytes,
                       int64_t signal_base) {
+  const jaxgin_context& c = state.host_context;
   const int size = (int)group.ranks.size();
   if (offset < (int64_t)c.user_offset || offset + (int64_t)mailbox_bytes(payload_bytes, size) > (int64_t)c.heap_bytes ||
       signal_base < 0 || signal_base + 2 * size > (int64_t)c.signal_count)
@@ -21,7 +22,12 @@ mailbox_desc describe(const jaxgin_context& c, const AxisGroup& group, int64_t o
   box.axis_size = size;
   box.my_index = group.my_index;
   box.put_parts = mailbox_put_parts((uint64_t)payload_bytes);
-  for (int i = 0; i < size; i++) box.ranks[i] = group.ranks[i];
+  box.heap = c.heap;
+  box.consumed = c.consumed;
+  for (int i = 0; i < size; i++) {
+    box.ranks[i] = group.ranks[i];
+    box.peer_heaps[i] = c.force_gin ? nullptr : state.lsa_heaps[(size_t)group.ranks[i]];
+  }
   return box;
 }
 
@@ -38,7 +44,7 @@ MailboxCall open_mailbox(int32_t ordinal, int64_t generation, ffi::Span<const in
   DeviceState& s = device_for_ordinal(ordinal, generation);
   AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
   const size_t payload = slot_per_sender ? buffer_bytes / group.ranks.size() : buffer_bytes;
-  return MailboxCall{s, describe(s.host_context, group, offset, (int64_t)payload, signal_base)};
+  return MailboxCall{s, describe(s, group, offset, (int64_t)payload, signal_base)};
 }
 
 ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer,

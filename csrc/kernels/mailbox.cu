@@ -34,8 +34,8 @@ struct mailbox_header {
 static_assert(sizeof(mailbox_header) == kMailboxHeaderBytes, "mailbox header layout");
 static_assert(kMaxExchangePeers <= 64, "a wait keeps the senders it took in a 64-bit mask");
 
-__device__ __forceinline__ mailbox_header* header(const jaxgin_context* ctx, const mailbox_desc& box) {
-  return reinterpret_cast<mailbox_header*>(ctx->heap + box.offset);
+__device__ __forceinline__ mailbox_header* header(const mailbox_desc& box) {
+  return reinterpret_cast<mailbox_header*>(box.heap + box.offset);
 }
 __device__ __forceinline__ uint64_t slot_offset(const mailbox_desc& box, int index) {
   return box.offset + kMailboxHeaderBytes + (uint64_t)index * box.slot_bytes;
@@ -72,6 +72,31 @@ __device__ __forceinline__ bool last_block(uint32_t* counter) {
   return false;
 }
 
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One thread waits until `signal` reaches `expected`. This heap's own word of the signal (what
+// LSA peers add to) is checked first, from the descriptor's address: enough on its own whenever
+// it suffices (GIN's parts of a signal only add to it), and the common case of a credit that came
+// back long ago. Otherwise wait_until sums every part and bounds the wait.
+__device__ __forceinline__ void await_signal(const jaxgin_context* ctx, const mailbox_desc& box, uint32_t signal,
+                                             uint64_t expected, jaxgin_op_tag op, int peer) {
+  if (load_acquire(reinterpret_cast<const uint64_t*>(box.heap) + signal) >= expected) return;
+  wait_until(ctx, signal, expected, op, peer);
+}
+
+// Adds 1 to `signal` at axis index `index`: one remote add for an LSA peer, add_signal otherwise.
+__device__ __forceinline__ void signal_peer(const jaxgin_context* ctx, const mailbox_desc& box, int index,
+                                            uint32_t signal, bool release) {
+  if (box.peer_heaps[index] != nullptr)
+    remote_add(reinterpret_cast<uint64_t*>(box.peer_heaps[index]) + signal, 1, release);
+  else
+    add_signal(ctx, box.ranks[index], signal, 1, release);
+}
+
 // Thread 0 reads a device-side axis index and fails the program (naming `op`) if it is out of range.
 __device__ __forceinline__ int checked_index(const jaxgin_context* ctx, const mailbox_desc& box, const int32_t* index,
                                              jaxgin_op_tag op) {
@@ -84,28 +109,34 @@ __device__ __forceinline__ int checked_index(const jaxgin_context* ctx, const ma
 
 __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx, const __grid_constant__ mailbox_desc box,
                                                        const char* src, const int32_t* peer_index, int32_t* token) {
-  __shared__ int peer, rank;
+  __shared__ int peer;
   __shared__ uint64_t epoch;
+  // A line put's payload is read first: it needs no ordering (no peer writes an XLA buffer), so
+  // the load overlaps with the peer index, counter and credit loads below.
+  const bool line_sized = box.line_slot_bytes > 0;
+  uint32_t low = 0, high = 0;
+  if (line_sized && linear_thread() < line_count(box.payload_bytes))
+    read_line_payload(src, box.payload_bytes, linear_thread(), low, high);
   if (linear_thread() == 0) {
     peer = checked_index(ctx, box, peer_index, JAXGIN_OP_PUT_SIGNAL);
-    rank = box.ranks[peer];
-    check_peer(ctx, rank, JAXGIN_OP_PUT_SIGNAL);
-    // Every earlier put of ours into this mailbox at `rank` must have been consumed.
-    epoch = ctx->consumed[credit_signal(box, peer)];
-    wait_until(ctx, credit_signal(box, peer), epoch, JAXGIN_OP_PUT_SIGNAL, rank);
+    if (box.peer_heaps[peer] == nullptr) check_peer(ctx, box.ranks[peer], JAXGIN_OP_PUT_SIGNAL);
+    // Every earlier put of ours into this mailbox at the peer must have been consumed.
+    epoch = box.consumed[credit_signal(box, peer)];
+    await_signal(ctx, box, credit_signal(box, peer), epoch, JAXGIN_OP_PUT_SIGNAL, box.ranks[peer]);
   }
   __syncthreads();
-  if (travels_as_lines(ctx, box.payload_bytes, rank)) {  // one CTA: a line-sized payload is one put part
-    line* dst = static_cast<line*>(ncclGetPeerPointer(ctx->window, line_slot_offset(box, box.my_index), rank));
+  if (puts_as_lines(box, peer)) {  // one CTA: a line-sized payload is one put part
+    line* dst = reinterpret_cast<line*>(box.peer_heaps[peer] + line_slot_offset(box, box.my_index));
     const uint32_t flag = line_flag(epoch);
-    for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads()) {
-      uint32_t low, high;
+    const uint64_t lines = line_count(box.payload_bytes);
+    if (linear_thread() < lines) store_line(dst + linear_thread(), low, high, flag);
+    for (uint64_t i = linear_thread() + block_threads(); i < lines; i += block_threads()) {
       read_line_payload(src, box.payload_bytes, i, low, high);
       store_line(dst + i, low, high, flag);
     }
     if (linear_thread() == 0) {
       *token = peer;
-      ctx->consumed[credit_signal(box, peer)] = epoch + 1;
+      box.consumed[credit_signal(box, peer)] = epoch + 1;
     }
     return;
   }
@@ -113,24 +144,24 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
   const uint64_t dst = slot_offset(box, box.my_index) + begin;
   const uint32_t data = data_signal(box, box.my_index);
-  if (routes_through_gin(ctx, rank)) {
+  if (box.peer_heaps[peer] == nullptr) {  // GIN
     const uint64_t staging = slot_offset(box, box.axis_size) + begin;
-    cta_copy(ctx->heap + staging, src + begin, end - begin);
+    cta_copy(box.heap + staging, src + begin, end - begin);
     __syncthreads();
     if (linear_thread() == 0) {
       ncclGin g(ctx->comm, gin_context_index(ctx));
-      g.put(ncclTeamWorld(ctx->comm), rank, ctx->window, dst, ctx->window, staging, end - begin,
+      g.put(ncclTeamWorld(ctx->comm), box.ranks[peer], ctx->window, dst, ctx->window, staging, end - begin,
             GinPutSignal{data, 1});
       g.flush(ncclCoopThread());  // src may be reused by XLA once the kernel ends
     }
   } else {
-    cta_copy(static_cast<char*>(ncclGetPeerPointer(ctx->window, dst, rank)), src + begin, end - begin);
+    cta_copy(box.peer_heaps[peer] + dst, src + begin, end - begin);
     __syncthreads();
-    if (linear_thread() == 0) add_signal(ctx, rank, data, 1);
+    if (linear_thread() == 0) signal_peer(ctx, box, peer, data, /*release=*/true);
   }
   if (linear_thread() == 0) {
     if (blockIdx.x == 0) *token = peer;
-    if (last_block(&header(ctx, box)->put_done)) ctx->consumed[credit_signal(box, peer)] = epoch + 1;
+    if (last_block(&header(box)->put_done)) box.consumed[credit_signal(box, peer)] = epoch + 1;
   }
 }
 
@@ -138,15 +169,15 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
 // gets the same answer). Reads only; consumed counts change after the wait decided.
 __device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box, int s) {
   const uint32_t signal = data_signal(box, s);
-  if (travels_as_lines(ctx, box.payload_bytes, box.ranks[s])) {
-    const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
-    const uint32_t flag = line_flag(ctx->consumed[signal]);
+  if (puts_as_lines(box, s)) {
+    const line* src = reinterpret_cast<const line*>(box.heap + line_slot_offset(box, s));
+    const uint32_t flag = line_flag(box.consumed[signal]);
     bool mine = true;
     for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads())
       mine &= line_arrived(load_line(src + i), flag);
     return __syncthreads_and(mine);
   }
-  return __syncthreads_or(linear_thread() == 0 && read_signal(ctx, signal) - ctx->consumed[signal] >= box.put_parts);
+  return __syncthreads_or(linear_thread() == 0 && read_signal(ctx, signal) - box.consumed[signal] >= box.put_parts);
 }
 
 // CTA-collective: waits until puts of at least `count` senders are complete, takes every complete
@@ -168,11 +199,11 @@ __device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, i
   }
   __syncthreads();  // every thread is done reading consumed counts
   if (linear_thread() == 0) {
-    mailbox_header* h = header(ctx, box);
+    mailbox_header* h = header(box);
     for (int s = 0; s < box.axis_size; s++) {
       const bool took = taken >> s & 1;
       h->arrived[s] = took;
-      if (took) ctx->consumed[data_signal(box, s)] += box.put_parts;  // a line put is one part
+      if (took) box.consumed[data_signal(box, s)] += box.put_parts;  // a line put is one part
     }
   }
   return taken;
@@ -186,24 +217,24 @@ __global__ void __launch_bounds__(kThreads) decide_kernel(const jaxgin_context* 
 // Part [begin, end) of sender `s`'s taken put, from its slot or its lines, into `row`.
 __device__ __forceinline__ void copy_out(const jaxgin_context* ctx, const mailbox_desc& box, int s, char* row,
                                          uint64_t begin, uint64_t end) {
-  if (travels_as_lines(ctx, box.payload_bytes, box.ranks[s])) {
+  if (puts_as_lines(box, s)) {
     // begin is a multiple of 16 and end is too unless it is the payload's end: whole lines.
-    const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
+    const line* src = reinterpret_cast<const line*>(box.heap + line_slot_offset(box, s));
     for (uint64_t i = begin / 8 + linear_thread(); i < (end + 7) / 8; i += block_threads()) {
       const line v = load_line(src + i);
       write_line_payload(row, box.payload_bytes, i, v.low, v.high);
     }
   } else {
-    cta_copy(row + begin, ctx->heap + slot_offset(box, s) + begin, end - begin);
+    cta_copy(row + begin, box.heap + slot_offset(box, s) + begin, end - begin);
   }
 }
 
 // Returns the credits of the taken senders once every CTA read its part (the last CTA does it).
 __device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const mailbox_desc& box, uint64_t taken) {
   __syncthreads();  // every read of the slots precedes the credits that free them
-  if (linear_thread() == 0 && last_block(&header(ctx, box)->wait_done)) {
+  if (linear_thread() == 0 && last_block(&header(box)->wait_done)) {
     for (int s = 0; s < box.axis_size; s++)
-      if (taken >> s & 1) add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1, /*release=*/false);
+      if (taken >> s & 1) signal_peer(ctx, box, s, credit_signal(box, box.my_index), /*release=*/false);
   }
 }
 
@@ -217,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
   if (also_decide) {
     taken = decide(ctx, box, count);
   } else {
-    const mailbox_header* h = header(ctx, box);
+    const mailbox_header* h = header(box);
     for (int s = 0; s < box.axis_size; s++) taken |= (uint64_t)(h->arrived[s] != 0) << s;
   }
   uint64_t begin, end;
@@ -245,9 +276,9 @@ __global__ void __launch_bounds__(kThreads) wait_from_kernel(const jaxgin_contex
   const uint32_t signal = data_signal(box, s);
   uint64_t begin, end;
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
-  if (travels_as_lines(ctx, box.payload_bytes, box.ranks[s])) {  // one CTA: at most 8 KiB of output
-    const line* src = reinterpret_cast<const line*>(ctx->heap + line_slot_offset(box, s));
-    const uint64_t expected = ctx->consumed[signal];
+  if (puts_as_lines(box, s)) {  // one CTA: at most 8 KiB of output
+    const line* src = reinterpret_cast<const line*>(box.heap + line_slot_offset(box, s));
+    const uint64_t expected = box.consumed[signal];
     for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads()) {
       const line v = await_line(ctx, src + i, line_flag(expected), [&] {
         fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, JAXGIN_OP_WAIT_SIGNAL_FROM, box.ranks[s], signal, expected + 1, expected);
@@ -256,14 +287,14 @@ __global__ void __launch_bounds__(kThreads) wait_from_kernel(const jaxgin_contex
     }
   } else {
     if (linear_thread() == 0)
-      wait_until(ctx, signal, ctx->consumed[signal] + box.put_parts, JAXGIN_OP_WAIT_SIGNAL_FROM, box.ranks[s]);
+      await_signal(ctx, box, signal, box.consumed[signal] + box.put_parts, JAXGIN_OP_WAIT_SIGNAL_FROM, box.ranks[s]);
     __syncthreads();
-    cta_copy(out + begin, ctx->heap + slot_offset(box, s) + begin, end - begin);
+    cta_copy(out + begin, box.heap + slot_offset(box, s) + begin, end - begin);
   }
   __syncthreads();  // every read of the slot precedes the credit that frees it
-  if (linear_thread() == 0 && last_block(&header(ctx, box)->wait_done)) {
-    ctx->consumed[signal] += box.put_parts;
-    add_signal(ctx, box.ranks[s], credit_signal(box, box.my_index), 1, /*release=*/false);
+  if (linear_thread() == 0 && last_block(&header(box)->wait_done)) {
+    box.consumed[signal] += box.put_parts;
+    signal_peer(ctx, box, s, credit_signal(box, box.my_index), /*release=*/false);
   }
 }
 

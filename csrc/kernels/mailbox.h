@@ -16,6 +16,11 @@ namespace jaxgin {
 // LSA peer of a payload that fits a line slot travels as lines (no data signal); any other put
 // goes through the sender's slot and bumps the data signal. Both sides pick alike: the size is the
 // mailbox's and the route is symmetric.
+//
+// The descriptor also carries the addresses the kernels need (this heap, the consumed counters,
+// every LSA peer's heap as mapped here), computed once by the host: a small put's time is a chain
+// of dependent loads, and reading them from the context and NCCL's window would add a round trip
+// to memory per link.
 struct mailbox_desc {
   uint64_t offset;          // heap offset of the header
   uint64_t slot_bytes;      // payload rounded up to 16
@@ -25,8 +30,18 @@ struct mailbox_desc {
   int32_t axis_size;
   int32_t my_index;         // this rank's index along the axis
   uint32_t put_parts;       // CTAs per put; each adds 1 to the data signal
+  char* heap;               // this rank's heap
+  uint64_t* consumed;       // the runtime's consumed counters (jaxgin_context::consumed)
   int32_t ranks[kMaxExchangePeers];  // global rank of each axis index
+  // Heap of each axis index as mapped here; nullptr unless it is an LSA peer reached by stores
+  // (so nullptr for every peer when GIN is forced).
+  char* peer_heaps[kMaxExchangePeers];
 };
+
+// Whether puts between this rank and axis index `index` travel as lines (see above).
+__host__ __device__ inline bool puts_as_lines(const mailbox_desc& box, int index) {
+  return box.line_slot_bytes > 0 && box.peer_heaps[index] != nullptr;
+}
 
 constexpr uint64_t kMailboxHeaderBytes = 256;  // 2 counters + one arrival flag per sender (<= 64)
 
