@@ -120,7 +120,8 @@ def fault(argv):
             error = f"{type(e).__name__}: {e}"[:400]
             break
     seconds = time.perf_counter() - last_good
-    report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
+    report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "heap_mib": jaxgin.info()["heap_bytes"] >> 20,
+              "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
               "faults": jaxgin.device_faults(), "timeout_s": jaxgin.info()["timeout_s"]}
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
     report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)
@@ -133,6 +134,8 @@ def fault(argv):
             report["finalize_error"] = f"{type(e).__name__}: {e}"[:400]
     report["finalize_warnings"] = [str(w.message)[:300] for w in caught]
     report["gpu_used_mib_after_finalize"] = _gpu_used_mib(rank)
+    # Every GPU's, the dead peer's included: nothing of it may outlive it on its GPU.
+    report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
     print("RESULT:" + json.dumps(report), flush=True)
     os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
 
