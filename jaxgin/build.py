@@ -37,6 +37,7 @@ from jaxgin.errors import ToolchainError
 BACKEND_SOURCES = (
     "device/library.cu",
     "runtime/runtime.cu",
+    "runtime/heap_release.cu",
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",
     "kernels/exchange.cu",

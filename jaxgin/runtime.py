@@ -357,10 +357,11 @@ def finalize() -> None:
     """Releases everything initialize() created (GPU memory, communicators). Safe to call twice.
 
     After a device fault (a jaxgin wait timed out, a peer died) the GPU's CUDA context is unusable
-    for every library in the process; finalize() then aborts the communicators and resets the GPU,
-    and warns (RuntimeWarning): JAX cannot use that GPU again in this process, and jaxgin's heap
-    (a virtual-memory allocation, which neither the reset nor NCCL can free in a context in error)
-    stays allocated until the process exits. Exit after handling the error."""
+    for every library in the process; finalize() then aborts the communicators, resets the GPU,
+    unmaps the peers' heaps (so a dead peer's memory is not kept alive on its GPU), and warns
+    (RuntimeWarning): JAX cannot use that GPU again in this process, and jaxgin's own heap (a
+    virtual-memory allocation, which neither the reset nor its unmapping returns) stays allocated
+    until the process exits. Exit after handling the error."""
     global _state
     state, _state = _state, None
     if state is not None and state.runtime is not None:

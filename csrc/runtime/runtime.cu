@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "errors.h"
+#include "heap_release.h"
 #include "../kernels/preload.h"
 
 namespace jaxgin {
@@ -211,6 +212,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
     throw Error("NCCL assigned rank " + std::to_string(c.rank) + " where jaxgin asked for " +
                 std::to_string(s.rank));
   s.lsa_heaps = lsa_heap_bases(s, c);
+  s.heap_mappings = mappings_of_heap(s.heap, s.lsa_heaps);
   JAXGIN_CUDA(cudaMalloc(&s.context, sizeof(jaxgin_context)), dev);
   JAXGIN_CUDA(cudaMemcpy(s.context, &c, sizeof(jaxgin_context), cudaMemcpyHostToDevice), dev);
   JAXGIN_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), dev);
@@ -245,12 +247,19 @@ std::string teardown_device(DeviceState& s) {
       if (ncclCommDestroy(s.comm) != ncclSuccess) note("ncclCommDestroy failed");
     }
   }
-  // Not the heap: it is a virtual-memory allocation (ncclMemAlloc), which a reset does not return,
-  // and ncclMemFree fails in a context in error (measured on H200: the 2 GiB test heap stayed
-  // until the process exited, while the reset returned the context's other 0.75 GiB).
-  if (broken && cudaDeviceReset() != cudaSuccess)
-    note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
-         "allocated until the process exits");
+  // Not the heaps: they are virtual-memory mappings, which a reset leaves (measured on H200: the
+  // reset returned the context's 0.75 GiB, not the 2 GiB test heap); they are unmapped after it.
+  if (broken) {
+    if (cudaDeviceReset() != cudaSuccess) {
+      note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
+           "allocated until the process exits");
+    } else if (s.heap) {
+      const std::string e = unmap_heaps_after_reset(s.heap_mappings);
+      if (!e.empty())
+        note("the symmetric heaps mapped on CUDA device " + std::to_string(s.device) +
+             " could not be unmapped after the reset (" + e + "); they stay allocated until the process exits");
+    }
+  }
   s = DeviceState{s.device, s.rank};
   return first;
 }

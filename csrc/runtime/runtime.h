@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 #include "backend_api.h"
+#include "heap_release.h"
 #include "../device/impl/context__types.h"
 
 namespace jaxgin {
@@ -28,6 +29,7 @@ struct DeviceState {
   // Heap base of every rank as this GPU addresses it; nullptr for ranks outside the LSA team.
   // Fixed once the window exists, so launches can pass peer addresses by value.
   std::vector<char*> lsa_heaps;
+  heap_mappings heap_mappings;  // unmapped after a fault (see heap_release.h)
   cudaStream_t stream = nullptr;
 };
 

@@ -1,0 +1,39 @@
+// Unmapping the symmetric heaps of a GPU whose CUDA context broke (a kernel trapped).
+//
+// The heap is a CUDA virtual-memory allocation: ncclMemAlloc maps it at the heap's address, and
+// NCCL's window maps it once more, next to every LSA peer's heap (imported), in NCCL's flat
+// address range. Such mappings belong to the process, not to the context: a device reset leaves
+// them, and NCCL cannot undo them in a context in error. An import keeps its peer's memory alive,
+// so a survivor of a dead peer would hold that peer's whole heap on the dead peer's GPU until it
+// exits. After the reset the driver's virtual-memory calls still work (measured on H200), so the
+// runtime unmaps every mapping itself, which returns the peers' heaps.
+//
+// This GPU's own heap stays allocated even so (measured: the unmapping succeeds and its memory
+// stays in use until the process exits): something else in the process still holds it.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <string>
+#include <vector>
+
+namespace jaxgin {
+
+struct heap_mapping {
+  uintptr_t base = 0;
+  size_t bytes = 0;  // 0: unknown (not a virtual-memory mapping)
+};
+
+// The mappings of heap memory in this process, read at setup while the context is healthy
+// (unmapping needs each mapping's exact extent): the heap's own, and NCCL's mapping of each LSA
+// rank's heap (`lsa_heaps`, nullptr entries skipped).
+struct heap_mappings {
+  heap_mapping own;
+  std::vector<heap_mapping> window;
+};
+heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps);
+
+// After cudaDeviceReset: unmaps every mapping in `m`, then frees the heap's address range.
+// Returns "" or what failed.
+std::string unmap_heaps_after_reset(const heap_mappings& m);
+
+}  // namespace jaxgin
