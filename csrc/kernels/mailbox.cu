@@ -166,28 +166,34 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
 }
 
 // CTA-collective: whether sender `s`'s next put is complete in this rank's mailbox (every thread
-// gets the same answer). Reads only; consumed counts change after the wait decided.
-__device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box, int s) {
+// gets the same answer), `consumed` being the sender's consumed count. Reads only.
+__device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box, int s, uint64_t consumed) {
   const uint32_t signal = data_signal(box, s);
   if (puts_as_lines(box, s)) {
     const line* src = reinterpret_cast<const line*>(box.heap + line_slot_offset(box, s));
-    const uint32_t flag = line_flag(box.consumed[signal]);
+    const uint32_t flag = line_flag(consumed);
     bool mine = true;
     for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads())
       mine &= line_arrived(load_line(src + i), flag);
     return __syncthreads_and(mine);
   }
-  return __syncthreads_or(linear_thread() == 0 && read_signal(ctx, signal) - box.consumed[signal] >= box.put_parts);
+  return __syncthreads_or(linear_thread() == 0 && read_signal(ctx, signal) - consumed >= box.put_parts);
 }
 
 // CTA-collective: waits until puts of at least `count` senders are complete, takes every complete
 // one (arrival flags in the header, consumed counts advanced) and returns them as a mask.
 __device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, int32_t count) {
+  // Every sender's consumed count, read once and all at once: only this wait advances them, after
+  // it decided, so the polls below need not read them again (one round trip to memory less each).
+  __shared__ uint64_t consumed[kMaxExchangePeers];
+  for (int s = (int)linear_thread(); s < box.axis_size; s += (int)block_threads())
+    consumed[s] = box.consumed[data_signal(box, s)];
+  __syncthreads();
   uint64_t taken = 0;  // the same in every thread: put_complete answers alike
   uint64_t deadline = 0;
   while (true) {
     for (int s = 0; s < box.axis_size; s++)
-      if (!(taken >> s & 1) && put_complete(ctx, box, s)) taken |= 1ull << s;
+      if (!(taken >> s & 1) && put_complete(ctx, box, s, consumed[s])) taken |= 1ull << s;
     if (__popcll(taken) >= count) break;
     if (linear_thread() == 0) {
       const uint64_t now = clock_ns();
@@ -197,13 +203,12 @@ __device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, i
              (uint64_t)__popcll(taken));
     }
   }
-  __syncthreads();  // every thread is done reading consumed counts
   if (linear_thread() == 0) {
     mailbox_header* h = header(box);
     for (int s = 0; s < box.axis_size; s++) {
       const bool took = taken >> s & 1;
       h->arrived[s] = took;
-      if (took) box.consumed[data_signal(box, s)] += box.put_parts;  // a line put is one part
+      if (took) box.consumed[data_signal(box, s)] = consumed[s] + box.put_parts;  // a line put is one part
     }
   }
   return taken;
