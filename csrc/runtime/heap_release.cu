@@ -63,7 +63,7 @@ heap_mapping mapping_at(const void* p) {
 // handles once mapped (measured with NCCL 2.28.9: a second release of a mapping's handle fails),
 // so the handle retained here to check the mapping is released again and nothing more.
 std::string unmap(const heap_mapping& m) {
-  if (m.bytes == 0) return "a mapping's extent is unknown";
+  if (m.bytes == 0) return "";  // not a virtual-memory mapping: the reset returned it
   CUmemGenericAllocationHandle handle;
   CUresult r = calls.retain_handle(&handle, reinterpret_cast<void*>(m.base));
   if (r != CUDA_SUCCESS) return failed("cuMemRetainAllocationHandle", r);
@@ -93,6 +93,7 @@ std::string unmap_heaps_after_reset(const heap_mappings& m) {
   }
   const std::string e = unmap(m.own);
   if (!e.empty()) return "the heap's mapping: " + e;
+  if (m.own.bytes == 0) return "";
   const CUresult r = calls.address_free((CUdeviceptr)m.own.base, m.own.bytes);
   return r == CUDA_SUCCESS ? "" : failed("cuMemAddressFree", r);
 }

@@ -20,7 +20,7 @@ namespace jaxgin {
 
 struct heap_mapping {
   uintptr_t base = 0;
-  size_t bytes = 0;  // 0: unknown (not a virtual-memory mapping)
+  size_t bytes = 0;  // 0: not a virtual-memory mapping (cudaMalloc'd, which the reset returns)
 };
 
 // The mappings of heap memory in this process, read at setup while the context is healthy
