@@ -39,12 +39,6 @@ struct line_plan_of {
   line_task tasks[kCapacity];
 };
 
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 template <class Plan>
 __device__ void send_lines(const Plan& plan, const line_task& t) {
   const uint64_t lines = line_count(plan.bytes);
@@ -54,20 +48,12 @@ __device__ void send_lines(const Plan& plan, const line_task& t) {
   uint32_t low = 0, high = 0;
   if (first < lines) read_line_payload(t.src, plan.bytes, first, low, high);
   const uint64_t n = *t.counter;
-  uint64_t credit = load_acquire(t.credit);
+  const uint64_t credit = load_signal_word(t.credit);  // issued before n is known, not after
   // Slot n % slots is free once the receiver consumed message n - slots. Every thread acquires
-  // the credit itself, so each one's stores below are ordered after it without a barrier.
-  if (n >= plan.slots) {
-    const uint64_t needed = n + 1 - plan.slots;
-    uint64_t deadline = 0;
-    for (uint32_t polls = 1; credit < needed; polls++) {
-      credit = load_acquire(t.credit);
-      if (polls % kClockPolls != 0) continue;
-      const uint64_t now = clock_ns();
-      if (deadline == 0) deadline = now + plan.ctx->timeout_ns;
-      else if (now > deadline) fail(plan.ctx, JAXGIN_FAULT_WAIT_TIMEOUT, (jaxgin_op_tag)plan.op, t.peer, t.signal, needed, credit);
-    }
-  }
+  // the credit itself, so each one's stores below are ordered after it without a barrier; a
+  // credit not yet back is waited for (bounded) like any signal.
+  if (n >= plan.slots && credit < n + 1 - plan.slots)
+    wait_until(plan.ctx, t.signal, n + 1 - plan.slots, (jaxgin_op_tag)plan.op, t.peer);
   line* slot = t.lines + (n % plan.slots) * kLinesPerSlot;
   const uint32_t flag = line_flag(n);
   if (first < lines) store_line(slot + first, low, high, flag);

@@ -72,19 +72,12 @@ __device__ __forceinline__ bool last_block(uint32_t* counter) {
   return false;
 }
 
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// One thread waits until `signal` reaches `expected`. This heap's own word of the signal (what
-// LSA peers add to) is checked first, from the descriptor's address: enough on its own whenever
-// it suffices (GIN's parts of a signal only add to it), and the common case of a credit that came
-// back long ago. Otherwise wait_until sums every part and bounds the wait.
+// One thread waits until `signal` reaches `expected`. This heap's own word of the signal is
+// checked first, from the descriptor's address: the common case of a credit that came back long
+// ago. Otherwise wait_until sums every part and bounds the wait.
 __device__ __forceinline__ void await_signal(const jaxgin_context* ctx, const mailbox_desc& box, uint32_t signal,
                                              uint64_t expected, jaxgin_op_tag op, int peer) {
-  if (load_acquire(reinterpret_cast<const uint64_t*>(box.heap) + signal) >= expected) return;
+  if (load_signal_word(reinterpret_cast<const uint64_t*>(box.heap) + signal) >= expected) return;
   wait_until(ctx, signal, expected, op, peer);
 }
 

@@ -120,9 +120,10 @@ def fault(argv):
             error = f"{type(e).__name__}: {e}"[:400]
             break
     seconds = time.perf_counter() - last_good
-    report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "heap_mib": jaxgin.info()["heap_bytes"] >> 20,
+    info = jaxgin.info()
+    report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "heap_mib": info["heap_bytes"] >> 20,
               "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
-              "faults": jaxgin.device_faults(), "timeout_s": jaxgin.info()["timeout_s"]}
+              "faults": jaxgin.device_faults(), "timeout_s": info["timeout_s"]}
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
     report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)
     with warnings.catch_warnings(record=True) as caught:

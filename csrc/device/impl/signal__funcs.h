@@ -26,6 +26,15 @@ __device__ __forceinline__ void check_peer(const jaxgin_context* ctx, int peer, 
     fail(ctx, JAXGIN_FAULT_PEER_UNREACHABLE, op, peer, 0, 0, 0);
 }
 
+// This heap's own word of a signal at `word` (what LSA peers add to), with acquire semantics. A
+// kernel that knows the word's address reads it in one load, without the context; whenever it
+// suffices it is enough on its own, since GIN's parts of a signal only add to it.
+__device__ __forceinline__ uint64_t load_signal_word(const uint64_t* word) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
+  return v;
+}
+
 // Current value (acquire): every payload whose signal is counted in it is visible afterwards.
 __device__ __forceinline__ uint64_t read_signal(const jaxgin_context* ctx, uint32_t signal) {
   cuda::atomic_ref<uint64_t, cuda::thread_scope_system> lsa(*local_signal(ctx, signal));
