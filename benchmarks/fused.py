@@ -6,10 +6,12 @@ Per device and per shape (M x K x N, x [M, K] @ w [K, N]):
   xla_matmul            x @ w (cuBLAS through XLA)
   triton_matmul         the fused all_to_all's tile code alone (same tile configuration)
   xla_matmul_all_to_all jax.lax.all_to_all(x @ w, tiled) in one jit
-  fused_all_to_all      jaxgin.fused.matmul_all_to_all
+  fused_all_to_all      jaxgin.fused.matmul_all_to_all (method="chunked", the default)
+  triton_all_to_all     the same op, method="triton"
 and for all_gather_matmul (M = rows after the gather, each device holding M / devices):
   xla_all_gather_matmul jax.lax.all_gather(x, tiled) @ w in one jit
-  fused_all_gather      jaxgin.fused.all_gather_matmul
+  fused_all_gather      jaxgin.fused.all_gather_matmul (method="chunked")
+  triton_all_gather     the same op, method="triton"
 
 Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output
 (a one-element update of x, the same for every variant, so XLA can neither hoist nor overlap the
@@ -78,17 +80,21 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
     if "all_to_all" in kinds:
         ops["xla_matmul_all_to_all"] = lambda x, w: jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
         ops["fused_all_to_all"] = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x")
-        got = _once(mesh, ops["fused_all_to_all"])(x, w)
-        row["all_to_all_rel_err"] = _rel(got, _once(mesh, ops["xla_matmul_all_to_all"])(x, w))
+        ops["triton_all_to_all"] = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", method="triton")
+        expected = _once(mesh, ops["xla_matmul_all_to_all"])(x, w)
+        row["all_to_all_rel_err"] = _rel(_once(mesh, ops["fused_all_to_all"])(x, w), expected)
+        row["triton_all_to_all_rel_err"] = _rel(_once(mesh, ops["triton_all_to_all"])(x, w), expected)
     if "all_gather" in kinds and m % devices == 0:
         shard = (m // devices, k)
         xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
         gather_ops = {
             "xla_all_gather_matmul": lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,
             "fused_all_gather": lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x"),
+            "triton_all_gather": lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", method="triton"),
         }
-        got = _once(mesh, gather_ops["fused_all_gather"])(xs, w)
-        row["all_gather_rel_err"] = _rel(got, _once(mesh, gather_ops["xla_all_gather_matmul"])(xs, w))
+        expected = _once(mesh, gather_ops["xla_all_gather_matmul"])(xs, w)
+        row["all_gather_rel_err"] = _rel(_once(mesh, gather_ops["fused_all_gather"])(xs, w), expected)
+        row["triton_all_gather_rel_err"] = _rel(_once(mesh, gather_ops["triton_all_gather"])(xs, w), expected)
         for name, op in gather_ops.items():
             row[f"{name}_us"] = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
         row["all_gather_shard"] = list(shard)
@@ -101,8 +107,10 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
     if "fused_all_to_all_us" in row:
         row["speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["fused_all_to_all_us"]
         row["fused_over_matmul"] = row["fused_all_to_all_us"] / row["xla_matmul_us"]
+        row["triton_speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["triton_all_to_all_us"]
     if "fused_all_gather_us" in row:
         row["all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["fused_all_gather_us"]
+        row["triton_all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["triton_all_gather_us"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -121,7 +129,8 @@ def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     row = {"m": m, "k": k, "n": n}
     for parts, name in names.items():
         def op(x, w, parts=parts):
-            plan = fused_a2a._Plan(("x",), mesh.size, x.shape[0], w.shape[1], x.shape[1], True, True, None, None)
+            plan = fused_a2a._Plan(("x",), mesh.size, x.shape[0], w.shape[1], x.shape[1], True, True, None, None,
+                                   "triton")
             return fused_a2a._kernel(state, x, w, plan, parts)
 
         row[name] = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
@@ -157,7 +166,7 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     row = {"m": m, "k": k, "n": n, "xla_matmul_all_to_all_us": best_seconds(_chain(mesh, unfused), x, w, repeats=repeats) / STEPS * 1e6,
            "xla_matmul_us": best_seconds(_chain(mesh, lambda x, w: x @ w), x, w, repeats=repeats) / STEPS * 1e6, "tiles": {}}
     for tiles in VARIANT_TILES:
-        plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, tiles)
+        plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, tiles, "triton")
         times = {}
 
         def matmul_only(x, w, plan=plan):
@@ -186,7 +195,8 @@ def plot(report: dict, path: Path) -> Path:
     sweep = [r for r in report["sweep"]]
     ms = [r["m"] for r in sweep]
     for key, label in (("xla_matmul_us", "XLA x @ w"), ("triton_matmul_us", "tile code alone"),
-                       ("xla_matmul_all_to_all_us", "XLA x @ w, all_to_all"), ("fused_all_to_all_us", "jaxgin fused")):
+                       ("xla_matmul_all_to_all_us", "XLA x @ w, all_to_all"), ("fused_all_to_all_us", "jaxgin chunked"),
+                       ("triton_all_to_all_us", "jaxgin Triton")):
         axes[0].plot(ms, [r[key] for r in sweep], "o-", label=label)
     axes[0].set_xscale("log", base=2)
     axes[0].set_yscale("log")
@@ -197,8 +207,9 @@ def plot(report: dict, path: Path) -> Path:
     axes[0].legend()
     shapes = report["shapes"]
     labels = [f"{r['m']}x{r['k']}x{r['n']}" for r in shapes]
-    keys = [("xla_matmul_all_to_all_us", "XLA a2a"), ("fused_all_to_all_us", "fused a2a"),
-            ("xla_all_gather_matmul_us", "XLA ag"), ("fused_all_gather_us", "fused ag"), ("xla_matmul_us", "XLA x @ w")]
+    keys = [("xla_matmul_all_to_all_us", "XLA a2a"), ("fused_all_to_all_us", "chunked a2a"),
+            ("triton_all_to_all_us", "Triton a2a"), ("xla_all_gather_matmul_us", "XLA ag"),
+            ("fused_all_gather_us", "chunked ag"), ("triton_all_gather_us", "Triton ag"), ("xla_matmul_us", "XLA x @ w")]
     width = 0.8 / len(keys)
     for i, (key, label) in enumerate(keys):
         axes[1].bar([j + i * width for j in range(len(shapes))], [r.get(key, 0) for r in shapes], width, label=label)
@@ -218,6 +229,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="512,1024,2048,4096,8192", help="M per device, K=7168, N=2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--breakdown-only", action="store_true", help="only the breakdown of matmul_all_to_all")
+    parser.add_argument("--shapes-only", action="store_true", help="only the issue's shapes (no breakdown or sweep)")
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
     args = parser.parse_args()
@@ -230,12 +242,13 @@ def main() -> None:
         (args.out / "fused_variants.json").write_text(json.dumps({"devices": mesh.size, "shapes": rows}, indent=1))
         jaxgin.finalize()
         return
-    parts = [breakdown(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+    parts = [] if args.shapes_only else [breakdown(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
     if args.breakdown_only:
         jaxgin.finalize()
         return
     shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather")) for m, k, n in ISSUE_SHAPES]
-    sweep = [measure(mesh, int(m), 7168, 2048, dtype, args.repeats, ("all_to_all",)) for m in args.sweep.split(",")]
+    sweep = [] if args.shapes_only else [
+        measure(mesh, int(m), 7168, 2048, dtype, args.repeats, ("all_to_all",)) for m in args.sweep.split(",")]
     report = {
         "devices": mesh.size,
         "device_kind": jax.devices()[0].device_kind,
@@ -251,7 +264,8 @@ def main() -> None:
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     try:
-        print(f"wrote {plot(report, path.with_suffix('.png'))}")
+        if sweep:
+            print(f"wrote {plot(report, path.with_suffix('.png'))}")
     except ImportError as e:
         print(f"no plot ({e})")
     jaxgin.finalize()

@@ -1,8 +1,9 @@
-"""A matmul whose output tiles leave for their destination GPU as soon as they are computed:
+"""A matmul whose output chunks leave for their destination GPU while the rest is computed:
 jaxgin.fused.matmul_all_to_all under jax.jit and shard_map, checked against (and timed next to)
 the unfused jax.lax.all_to_all(x @ w), plus a gradient check and all_gather_matmul.
 
-On NVIDIA GPUs (2 or more) it runs the fused Triton kernel on every GPU of this process; without
+On NVIDIA GPUs (2 or more) it runs the default method="chunked" (cuBLAS chunks, copy-engine
+exchange) on every GPU of this process; without
 them it runs the reference path on 4 virtual CPU devices (same results, no speed claim).
 
     python examples/fused_matmul_all_to_all.py

@@ -38,15 +38,18 @@ BACKEND_SOURCES = (
     "device/library.cu",
     "runtime/runtime.cu",
     "runtime/heap_release.cu",
+    "runtime/cublas_loader.cu",
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",
     "kernels/exchange.cu",
     "kernels/line_exchange.cu",
     "kernels/exchange_latency.cu",
     "kernels/mailbox.cu",
+    "kernels/chunk_handoff.cu",
     "ffi/collectives.cu",
     "ffi/mailbox.cu",
     "ffi/triton_call.cu",
+    "ffi/chunked_matmul.cu",
 )
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
@@ -182,7 +185,7 @@ def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out
     lib_dir = nccl.library.resolve().parent
     link = (
         [str(nvcc), f"-arch={arch}", "-shared", *objects]
-        + [f"-L{lib_dir}", "-l:libnccl.so.2", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / "libjaxgin_backend.so")]
+        + [f"-L{lib_dir}", "-l:libnccl.so.2", "-ldl", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / "libjaxgin_backend.so")]
     )
     return [first, [link]]
 

@@ -136,8 +136,12 @@ def test_varying_weights_get_their_own_gradient(init):
          "out of range"),
         (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", concat_axis=0.5), TypeError, "int"),
         (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="nope"), NameError, "not bound"),
+        (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", method="cutlass"), ValueError,
+         "method='cutlass'; use one of 'chunked', 'triton'"),
+        (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", tiles=TileConfig(64, 64, 32)),
+         ValueError, "pass method='triton' with it"),
     ],
-    ids=["indivisible", "rank", "k", "dtypes", "int8", "axis", "float axis", "axis name"],
+    ids=["indivisible", "rank", "k", "dtypes", "int8", "axis", "float axis", "axis name", "method", "tiles"],
 )
 def test_bad_arguments_are_named(init, call, error, message):
     mesh = _mesh(4)

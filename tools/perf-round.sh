@@ -6,6 +6,7 @@
 #   bash tools/perf-round.sh reliability  # ops and reliability GPU tests (fault, memory model, stress), latency
 #   bash tools/perf-round.sh moe        # MoE GPU tests, the MoE example, the MoE benchmark and profile
 #   bash tools/perf-round.sh latency    # ops tests, memory-model and dead-peer tests, small-message latency
+#   bash tools/perf-round.sh fused [PYTEST_K]  # fused GPU tests (those matching PYTEST_K), the issue's shapes
 # Logs and JSON go to $OUT.
 source "$(dirname "$0")/round-common.sh"
 install_jaxgin || exit 1
@@ -32,6 +33,10 @@ case "${1:-tests}" in
     step 150 reliability python3 -m pytest -q -rA tests/gpu/test_reliability_gpu.py -k "payloads or dead_peer"
     TAIL=40 step 150 latency python3 benchmarks/collectives.py --ops ppermute,put_wait,put_wait_from,self_copy,all_to_all \
       --max-bytes 64KiB --out "$OUT" --name latency
+    ;;
+  fused)
+    step 300 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py ${2:+-k "$2"}
+    TAIL=20 step 240 fused_bench python3 benchmarks/fused.py --shapes-only --out "$OUT"
     ;;
   bench)
     # Not in subshells, so a failed benchmark fails the round (scripts find timing.py beside them).

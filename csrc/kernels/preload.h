@@ -15,5 +15,6 @@ cudaError_t preload_exchange_kernels();
 cudaError_t preload_line_exchange_kernels();
 cudaError_t preload_mailbox_kernels();
 cudaError_t preload_wait_signal_kernel();
+cudaError_t preload_chunk_handoff_kernels();
 
 }  // namespace jaxgin

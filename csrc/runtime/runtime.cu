@@ -29,6 +29,8 @@ const char* op_name(uint32_t op) {
     case JAXGIN_OP_PUT_SIGNAL: return "jaxgin.put_signal";
     case JAXGIN_OP_WAIT_SIGNAL: return "jaxgin.wait_signal";
     case JAXGIN_OP_WAIT_SIGNAL_FROM: return "jaxgin.wait_signal_from";
+    case JAXGIN_OP_MATMUL_ALL_TO_ALL: return "jaxgin.fused.matmul_all_to_all";
+    case JAXGIN_OP_ALL_GATHER_MATMUL: return "jaxgin.fused.all_gather_matmul";
     default: return "a jaxgin operation";
   }
 }
@@ -112,6 +114,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   JAXGIN_CUDA(preload_line_exchange_kernels(), dev);
   JAXGIN_CUDA(preload_mailbox_kernels(), dev);
   JAXGIN_CUDA(preload_wait_signal_kernel(), dev);
+  JAXGIN_CUDA(preload_chunk_handoff_kernels(), dev);
   // Peers outside this rank's LSA team (other hosts) are reachable only through GIN.
   const ncclTeam_t lsa_team = ncclTeamLsa(s.comm);
   const bool spans_hosts = lsa_team.nRanks < cfg.world_size;
@@ -230,6 +233,7 @@ std::string teardown_device(DeviceState& s) {
   // the fault already.
   const bool broken = cudaDeviceSynchronize() != cudaSuccess && cudaDeviceSynchronize() != cudaSuccess;
   if (!broken) {
+    note(release_chunked_matmul(s.chunked));
     if (s.stream && cudaStreamDestroy(s.stream) != cudaSuccess) note("cudaStreamDestroy failed");
     if (s.context && cudaFree(s.context) != cudaSuccess) note("cudaFree(context) failed");
     if (s.consumed && cudaFree(s.consumed) != cudaSuccess) note("cudaFree(consumed) failed");
@@ -364,6 +368,14 @@ std::string describe_fault(const DeviceState& s) {
              " bytes (source and destination must be symmetric-heap addresses: allocate them with "
              "tritongin.empty or jaxgin's heap)";
     case JAXGIN_FAULT_FLAG_TIMEOUT:
+      if (f->op == JAXGIN_OP_MATMUL_ALL_TO_ALL || f->op == JAXGIN_OP_ALL_GATHER_MATMUL)
+        return timeout + where + peer + (f->signal == 0
+                   ? ": that peer never handed over its chunk of call " + std::to_string(f->expected) +
+                         " (it has handed over " + std::to_string(f->observed) + ")"
+                   : ": that peer never finished reading this rank's chunk of call " + std::to_string(f->expected) +
+                         " (it finished " + std::to_string(f->observed) + ")") +
+               "; every device of the axis must run the same op, in the same order (a peer ran a different "
+               "program, or died)";
       return timeout + where + ": the flag at heap offset " + std::to_string((uint64_t)f->signal * 8) +
              " was expected to reach " + std::to_string(f->expected) + " but stayed at " +
              std::to_string(f->observed) + " (the peer that sets it never got there, ran a different program, or died)";

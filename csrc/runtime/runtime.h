@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 #include "backend_api.h"
@@ -10,6 +11,18 @@
 #include "../device/impl/context__types.h"
 
 namespace jaxgin {
+
+// What the chunked matmul ops (csrc/ffi/chunked_matmul.cu) keep per GPU, made on their first call:
+// a cuBLAS handle and its workspace, a second stream with the events that fork it from XLA's
+// stream and join it back (for the copies that run beside the matmuls), and the calls made so far
+// of each op configuration (by heap offset of its block).
+struct ChunkedMatmulState {
+  void* blas = nullptr;
+  void* workspace = nullptr;
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  std::map<int64_t, uint64_t> calls;
+};
 
 // Everything jaxgin owns on one GPU, in creation order (destroyed in reverse).
 struct DeviceState {
@@ -31,6 +44,7 @@ struct DeviceState {
   std::vector<char*> lsa_heaps;
   heap_mappings heap_mappings;  // unmapped after a fault (see heap_release.h)
   cudaStream_t stream = nullptr;
+  ChunkedMatmulState chunked;
 };
 
 }  // namespace jaxgin
@@ -49,6 +63,9 @@ void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>
 
 // A human-readable account of a device-side fault, or "" when none was recorded.
 std::string describe_fault(const DeviceState& state);
+
+// Frees what the chunked matmul ops made on this GPU (nothing if they never ran); "" or the first error.
+std::string release_chunked_matmul(ChunkedMatmulState& state);
 
 // The runtime that owns CUDA device `ordinal` in this process, for XLA FFI handlers. Throws an
 // Error that says what to do when there is none (not initialized, or finalized).

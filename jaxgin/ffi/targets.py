@@ -18,9 +18,14 @@ TARGETS = {
     "jaxgin_put_signal": "jaxgin_ffi_put",
     "jaxgin_wait_signal": "jaxgin_ffi_wait",
     "jaxgin_wait_signal_from": "jaxgin_ffi_wait_from",
+    "jaxgin_matmul_all_to_all": "jaxgin_ffi_matmul_all_to_all",
+    "jaxgin_all_gather_matmul": "jaxgin_ffi_all_gather_matmul",
     # jaxgin.triton_call loads its kernel once per executable (instantiate), then launches.
     "jaxgin_triton_call": {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},
 }
+# Targets XLA must run outside its command buffers: CUDA refuses to nest what they record (cuBLAS
+# calls and peer copies on a second stream) in XLA's graphs; see csrc/ffi/chunked_matmul.cu.
+NOT_IN_COMMAND_BUFFERS = frozenset({"jaxgin_matmul_all_to_all", "jaxgin_all_gather_matmul"})
 # FFI state types: name -> (exported type-id getter, exported type-info getter)
 STATE_TYPES = {
     "jaxgin_triton_kernel": ("jaxgin_ffi_triton_kernel_type_id", "jaxgin_ffi_triton_kernel_type_info"),
@@ -60,6 +65,6 @@ def register(backend) -> None:
             fn = jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(symbols)))
         else:
             fn = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in symbols.items()}
-        jax.ffi.register_ffi_target(target, fn, platform="CUDA", **traits)
+        jax.ffi.register_ffi_target(target, fn, platform="CUDA", **({} if target in NOT_IN_COMMAND_BUFFERS else traits))
     _registered_from = backend.path
     command_buffer_compatible = bool(traits)

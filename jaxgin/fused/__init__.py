@@ -3,17 +3,20 @@
     y = jaxgin.fused.matmul_all_to_all(x, w, axis_name="x")   # == lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
     z = jaxgin.fused.all_gather_matmul(x, w, axis_name="x")   # == lax.all_gather(x, "x", tiled=True) @ w
 
-On GPUs each is one Triton kernel (tritongin) run by jaxgin.triton_call: output tiles leave for
-their destination the moment they are computed (matmul_all_to_all), or peers' shards are consumed
-as they arrive (all_gather_matmul), so communication hides under compute. In reference mode (CPU)
-they compute the same chunk placement in plain JAX.
+On GPUs, method="chunked" (the default) is one XLA custom call that multiplies chunk by chunk with
+cuBLAS while the copy engine moves finished chunks (matmul_all_to_all) or this GPU's shard
+(all_gather_matmul) over NVLink on a second stream, so communication hides under compute and
+takes no SMs from it (_chunked.py, csrc/ffi/chunked_matmul.cu). method="triton" is one Triton kernel
+(tritongin) run by jaxgin.triton_call: output tiles leave for their destination the moment they are
+computed, or peers' shards are consumed as they arrive. In reference mode (CPU) both compute the
+same chunk placement in plain JAX.
 
 Gradients go through jax.custom_vjp and equal those of the unfused compositions. The backward
 passes are unfused on purpose: there the communication precedes the matmuls (matmul_all_to_all's
 backward is all_to_all then matmul, all_gather_matmul's needs the gathered x and a reduce-scatter),
 which is the other fusion pattern; they use jaxgin.all_to_all and XLA's collectives.
 
-Tile sizes: the first call for a (GPU, shape, dtype) times a few configurations of the kernels'
+Tile sizes (method="triton"; cuBLAS picks its own): the first call for a (GPU, shape, dtype) times a few configurations of the kernels'
 matmul alone and keeps the fastest (cached on disk next to the build cache; in a multi-process job
 process 0 tunes and the others use its choice, since the grid must agree on every GPU).
 JAXGIN_FUSED_AUTOTUNE=0 uses the first candidate; ``tiles=TileConfig(...)`` fixes one.

@@ -74,6 +74,20 @@ EXCHANGE_CANDIDATES = {
 }
 
 
+METHODS = ("chunked", "triton")
+
+
+def check_method(op: str, method, tiles) -> str:
+    """The implementation a fused op runs on GPUs: "chunked" (cuBLAS per chunk, copy-engine
+    exchange; _chunked.py) or "triton" (one Triton kernel; _kernels.py). Tiles are Triton's."""
+    if method not in METHODS:
+        raise ValueError(f"{op}: method={method!r}; use one of {', '.join(map(repr, METHODS))}")
+    if tiles is not None and method != "triton":
+        raise ValueError(f"{op}: tiles= configures the Triton kernel; pass method='triton' with it "
+                         f"(method={method!r} multiplies with cuBLAS, which picks its own tiles)")
+    return method
+
+
 def check_operands(op: str, x, w):
     x, w = jnp.asarray(x), jnp.asarray(w)
     if x.ndim != 2 or w.ndim != 2:

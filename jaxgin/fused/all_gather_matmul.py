@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgin.ffi import axes as axes_lib
-from jaxgin.fused import _common
+from jaxgin.fused import _chunked, _common
 
 OP = "jaxgin.fused.all_gather_matmul"
 
@@ -29,24 +29,26 @@ class _Plan:
     k: int
     precision: object
     tiles: _common.TileConfig | None
+    method: str = "chunked"
 
 
-def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None):
+def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: str = "chunked"):
     """Inside shard_map: equals ``jax.lax.all_gather(x, axis_name, tiled=True) @ w`` for a shard
     x [M, K] and w [K, N] of one dtype (bfloat16, float16 or float32; float32 accumulation); the
     result is [axis size * M, N], rows of axis index s at s*M.
 
-    On GPUs one kernel pushes this GPU's shard to every peer (NVLink stores from a few programs,
-    nearest peer first, flagged per row group) while the other programs compute: own shard
-    first, then each peer's row groups as they arrive. Peers must be NVLink (LSA) peers. `precision` and `tiles` as in
-    matmul_all_to_all. Differentiable: the backward pass is XLA's (all_gather of x for dw,
+    On GPUs, method="chunked" (default) pushes this GPU's shard into every peer's heap with the copy
+    engine while cuBLAS multiplies the own shard, then each peer's shard as it arrives.
+    method="triton" is one Triton kernel: a few programs push the shard (NVLink stores, flagged per
+    row group) while the others compute. Peers must be NVLink (LSA) peers. `precision`, `tiles`
+    and `method` as in matmul_all_to_all. Differentiable: the backward pass is XLA's (all_gather of x for dw,
     reduce-scatter of the x cotangent).
     """
     names = axes_lib.axis_names(axis_name, OP)
     size = axes_lib.axis_size(names, OP)
     x, w = _common.check_operands(OP, x, w)
     (m, k), n = x.shape, w.shape[1]
-    plan = _Plan(names, size, m, n, k, _common.lax_precision(precision), tiles)
+    plan = _Plan(names, size, m, n, k, _common.lax_precision(precision), tiles, _common.check_method(OP, method, tiles))
     x, w = _common.same_varying(names, x, w)
     return _fused(x, w, plan)
 
@@ -70,6 +72,8 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan):
+    if plan.method == "chunked":
+        return _chunked.all_gather_matmul(x, w, plan)
     _common.require_tritongin(OP)
     from jaxgin.ffi.route import axis_route
     from jaxgin.fused import _kernels

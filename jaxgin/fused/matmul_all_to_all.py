@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgin.ffi import axes as axes_lib
-from jaxgin.fused import _common
+from jaxgin.fused import _chunked, _common
 
 OP = "jaxgin.fused.matmul_all_to_all"
 
@@ -27,6 +27,7 @@ class _Plan:
     concat_rows: bool  # concat_axis == 0: the chunk from s lands at rows s*cm..; else columns s*cn..
     precision: object
     tiles: _common.TileConfig | None
+    method: str = "chunked"
 
     @property
     def chunk(self) -> tuple[int, int]:
@@ -46,16 +47,19 @@ def _axis(value, name: str) -> int:
     return int(value) % 2
 
 
-def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int = 0, precision=None, tiles=None):
+def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int = 0, precision=None, tiles=None,
+                      method: str = "chunked"):
     """Inside shard_map: equals ``jax.lax.all_to_all(x @ w, axis_name, split_axis, concat_axis,
     tiled=True)`` for x [M, K] and w [K, N] of one dtype (bfloat16, float16 or float32; float32
     accumulation). The dimension of x @ w named by `split_axis` must be divisible by the axis size.
 
-    On GPUs one kernel computes the output tiles and stores each straight into its destination's
-    receive buffer (NVLink), flagging each tile; the tiles that stay are stored into the result
-    directly, and what arrived is copied into it tile by tile during the kernel. Peers must be
-    NVLink (LSA) peers: a remote (GIN-only) peer makes the kernel fault naming it. `precision` is jax's
-    (None follows jax_default_matmul_precision); `tiles` fixes a TileConfig instead of tuning.
+    On GPUs, method="chunked" (default) computes each peer's chunk with cuBLAS, next peer first, and
+    the peer's copy engine fetches it over NVLink into its result while the next chunk is computed;
+    the own chunk is written into the result directly. method="triton" is one Triton kernel that
+    stores each output tile for its destination and flags it; destinations fetch tiles during the
+    kernel. Peers must be NVLink (LSA) peers (a GIN-only peer is an error naming it). `precision` is
+    jax's (None follows jax_default_matmul_precision); `tiles` fixes the Triton kernel's TileConfig
+    instead of tuning (method="triton" only).
     Differentiable: the backward pass is the swapped all_to_all (jaxgin.all_to_all) then two
     matmuls (XLA), see jaxgin/fused/__init__.py.
     """
@@ -70,7 +74,8 @@ def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int 
             f"{OP}: split_axis={split_axis} splits {along[1]} = {along[0]} into {size} chunks (the size of axis "
             f"{axis_name!r}), which does not divide it; pad it to a multiple of {size}"
         )
-    plan = _Plan(names, size, m, n, k, split == 0, concat == 0, _common.lax_precision(precision), tiles)
+    plan = _Plan(names, size, m, n, k, split == 0, concat == 0, _common.lax_precision(precision), tiles,
+                 _common.check_method(OP, method, tiles))
     x, w = _common.same_varying(names, x, w)
     return _fused(x, w, plan)
 
@@ -103,8 +108,11 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True):
-    """The fused kernel; `parts`, `interleave` and `pull` select variants for benchmarks/fused.py
-    (the defaults are the op: see _kernels.matmul_all_to_all_kernel)."""
+    """The op on GPUs: the chunked custom call, or the fused Triton kernel, whose `parts`, `interleave`
+    and `pull` select variants for benchmarks/fused.py (the defaults are the op: see
+    _kernels.matmul_all_to_all_kernel)."""
+    if plan.method == "chunked":
+        return _chunked.matmul_all_to_all(x, w, plan)
     _common.require_tritongin(OP)
     from jaxgin.ffi.route import axis_route
     from jaxgin.fused import _kernels

@@ -1,7 +1,8 @@
-"""jaxgin.fused on NVIDIA GPUs (skipped where there are none): matmul_all_to_all and
-all_gather_matmul equal the unfused composition of the same tile code bit for bit, XLA's
-composition within rounding, and its gradients; 200 back-to-back calls with changing data in one
-jit; one process for all GPUs (with and without XLA command buffers) and one process per GPU."""
+"""jaxgin.fused on NVIDIA GPUs (skipped where there are none), both implementations:
+matmul_all_to_all and all_gather_matmul equal XLA's unfused composition within rounding, and its
+gradients; the Triton kernel also equals the unfused composition of its own tile code bit for bit;
+200 back-to-back calls with changing data in one jit; one process for all GPUs (with and without
+XLA command buffers) and one process per GPU."""
 
 from pathlib import Path
 
@@ -17,10 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 
 
 def _assert_cases(result):
     assert result["cases"], result
+    assert {case["method"] for case in result["cases"]} == {"chunked", "triton"}, result
     for case in result["cases"]:
-        assert case["exact"], case
-        assert case["loop_200_max_diff"] == 0.0, case
         tolerance = 1e-4 if case["dtype"] == "float32" else 2e-2
+        if case["method"] == "triton":
+            assert case["exact"], case
+            assert case["loop_200_max_rel_diff"] == 0.0, case
+        else:
+            assert case["loop_200_max_rel_diff"] <= tolerance, case
         assert case["rel_err_vs_xla"] <= tolerance, case
         assert case["grad_rel_err"] <= tolerance, case
 

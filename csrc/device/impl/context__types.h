@@ -34,6 +34,8 @@ enum jaxgin_op_tag : uint32_t {
   JAXGIN_OP_PUT_SIGNAL = 5,
   JAXGIN_OP_WAIT_SIGNAL = 6,
   JAXGIN_OP_WAIT_SIGNAL_FROM = 7,
+  JAXGIN_OP_MATMUL_ALL_TO_ALL = 8,   // jaxgin.fused, cuBLAS chunks handed over by the copy engine
+  JAXGIN_OP_ALL_GATHER_MATMUL = 9,
 };
 
 // First fault of a context. Lives in host-mapped pinned memory so the host can still read it after

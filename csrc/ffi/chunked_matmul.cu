@@ -1,0 +1,345 @@
+// XLA FFI handlers behind jaxgin.fused's chunked implementation: a matmul split into one cuBLAS
+// call per peer's chunk, each chunk handed to its peer by the copy engine while the next one is
+// computed, so the exchange runs beside the matmul instead of after it and takes no SMs from it.
+//
+// matmul_all_to_all (pull): this GPU computes the chunk bound for index t into its own heap slot[t]
+// and hands it over (t's ready count); t's second stream waits for that count and copies the chunk
+// over NVLink straight into t's result, then returns a credit. Chunks are computed in the order
+// t = me+1, me+2, ..., so each peer hands this GPU its chunk in the order they are awaited; the own
+// chunk comes last, written by cuBLAS straight into the result, and hides the last copy.
+//
+// all_gather_matmul (push): the second stream copies this GPU's shard into every peer's slot[me]
+// and hands it over; XLA's stream multiplies the own shard into the result, then each peer's shard
+// from its slot as it arrives, and returns a credit once that matmul read it.
+//
+// The second stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
+// waiting kernel needs an SM, and while cuBLAS holds every SM it is not scheduled until the matmul
+// ends, which serialised the copy after it (2 x H200, 8192 x 4096 x 4096: 84 us over the matmul
+// alone). Such a wait has no timeout, so XLA's stream also waits for every chunk with a bounded
+// kernel after the last matmul: a peer that never delivers faults the call there, with the error
+// naming it, and the fault ends the copy stream's wait with the context.
+//
+// Slots are reused from call to call; a call waits (begin_call) until every peer returned the credit
+// for the previous one. The counts a call waits for come from the host, which sees every call:
+// the handlers are not offered to XLA's command buffers. XLA adds a captured custom call to its
+// graph as a child graph, and on 2 x H200 (driver 580) CUDA refused that for one of these calls
+// (CUDA_ERROR_NOT_SUPPORTED: an all_gather_matmul of a float32 100 x 72 shard); XLA runs them
+// between its graphs instead, which costs nothing next to a matmul.
+#include <cuda.h>
+
+#include <mutex>
+#include <string>
+
+#include "../kernels/chunk_handoff.h"
+#include "../runtime/cublas_loader.h"
+#include "common.h"
+
+namespace jaxgin {
+
+std::string release_chunked_matmul(ChunkedMatmulState& c) {
+  std::string first;
+  auto note = [&](bool failed, const char* what) {
+    if (failed && first.empty()) first = what;
+  };
+  if (c.blas) note(blas::api().destroy(c.blas) != 0, "cublasDestroy failed");
+  if (c.workspace) note(cudaFree(c.workspace) != cudaSuccess, "cudaFree(cuBLAS workspace) failed");
+  if (c.fork) note(cudaEventDestroy(c.fork) != cudaSuccess, "cudaEventDestroy failed");
+  if (c.join) note(cudaEventDestroy(c.join) != cudaSuccess, "cudaEventDestroy failed");
+  if (c.side) note(cudaStreamDestroy(c.side) != cudaSuccess, "cudaStreamDestroy(side stream) failed");
+  c = ChunkedMatmulState{};
+  return first;
+}
+
+namespace ffi_support {
+namespace {
+
+// cuBLAS's recommended workspace for Hopper; without one it would allocate during graph capture.
+constexpr size_t kBlasWorkspaceBytes = 32u << 20;
+
+std::mutex make_mutex;
+
+using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+// cuStreamWaitValue64 through the runtime's driver entry points (no link against libcuda).
+WaitValueFn wait_value() {
+  static WaitValueFn fn = [] {
+    void* address = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &address, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return WaitValueFn{nullptr};
+    return reinterpret_cast<WaitValueFn>(address);
+  }();
+  if (fn == nullptr) throw Error("the CUDA driver does not provide cuStreamWaitValue64");
+  return fn;
+}
+
+// The copy stream waits until `word` >= value without taking an SM.
+void stream_wait_at_least(cudaStream_t stream, const uint64_t* word, uint64_t value, int device) {
+  const CUresult r = wait_value()(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                                  CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS)
+    throw Error("cuStreamWaitValue64 failed with CUresult " + std::to_string((int)r) + " on CUDA device " +
+                std::to_string(device));
+}
+
+ChunkedMatmulState& chunked_state(DeviceState& s) {
+  std::lock_guard<std::mutex> lock(make_mutex);
+  ChunkedMatmulState& c = s.chunked;
+  if (c.blas != nullptr) return c;
+  // The first call may come while XLA captures a CUDA graph; allocating is then allowed only in
+  // relaxed capture mode, for this thread, while these objects are made.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  check_launch(cudaThreadExchangeStreamCaptureMode(&mode), "entering relaxed capture mode", s.device);
+  try {
+    const blas::Api& api = blas::api();
+    // The highest priority: the few small kernels on it are scheduled before the matmul's next CTAs.
+    int least = 0, greatest = 0;
+    check_launch(cudaDeviceGetStreamPriorityRange(&least, &greatest), "querying stream priorities", s.device);
+    check_launch(cudaStreamCreateWithPriority(&c.side, cudaStreamNonBlocking, greatest), "creating the copy stream",
+                 s.device);
+    check_launch(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming), "creating an event", s.device);
+    check_launch(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming), "creating an event", s.device);
+    check_launch(cudaMalloc(&c.workspace, kBlasWorkspaceBytes), "allocating the cuBLAS workspace", s.device);
+    if (api.create(&c.blas) != 0) throw Error("cublasCreate failed on CUDA device " + std::to_string(s.device));
+    if (api.set_workspace(c.blas, c.workspace, kBlasWorkspaceBytes) != 0) throw Error("cublasSetWorkspace failed");
+  } catch (...) {
+    release_chunked_matmul(c);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    throw;
+  }
+  check_launch(cudaThreadExchangeStreamCaptureMode(&mode), "leaving relaxed capture mode", s.device);
+  return c;
+}
+
+cudaDataType blas_type(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::BF16: return CUDA_R_16BF;
+    case ffi::DataType::F16: return CUDA_R_16F;
+    case ffi::DataType::F32: return CUDA_R_32F;
+    default: throw Error("x and w must be bfloat16, float16 or float32");
+  }
+}
+
+size_t element_bytes(ffi::DataType type) { return type == ffi::DataType::F32 ? 4 : 2; }
+
+// A call's view of its op: the device, its axis, its heap block and the handoff words.
+struct ChunkedCall {
+  DeviceState& device;
+  ChunkedMatmulState& chunked;
+  AxisGroup group;
+  uint64_t number;                    // this call of the op configuration, from 1
+  char* slots;                        // this GPU's slots (slot_bytes each, one per axis index)
+  std::vector<char*> peer_slots;      // every index's slots as this GPU maps them
+  chunk_handoff handoff{};
+};
+
+ChunkedCall open_call(const char* op, jaxgin_op_tag tag, int32_t ordinal, int64_t generation,
+                      ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                      ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
+  DeviceState& s = device_for_ordinal(ordinal, generation);
+  AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
+  const jaxgin_context& c = s.host_context;
+  const int size = (int)group.ranks.size();
+  const int64_t block = slot_bytes * size + (int64_t)(chunk_handoff_words(size) * sizeof(uint64_t));
+  if (offset < (int64_t)c.user_offset || offset + block > (int64_t)c.heap_bytes)
+    throw Error(std::string(op) + ": heap block at offset " + std::to_string(offset) +
+                " does not fit this runtime's heap (was the program compiled for another initialize()?)");
+  for (int i = 0; i < size; i++) {
+    const int rank = group.ranks[i];
+    if (rank != c.rank && (c.force_gin || s.lsa_heaps[(size_t)rank] == nullptr))
+      throw Error(std::string(op) + " needs every device of the axis to be an NVLink (LSA) peer, but rank " +
+                  std::to_string(rank) + (c.force_gin ? " is reached through GIN (force_gin is set)"
+                                                       : " is outside this GPU's NVLink domain"));
+  }
+  ChunkedMatmulState& chunked = chunked_state(s);
+  ChunkedCall call{s, chunked, std::move(group), ++chunked.calls[offset], c.heap + offset, {}, {}};
+  chunk_handoff& h = call.handoff;
+  h.ctx = s.context;
+  h.words = reinterpret_cast<uint64_t*>(call.slots + slot_bytes * size);
+  h.size = size;
+  h.my_index = call.group.my_index;
+  h.op = tag;
+  call.peer_slots.resize((size_t)size);
+  for (int i = 0; i < size; i++) {
+    const int rank = call.group.ranks[i];
+    char* base = rank == c.rank ? c.heap : s.lsa_heaps[(size_t)rank];
+    call.peer_slots[(size_t)i] = base + offset;
+    h.peer_words[i] = reinterpret_cast<uint64_t*>(base + offset + slot_bytes * size);
+    h.ranks[i] = rank;
+  }
+  return call;
+}
+
+int compute_type(ffi::DataType type, int64_t tf32) {
+  return type == ffi::DataType::F32 && tf32 ? blas::kCompute32FFastTF32 : blas::kCompute32F;
+}
+
+// Where chunk `index` of the result starts and its row stride (elements): the result is the chunks
+// stacked by rows (concat_rows) or side by side.
+struct Placement {
+  char* base;
+  int64_t ld;
+};
+
+Placement place(char* out, int index, int64_t cm, int64_t cn, int size, int64_t concat_rows, size_t elt) {
+  if (concat_rows) return {out + (size_t)(index * cm * cn) * elt, cn};
+  return {out + (size_t)(index * cn) * elt, cn * size};
+}
+
+ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
+                             ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                             int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation) {
+  return guarded([&] {
+    constexpr const char* op = "jaxgin.fused.matmul_all_to_all";
+    ChunkedCall call = open_call(op, JAXGIN_OP_MATMUL_ALL_TO_ALL, ordinal, generation, mesh_ranks, mesh_shape,
+                                 axes, offset, slot_bytes);
+    const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
+    const auto dims_x = x.dimensions(), dims_w = w.dimensions();
+    const int64_t m = dims_x[0], k = dims_x[1], n = dims_w[1];
+    const int64_t cm = split_rows ? m / size : m, cn = split_rows ? n : n / size;
+    const ffi::DataType dtype = x.element_type();
+    const cudaDataType type = blas_type(dtype);
+    const size_t elt = element_bytes(dtype);
+    if ((int64_t)(cm * cn * elt) > slot_bytes) throw Error(std::string(op) + ": chunk larger than its slot");
+    const char* xs = static_cast<const char*>(x.untyped_data());
+    const char* ws = static_cast<const char*>(w.untyped_data());
+    char* result = static_cast<char*>(out->untyped_data());
+    const ChunkedMatmulState& c = call.chunked;
+    const int compute = compute_type(dtype, tf32);
+    // Operands of chunk `index`: a block of x's rows, or a block of w's columns (row stride n).
+    auto gemm = [&](int index, void* into, int64_t ldc) {
+      const char* a = split_rows ? xs + (size_t)(index * cm * k) * elt : xs;
+      const char* b = split_rows ? ws : ws + (size_t)(index * cn) * elt;
+      blas::gemm_row_major(c.blas, type, compute, (int)cm, (int)cn, (int)k, a, (int)k, b, (int)n, into, (int)ldc, op);
+    };
+    if (blas::api().set_stream(c.blas, stream) != 0) throw Error("cublasSetStream failed");
+    const chunk_handoff& h = call.handoff;
+    const char* launching = "launching the handoff kernels";
+    check_launch(launch_begin_call(h, call.number, stream), launching, dev);
+    if (size > 1) check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
+    for (int i = 1; i < size; i++) {
+      const int to = (me + i) % size;
+      gemm(to, call.slots + slot_bytes * to, cn);
+      check_launch(launch_hand_over(h, to, stream), launching, dev);
+    }
+    const Placement own = place(result, me, cm, cn, size, concat_rows, elt);
+    gemm(me, own.base, own.ld);
+    if (size > 1) {
+      // The bounded wait for every chunk (see the top of this file).
+      check_launch(launch_await_chunks(h, -1, call.number, stream), launching, dev);
+      // The copy stream, from begin_call on: each peer's chunk copied into the result as soon as
+      // that peer hands it over, in the order the peers compute them; credits once all are read.
+      // Enqueued after every kernel of this call: a kernel's first launch may load its module,
+      // which waits for the whole GPU, and so for a copy stream waiting on a peer that is itself
+      // waiting in such a load; with the waits enqueued last, every hand-over they wait for has
+      // been enqueued before them on both sides.
+      check_launch(cudaStreamWaitEvent(c.side, c.fork), "ordering the copy stream", dev);
+      for (int i = 1; i < size; i++) {
+        const int from = (me - i + size) % size;
+        stream_wait_at_least(c.side, h.words + ready_index(from), call.number, dev);
+        const Placement dst = place(result, from, cm, cn, size, concat_rows, elt);
+        check_launch(cudaMemcpy2DAsync(dst.base, (size_t)dst.ld * elt, call.peer_slots[(size_t)from] + slot_bytes * me,
+                                       (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, c.side),
+                     "copying a peer's chunk", dev);
+      }
+      check_launch(launch_return_credit(h, -1, c.side), launching, dev);
+      check_launch(cudaEventRecord(c.join, c.side), "recording an event", dev);
+      check_launch(cudaStreamWaitEvent(stream, c.join), "joining the copy stream", dev);
+    }
+  });
+}
+
+ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
+                             ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                             int64_t slot_bytes, int64_t tf32, int64_t generation) {
+  return guarded([&] {
+    constexpr const char* op = "jaxgin.fused.all_gather_matmul";
+    ChunkedCall call = open_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, ordinal, generation, mesh_ranks, mesh_shape,
+                                 axes, offset, slot_bytes);
+    const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
+    const auto dims_x = x.dimensions(), dims_w = w.dimensions();
+    const int64_t ms = dims_x[0], k = dims_x[1], n = dims_w[1];
+    const ffi::DataType dtype = x.element_type();
+    const cudaDataType type = blas_type(dtype);
+    const size_t elt = element_bytes(dtype);
+    const size_t shard_bytes = x.size_bytes();
+    if ((int64_t)shard_bytes > slot_bytes) throw Error(std::string(op) + ": shard larger than its slot");
+    char* result = static_cast<char*>(out->untyped_data());
+    const ChunkedMatmulState& c = call.chunked;
+    const int compute = compute_type(dtype, tf32);
+    auto gemm = [&](const void* shard, int index) {
+      blas::gemm_row_major(c.blas, type, compute, (int)ms, (int)n, (int)k, shard, (int)k, w.untyped_data(), (int)n,
+                           result + (size_t)(index * ms * n) * elt, (int)n, op);
+    };
+    if (blas::api().set_stream(c.blas, stream) != 0) throw Error("cublasSetStream failed");
+    const chunk_handoff& h = call.handoff;
+    const char* launching = "launching the handoff kernels";
+    check_launch(launch_begin_call(h, call.number, stream), launching, dev);
+    if (size > 1) {
+      // Everything for the copy stream is enqueued before the first matmul: its pushes depend on no
+      // kernel of this call but begin_call.
+      check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
+      check_launch(cudaStreamWaitEvent(c.side, c.fork), "ordering the copy stream", dev);
+      for (int i = 1; i < size; i++) {
+        const int to = (me + i) % size;
+        check_launch(cudaMemcpyAsync(call.peer_slots[(size_t)to] + slot_bytes * me, x.untyped_data(), shard_bytes,
+                                     cudaMemcpyDefault, c.side),
+                     "copying this shard to a peer", dev);
+        check_launch(launch_hand_over(h, to, c.side), launching, dev);
+      }
+    }
+    gemm(x.untyped_data(), me);
+    for (int i = 1; i < size; i++) {
+      const int from = (me - i + size) % size;
+      check_launch(launch_await_chunks(h, from, call.number, stream), launching, dev);
+      gemm(call.slots + slot_bytes * from, from);
+      check_launch(launch_return_credit(h, from, stream), launching, dev);
+    }
+    if (size > 1) {
+      check_launch(cudaEventRecord(c.join, c.side), "recording an event", dev);
+      check_launch(cudaStreamWaitEvent(stream, c.join), "joining the copy stream", dev);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ffi_support
+}  // namespace jaxgin
+
+#define JAXGIN_CHUNKED_ATTRS                             \
+  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")     \
+      .Attr<xla::ffi::Span<const int64_t>>("mesh_shape") \
+      .Attr<xla::ffi::Span<const int64_t>>("axes")       \
+      .Attr<int64_t>("offset")                           \
+      .Attr<int64_t>("slot_bytes")
+
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_matmul_all_to_all(XLA_FFI_CallFrame* call_frame);
+extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_all_gather_matmul(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_all_to_all, jaxgin::ffi_support::matmul_all_to_all,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  JAXGIN_CHUNKED_ATTRS
+                                  .Attr<int64_t>("split_rows")
+                                  .Attr<int64_t>("concat_rows")
+                                  .Attr<int64_t>("tf32")
+                                  .Attr<int64_t>("generation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support::all_gather_matmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  JAXGIN_CHUNKED_ATTRS
+                                  .Attr<int64_t>("tf32")
+                                  .Attr<int64_t>("generation"));
