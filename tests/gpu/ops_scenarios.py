@@ -391,5 +391,33 @@ def source_out_of_range(argv):
     _expect_fault(argv, bad_source, (1, 8))
 
 
+def _starved_fused(argv, op):
+    """A fused op that only axis index 0 calls: its wait for the other's chunk fails naming it."""
+
+    def starve(jax, jaxgin, n, v):
+        import jax.numpy as jnp
+
+        w = jnp.ones((v.shape[1], 8), v.dtype)
+        x = jnp.concatenate([v] * n)  # n rows: one chunk row per destination
+
+        def run(x):
+            return getattr(jaxgin.fused, op)(x, w, axis_name="x")[:n]
+
+        def skip(x):
+            return jnp.zeros((n, 8), x.dtype) + x[:1, :1] * 0
+
+        return jax.lax.cond(jax.lax.axis_index("x") == 0, run, skip, x)
+
+    _expect_fault(argv, starve, (1, 8))
+
+
+def starved_matmul_all_to_all(argv):
+    _starved_fused(argv, "matmul_all_to_all")
+
+
+def starved_all_gather_matmul(argv):
+    _starved_fused(argv, "all_gather_matmul")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](sys.argv[2:])

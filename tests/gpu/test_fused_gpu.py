@@ -45,3 +45,15 @@ def test_fused_ops_process_per_gpu():
     for result in results:
         assert result["processes"] == GPUS
         _assert_cases(result)
+
+
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "all_gather_matmul"])
+def test_peer_that_never_calls_fails_naming_it(op):
+    """Only axis index 0 runs the op (method="chunked"): its bounded wait for the other's chunk
+    fails the program within the timeout (2 s here), and the fault names the op and the peer."""
+    result = run_scenario(Path(__file__).with_name("ops_scenarios.py"), [f"starved_{op}"], 2, timeout=180)
+    record(f"fused_starved_{op}", result)
+    assert result["error"], "the program must fail, not return"
+    assert 2.0 <= result["seconds"] < 60.0, result
+    fault = result["faults"][0]
+    assert f"jaxgin.fused.{op}" in fault and "peer rank 1" in fault and "never handed over its chunk" in fault, fault
