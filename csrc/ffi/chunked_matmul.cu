@@ -88,8 +88,8 @@ ChunkedMatmulState& chunked_state(DeviceState& s) {
   std::lock_guard<std::mutex> lock(make_mutex);
   ChunkedMatmulState& c = s.chunked;
   if (c.blas != nullptr) return c;
-  // The first call may come while XLA captures a CUDA graph; allocating is then allowed only in
-  // relaxed capture mode, for this thread, while these objects are made.
+  // XLA does not capture these calls (see the top of this file); should a caller capture the
+  // stream anyway, relaxed mode lets this thread allocate while these objects are made.
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   check_launch(cudaThreadExchangeStreamCaptureMode(&mode), "entering relaxed capture mode", s.device);
   try {
