@@ -32,6 +32,7 @@
 
 #include "../kernels/chunk_handoff.h"
 #include "../runtime/cublas_loader.h"
+#include "../runtime/driver_entry.h"
 #include "common.h"
 
 namespace jaxgin {
@@ -60,17 +61,8 @@ std::mutex make_mutex;
 
 using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-// cuStreamWaitValue64 through the runtime's driver entry points (no link against libcuda).
 WaitValueFn wait_value() {
-  static WaitValueFn fn = [] {
-    void* address = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &address, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return WaitValueFn{nullptr};
-    return reinterpret_cast<WaitValueFn>(address);
-  }();
+  static const WaitValueFn fn = driver_entry_point<WaitValueFn>("cuStreamWaitValue64");
   if (fn == nullptr) throw Error("the CUDA driver does not provide cuStreamWaitValue64");
   return fn;
 }
@@ -135,9 +127,13 @@ struct ChunkedCall {
   chunk_handoff handoff{};
 };
 
-ChunkedCall open_call(const char* op, jaxgin_op_tag tag, int32_t ordinal, int64_t generation,
-                      ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
-                      ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
+const char* const kLaunching = "launching the handoff kernels";
+
+// Opens this call of the op configuration whose block is at heap `offset`, points cuBLAS at XLA's
+// stream, and enqueues begin_call there (the credits of the previous call).
+ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, int64_t generation,
+                       ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                       ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
   DeviceState& s = device_for_ordinal(ordinal, generation);
   AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
   const jaxgin_context& c = s.host_context;
@@ -169,7 +165,16 @@ ChunkedCall open_call(const char* op, jaxgin_op_tag tag, int32_t ordinal, int64_
     h.peer_words[i] = reinterpret_cast<uint64_t*>(base + offset + slot_bytes * size);
     h.ranks[i] = rank;
   }
+  if (blas::api().set_stream(chunked.blas, stream) != 0) throw Error("cublasSetStream failed");
+  check_launch(launch_begin_call(h, call.number, stream), kLaunching, s.device);
   return call;
+}
+
+// XLA's stream waits for everything enqueued on the copy stream so far.
+void join_copy_stream(const ChunkedCall& call, cudaStream_t stream) {
+  const int dev = call.device.device;
+  check_launch(cudaEventRecord(call.chunked.join, call.chunked.side), "recording an event", dev);
+  check_launch(cudaStreamWaitEvent(stream, call.chunked.join), "joining the copy stream", dev);
 }
 
 int compute_type(ffi::DataType type, int64_t tf32) {
@@ -194,8 +199,8 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation) {
   return guarded([&] {
     constexpr const char* op = "jaxgin.fused.matmul_all_to_all";
-    ChunkedCall call = open_call(op, JAXGIN_OP_MATMUL_ALL_TO_ALL, ordinal, generation, mesh_ranks, mesh_shape,
-                                 axes, offset, slot_bytes);
+    ChunkedCall call = start_call(op, JAXGIN_OP_MATMUL_ALL_TO_ALL, stream, ordinal, generation, mesh_ranks, mesh_shape,
+                                  axes, offset, slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
     const auto dims_x = x.dimensions(), dims_w = w.dimensions();
     const int64_t m = dims_x[0], k = dims_x[1], n = dims_w[1];
@@ -215,21 +220,18 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
       const char* b = split_rows ? ws : ws + (size_t)(index * cn) * elt;
       blas::gemm_row_major(c.blas, type, compute, (int)cm, (int)cn, (int)k, a, (int)k, b, (int)n, into, (int)ldc, op);
     };
-    if (blas::api().set_stream(c.blas, stream) != 0) throw Error("cublasSetStream failed");
     const chunk_handoff& h = call.handoff;
-    const char* launching = "launching the handoff kernels";
-    check_launch(launch_begin_call(h, call.number, stream), launching, dev);
     if (size > 1) check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
     for (int i = 1; i < size; i++) {
       const int to = (me + i) % size;
       gemm(to, call.slots + slot_bytes * to, cn);
-      check_launch(launch_hand_over(h, to, stream), launching, dev);
+      check_launch(launch_hand_over(h, to, stream), kLaunching, dev);
     }
     const Placement own = place(result, me, cm, cn, size, concat_rows, elt);
     gemm(me, own.base, own.ld);
     if (size > 1) {
       // The bounded wait for every chunk (see the top of this file).
-      check_launch(launch_await_chunks(h, -1, call.number, stream), launching, dev);
+      check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
       // The copy stream, from begin_call on: each peer's chunk copied into the result as soon as
       // that peer hands it over, in the order the peers compute them; credits once all are read.
       // Enqueued after every kernel of this call: a kernel's first launch may load its module,
@@ -245,9 +247,8 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                                        (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, c.side),
                      "copying a peer's chunk", dev);
       }
-      check_launch(launch_return_credit(h, -1, c.side), launching, dev);
-      check_launch(cudaEventRecord(c.join, c.side), "recording an event", dev);
-      check_launch(cudaStreamWaitEvent(stream, c.join), "joining the copy stream", dev);
+      check_launch(launch_return_credit(h, -1, c.side), kLaunching, dev);
+      join_copy_stream(call, stream);
     }
   });
 }
@@ -258,8 +259,8 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              int64_t slot_bytes, int64_t tf32, int64_t generation) {
   return guarded([&] {
     constexpr const char* op = "jaxgin.fused.all_gather_matmul";
-    ChunkedCall call = open_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, ordinal, generation, mesh_ranks, mesh_shape,
-                                 axes, offset, slot_bytes);
+    ChunkedCall call = start_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, stream, ordinal, generation, mesh_ranks, mesh_shape,
+                                  axes, offset, slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
     const auto dims_x = x.dimensions(), dims_w = w.dimensions();
     const int64_t ms = dims_x[0], k = dims_x[1], n = dims_w[1];
@@ -275,10 +276,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
       blas::gemm_row_major(c.blas, type, compute, (int)ms, (int)n, (int)k, shard, (int)k, w.untyped_data(), (int)n,
                            result + (size_t)(index * ms * n) * elt, (int)n, op);
     };
-    if (blas::api().set_stream(c.blas, stream) != 0) throw Error("cublasSetStream failed");
     const chunk_handoff& h = call.handoff;
-    const char* launching = "launching the handoff kernels";
-    check_launch(launch_begin_call(h, call.number, stream), launching, dev);
     if (size > 1) {
       // Everything for the copy stream is enqueued before the first matmul: its pushes depend on no
       // kernel of this call but begin_call.
@@ -289,20 +287,17 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
         check_launch(cudaMemcpyAsync(call.peer_slots[(size_t)to] + slot_bytes * me, x.untyped_data(), shard_bytes,
                                      cudaMemcpyDefault, c.side),
                      "copying this shard to a peer", dev);
-        check_launch(launch_hand_over(h, to, c.side), launching, dev);
+        check_launch(launch_hand_over(h, to, c.side), kLaunching, dev);
       }
     }
     gemm(x.untyped_data(), me);
     for (int i = 1; i < size; i++) {
       const int from = (me - i + size) % size;
-      check_launch(launch_await_chunks(h, from, call.number, stream), launching, dev);
+      check_launch(launch_await_chunks(h, from, call.number, stream), kLaunching, dev);
       gemm(call.slots + slot_bytes * from, from);
-      check_launch(launch_return_credit(h, from, stream), launching, dev);
+      check_launch(launch_return_credit(h, from, stream), kLaunching, dev);
     }
-    if (size > 1) {
-      check_launch(cudaEventRecord(c.join, c.side), "recording an event", dev);
-      check_launch(cudaStreamWaitEvent(stream, c.join), "joining the copy stream", dev);
-    }
+    if (size > 1) join_copy_stream(call, stream);
   });
 }
 
@@ -310,36 +305,31 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 }  // namespace ffi_support
 }  // namespace jaxgin
 
-#define JAXGIN_CHUNKED_ATTRS                             \
-  .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")     \
-      .Attr<xla::ffi::Span<const int64_t>>("mesh_shape") \
-      .Attr<xla::ffi::Span<const int64_t>>("axes")       \
-      .Attr<int64_t>("offset")                           \
+// What both handlers bind: XLA's stream and device, x, w, the result, the axis and the heap block.
+#define JAXGIN_CHUNKED_BINDING                             \
+  xla::ffi::Ffi::Bind()                                    \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()      \
+      .Ctx<xla::ffi::DeviceOrdinal>()                      \
+      .Arg<xla::ffi::AnyBuffer>()                          \
+      .Arg<xla::ffi::AnyBuffer>()                          \
+      .Ret<xla::ffi::AnyBuffer>()                          \
+      .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")  \
+      .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")  \
+      .Attr<xla::ffi::Span<const int64_t>>("axes")        \
+      .Attr<int64_t>("offset")                             \
       .Attr<int64_t>("slot_bytes")
 
 extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_matmul_all_to_all(XLA_FFI_CallFrame* call_frame);
 extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_all_gather_matmul(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_all_to_all, jaxgin::ffi_support::matmul_all_to_all,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  JAXGIN_CHUNKED_ATTRS
+                              JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("split_rows")
                                   .Attr<int64_t>("concat_rows")
                                   .Attr<int64_t>("tf32")
                                   .Attr<int64_t>("generation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support::all_gather_matmul,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  JAXGIN_CHUNKED_ATTRS
+                              JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("tf32")
                                   .Attr<int64_t>("generation"));

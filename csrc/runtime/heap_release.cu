@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <mutex>
 
+#include "driver_entry.h"
+
 namespace jaxgin {
 namespace {
 
@@ -19,16 +21,9 @@ struct DriverCalls {
 std::once_flag resolved;
 DriverCalls calls;
 
-// Looked up through the runtime (no link against libcuda), while the context is healthy: a
-// runtime whose context is in error may refuse later.
 template <class Fn>
 void resolve(const char* name, Fn& fn) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  // 12000: each call's ABI as of CUDA 12.0 (cuMemGetAddressRange is its _v2 there).
-  if (cudaGetDriverEntryPointByVersion(name, &address, 12000, cudaEnableDefault, &found) == cudaSuccess &&
-      found == cudaDriverEntryPointSuccess)
-    fn = reinterpret_cast<Fn>(address);
+  fn = driver_entry_point<Fn>(name);
 }
 
 void resolve_calls() {
