@@ -54,26 +54,28 @@ heap_mapping mapping_at(const void* p) {
   return m;
 }
 
-// Unmaps one mapping. Only mappings hold the memory: ncclMemAlloc and NCCL's window release their
-// handles once mapped (measured with NCCL 2.28.9: a second release of a mapping's handle fails),
-// so the handle retained here to check the mapping is released again and nothing more.
-std::string unmap(const heap_mapping& m) {
+// Unmaps one mapping and then drops `extra_references` handle references that others took on its
+// allocation and can no longer drop. The handle is retained first: unmapping needs no handle, but
+// the references can only be named through it, and the retained one is dropped again with them.
+std::string unmap(const heap_mapping& m, int extra_references) {
   if (m.bytes == 0) return "";  // not a virtual-memory mapping: the reset returned it
   CUmemGenericAllocationHandle handle;
   CUresult r = calls.retain_handle(&handle, reinterpret_cast<void*>(m.base));
   if (r != CUDA_SUCCESS) return failed("cuMemRetainAllocationHandle", r);
   r = calls.unmap((CUdeviceptr)m.base, m.bytes);
-  const CUresult released = calls.release(handle);
+  CUresult released = calls.release(handle);
   if (r != CUDA_SUCCESS) return failed("cuMemUnmap", r);
+  for (int i = 0; i < extra_references && released == CUDA_SUCCESS; i++) released = calls.release(handle);
   return released == CUDA_SUCCESS ? "" : failed("cuMemRelease", released);
 }
 
 }  // namespace
 
-heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps) {
+heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps, int own_handle_references) {
   resolve_calls();
   heap_mappings m;
   m.own = mapping_at(heap);
+  m.own_handle_references = own_handle_references;
   for (char* p : lsa_heaps)
     if (p != nullptr) m.window.push_back(mapping_at(p));
   return m;
@@ -83,10 +85,10 @@ std::string unmap_heaps_after_reset(const heap_mappings& m) {
   if (!calls.retain_handle || !calls.unmap || !calls.release || !calls.address_free)
     return "the CUDA driver's virtual-memory calls could not be found";
   for (const heap_mapping& w : m.window) {
-    const std::string e = unmap(w);
+    const std::string e = unmap(w, 0);  // an import's reference was dropped once it was mapped
     if (!e.empty()) return "NCCL's window mapping at " + std::to_string(w.base) + ": " + e;
   }
-  const std::string e = unmap(m.own);
+  const std::string e = unmap(m.own, m.own_handle_references);
   if (!e.empty()) return "the heap's mapping: " + e;
   if (m.own.bytes == 0) return "";
   const CUresult r = calls.address_free((CUdeviceptr)m.own.base, m.own.bytes);

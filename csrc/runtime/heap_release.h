@@ -8,8 +8,9 @@
 // exits. After the reset the driver's virtual-memory calls still work (measured on H200), so the
 // runtime unmaps every mapping itself, which returns the peers' heaps.
 //
-// This GPU's own heap stays allocated even so (measured: the unmapping succeeds and its memory
-// stays in use until the process exits): something else in the process still holds it.
+// This GPU's own heap is also held by allocation-handle references that NCCL keeps and would have
+// dropped in ncclMemFree and ncclCommWindowDeregister (neither can run in a broken context). The
+// physical memory comes back only once those are released too, so the runtime releases them.
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -29,11 +30,14 @@ struct heap_mapping {
 struct heap_mappings {
   heap_mapping own;
   std::vector<heap_mapping> window;
+  int own_handle_references = 0;  // held by NCCL on the heap's allocation, besides its mappings
 };
-heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps);
+// `own_handle_references`: how many handle references NCCL holds on the heap's allocation (see
+// NCCL_HEAP_HANDLE_REFERENCES in runtime.cu).
+heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps, int own_handle_references);
 
-// After cudaDeviceReset: unmaps every mapping in `m`, then frees the heap's address range.
-// Returns "" or what failed.
+// After cudaDeviceReset: unmaps every mapping in `m`, releases NCCL's handle references on the
+// heap's allocation, then frees the heap's address range. Returns "" or what failed.
 std::string unmap_heaps_after_reset(const heap_mappings& m);
 
 }  // namespace jaxgin

@@ -54,6 +54,12 @@ __global__ void lsa_heaps_kernel(ncclWindow_t window, int rank, int lsa_rank, in
   }
 }
 
+// Allocation-handle references NCCL holds on the heap once its window is registered: ncclMemAlloc
+// keeps cuMemCreate's (ncclMemFree drops it) and the window retains one (its deregistration drops
+// it); read from NCCL 2.28-2.30's sources and checked by the dead-peer test, which measures the
+// survivor's memory after finalize(). After a fault the runtime drops them itself.
+constexpr int NCCL_HEAP_HANDLE_REFERENCES = 2;
+
 std::vector<char*> lsa_heap_bases(const DeviceState& s, const jaxgin_context& c) {
   std::vector<char*> bases((size_t)c.world_size, nullptr);
   char** on_device = nullptr;
@@ -215,7 +221,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
     throw Error("NCCL assigned rank " + std::to_string(c.rank) + " where jaxgin asked for " +
                 std::to_string(s.rank));
   s.lsa_heaps = lsa_heap_bases(s, c);
-  s.heap_mappings = mappings_of_heap(s.heap, s.lsa_heaps);
+  s.heap_mappings = mappings_of_heap(s.heap, s.lsa_heaps, NCCL_HEAP_HANDLE_REFERENCES);
   JAXGIN_CUDA(cudaMalloc(&s.context, sizeof(jaxgin_context)), dev);
   JAXGIN_CUDA(cudaMemcpy(s.context, &c, sizeof(jaxgin_context), cudaMemcpyHostToDevice), dev);
   JAXGIN_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), dev);

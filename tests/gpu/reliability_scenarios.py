@@ -97,7 +97,9 @@ def fault(argv):
     then finalizes and reports the GPU memory in use before and after. argv: the message kind
     (FAULT_MESSAGES), then rank, world and coordinator address."""
     message, argv = argv[0], argv[1:]
-    jax, jaxgin = ops_scenarios._setup(argv)
+    used = {}
+    jax, jaxgin = ops_scenarios._setup(argv, lambda: used.update(before=_gpu_used_mib(int(argv[0]))))
+    used["initialized"] = _gpu_used_mib(int(argv[0]))
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
@@ -125,6 +127,8 @@ def fault(argv):
               "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
               "faults": jaxgin.device_faults(), "timeout_s": info["timeout_s"]}
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
+    report["gpu_used_mib_before_initialize"] = used["before"]  # JAX's context alone
+    report["gpu_used_mib_after_initialize"] = used["initialized"]
     report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -135,10 +139,28 @@ def fault(argv):
             report["finalize_error"] = f"{type(e).__name__}: {e}"[:400]
     report["finalize_warnings"] = [str(w.message)[:300] for w in caught]
     report["gpu_used_mib_after_finalize"] = _gpu_used_mib(rank)
+    report["primary_context_active_after_finalize"] = _primary_context_active(rank)
     # Every GPU's, the dead peer's included: nothing of it may outlive it on its GPU.
     report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
     print("RESULT:" + json.dumps(report), flush=True)
     os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
+
+
+def _primary_context_active(ordinal: int) -> bool | None:
+    """Whether this process holds a CUDA context on GPU `ordinal` (the driver's own answer, which
+    creates none): what it holds after finalize() is told apart from a context's memory by it."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal):
+        return None
+    if cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)):
+        return None
+    return bool(active.value)
 
 
 def _gpu_used_mib(index: int) -> int | None:
