@@ -60,20 +60,40 @@ constexpr size_t kBlasWorkspaceBytes = 32u << 20;
 std::mutex make_mutex;
 
 using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using WriteValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-WaitValueFn wait_value() {
-  static const WaitValueFn fn = driver_entry_point<WaitValueFn>("cuStreamWaitValue64");
-  if (fn == nullptr) throw Error("the CUDA driver does not provide cuStreamWaitValue64");
+template <class Fn>
+Fn stream_memory_op(const char* name) {
+  const Fn fn = driver_entry_point<Fn>(name);
+  if (fn == nullptr) throw Error(std::string("the CUDA driver does not provide ") + name);
   return fn;
+}
+
+void check_memory_op(CUresult r, const char* name, int device) {
+  if (r != CUDA_SUCCESS)
+    throw Error(std::string(name) + " failed with CUresult " + std::to_string((int)r) + " on CUDA device " +
+                std::to_string(device));
 }
 
 // The copy stream waits until `word` >= value without taking an SM.
 void stream_wait_at_least(cudaStream_t stream, const uint64_t* word, uint64_t value, int device) {
-  const CUresult r = wait_value()(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
-                                  CU_STREAM_WAIT_VALUE_GEQ);
-  if (r != CUDA_SUCCESS)
-    throw Error("cuStreamWaitValue64 failed with CUresult " + std::to_string((int)r) + " on CUDA device " +
-                std::to_string(device));
+  static const WaitValueFn wait = stream_memory_op<WaitValueFn>("cuStreamWaitValue64");
+  check_memory_op(wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                       CU_STREAM_WAIT_VALUE_GEQ),
+                  "cuStreamWaitValue64", device);
+}
+
+// Sets a peer's handoff count to `value` once the stream's earlier work is done, without taking an
+// SM, so a hand-over on the copy stream never queues behind cuBLAS for one (with more than one
+// peer, the next push would wait with it). Each count has one writer, this GPU, and the host
+// knows its value for every call, so a plain write replaces an atomic add. The write's default
+// flags put a system-scope memory barrier before it: what the stream wrote (a copy, a matmul)
+// is visible to the peer before the count that announces it.
+void stream_set_count(cudaStream_t stream, uint64_t* word, uint64_t value, int device) {
+  static const WriteValueFn write = stream_memory_op<WriteValueFn>("cuStreamWriteValue64");
+  check_memory_op(write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                        CU_STREAM_WRITE_VALUE_DEFAULT),
+                  "cuStreamWriteValue64", device);
 }
 
 ChunkedMatmulState& chunked_state(DeviceState& s) {
@@ -128,6 +148,18 @@ struct ChunkedCall {
 };
 
 const char* const kLaunching = "launching the handoff kernels";
+
+// Hands this call's chunk to index `to` (its ready[me]); after the stream's earlier work.
+void hand_over(const ChunkedCall& call, int to, cudaStream_t stream) {
+  const chunk_handoff& h = call.handoff;
+  stream_set_count(stream, h.peer_words[to] + ready_index(h.my_index), call.number, call.device.device);
+}
+
+// Tells index `from` that this GPU finished reading its chunk of this call (its credit[me]).
+void return_credit(const ChunkedCall& call, int from, cudaStream_t stream) {
+  const chunk_handoff& h = call.handoff;
+  stream_set_count(stream, h.peer_words[from] + credit_index(h.size, h.my_index), call.number, call.device.device);
+}
 
 // Opens this call of the op configuration whose block is at heap `offset`, points cuBLAS at XLA's
 // stream, and enqueues begin_call there (the credits of the previous call).
@@ -225,7 +257,7 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     for (int i = 1; i < size; i++) {
       const int to = (me + i) % size;
       gemm(to, call.slots + slot_bytes * to, cn);
-      check_launch(launch_hand_over(h, to, stream), kLaunching, dev);
+      hand_over(call, to, stream);
     }
     const Placement own = place(result, me, cm, cn, size, concat_rows, elt);
     gemm(me, own.base, own.ld);
@@ -247,7 +279,7 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                                        (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, c.side),
                      "copying a peer's chunk", dev);
       }
-      check_launch(launch_return_credit(h, -1, c.side), kLaunching, dev);
+      for (int i = 1; i < size; i++) return_credit(call, (me - i + size) % size, c.side);
       join_copy_stream(call, stream);
     }
   });
@@ -287,7 +319,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
         check_launch(cudaMemcpyAsync(call.peer_slots[(size_t)to] + slot_bytes * me, x.untyped_data(), shard_bytes,
                                      cudaMemcpyDefault, c.side),
                      "copying this shard to a peer", dev);
-        check_launch(launch_hand_over(h, to, c.side), kLaunching, dev);
+        hand_over(call, to, c.side);
       }
     }
     gemm(x.untyped_data(), me);
@@ -295,7 +327,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
       const int from = (me - i + size) % size;
       check_launch(launch_await_chunks(h, from, call.number, stream), kLaunching, dev);
       gemm(call.slots + slot_bytes * from, from);
-      check_launch(launch_return_credit(h, from, stream), kLaunching, dev);
+      return_credit(call, from, stream);
     }
     if (size > 1) join_copy_stream(call, stream);
   });

@@ -37,17 +37,6 @@ __global__ void await_chunks_kernel(const chunk_handoff h, int source, uint64_t 
   if (is_mine(h, s, source)) await_count(h, h.words + ready_index(s), call, s, kWaitedForChunk);
 }
 
-// Adds 1 to word `index` of every other index's block (or only `peer`'s).
-__global__ void add_to_peers_kernel(const chunk_handoff h, int peer, int index) {
-  const int t = threadIdx.x;
-  if (!is_mine(h, t, peer)) return;
-  // What is announced was written (or read) by earlier work on this stream, a cuBLAS kernel or a
-  // copy, which the kernel boundary orders before this thread; the system-scope release makes
-  // it visible to the peer before the count that announces it.
-  __threadfence_system();
-  remote_add(h.peer_words[t] + index, 1, /*release=*/true);
-}
-
 }  // namespace
 
 cudaError_t launch_begin_call(const chunk_handoff& h, uint64_t call, cudaStream_t stream) {
@@ -60,21 +49,10 @@ cudaError_t launch_await_chunks(const chunk_handoff& h, int source, uint64_t cal
   return cudaGetLastError();
 }
 
-cudaError_t launch_hand_over(const chunk_handoff& h, int peer, cudaStream_t stream) {
-  add_to_peers_kernel<<<1, kMaxExchangePeers, 0, stream>>>(h, peer, ready_index(h.my_index));
-  return cudaGetLastError();
-}
-
-cudaError_t launch_return_credit(const chunk_handoff& h, int peer, cudaStream_t stream) {
-  add_to_peers_kernel<<<1, kMaxExchangePeers, 0, stream>>>(h, peer, credit_index(h.size, h.my_index));
-  return cudaGetLastError();
-}
-
 cudaError_t preload_chunk_handoff_kernels() {
   cudaFuncAttributes attributes;
   for (const void* kernel : {reinterpret_cast<const void*>(begin_call_kernel),
-                             reinterpret_cast<const void*>(await_chunks_kernel),
-                             reinterpret_cast<const void*>(add_to_peers_kernel)}) {
+                             reinterpret_cast<const void*>(await_chunks_kernel)}) {
     const cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
     if (e != cudaSuccess) return e;
   }
