@@ -12,6 +12,7 @@
 // and hands it over; XLA's stream multiplies the own shard into the result, then each peer's shard
 // from its slot as it arrives, and returns a credit once that matmul read it.
 //
+// Hand-overs and credits are stream memory writes (cuStreamWriteValue64 into the peer's count).
 // The second stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
 // waiting kernel needs an SM, and while cuBLAS holds every SM it is not scheduled until the matmul
 // ends, which serialised the copy after it (2 x H200, 8192 x 4096 x 4096: 84 us over the matmul
@@ -59,12 +60,11 @@ constexpr size_t kBlasWorkspaceBytes = 32u << 20;
 
 std::mutex make_mutex;
 
-using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-using WriteValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+// cuStreamWaitValue64 and cuStreamWriteValue64 share this signature.
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-template <class Fn>
-Fn stream_memory_op(const char* name) {
-  const Fn fn = driver_entry_point<Fn>(name);
+StreamValueFn stream_memory_op(const char* name) {
+  const StreamValueFn fn = driver_entry_point<StreamValueFn>(name);
   if (fn == nullptr) throw Error(std::string("the CUDA driver does not provide ") + name);
   return fn;
 }
@@ -77,7 +77,7 @@ void check_memory_op(CUresult r, const char* name, int device) {
 
 // The copy stream waits until `word` >= value without taking an SM.
 void stream_wait_at_least(cudaStream_t stream, const uint64_t* word, uint64_t value, int device) {
-  static const WaitValueFn wait = stream_memory_op<WaitValueFn>("cuStreamWaitValue64");
+  static const StreamValueFn wait = stream_memory_op("cuStreamWaitValue64");
   check_memory_op(wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                        CU_STREAM_WAIT_VALUE_GEQ),
                   "cuStreamWaitValue64", device);
@@ -90,7 +90,7 @@ void stream_wait_at_least(cudaStream_t stream, const uint64_t* word, uint64_t va
 // flags put a system-scope memory barrier before it: what the stream wrote (a copy, a matmul)
 // is visible to the peer before the count that announces it.
 void stream_set_count(cudaStream_t stream, uint64_t* word, uint64_t value, int device) {
-  static const WriteValueFn write = stream_memory_op<WriteValueFn>("cuStreamWriteValue64");
+  static const StreamValueFn write = stream_memory_op("cuStreamWriteValue64");
   check_memory_op(write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                         CU_STREAM_WRITE_VALUE_DEFAULT),
                   "cuStreamWriteValue64", device);
