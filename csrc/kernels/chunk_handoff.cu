@@ -6,9 +6,6 @@
 namespace jaxgin {
 namespace {
 
-// Which count a fault report is about (jaxgin_fault::signal).
-constexpr uint32_t kWaitedForChunk = 0, kWaitedForCredit = 1;
-
 // Spins (one thread) until *word >= expected; past the runtime's timeout it records a fault naming
 // the peer and traps, so a peer that died or runs another program is an error, not a hang.
 __device__ void await_count(const chunk_handoff& h, const uint64_t* word, uint64_t expected, int peer, uint32_t what) {

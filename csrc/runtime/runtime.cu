@@ -12,6 +12,7 @@
 
 #include "errors.h"
 #include "heap_release.h"
+#include "../kernels/chunk_handoff.h"
 #include "../kernels/preload.h"
 
 namespace jaxgin {
@@ -375,7 +376,7 @@ std::string describe_fault(const DeviceState& s) {
              "tritongin.empty or jaxgin's heap)";
     case JAXGIN_FAULT_FLAG_TIMEOUT:
       if (f->op == JAXGIN_OP_MATMUL_ALL_TO_ALL || f->op == JAXGIN_OP_ALL_GATHER_MATMUL)
-        return timeout + where + peer + (f->signal == 0
+        return timeout + where + peer + (f->signal == kWaitedForChunk
                    ? ": that peer never handed over its chunk of call " + std::to_string(f->expected) +
                          " (it has handed over " + std::to_string(f->observed) + ")"
                    : ": that peer never finished reading this rank's chunk of call " + std::to_string(f->expected) +
