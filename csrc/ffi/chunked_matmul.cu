@@ -213,6 +213,20 @@ int compute_type(ffi::DataType type, int64_t tf32) {
   return type == ffi::DataType::F32 && tf32 ? blas::kCompute32FFastTF32 : blas::kCompute32F;
 }
 
+// x [m, k] @ w [k, n] as both handlers hand it to cuBLAS: the sizes, the types, bytes per element.
+struct Matmul {
+  int64_t m, k, n;
+  cudaDataType type;
+  int compute;
+  size_t elt;
+};
+
+Matmul matmul_of(ffi::AnyBuffer x, ffi::AnyBuffer w, int64_t tf32) {
+  const auto dims_x = x.dimensions(), dims_w = w.dimensions();
+  const ffi::DataType dtype = x.element_type();
+  return Matmul{dims_x[0], dims_x[1], dims_w[1], blas_type(dtype), compute_type(dtype, tf32), element_bytes(dtype)};
+}
+
 // Where chunk `index` of the result starts and its row stride (elements): the result is the chunks
 // stacked by rows (concat_rows) or side by side.
 struct Placement {
@@ -234,23 +248,20 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     ChunkedCall call = start_call(op, JAXGIN_OP_MATMUL_ALL_TO_ALL, stream, ordinal, generation, mesh_ranks, mesh_shape,
                                   axes, offset, slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
-    const auto dims_x = x.dimensions(), dims_w = w.dimensions();
-    const int64_t m = dims_x[0], k = dims_x[1], n = dims_w[1];
-    const int64_t cm = split_rows ? m / size : m, cn = split_rows ? n : n / size;
-    const ffi::DataType dtype = x.element_type();
-    const cudaDataType type = blas_type(dtype);
-    const size_t elt = element_bytes(dtype);
+    const Matmul mm = matmul_of(x, w, tf32);
+    const size_t elt = mm.elt;
+    const int64_t cm = split_rows ? mm.m / size : mm.m, cn = split_rows ? mm.n : mm.n / size;
     if ((int64_t)(cm * cn * elt) > slot_bytes) throw Error(std::string(op) + ": chunk larger than its slot");
     const char* xs = static_cast<const char*>(x.untyped_data());
     const char* ws = static_cast<const char*>(w.untyped_data());
     char* result = static_cast<char*>(out->untyped_data());
     const ChunkedMatmulState& c = call.chunked;
-    const int compute = compute_type(dtype, tf32);
     // Operands of chunk `index`: a block of x's rows, or a block of w's columns (row stride n).
     auto gemm = [&](int index, void* into, int64_t ldc) {
-      const char* a = split_rows ? xs + (size_t)(index * cm * k) * elt : xs;
+      const char* a = split_rows ? xs + (size_t)(index * cm * mm.k) * elt : xs;
       const char* b = split_rows ? ws : ws + (size_t)(index * cn) * elt;
-      blas::gemm_row_major(c.blas, type, compute, (int)cm, (int)cn, (int)k, a, (int)k, b, (int)n, into, (int)ldc, op);
+      blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)cm, (int)cn, (int)mm.k, a, (int)mm.k, b, (int)mm.n, into,
+                           (int)ldc, op);
     };
     const chunk_handoff& h = call.handoff;
     if (size > 1) check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
@@ -294,19 +305,14 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     ChunkedCall call = start_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, stream, ordinal, generation, mesh_ranks, mesh_shape,
                                   axes, offset, slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
-    const auto dims_x = x.dimensions(), dims_w = w.dimensions();
-    const int64_t ms = dims_x[0], k = dims_x[1], n = dims_w[1];
-    const ffi::DataType dtype = x.element_type();
-    const cudaDataType type = blas_type(dtype);
-    const size_t elt = element_bytes(dtype);
+    const Matmul mm = matmul_of(x, w, tf32);  // mm.m: the rows of one shard
     const size_t shard_bytes = x.size_bytes();
     if ((int64_t)shard_bytes > slot_bytes) throw Error(std::string(op) + ": shard larger than its slot");
     char* result = static_cast<char*>(out->untyped_data());
     const ChunkedMatmulState& c = call.chunked;
-    const int compute = compute_type(dtype, tf32);
     auto gemm = [&](const void* shard, int index) {
-      blas::gemm_row_major(c.blas, type, compute, (int)ms, (int)n, (int)k, shard, (int)k, w.untyped_data(), (int)n,
-                           result + (size_t)(index * ms * n) * elt, (int)n, op);
+      blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)mm.m, (int)mm.n, (int)mm.k, shard, (int)mm.k,
+                           w.untyped_data(), (int)mm.n, result + (size_t)(index * mm.m * mm.n) * mm.elt, (int)mm.n, op);
     };
     const chunk_handoff& h = call.handoff;
     if (size > 1) {
