@@ -38,6 +38,7 @@ BACKEND_SOURCES = (
     "device/library.cu",
     "runtime/runtime.cu",
     "runtime/heap_release.cu",
+    "runtime/vmm_ledger.cu",
     "runtime/cublas_loader.cu",
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from jaxgin import cupti as cupti_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import transport as transport_lib
@@ -119,6 +120,9 @@ class Options:
     channel: ChannelShape
 
 
+FAULT_CLEANUP_COMPLETE = "all of NCCL's GPU memory"
+
+
 @dataclasses.dataclass
 class _State:
     options: Options
@@ -134,6 +138,8 @@ class _State:
     mailboxes: dict = dataclasses.field(default_factory=dict)  # (name, axis size) -> placement
     fused: dict = dataclasses.field(default_factory=dict)  # fused / moe op configuration -> its heap buffers
     gin_transport: str = "none"  # in use: 'host', 'nic', or 'none' in reference mode
+    # What finalize() can return after a device fault: FAULT_CLEANUP_COMPLETE, or why only the heaps.
+    fault_cleanup: str = FAULT_CLEANUP_COMPLETE
 
     @property
     def world_size(self) -> int:
@@ -319,6 +325,10 @@ def initialize(
         if state.gin_transport == "host":
             transport_lib.enable(transport_lib.build())
         ext = _extension()
+        # The record of NCCL's allocations that lets a fault's cleanup return them (through CUPTI).
+        record_vmm_calls = os.environ.get("JAXGIN_RECORD_NCCL_MEMORY", "1") != "0"
+        if record_vmm_calls:
+            cupti_lib.load()
         state.runtime_backend_path = backend_lib.path
         uid = _unique_id(backend_lib, state.generation, state.nccl.version_string)
         try:
@@ -337,10 +347,14 @@ def initialize(
                 channel_slots=options.channel.slots,
                 channel_slot_bytes=options.channel.slot_bytes,
                 generation=state.generation,
+                record_vmm_calls=record_vmm_calls,
             )
         except RuntimeError as e:
             raise JaxginError(f"jaxgin.initialize() failed: {e}") from None
         state.backend_lib = backend_lib
+        unavailable = state.runtime.device_info(0)["vmm_ledger_unavailable"]
+        if unavailable:
+            state.fault_cleanup = f"the heaps only: NCCL's calls were not recorded, {unavailable}"
         from jaxgin.ffi import targets
 
         targets.register(backend_lib)
@@ -358,12 +372,14 @@ def finalize() -> None:
 
     After a device fault (a jaxgin wait timed out, a peer died) the GPU's CUDA context is unusable
     for every library in the process; finalize() then aborts the communicators, resets the GPU,
-    and releases the symmetric heaps itself (virtual-memory allocations, which a reset leaves): this
-    GPU's heap, and its mappings of the peers' heaps, so a dead peer's memory is not kept alive on
-    its GPU. It warns (RuntimeWarning): JAX cannot use that GPU again in this process, and what
-    NCCL's communicator allocated for itself on the GPU (about 230 MiB measured on H200, which a
-    clean finalize returns; NCCL's abort cannot free it in a context in error) stays until the
-    process exits. Exit after handling the error."""
+    and releases what NCCL allocated as CUDA virtual memory itself (a reset leaves it, and NCCL
+    cannot free it in a context in error): its buffers, this GPU's heap, and the mappings of the
+    peers' heaps, so a dead peer's memory is not kept alive on its GPU. It knows those allocations
+    from a record of NCCL's calls that initialize() takes through CUPTI; where CUPTI was unavailable
+    (``jaxgin.info()["fault_cleanup"]`` says why), only the heaps come back and NCCL's buffers (about
+    200 MiB measured on H200) stay until the process exits. It warns (RuntimeWarning): JAX cannot
+    use that GPU again in this process, and JAX's own arrays on it (XLA allocates them as virtual
+    memory as well) stay until the process exits. Exit after handling the error."""
     global _state
     state, _state = _state, None
     if state is not None and state.runtime is not None:
@@ -373,10 +389,15 @@ def finalize() -> None:
         except RuntimeError as e:
             raise JaxginError(f"jaxgin.finalize() could not release everything: {e}") from None
         if faults:
+            released = (
+                "NCCL's allocations, the heaps among them, were released"
+                if state.fault_cleanup == FAULT_CLEANUP_COMPLETE
+                else f"jaxgin's heaps were released, but NCCL's own buffers stay allocated until the process exits "
+                f"({state.fault_cleanup})"
+            )
             warnings.warn(
                 "jaxgin.finalize() after a device fault: the GPU's CUDA context was unusable, so it was reset to "
-                "release its memory and jaxgin's heaps were released; what NCCL's communicator allocated on the "
-                "GPU stays allocated until the process exits, and JAX cannot use this GPU again in this process. "
+                f"release its memory and {released}; JAX cannot use this GPU again in this process. "
                 "The fault: " + faults[0],
                 RuntimeWarning,
                 stacklevel=2,
@@ -483,5 +504,6 @@ def info() -> dict[str, Any]:
         ],
         backend_library=state.runtime_backend_path,
         command_buffer_compatible=targets.command_buffer_compatible,
+        fault_cleanup=state.fault_cleanup,
     )
     return result

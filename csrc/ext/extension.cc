@@ -143,7 +143,8 @@ class Runtime {
   Runtime(const Backend& backend, int world_size, const std::vector<int32_t>& devices,
           const std::vector<int32_t>& ranks, const nb::bytes& unique_id, uint64_t heap_bytes,
           uint32_t signal_count, uint32_t barrier_slots, bool force_gin, uint64_t timeout_ns,
-          uint32_t channel_lanes, uint32_t channel_slots, uint64_t channel_slot_bytes, int64_t generation)
+          uint32_t channel_lanes, uint32_t channel_slots, uint64_t channel_slot_bytes, int64_t generation,
+          bool record_vmm_calls)
       : backend_(backend), local_count_((int)devices.size()), world_size_(world_size) {
     if (devices.size() != ranks.size() || devices.empty())
       throw std::invalid_argument("devices and ranks must be non-empty lists of equal length");
@@ -165,6 +166,7 @@ class Runtime {
     config.channel_slots = channel_slots;
     config.channel_slot_bytes = channel_slot_bytes;
     config.generation = generation;
+    config.record_vmm_calls = record_vmm_calls ? 1 : 0;
     int status;
     {
       nb::gil_scoped_release release;  // blocks until every rank joined
@@ -209,6 +211,7 @@ class Runtime {
     d["channel_lanes"] = info.channel_lanes;
     d["channel_slots"] = info.channel_slots;
     d["channel_slot_bytes"] = info.channel_slot_bytes;
+    d["vmm_ledger_unavailable"] = std::string(info.vmm_ledger_unavailable);
     return d;
   }
 
@@ -304,11 +307,11 @@ NB_MODULE(_jaxgin_ext, m) {
   nb::class_<Runtime>(m, "Runtime")
       .def(nb::init<const Backend&, int, const std::vector<int32_t>&, const std::vector<int32_t>&,
                     const nb::bytes&, uint64_t, uint32_t, uint32_t, bool, uint64_t, uint32_t, uint32_t, uint64_t,
-                    int64_t>(),
+                    int64_t, bool>(),
            nb::arg("backend"), nb::arg("world_size"), nb::arg("devices"), nb::arg("ranks"), nb::arg("unique_id"),
            nb::arg("heap_bytes"), nb::arg("signal_count"), nb::arg("barrier_slots"), nb::arg("force_gin"),
            nb::arg("timeout_ns"), nb::arg("channel_lanes"), nb::arg("channel_slots"), nb::arg("channel_slot_bytes"),
-           nb::arg("generation"), nb::keep_alive<1, 2>())
+           nb::arg("generation"), nb::arg("record_vmm_calls"), nb::keep_alive<1, 2>())
       .def("destroy", &Runtime::destroy)
       .def_prop_ro("alive", &Runtime::alive)
       .def("device_info", &Runtime::device_info, nb::arg("local_index"))

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define JAXGIN_BACKEND_ABI 4
+#define JAXGIN_BACKEND_ABI 5
 #define JAXGIN_UNIQUE_ID_BYTES 128
 
 // The backend is linked with hidden visibility; only these entry points are exported.
@@ -32,6 +32,7 @@ typedef struct {
   uint32_t channel_slots;    // ring slots per lane
   uint64_t channel_slot_bytes;
   int64_t generation;        // identifies this runtime to compiled programs (FFI attribute)
+  int32_t record_vmm_calls;  // record NCCL's virtual-memory calls during setup (vmm_ledger.h)
 } jaxgin_runtime_config;
 
 typedef struct {
@@ -47,6 +48,9 @@ typedef struct {
   uint32_t signal_count, barrier_slots;
   uint32_t channel_lanes, channel_slots;
   uint64_t channel_slot_bytes;
+  // "" when NCCL's virtual-memory calls during setup were recorded (a fault's cleanup can return
+  // all of NCCL's memory, see vmm_ledger.h); otherwise why not (then only the heaps come back).
+  char vmm_ledger_unavailable[256];
 } jaxgin_device_info;
 
 // Every function returns 0 on success; otherwise jaxgin_last_error() (thread-local) explains.

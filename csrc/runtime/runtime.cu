@@ -2,6 +2,7 @@
 // communicator and the device-resident jaxgin_context that kernels receive.
 #include "runtime.h"
 
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <algorithm>
@@ -116,6 +117,7 @@ Error gin_unavailable(const jaxgin_runtime_config& cfg, int lsa_ranks, int dev, 
 void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   const int dev = s.device;
   JAXGIN_CUDA(cudaSetDevice(dev), dev);
+  s.cuda_context = current_context();
   // Before any kernel can spin: see preload.h.
   JAXGIN_CUDA(preload_exchange_kernels(), dev);
   JAXGIN_CUDA(preload_line_exchange_kernels(), dev);
@@ -229,7 +231,8 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
 }
 
 // Best effort, reverse order of setup_device; returns the first error instead of stopping.
-std::string teardown_device(DeviceState& s) {
+// `ledger`: what NCCL mapped during setup, or nullptr when it was not recorded.
+std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
   std::string first;
   auto note = [&](const std::string& what) { if (first.empty()) first = what; };
   if (cudaSetDevice(s.device) != cudaSuccess) note("cudaSetDevice failed");
@@ -252,18 +255,27 @@ std::string teardown_device(DeviceState& s) {
   }
   if (s.comm) {
     if (broken) {
+      // Whatever the abort still manages to unmap or release must not be undone a second time.
+      if (ledger != nullptr) ledger->start();
       ncclCommAbort(s.comm);
+      if (ledger != nullptr) ledger->stop();
     } else {
       if (ncclCommFinalize(s.comm) != ncclSuccess) note("ncclCommFinalize failed");
       if (ncclCommDestroy(s.comm) != ncclSuccess) note("ncclCommDestroy failed");
     }
   }
-  // Not the heaps: they are virtual-memory mappings, which a reset leaves (measured on H200: the
-  // reset returned the context's 0.75 GiB, not the 2 GiB test heap); they are unmapped after it.
+  // Not NCCL's virtual-memory allocations, the heaps among them (measured on H200: the reset
+  // returned the context's 0.75 GiB, not the 2 GiB test heap nor NCCL's 200 MiB of buffers): they
+  // are undone after it, all of them when the ledger recorded setup, else the heaps.
   if (broken) {
     if (cudaDeviceReset() != cudaSuccess) {
       note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
            "allocated until the process exits");
+    } else if (ledger != nullptr) {
+      const std::string e = ledger->undo(s.cuda_context);
+      if (!e.empty())
+        note("NCCL's memory on CUDA device " + std::to_string(s.device) + " could not all be released after the "
+             "reset (" + e + "); what remains stays allocated until the process exits");
     } else if (s.heap) {
       const std::string e = unmap_heaps_after_reset(s.heap_mappings);
       if (!e.empty())
@@ -276,8 +288,10 @@ std::string teardown_device(DeviceState& s) {
 }
 
 void teardown_all(jaxgin_runtime* rt) {
+  rt->vmm_ledger.stop();
+  VmmLedger* ledger = rt->vmm_ledger_unavailable.empty() ? &rt->vmm_ledger : nullptr;
   for_each_device(rt, [&](DeviceState& s) {
-    std::string e = teardown_device(s);
+    std::string e = teardown_device(s, ledger);
     if (!e.empty()) throw Error(e);
   });
 }
@@ -461,6 +475,9 @@ int jaxgin_runtime_create(const jaxgin_runtime_config* config, jaxgin_runtime** 
     }
     ncclUniqueId id;
     std::memcpy(&id, config->unique_id, sizeof(id));
+    // From the communicators' creation to the device communicators': everything NCCL maps.
+    rt->vmm_ledger_unavailable =
+        config->record_vmm_calls ? rt->vmm_ledger.start() : "recording was switched off (JAXGIN_RECORD_NCCL_MEMORY=0)";
     // One NCCL group creates the communicators of all local GPUs (NCCL's rule for one process
     // driving several GPUs).
     JAXGIN_NCCL(ncclGroupStart(), nullptr, -1);
@@ -480,6 +497,7 @@ int jaxgin_runtime_create(const jaxgin_runtime_config* config, jaxgin_runtime** 
     }
     try {
       jaxgin::for_each_device(rt.get(), [&](jaxgin::DeviceState& s) { jaxgin::setup_device(rt->config, s); });
+      rt->vmm_ledger.stop();
     } catch (...) {
       try {
         jaxgin::teardown_all(rt.get());
@@ -527,6 +545,8 @@ int jaxgin_runtime_device_info(const jaxgin_runtime* rt, int32_t local_index, ja
     out->channel_lanes = c.channel_lanes;
     out->channel_slots = c.channel_slots;
     out->channel_slot_bytes = c.channel_slot_bytes;
+    std::snprintf(out->vmm_ledger_unavailable, sizeof(out->vmm_ledger_unavailable), "%s",
+                  rt->vmm_ledger_unavailable.c_str());
   });
 }
 

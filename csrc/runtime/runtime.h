@@ -8,6 +8,7 @@
 #include <vector>
 #include "backend_api.h"
 #include "heap_release.h"
+#include "vmm_ledger.h"
 #include "../device/impl/context__types.h"
 
 namespace jaxgin {
@@ -28,6 +29,7 @@ struct ChunkedMatmulState {
 struct DeviceState {
   int device = -1;
   int rank = -1;
+  CUcontext cuda_context = nullptr;  // the device's primary context, as the VMM ledger names it
   ncclComm_t comm = nullptr;
   void* heap = nullptr;
   ncclWindow_t window = nullptr;
@@ -42,7 +44,7 @@ struct DeviceState {
   // Heap base of every rank as this GPU addresses it; nullptr for ranks outside the LSA team.
   // Fixed once the window exists, so launches can pass peer addresses by value.
   std::vector<char*> lsa_heaps;
-  heap_mappings heap_mappings;  // unmapped after a fault (see heap_release.h)
+  heap_mappings heap_mappings;  // unmapped after a fault if the VMM ledger is unavailable (heap_release.h)
   cudaStream_t stream = nullptr;
   ChunkedMatmulState chunked;
 };
@@ -52,6 +54,9 @@ struct DeviceState {
 struct jaxgin_runtime {
   jaxgin_runtime_config config{};
   std::vector<jaxgin::DeviceState> devices;
+  // NCCL's virtual-memory calls while the runtime was set up, for the cleanup after a fault.
+  jaxgin::VmmLedger vmm_ledger;
+  std::string vmm_ledger_unavailable;  // "" when the ledger recorded setup
 };
 
 namespace jaxgin {

@@ -125,7 +125,7 @@ def fault(argv):
     info = jaxgin.info()
     report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "heap_mib": info["heap_bytes"] >> 20,
               "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
-              "faults": jaxgin.device_faults(), "timeout_s": info["timeout_s"]}
+              "faults": jaxgin.device_faults(), "timeout_s": info["timeout_s"], "fault_cleanup": info["fault_cleanup"]}
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
     report["gpu_used_mib_before_initialize"] = used["before"]  # JAX's context alone
     report["gpu_used_mib_after_initialize"] = used["initialized"]

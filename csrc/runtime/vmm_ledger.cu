@@ -1,0 +1,232 @@
+#include "vmm_ledger.h"
+
+#include <cupti.h>  // with generated_cuda_meta.h: each driver call's parameter struct
+#include <dlfcn.h>
+
+#include <atomic>
+#include <initializer_list>
+
+#include "driver_entry.h"
+
+namespace jaxgin {
+namespace {
+
+// The virtual-memory calls that create, map, reserve or release something.
+constexpr CUpti_CallbackId kRecordedCalls[] = {
+    CUPTI_DRIVER_TRACE_CBID_cuMemCreate,         CUPTI_DRIVER_TRACE_CBID_cuMemImportFromShareableHandle,
+    CUPTI_DRIVER_TRACE_CBID_cuMemRetainAllocationHandle, CUPTI_DRIVER_TRACE_CBID_cuMemRelease,
+    CUPTI_DRIVER_TRACE_CBID_cuMemMap,            CUPTI_DRIVER_TRACE_CBID_cuMemUnmap,
+    CUPTI_DRIVER_TRACE_CBID_cuMemAddressReserve, CUPTI_DRIVER_TRACE_CBID_cuMemAddressFree,
+};
+
+struct Cupti {
+  decltype(&cuptiSubscribe) subscribe = nullptr;
+  decltype(&cuptiEnableCallback) enable_callback = nullptr;
+  decltype(&cuptiUnsubscribe) unsubscribe = nullptr;
+  decltype(&cuptiGetResultString) result_string = nullptr;
+  decltype(&cuptiFinalize) finalize = nullptr;
+};
+
+struct Driver {
+  CUresult (*current_context)(CUcontext*) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+};
+
+std::once_flag loaded;
+Cupti cupti;
+Driver driver;
+std::string load_failure;
+
+void* open_cupti() {
+  // Already in the process (JAX's profiler loads it) first, then the dynamic linker's search path.
+  for (int flags : {RTLD_NOW | RTLD_NOLOAD, RTLD_NOW})
+    for (const char* name : {"libcupti.so.13", "libcupti.so.12", "libcupti.so"})
+      if (void* handle = dlopen(name, flags)) return handle;
+  return nullptr;
+}
+
+void load() {
+  std::call_once(loaded, [] {
+    driver.current_context = driver_entry_point<decltype(driver.current_context)>("cuCtxGetCurrent");
+    driver.unmap = driver_entry_point<decltype(driver.unmap)>("cuMemUnmap");
+    driver.release = driver_entry_point<decltype(driver.release)>("cuMemRelease");
+    driver.address_free = driver_entry_point<decltype(driver.address_free)>("cuMemAddressFree");
+    driver.error_name = driver_entry_point<decltype(driver.error_name)>("cuGetErrorName");
+    if (!driver.unmap || !driver.release || !driver.address_free) {
+      load_failure = "the CUDA driver's virtual-memory calls could not be found";
+      return;
+    }
+    void* handle = open_cupti();
+    if (handle == nullptr) {
+      load_failure = "CUPTI (libcupti.so.13) is neither loaded in this process nor on the library path "
+                     "(pip install nvidia-cuda-cupti provides it)";
+      return;
+    }
+    cupti.subscribe = reinterpret_cast<decltype(cupti.subscribe)>(dlsym(handle, "cuptiSubscribe"));
+    cupti.enable_callback = reinterpret_cast<decltype(cupti.enable_callback)>(dlsym(handle, "cuptiEnableCallback"));
+    cupti.unsubscribe = reinterpret_cast<decltype(cupti.unsubscribe)>(dlsym(handle, "cuptiUnsubscribe"));
+    cupti.result_string = reinterpret_cast<decltype(cupti.result_string)>(dlsym(handle, "cuptiGetResultString"));
+    cupti.finalize = reinterpret_cast<decltype(cupti.finalize)>(dlsym(handle, "cuptiFinalize"));
+    if (!cupti.subscribe || !cupti.enable_callback || !cupti.unsubscribe)
+      load_failure = "the loaded CUPTI library lacks its callback API";
+  });
+}
+
+std::string cupti_error(const char* call, CUptiResult r) {
+  const char* text = nullptr;
+  if (cupti.result_string == nullptr || cupti.result_string(r, &text) != CUPTI_SUCCESS || text == nullptr) text = "?";
+  return std::string(call) + " failed (" + text + ")";
+}
+
+std::string driver_error(const char* call, CUresult r) {
+  const char* name = nullptr;
+  if (driver.error_name == nullptr || driver.error_name(r, &name) != CUDA_SUCCESS || name == nullptr) name = "?";
+  return std::string(call) + " failed (" + name + ")";
+}
+
+// Set while stop() makes the CUDA call at whose exit CUPTI detaches (see stop()).
+std::atomic<bool> detach_requested{false}, detached{false};
+
+void CUPTIAPI record_call(void* ledger, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void* data) {
+  const auto* call = static_cast<const CUpti_CallbackData*>(data);
+  if (domain != CUPTI_CB_DOMAIN_DRIVER_API || call->callbackSite != CUPTI_API_EXIT) return;
+  if (id == CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) {
+    if (detach_requested.exchange(false)) detached = cupti.finalize() == CUPTI_SUCCESS;
+    return;
+  }
+  const auto* result = static_cast<const CUresult*>(call->functionReturnValue);
+  if (result == nullptr || *result != CUDA_SUCCESS) return;
+  static_cast<VmmLedger*>(ledger)->on_call(call->context, id, call->functionParams);
+}
+
+// A release, unmap or free names its object, not the context that made it: NCCL's threads may
+// differ from the one that allocated. The calling context's books first, then any that hold it.
+template <class Map, class Key>
+Map* holder(std::map<CUcontext, VmmLedger::Books>& books, CUcontext context, Map VmmLedger::Books::*which,
+            const Key& key) {
+  auto own = books.find(context);
+  if (own != books.end() && (own->second.*which).count(key)) return &(own->second.*which);
+  for (auto& [_, b] : books)
+    if ((b.*which).count(key)) return &(b.*which);
+  return nullptr;
+}
+
+}  // namespace
+
+CUcontext current_context() {
+  load();
+  CUcontext context = nullptr;
+  if (driver.current_context == nullptr || driver.current_context(&context) != CUDA_SUCCESS) return nullptr;
+  return context;
+}
+
+std::string VmmLedger::start() {
+  load();
+  if (!load_failure.empty()) return load_failure;
+  if (subscriber_ != nullptr) return "";
+  CUpti_SubscriberHandle subscriber = nullptr;
+  CUptiResult r = cupti.subscribe(&subscriber, record_call, this);
+  if (r != CUPTI_SUCCESS)
+    return cupti_error("cuptiSubscribe", r) + "; is a profiler running? Only one CUPTI client can subscribe";
+  for (CUpti_CallbackId id : kRecordedCalls) {
+    r = cupti.enable_callback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, id);
+    if (r != CUPTI_SUCCESS) {
+      cupti.unsubscribe(subscriber);
+      return cupti_error("cuptiEnableCallback", r);
+    }
+  }
+  subscriber_ = subscriber;
+  return "";
+}
+
+void VmmLedger::stop() {
+  if (subscriber_ == nullptr) return;
+  auto subscriber = static_cast<CUpti_SubscriberHandle>(subscriber_);
+  subscriber_ = nullptr;
+  // Detach CUPTI from the process (cuptiFinalize) rather than only unsubscribe, so that no later
+  // CUDA call pays for its hooks. CUPTI wants that done at the exit of a CUDA call: here one of
+  // cuCtxGetCurrent's, made for the purpose. The subscription goes with CUPTI.
+  detached = false;
+  if (cupti.finalize != nullptr && driver.current_context != nullptr &&
+      cupti.enable_callback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) ==
+          CUPTI_SUCCESS) {
+    detach_requested = true;
+    CUcontext context = nullptr;
+    driver.current_context(&context);
+    detach_requested = false;
+  }
+  if (!detached) cupti.unsubscribe(subscriber);
+}
+
+void VmmLedger::on_call(CUcontext context, uint32_t callback_id, const void* params) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto take = [&](CUmemGenericAllocationHandle handle) { books_[context].references[handle]++; };
+  switch (callback_id) {
+    case CUPTI_DRIVER_TRACE_CBID_cuMemCreate:
+      take(*static_cast<const cuMemCreate_params*>(params)->handle);
+      break;
+    case CUPTI_DRIVER_TRACE_CBID_cuMemImportFromShareableHandle:
+      take(*static_cast<const cuMemImportFromShareableHandle_params*>(params)->handle);
+      break;
+    case CUPTI_DRIVER_TRACE_CBID_cuMemRetainAllocationHandle:
+      take(*static_cast<const cuMemRetainAllocationHandle_params*>(params)->handle);
+      break;
+    case CUPTI_DRIVER_TRACE_CBID_cuMemRelease: {
+      const CUmemGenericAllocationHandle handle = static_cast<const cuMemRelease_params*>(params)->handle;
+      if (auto* refs = holder(books_, context, &Books::references, handle)) {
+        auto it = refs->find(handle);
+        if (--it->second == 0) refs->erase(it);
+      }
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemMap: {
+      const auto* p = static_cast<const cuMemMap_params*>(params);
+      books_[context].mappings[p->ptr] = p->size;
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemUnmap: {
+      const CUdeviceptr ptr = static_cast<const cuMemUnmap_params*>(params)->ptr;
+      if (auto* maps = holder(books_, context, &Books::mappings, ptr)) maps->erase(ptr);
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAddressReserve: {
+      const auto* p = static_cast<const cuMemAddressReserve_params*>(params);
+      books_[context].reservations[*p->ptr] = p->size;
+      break;
+    }
+    case CUPTI_DRIVER_TRACE_CBID_cuMemAddressFree: {
+      const CUdeviceptr ptr = static_cast<const cuMemAddressFree_params*>(params)->ptr;
+      if (auto* ranges = holder(books_, context, &Books::reservations, ptr)) ranges->erase(ptr);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+std::string VmmLedger::undo(CUcontext context) {
+  Books b;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = books_.find(context);
+    if (it == books_.end()) return "";
+    b = std::move(it->second);
+    books_.erase(it);
+  }
+  std::string first;
+  auto check = [&](const char* call, CUresult r) {
+    if (r != CUDA_SUCCESS && first.empty()) first = driver_error(call, r);
+  };
+  // Mappings hold their allocations; an allocation is returned once it is unmapped everywhere and
+  // its last handle reference is dropped. Reserved ranges can be freed only once nothing maps them.
+  for (const auto& [ptr, bytes] : b.mappings) check("cuMemUnmap", driver.unmap(ptr, bytes));
+  for (const auto& [handle, count] : b.references)
+    for (int i = 0; i < count; i++) check("cuMemRelease", driver.release(handle));
+  for (const auto& [ptr, bytes] : b.reservations) check("cuMemAddressFree", driver.address_free(ptr, bytes));
+  return first;
+}
+
+}  // namespace jaxgin
