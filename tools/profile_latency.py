@@ -1,0 +1,62 @@
+"""Where a small message's time goes: benchmarks/collectives.py's chains (8 B per device, N
+dependent ops in one jit) traced with JAX's profiler. Prints, for the first GPU, each chain's span
+per op, the device events of one op from the middle (start offset, duration, name) and each name's
+total, so launch gaps can be told from kernel time.
+
+    python tools/profile_latency.py [--bytes 8] [--ops ppermute,put_wait_from,put_wait,self_copy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxgin
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+from collectives import _array, make_ops
+from profile_moe import device_events, report
+
+STEPS = 50
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", type=int, default=8)
+    parser.add_argument("--ops", default="ppermute,put_wait_from,put_wait,self_copy")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    jaxgin.initialize()
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    implementations = make_ops(mesh.size)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-latency-"))
+    x = _array(mesh, args.bytes, mesh.size)
+    for op in args.ops.split(","):
+        for label, fn in zip(("xla", "jaxgin"), implementations[op]):
+            def body(v, fn=fn):
+                v = v[0]
+                for _ in range(STEPS):
+                    v = fn(v)
+                return v[None]
+
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+            jax.block_until_ready(f(x))
+            jax.block_until_ready(f(x))
+            where = out / f"{op}_{label}"
+            with jax.profiler.trace(str(where), create_perfetto_trace=True):
+                jax.block_until_ready(f(x))
+            report(f"{op} ({label}), {args.bytes} B, {mesh.size} GPUs", device_events(where), STEPS)
+    jaxgin.finalize()
+
+
+if __name__ == "__main__":
+    main()
