@@ -256,9 +256,9 @@ std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
   if (s.comm) {
     if (broken) {
       // Whatever the abort still manages to unmap or release must not be undone a second time.
-      if (ledger != nullptr) ledger->start();
+      const bool recording = ledger != nullptr && ledger->start().empty();
       ncclCommAbort(s.comm);
-      if (ledger != nullptr) ledger->stop();
+      if (recording) ledger->stop();
     } else {
       if (ncclCommFinalize(s.comm) != ncclSuccess) note("ncclCommFinalize failed");
       if (ncclCommDestroy(s.comm) != ncclSuccess) note("ncclCommDestroy failed");

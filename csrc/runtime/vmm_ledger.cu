@@ -126,7 +126,11 @@ CUcontext current_context() {
 std::string VmmLedger::start() {
   load();
   if (!load_failure.empty()) return load_failure;
-  if (subscriber_ != nullptr) return "";
+  std::lock_guard<std::mutex> lock(subscription_mutex_);
+  if (recorders_ > 0) {
+    recorders_++;
+    return "";
+  }
   CUpti_SubscriberHandle subscriber = nullptr;
   CUptiResult r = cupti.subscribe(&subscriber, record_call, this);
   if (r != CUPTI_SUCCESS)
@@ -139,11 +143,13 @@ std::string VmmLedger::start() {
     }
   }
   subscriber_ = subscriber;
+  recorders_ = 1;
   return "";
 }
 
 void VmmLedger::stop() {
-  if (subscriber_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(subscription_mutex_);
+  if (recorders_ == 0 || --recorders_ > 0) return;
   auto subscriber = static_cast<CUpti_SubscriberHandle>(subscriber_);
   subscriber_ = nullptr;
   // Detach CUPTI from the process (cuptiFinalize) rather than only unsubscribe, so that no later
@@ -159,6 +165,14 @@ void VmmLedger::stop() {
     detach_requested = false;
   }
   if (!detached) cupti.unsubscribe(subscriber);
+}
+
+VmmLedger::~VmmLedger() {
+  {
+    std::lock_guard<std::mutex> lock(subscription_mutex_);
+    recorders_ = recorders_ > 0 ? 1 : 0;
+  }
+  stop();
 }
 
 void VmmLedger::on_call(CUcontext context, uint32_t callback_id, const void* params) {

@@ -31,12 +31,14 @@ class VmmLedger {
   VmmLedger() = default;
   VmmLedger(const VmmLedger&) = delete;
   VmmLedger& operator=(const VmmLedger&) = delete;
-  ~VmmLedger() { stop(); }  // CUPTI must not call into a ledger that is gone
+  ~VmmLedger();  // CUPTI must not call into a ledger that is gone
 
   // Starts recording. Returns "" or why nothing will be recorded (no CUPTI library in the process
   // or on the library path, or another CUPTI client, such as a running profiler, holds CUPTI).
+  // Threads may record at once (the teardowns of several GPUs): each successful start() is
+  // matched by one stop(), and recording stops with the last.
   std::string start();
-  // Stops recording (and detaches CUPTI from the process); what was recorded stays.
+  // Stops recording (the last stop() detaches CUPTI from the process); what was recorded stays.
   void stop();
   // After the device that `context` belonged to was reset: unmaps every mapping recorded in
   // `context` that was not unmapped since, drops the allocation-handle references recorded (created,
@@ -48,9 +50,11 @@ class VmmLedger {
   void on_call(CUcontext context, uint32_t callback_id, const void* params);
 
  private:
-  std::mutex mutex_;
+  std::mutex mutex_;  // books_
   std::map<CUcontext, Books> books_;
+  std::mutex subscription_mutex_;  // subscriber_, recorders_
   void* subscriber_ = nullptr;
+  int recorders_ = 0;
 };
 
 // The CUDA context current on the calling thread (the device's primary context once the runtime
