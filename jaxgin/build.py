@@ -108,6 +108,22 @@ def nvcc_version(nvcc: Path) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def cupti_include_dir(nvcc: Path) -> Path:
+    """Where cupti.h is (the runtime records NCCL's allocations through CUPTI's callback API):
+    beside nvcc's own headers in a CUDA toolkit, else PyPI's nvidia-cuda-cupti."""
+    toolkit = nvcc.resolve().parent.parent
+    candidates = [toolkit / "include", *sorted(toolkit.glob("targets/*/include"))]
+    spec = importlib.util.find_spec("nvidia")
+    candidates += [Path(root) / "cu13" / "include" for root in ((spec.submodule_search_locations or []) if spec else [])]
+    for candidate in candidates:
+        if (candidate / "cupti.h").is_file():
+            return candidate
+    raise ToolchainError(
+        f"jaxgin's runtime includes CUPTI's headers and found no cupti.h (looked in {', '.join(map(str, candidates))}). "
+        "Install them with: pip install 'jaxgin[cuda]' (or nvidia-cuda-cupti)"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Artifacts:
     directory: Path
@@ -182,7 +198,8 @@ def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out
     for source in BACKEND_SOURCES:
         obj = out / (source.replace("/", "_").removesuffix(".cu") + ".o")
         objects.append(str(obj))
-        first.append(base + [f"-I{xla_ffi_include_dir()}", "-c", str(root / source), "-o", str(obj)])
+        first.append(base + [f"-I{xla_ffi_include_dir()}", f"-I{cupti_include_dir(nvcc)}", "-c", str(root / source),
+                             "-o", str(obj)])
     lib_dir = nccl.library.resolve().parent
     link = (
         [str(nvcc), f"-arch={arch}", "-shared", *objects]

@@ -255,6 +255,24 @@ def test_nvcc_from_environment_wins(tmp_path, monkeypatch):
     assert build.find_nvcc() == fake
 
 
+def test_cupti_headers_are_found_beside_nvcc_or_reported(tmp_path, monkeypatch):
+    """The runtime includes cupti.h: a toolkit's own copy wins; without one, and without PyPI's
+    nvidia-cuda-cupti, the build says what to install."""
+    nvcc = tmp_path / "toolkit" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("")
+    real_find_spec = build.importlib.util.find_spec
+    monkeypatch.setattr(
+        build.importlib.util, "find_spec", lambda name, *a, **k: None if name == "nvidia" else real_find_spec(name, *a, **k)
+    )
+    with pytest.raises(ToolchainError, match=re.escape("pip install 'jaxgin[cuda]' (or nvidia-cuda-cupti)")):
+        build.cupti_include_dir(nvcc)
+    headers = tmp_path / "toolkit" / "targets" / "x86_64-linux" / "include"
+    headers.mkdir(parents=True)
+    (headers / "cupti.h").write_text("")
+    assert build.cupti_include_dir(nvcc) == headers
+
+
 def test_failing_nvcc_version(tmp_path):
     fake = tmp_path / "nvcc"
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
