@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -279,12 +280,28 @@ def test_cuda_selftest_out_of_signals_frees_the_heap(fake_cuda):
     assert state.runtime.calls == []
 
 
-def test_finalize_after_a_device_fault_warns_that_the_gpu_was_reset(fake_cuda):
+@pytest.mark.parametrize(
+    ("fault_cleanup", "released"),
+    [
+        (None, "NCCL's allocations, the heaps among them, were released"),
+        (
+            "the heaps only: NCCL's calls were not recorded, cuptiSubscribe failed",
+            (
+                "jaxgin's heaps were released, but NCCL's own buffers stay allocated until the process exits "
+                "(the heaps only: NCCL's calls were not recorded, cuptiSubscribe failed)"
+            ),
+        ),
+    ],
+    ids=["recorded", "heaps_only"],
+)
+def test_finalize_after_a_device_fault_warns_that_the_gpu_was_reset(fake_cuda, fault_cleanup, released):
     """finalize() reads the recorded faults before releasing (the record lives in the context it
-    resets) and says what happened to the GPU, naming the fault."""
+    resets) and says what happened to the GPU and its memory, naming the fault."""
     state = fake_cuda()
+    if fault_cleanup is not None:
+        state.fault_cleanup = fault_cleanup
     state.runtime.faults = "device-side wait timed out after 5 s at rank 0\n"
-    with pytest.warns(RuntimeWarning, match=r"was reset to release its memory and jaxgin's heaps were released.*device-side wait timed out"):
+    with pytest.warns(RuntimeWarning, match=re.escape(f"was reset to release its memory and {released};") + ".*device-side wait timed out"):
         jaxgin.finalize()
     assert not jaxgin.is_initialized()
 
