@@ -1,4 +1,5 @@
-// Unmapping the symmetric heaps of a GPU whose CUDA context broke (a kernel trapped).
+// Unmapping the symmetric heaps of a GPU whose CUDA context broke (a kernel trapped), when the
+// record of NCCL's virtual-memory calls (vmm_ledger.h, which undoes all of them) is unavailable.
 //
 // The heap is a CUDA virtual-memory allocation: ncclMemAlloc maps it at the heap's address, and
 // NCCL's window maps it once more, next to every LSA peer's heap (imported), in NCCL's flat
