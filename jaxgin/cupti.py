@@ -23,10 +23,24 @@ def packaged_library() -> Path | None:
     return None
 
 
+def loaded_library() -> Path | None:
+    """The libcupti mapped into this process already (JAX's profiler, a CUDA toolkit's), or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and "/libcupti.so" in fields[-1]:
+                return Path(fields[-1])
+    return None
+
+
 def load() -> Path | None:
-    """Loads the packaged CUPTI into the process (global symbols, as the backend looks it up by
-    name); returns its path, or None when the package is not installed or its library would not
-    load (the backend then reports why the record is unavailable)."""
+    """Makes sure a CUPTI is in the process: the one already loaded, else the packaged one (global
+    symbols, as the backend looks it up by name; never a second copy beside another). Returns its
+    path, or None when there is none or it would not load (the backend then reports why the record
+    is unavailable)."""
+    already = loaded_library()
+    if already is not None:
+        return already
     library = packaged_library()
     if library is None:
         return None

@@ -454,7 +454,8 @@ def call_backend(method, *args):
 
 
 def info() -> dict[str, Any]:
-    """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices."""
+    """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices, and on
+    GPUs what finalize() can return after a device fault (``fault_cleanup``)."""
     from jaxgin import rdma
 
     state = current()

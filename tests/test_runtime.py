@@ -408,3 +408,19 @@ def test_info_command_on_cpu():
     assert '"backend": "reference"' in result.stdout
     assert '"world_size": 8' in result.stdout
     assert '"environment"' in result.stdout
+
+
+def test_cupti_already_in_the_process_is_not_loaded_twice(monkeypatch, tmp_path):
+    """A CUPTI that JAX or a toolkit put in the process is the one the runtime uses: the packaged
+    copy is loaded only when there is none (two copies would each hold their own state)."""
+    from jaxgin import cupti
+
+    mapped = tmp_path / "libcupti.so.13"
+    monkeypatch.setattr(cupti, "loaded_library", lambda: mapped)
+    monkeypatch.setattr(cupti, "packaged_library", lambda: pytest.fail("the packaged CUPTI was looked up"))
+    assert cupti.load() == mapped
+    monkeypatch.setattr(cupti, "loaded_library", lambda: None)
+    monkeypatch.setattr(cupti, "packaged_library", lambda: None)
+    assert cupti.load() is None
+    monkeypatch.setattr(cupti, "packaged_library", lambda: tmp_path / "libcupti.so.13")  # not a library
+    assert cupti.load() is None
