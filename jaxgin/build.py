@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from jaxgin import nccl as nccl_lib
+from jaxgin import nvidia_packages
 from jaxgin.errors import ToolchainError
 
 BACKEND_SOURCES = (
@@ -88,9 +88,7 @@ def find_nvcc() -> Path:
     on_path = shutil.which("nvcc")
     if on_path:
         candidates.append(Path(on_path))
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(Path(root) / "cu13" / "bin" / "nvcc")
+    candidates += [root / "cu13" / "bin" / "nvcc" for root in nvidia_packages.roots()]
     for candidate in candidates:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
@@ -113,8 +111,7 @@ def cupti_include_dir(nvcc: Path) -> Path:
     beside nvcc's own headers in a CUDA toolkit, else PyPI's nvidia-cuda-cupti."""
     toolkit = nvcc.resolve().parent.parent
     candidates = [toolkit / "include", *sorted(toolkit.glob("targets/*/include"))]
-    spec = importlib.util.find_spec("nvidia")
-    candidates += [Path(root) / "cu13" / "include" for root in ((spec.submodule_search_locations or []) if spec else [])]
+    candidates += [root / "cu13" / "include" for root in nvidia_packages.roots()]
     for candidate in candidates:
         if (candidate / "cupti.h").is_file():
             return candidate

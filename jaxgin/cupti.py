@@ -8,16 +8,16 @@ is found without either."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 from pathlib import Path
+
+from jaxgin import nvidia_packages
 
 
 def packaged_library() -> Path | None:
     """libcupti.so.13 of the nvidia-cuda-cupti package, or None."""
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(root) / "cu13" / "lib" / "libcupti.so.13"
+    for root in nvidia_packages.roots():
+        candidate = root / "cu13" / "lib" / "libcupti.so.13"
         if candidate.exists():
             return candidate
     return None

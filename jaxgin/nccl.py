@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.util
 import os
 import re
 from pathlib import Path
 
+from jaxgin import nvidia_packages
 from jaxgin.errors import NcclError
 
 MINIMUM_VERSION = 22800  # NCCL 2.28: the first release with the Device API (GIN and LSA)
@@ -71,9 +71,8 @@ def loaded_libraries() -> list[Path]:
 
 def packaged_library() -> Path | None:
     """libnccl.so.2 of the nvidia-nccl-cu13 package, which XLA's CUDA plugin loads."""
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(root) / "nccl" / "lib" / "libnccl.so.2"
+    for root in nvidia_packages.roots():
+        candidate = root / "nccl" / "lib" / "libnccl.so.2"
         if candidate.exists():
             return candidate
     return None

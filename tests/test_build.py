@@ -234,10 +234,7 @@ def test_no_nvcc(tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    real_find_spec = build.importlib.util.find_spec
-    monkeypatch.setattr(
-        build.importlib.util, "find_spec", lambda name, *a, **k: None if name == "nvidia" else real_find_spec(name, *a, **k)
-    )
+    monkeypatch.setattr(build.nvidia_packages, "roots", list)  # no nvidia-* wheel installed
     with pytest.raises(ToolchainError, match=re.escape("pip install 'jaxgin[cuda]'")):
         build.find_nvcc()
 
@@ -261,10 +258,7 @@ def test_cupti_headers_are_found_beside_nvcc_or_reported(tmp_path, monkeypatch):
     nvcc = tmp_path / "toolkit" / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
     nvcc.write_text("")
-    real_find_spec = build.importlib.util.find_spec
-    monkeypatch.setattr(
-        build.importlib.util, "find_spec", lambda name, *a, **k: None if name == "nvidia" else real_find_spec(name, *a, **k)
-    )
+    monkeypatch.setattr(build.nvidia_packages, "roots", list)  # no nvidia-* wheel installed
     with pytest.raises(ToolchainError, match=re.escape("pip install 'jaxgin[cuda]' (or nvidia-cuda-cupti)")):
         build.cupti_include_dir(nvcc)
     headers = tmp_path / "toolkit" / "targets" / "x86_64-linux" / "include"

@@ -21,7 +21,6 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
-import importlib.util
 import os
 import re
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from jaxgin import build as _build
 from jaxgin import nccl as _nccl
+from jaxgin import nvidia_packages
 from jaxgin.errors import ToolchainError
 
 # nvJitLink's C interface (nvJitLink.h); tests/test_tritongin.py checks these against the header.
@@ -63,10 +63,9 @@ def _nvjitlink_candidates(nvcc: Path) -> list[Path]:
     toolkit = nvcc.resolve().parent.parent
     for lib_dir in (toolkit / "lib64", toolkit / "lib"):
         candidates.extend(sorted(lib_dir.glob("libnvJitLink.so*"), reverse=True))
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
+    for root in nvidia_packages.roots():
         for sub in ("cu13/lib", "nvjitlink/lib"):
-            candidates.extend(sorted((Path(root) / sub).glob("libnvJitLink.so*"), reverse=True))
+            candidates.extend(sorted((root / sub).glob("libnvJitLink.so*"), reverse=True))
     found = ctypes.util.find_library("nvJitLink")
     if found:
         candidates.append(Path(found))
