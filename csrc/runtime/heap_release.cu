@@ -2,51 +2,17 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <mutex>
 
 #include "driver_entry.h"
 
 namespace jaxgin {
 namespace {
 
-struct DriverCalls {
-  CUresult (*retain_handle)(CUmemGenericAllocationHandle*, void*) = nullptr;
-  CUresult (*address_range)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
-  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*error_name)(CUresult, const char**) = nullptr;
-};
-
-std::once_flag resolved;
-DriverCalls calls;
-
-template <class Fn>
-void resolve(const char* name, Fn& fn) {
-  fn = driver_entry_point<Fn>(name);
-}
-
-void resolve_calls() {
-  std::call_once(resolved, [] {
-    resolve("cuMemRetainAllocationHandle", calls.retain_handle);
-    resolve("cuMemGetAddressRange", calls.address_range);
-    resolve("cuMemUnmap", calls.unmap);
-    resolve("cuMemRelease", calls.release);
-    resolve("cuMemAddressFree", calls.address_free);
-    resolve("cuGetErrorName", calls.error_name);
-  });
-}
-
-std::string failed(const char* call, CUresult r) {
-  const char* name = nullptr;
-  if (calls.error_name == nullptr || calls.error_name(r, &name) != CUDA_SUCCESS || name == nullptr) name = "?";
-  return std::string(call) + " failed (" + name + ")";
-}
-
 heap_mapping mapping_at(const void* p) {
   heap_mapping m;
   CUdeviceptr base = 0;
   size_t bytes = 0;
+  const VmmDriver& calls = vmm_driver();
   if (calls.address_range && calls.address_range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) == CUDA_SUCCESS) {
     m.base = (uintptr_t)base;
     m.bytes = bytes;
@@ -59,20 +25,21 @@ heap_mapping mapping_at(const void* p) {
 // the references can only be named through it, and the retained one is dropped again with them.
 std::string unmap(const heap_mapping& m, int extra_references) {
   if (m.bytes == 0) return "";  // not a virtual-memory mapping: the reset returned it
+  const VmmDriver& calls = vmm_driver();
   CUmemGenericAllocationHandle handle;
   CUresult r = calls.retain_handle(&handle, reinterpret_cast<void*>(m.base));
-  if (r != CUDA_SUCCESS) return failed("cuMemRetainAllocationHandle", r);
+  if (r != CUDA_SUCCESS) return driver_failure("cuMemRetainAllocationHandle", r);
   r = calls.unmap((CUdeviceptr)m.base, m.bytes);
   CUresult released = calls.release(handle);
-  if (r != CUDA_SUCCESS) return failed("cuMemUnmap", r);
+  if (r != CUDA_SUCCESS) return driver_failure("cuMemUnmap", r);
   for (int i = 0; i < extra_references && released == CUDA_SUCCESS; i++) released = calls.release(handle);
-  return released == CUDA_SUCCESS ? "" : failed("cuMemRelease", released);
+  return released == CUDA_SUCCESS ? "" : driver_failure("cuMemRelease", released);
 }
 
 }  // namespace
 
 heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps, int own_handle_references) {
-  resolve_calls();
+  vmm_driver();  // looked up now, while the context is healthy
   heap_mappings m;
   m.own = mapping_at(heap);
   m.own_handle_references = own_handle_references;
@@ -82,6 +49,7 @@ heap_mappings mappings_of_heap(void* heap, const std::vector<char*>& lsa_heaps, 
 }
 
 std::string unmap_heaps_after_reset(const heap_mappings& m) {
+  const VmmDriver& calls = vmm_driver();
   if (!calls.retain_handle || !calls.unmap || !calls.release || !calls.address_free)
     return "the CUDA driver's virtual-memory calls could not be found";
   for (const heap_mapping& w : m.window) {
@@ -92,7 +60,7 @@ std::string unmap_heaps_after_reset(const heap_mappings& m) {
   if (!e.empty()) return "the heap's mapping: " + e;
   if (m.own.bytes == 0) return "";
   const CUresult r = calls.address_free((CUdeviceptr)m.own.base, m.own.bytes);
-  return r == CUDA_SUCCESS ? "" : failed("cuMemAddressFree", r);
+  return r == CUDA_SUCCESS ? "" : driver_failure("cuMemAddressFree", r);
 }
 
 }  // namespace jaxgin

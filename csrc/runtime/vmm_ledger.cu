@@ -27,17 +27,8 @@ struct Cupti {
   decltype(&cuptiFinalize) finalize = nullptr;
 };
 
-struct Driver {
-  CUresult (*current_context)(CUcontext*) = nullptr;
-  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*error_name)(CUresult, const char**) = nullptr;
-};
-
 std::once_flag loaded;
 Cupti cupti;
-Driver driver;
 std::string load_failure;
 
 void* open_cupti() {
@@ -50,11 +41,7 @@ void* open_cupti() {
 
 void load() {
   std::call_once(loaded, [] {
-    driver.current_context = driver_entry_point<decltype(driver.current_context)>("cuCtxGetCurrent");
-    driver.unmap = driver_entry_point<decltype(driver.unmap)>("cuMemUnmap");
-    driver.release = driver_entry_point<decltype(driver.release)>("cuMemRelease");
-    driver.address_free = driver_entry_point<decltype(driver.address_free)>("cuMemAddressFree");
-    driver.error_name = driver_entry_point<decltype(driver.error_name)>("cuGetErrorName");
+    const VmmDriver& driver = vmm_driver();
     if (!driver.unmap || !driver.release || !driver.address_free) {
       load_failure = "the CUDA driver's virtual-memory calls could not be found";
       return;
@@ -79,12 +66,6 @@ std::string cupti_error(const char* call, CUptiResult r) {
   const char* text = nullptr;
   if (cupti.result_string == nullptr || cupti.result_string(r, &text) != CUPTI_SUCCESS || text == nullptr) text = "?";
   return std::string(call) + " failed (" + text + ")";
-}
-
-std::string driver_error(const char* call, CUresult r) {
-  const char* name = nullptr;
-  if (driver.error_name == nullptr || driver.error_name(r, &name) != CUDA_SUCCESS || name == nullptr) name = "?";
-  return std::string(call) + " failed (" + name + ")";
 }
 
 // Set while stop() makes the CUDA call at whose exit CUPTI detaches (see stop()).
@@ -117,7 +98,7 @@ Map* holder(std::map<CUcontext, VmmLedger::Books>& books, CUcontext context, Map
 }  // namespace
 
 CUcontext current_context() {
-  load();
+  const VmmDriver& driver = vmm_driver();
   CUcontext context = nullptr;
   if (driver.current_context == nullptr || driver.current_context(&context) != CUDA_SUCCESS) return nullptr;
   return context;
@@ -156,6 +137,7 @@ void VmmLedger::stop() {
   // CUDA call pays for its hooks. CUPTI wants that done at the exit of a CUDA call: here one of
   // cuCtxGetCurrent's, made for the purpose. The subscription goes with CUPTI.
   detached = false;
+  const VmmDriver& driver = vmm_driver();
   if (cupti.finalize != nullptr && driver.current_context != nullptr &&
       cupti.enable_callback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) ==
           CUPTI_SUCCESS) {
@@ -230,9 +212,10 @@ std::string VmmLedger::undo(CUcontext context) {
     b = std::move(it->second);
     books_.erase(it);
   }
+  const VmmDriver& driver = vmm_driver();
   std::string first;
   auto check = [&](const char* call, CUresult r) {
-    if (r != CUDA_SUCCESS && first.empty()) first = driver_error(call, r);
+    if (r != CUDA_SUCCESS && first.empty()) first = driver_failure(call, r);
   };
   // Mappings hold their allocations; an allocation is returned once it is unmapped everywhere and
   // its last handle reference is dropped. Reserved ranges can be freed only once nothing maps them.
