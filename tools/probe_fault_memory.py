@@ -7,7 +7,9 @@ them as virtual memory too). A diagnostic for issue 7, not a test.
     python tools/probe_fault_memory.py [--out DIR]
     python tools/probe_fault_memory.py bare-trap    # the driver alone: what a trapped context leaves
     python tools/probe_fault_memory.py bare-clean   # the same without the trap
-    python tools/probe_fault_memory.py single-process  # one process, every GPU faulted at once
+
+One process driving every GPU into a starved wait at once is a test scenario instead:
+tests/gpu/test_fault_cleanup_gpu.py (reliability_scenarios.py starved), which runs on one GPU too.
 """
 
 from __future__ import annotations
@@ -145,58 +147,7 @@ def bare_trap(trap: bool = True) -> dict:
     return report
 
 
-def single_process() -> dict:
-    """One process driving every visible GPU: a wait that starves on all of them, then finalize(),
-    whose teardowns of the broken GPUs run at once (each records its own abort). Reports the
-    warnings and every GPU's used memory before and after."""
-    import reliability_scenarios as rs
-
-    os.environ["JAXGIN_TIMEOUT"] = "2"
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxgin
-
-    devices = jax.devices()
-    n = len(devices)
-    jaxgin.initialize(heap_size="1GiB")
-    mesh = Mesh(np.array(devices), ("x",))
-    box = jaxgin.Mailbox("starved_single_process", (8,), jnp.float32)
-
-    def starve(v):
-        token = jaxgin.put_signal(v[0], box, peer=jax.lax.axis_index("x"), axis_name="x")
-        return jaxgin.wait_signal(box, 2, axis_name="x", after=token)[None]  # one put per inbox comes
-
-    f = jax.jit(jax.shard_map(starve, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    x = jax.device_put(jnp.ones((n, 8), jnp.float32), NamedSharding(mesh, P("x")))
-    report = {"fault_cleanup": jaxgin.info()["fault_cleanup"], "used_before": [rs._gpu_used_mib(i) for i in range(n)]}
-    try:
-        jax.block_until_ready(f(x))
-        report["error"] = ""
-    except Exception as e:
-        report["error"] = f"{type(e).__name__}: {e}"[:160]
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            jaxgin.finalize()
-            report["finalize_error"] = ""
-        except Exception as e:
-            report["finalize_error"] = str(e)[:300]
-    report["warnings"] = [str(w.message)[:200] for w in caught]
-    time.sleep(0.5)
-    report["used_after_finalize"] = [rs._gpu_used_mib(i) for i in range(n)]
-    return report
-
-
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "single-process":
-        print(json.dumps(single_process(), indent=1))
-        os._exit(0)
     if len(sys.argv) > 1 and sys.argv[1] in ("bare-trap", "bare-clean"):
         print(json.dumps(bare_trap(trap=sys.argv[1] == "bare-trap")))
         return

@@ -43,8 +43,9 @@ def result(stdout: str) -> dict:
     return json.loads(lines[-1][len("RESULT:"):])
 
 
-def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags: str | None = None) -> dict:
-    proc = subprocess.run([sys.executable, str(script), *args], env=scenario_env(gpus, xla_flags),
+def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags: str | None = None,
+                 env: dict | None = None) -> dict:
+    proc = subprocess.run([sys.executable, str(script), *args], env={**scenario_env(gpus, xla_flags), **(env or {})},
                           capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, f"scenario {args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return result(proc.stdout)

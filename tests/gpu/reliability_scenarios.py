@@ -3,6 +3,7 @@
     python tests/gpu/reliability_scenarios.py stress OPS            # one process, all visible GPUs
     python tests/gpu/reliability_scenarios.py fault RANK N ADDR     # one of N processes, one GPU each
     python tests/gpu/reliability_scenarios.py memory_model          # one process, all visible GPUs
+    python tests/gpu/reliability_scenarios.py starved               # one process, all visible GPUs
 
 Each prints one JSON line prefixed with RESULT:.
 """
@@ -144,6 +145,61 @@ def fault(argv):
     report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
     print("RESULT:" + json.dumps(report), flush=True)
     os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
+
+
+def starved(argv):
+    """One process driving every visible GPU (one is enough): a wait that starves on all of them
+    (each device puts once into its own inbox, then waits for two), then finalize(), whose
+    teardowns of the broken GPUs run at once, each undoing what NCCL allocated there. Reports the
+    error, the fault lines, finalize()'s warnings, and every GPU's used memory and context state
+    before and after. XLA_PYTHON_CLIENT_PREALLOCATE=false keeps JAX's share small."""
+    used = {}
+
+    def before_initialize():
+        import jax
+
+        used["before"] = [_gpu_used_mib(i) for i in range(len(jax.devices()))]
+
+    jax, jaxgin = ops_scenarios._setup([], before_initialize)
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    n = len(jax.devices())
+    mesh = ops_scenarios._mesh(jax)
+    box = jaxgin.Mailbox("starved_everywhere", (8,), jnp.float32)
+
+    def starve(v):
+        token = jaxgin.put_signal(v[0], box, peer=jax.lax.axis_index("x"), axis_name="x")
+        return jaxgin.wait_signal(box, 2, axis_name="x", after=token)[None]
+
+    f = jax.jit(jax.shard_map(starve, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = ops_scenarios._global(jax, mesh, (1, 8), jnp.float32, 3)
+    info = jaxgin.info()
+    report = {"devices": n, "heap_mib": info["heap_bytes"] >> 20, "timeout_s": info["timeout_s"],
+              "fault_cleanup": info["fault_cleanup"], "gpu_used_mib_before_initialize": used["before"],
+              "gpu_used_mib_after_initialize": [_gpu_used_mib(i) for i in range(n)]}
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(f(x))
+        report["error"] = ""
+    except Exception as e:  # XLA reports the trapped kernel as a CUDA error
+        report["error"] = f"{type(e).__name__}: {e}"[:400]
+    report["seconds_to_error"] = time.perf_counter() - start
+    report["faults"] = jaxgin.device_faults()
+    report["gpu_used_mib_before_finalize"] = [_gpu_used_mib(i) for i in range(n)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            jaxgin.finalize()
+            report["finalize_error"] = ""
+        except Exception as e:  # reported, asserted empty by the test
+            report["finalize_error"] = f"{type(e).__name__}: {e}"[:400]
+    report["finalize_warnings"] = [str(w.message)[:300] for w in caught]
+    time.sleep(0.5)  # nvidia-smi's figure lags the release a little
+    report["gpu_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
+    report["primary_context_active_after_finalize"] = [_primary_context_active(i) for i in range(n)]
+    print("RESULT:" + json.dumps(report), flush=True)
+    os._exit(0)  # XLA's clients still point at the reset contexts: skip their teardown
 
 
 def _primary_context_active(ordinal: int) -> bool | None:
