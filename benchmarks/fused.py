@@ -138,6 +138,29 @@ def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
+CHUNKS = (1, 2, 4, 8)
+
+
+def chunking(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """What splitting a matmul into row chunks costs, the communication aside: method="chunked"
+    multiplies M / P rows per peer, one cuBLAS call each. Per chunk count c: one M / c-row matmul
+    (cuBLAS through XLA, and the Triton tile code with its own tuned tiles) times c, over the
+    whole M-row matmul; consecutive calls on one stream neither overlap nor wait on each other."""
+    row = {"m": m, "k": k, "n": n, "chunks": {}}
+    for c in CHUNKS:
+        if m % c:
+            continue
+        one = measure(mesh, m // c, k, n, dtype, repeats, ())
+        row["chunks"][c] = {"rows": m // c, "xla_matmul_us": one["xla_matmul_us"] * c,
+                            "triton_matmul_us": one["triton_matmul_us"] * c, "tiles": one["tiles"]}
+    whole = row["chunks"][1]
+    for c, r in row["chunks"].items():
+        r["xla_over_whole"] = r["xla_matmul_us"] / whole["xla_matmul_us"]
+        r["triton_over_xla_whole"] = r["triton_matmul_us"] / whole["xla_matmul_us"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 VARIANT_TILES = (
     _common.TileConfig(128, 256, 64, 8, 8, 4),  # one program per SM (192 KiB of pipeline buffers)
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two per SM: one computes while the other stores
@@ -230,12 +253,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--breakdown-only", action="store_true", help="only the breakdown of matmul_all_to_all")
     parser.add_argument("--shapes-only", action="store_true", help="only the issue's shapes (no breakdown or sweep)")
+    parser.add_argument("--chunking-only", action="store_true",
+                        help="only the matmuls alone (cuBLAS, Triton) over 1/2/4/8 row chunks of the issue's shapes "
+                             "(fused_chunking.json; one GPU is enough)")
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
     args = parser.parse_args()
     jaxgin.initialize(heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     dtype = jnp.dtype(args.dtype)
+    if args.chunking_only:
+        rows = [chunking(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fused_chunking.json").write_text(json.dumps(
+            {"devices": mesh.size, "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "shapes": rows}, indent=1))
+        jaxgin.finalize()
+        return
     if args.variants_only:
         rows = [variants(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
         args.out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ latency) and 4096 (high throughput). Per token count, per GPU:
   ragged_dispatch / ragged_combine    jaxgin.moe.ragged.dispatch / combine (ragged_all_to_all)
   xla_all_to_all_same_bytes           jax.lax.all_to_all moving as many bytes to each peer as
                                       dispatch sends remotely, for scale
+  xla_gather_same_rows                XLA gathering `capacity` rows of x: the HBM writes of
+                                      dispatch's output layout alone, for scale (one GPU too)
 Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and destination GPU) over
 the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
 
@@ -127,13 +129,20 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     variants["xla_all_to_all_same_bytes"] = (
         chain(lambda a: (_touch(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),)), 1)
 
+    rows_at = jax.device_put(jnp.asarray(np.random.default_rng(tokens).integers(0, tokens, n * capacity), jnp.int32),
+                             sharding)
+    # The barrier keeps the gathered rows whole in memory (else XLA would gather the one element
+    # _touch reads).
+    variants["xla_gather_same_rows"] = (
+        chain(lambda x, r: (_touch(x, jax.lax.optimization_barrier(jnp.take(x, r, axis=0))), r)), 2)
+
     variants["routing_only"] = (chain(lambda x, ids, w: (_touch(x, _route_only(ids, experts, mesh.size, capacity)),
                                                           ids, w)), 3)
     times = {}
     for name, (f, n_in) in variants.items():
         if only and name not in only:
             continue
-        args = (xla_block,) if n_in == 1 else (x, ids, weights)
+        args = {1: (xla_block,), 2: (x, rows_at), 3: (x, ids, weights)}[n_in]
         times[name] = best_seconds(_sm(mesh, f, n_in), *args, repeats=repeats) / STEPS * 1e6
         print(f"  {tokens} tokens  {name:28s} {times[name]:9.1f} us", flush=True)
     # The combine loops include one dispatch (outside the loop): subtract it.

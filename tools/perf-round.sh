@@ -7,6 +7,8 @@
 #   bash tools/perf-round.sh moe        # MoE GPU tests, the MoE example, the MoE benchmark and profile
 #   bash tools/perf-round.sh latency    # ops tests, memory-model and dead-peer tests, small-message latency
 #   bash tools/perf-round.sh fused [PYTEST_K]  # fused GPU tests (those matching PYTEST_K), the issue's shapes
+#   bash tools/perf-round.sh one-gpu    # what one GPU can check: fault cleanup test, MoE dispatch's
+#                                       # HBM side (every entry local), matmul chunking
 # Logs and JSON go to $OUT.
 source "$(dirname "$0")/round-common.sh"
 install_jaxgin || exit 1
@@ -33,6 +35,13 @@ case "${1:-tests}" in
     step 150 reliability python3 -m pytest -q -rA tests/gpu/test_reliability_gpu.py -k "payloads or dead_peer"
     TAIL=40 step 150 latency python3 benchmarks/collectives.py --ops ppermute,put_wait,put_wait_from,self_copy,all_to_all \
       --max-bytes 64KiB --out "$OUT" --name latency
+    ;;
+  one-gpu)
+    step 200 fault python3 -m pytest -q -rA tests/gpu/test_fault_cleanup_gpu.py
+    TAIL=40 step 300 moe_one python3 benchmarks/moe.py --tokens 4096 --experts 128 --out "$OUT/moe_one" \
+      --only jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only ${MOE_BLOCKS:+--blocks "$MOE_BLOCKS"}
+    TAIL=40 step 150 moe_profile python3 tools/profile_moe.py --tokens 4096 --experts 128
+    TAIL=20 step 240 chunking python3 benchmarks/fused.py --chunking-only --out "$OUT"
     ;;
   fused)
     step 300 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py ${2:+-k "$2"}
