@@ -40,8 +40,8 @@ case "${1:-tests}" in
     step 200 fault python3 -m pytest -q -rA tests/gpu/test_fault_cleanup_gpu.py
     TAIL=40 step 300 moe_one python3 benchmarks/moe.py --tokens 4096 --experts 128 --out "$OUT/moe_one" \
       --only jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only ${MOE_BLOCKS:+--blocks "$MOE_BLOCKS"}
-    TAIL=40 step 150 moe_profile python3 tools/profile_moe.py --tokens 4096 --experts 128
-    TAIL=20 step 240 chunking python3 benchmarks/fused.py --chunking-only --out "$OUT"
+    TAIL=20 step 200 chunking python3 benchmarks/fused.py --chunking-only --out "$OUT"
+    TAIL=40 step 120 moe_profile python3 tools/profile_moe.py --tokens 4096 --experts 128
     ;;
   fused)
     step 300 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py ${2:+-k "$2"}
