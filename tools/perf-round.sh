@@ -9,6 +9,7 @@
 #   bash tools/perf-round.sh fused [PYTEST_K]  # fused GPU tests (those matching PYTEST_K), the issue's shapes
 #   bash tools/perf-round.sh one-gpu    # what one GPU can check: fault cleanup test, MoE dispatch's
 #                                       # HBM side (every entry local), matmul chunking
+#   bash tools/perf-round.sh matmul     # the fault cleanup test, Triton matmul variants against cuBLAS
 # Logs and JSON go to $OUT.
 source "$(dirname "$0")/round-common.sh"
 install_jaxgin || exit 1
@@ -42,6 +43,10 @@ case "${1:-tests}" in
       --only jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only ${MOE_BLOCKS:+--blocks "$MOE_BLOCKS"}
     TAIL=20 step 200 chunking python3 benchmarks/fused.py --chunking-only --out "$OUT"
     TAIL=40 step 120 moe_profile python3 tools/profile_moe.py --tokens 4096 --experts 128
+    ;;
+  matmul)
+    step 200 fault python3 -m pytest -q -rA tests/gpu/test_fault_cleanup_gpu.py
+    TAIL=12 step 400 triton_matmul python3 tools/tune_triton_matmul.py --out "$OUT"
     ;;
   fused)
     step 300 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py ${2:+-k "$2"}

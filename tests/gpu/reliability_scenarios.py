@@ -149,7 +149,7 @@ def fault(argv):
 
 def starved(argv):
     """One process driving every visible GPU (one is enough): a wait that starves on all of them
-    (each device puts once into its own inbox, then waits for two), then finalize(), whose
+    (each device puts once into its own inbox, then waits twice for itself), then finalize(), whose
     teardowns of the broken GPUs run at once, each undoing what NCCL allocated there. Reports the
     error, the fault lines, finalize()'s warnings, and every GPU's used memory and context state
     before and after. XLA_PYTHON_CLIENT_PREALLOCATE=false keeps JAX's share small."""
@@ -169,8 +169,12 @@ def starved(argv):
     box = jaxgin.Mailbox("starved_everywhere", (8,), jnp.float32)
 
     def starve(v):
-        token = jaxgin.put_signal(v[0], box, peer=jax.lax.axis_index("x"), axis_name="x")
-        return jaxgin.wait_signal(box, 2, axis_name="x", after=token)[None]
+        # One put to itself, two waits for it: the second waits for a put that never comes (a
+        # starved wait that needs no peer, so one GPU is enough).
+        me = jax.lax.axis_index("x")
+        token = jaxgin.put_signal(v[0], box, peer=me, axis_name="x")
+        first = jaxgin.wait_signal_from(box, me, axis_name="x", after=token)
+        return (first + jaxgin.wait_signal_from(box, me, axis_name="x", after=token))[None]
 
     f = jax.jit(jax.shard_map(starve, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     x = ops_scenarios._global(jax, mesh, (1, 8), jnp.float32, 3)

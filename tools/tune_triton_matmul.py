@@ -1,0 +1,141 @@
+"""How fast can the fused ops' Triton tile code multiply, on one GPU? Times, at issue 5's shapes
+(bf16, float32 accumulation) with CUDA events in one process:
+
+  cublas                      torch.matmul (cuBLAS), the bar
+  pointers                    jaxgin.fused._kernels.matmul_kernel: what the fused kernels use now
+                              (one tile per program, pointer loads pipelined by Triton)
+  descriptors                 the same tiles loaded and stored through tensor descriptors made on
+                              the device (TMA), one tile per program
+  descriptors_persistent      one program per SM looping over tiles (the loop flattened, so the
+                              next tile's loads overlap this tile's epilogue)
+  descriptors_persistent_ws   the same with Triton's warp specialization
+
+Each variant over a few tile configurations, checked against cuBLAS before timing. A diagnostic
+for choosing the fused kernels' matmul, not a test; needs torch (the GPU machines have it).
+
+    python tools/tune_triton_matmul.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxgin.fused._kernels import _tile_coords, matmul_kernel  # noqa: E402
+
+SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096), (1024, 7168, 2048)]
+CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4)]
+CALLS = 50
+
+
+@triton.jit
+def _descriptor_tile(xd, wd, od, ti, tj, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K // BK):
+        acc = tl.dot(xd.load([ti * BM, k * BK]), wd.load([k * BK, tj * BN]), acc)
+    od.store([ti * BM, tj * BN], acc.to(od.dtype))
+
+
+@triton.jit
+def matmul_descriptors(x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    xd = tl.make_tensor_descriptor(x, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    wd = tl.make_tensor_descriptor(w, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    od = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    ti, tj = _tile_coords(tl.program_id(0), M // BM, N // BN, GROUP_M)
+    _descriptor_tile(xd, wd, od, ti, tj, K, BM, BN, BK)
+
+
+@triton.jit
+def matmul_descriptors_persistent(x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SMS: tl.constexpr,
+                                  WS: tl.constexpr):
+    xd = tl.make_tensor_descriptor(x, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    wd = tl.make_tensor_descriptor(w, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    od = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    TM: tl.constexpr = M // BM
+    TN: tl.constexpr = N // BN
+    KT: tl.constexpr = K // BK
+    for t in tl.range(tl.program_id(0), TM * TN, SMS, flatten=True, warp_specialize=WS):
+        ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, KT):
+            acc = tl.dot(xd.load([ti * BM, k * BK]), wd.load([k * BK, tj * BN]), acc)
+        od.store([ti * BM, tj * BN], acc.to(od.dtype))
+
+
+def _time(fn) -> float:
+    """us per call: CALLS back-to-back calls between two CUDA events, best of 5."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CALLS):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / CALLS)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    report = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "sms": sms, "shapes": []}
+    for m, k, n in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        want = torch.matmul(x, w)
+        flops = 2 * m * k * n
+        row = {"m": m, "k": k, "n": n, "cublas_us": _time(lambda: torch.matmul(x, w)), "variants": {}}
+        for bm, bn, bk, warps, stages in CONFIGS:
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            tiles = (m // bm) * (n // bn)
+            common = dict(M=m, N=n, K=k, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+            launches = {
+                "pointers": lambda: matmul_kernel[(tiles,)](0, x, w, out, PRECISION="tf32", **common),
+                "descriptors": lambda: matmul_descriptors[(tiles,)](x, w, out, **common),
+                "descriptors_persistent": lambda: matmul_descriptors_persistent[(min(sms, tiles),)](
+                    x, w, out, SMS=min(sms, tiles), WS=False, **common),
+                "descriptors_persistent_ws": lambda: matmul_descriptors_persistent[(min(sms, tiles),)](
+                    x, w, out, SMS=min(sms, tiles), WS=True, **common),
+            }
+            for name, launch in launches.items():
+                key = f"{name} {bm}x{bn}x{bk} w{warps} s{stages}"
+                try:
+                    out.zero_()
+                    launch()
+                    torch.cuda.synchronize()
+                    err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
+                    us = _time(launch)
+                    row["variants"][key] = {"us": us, "TFLOPs": flops / us / 1e6, "vs_cublas": row["cublas_us"] / us,
+                                            "rel_err": err}
+                except Exception as e:  # a variant this Triton cannot build: reported, the others go on
+                    row["variants"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                print(key, row["variants"][key], flush=True)
+        best = max((v for v in row["variants"].items() if "us" in v[1] and v[1]["rel_err"] < 1e-2),
+                   key=lambda kv: kv[1]["vs_cublas"], default=None)
+        row["best"] = best
+        print(f"== {m}x{k}x{n}: cuBLAS {row['cublas_us']:.1f} us ({flops / row['cublas_us'] / 1e6:.0f} TFLOP/s); "
+              f"best Triton: {best}", flush=True)
+        report["shapes"].append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "triton_matmul.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
