@@ -62,14 +62,15 @@ def run_on_gpus(gib: float):
     jaxgin.finalize()
 
 
-def compile_only():
+def compile_only(gpus: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {"ctx": "*u8", "src": "*fp32", "dst": "*fp32", "count": "i64", "peer": "i32", "BLOCK": "constexpr"}
     kernel = triton.compile(ASTSource(push, signature, {"BLOCK": 8192}), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 8})
-    print(f"no GPUs here: compiled push and linked it with jaxgin's device library for sm_90a "
+    found = "no GPUs here" if gpus == 0 else f"{gpus} GPU here, this needs 2"
+    print(f"{found}: compiled push and linked it with jaxgin's device library for sm_90a "
           f"({len(kernel.asm['cubin'])}-byte cubin); run this on a machine with 2 NVIDIA GPUs to measure")
 
 
@@ -83,4 +84,4 @@ if __name__ == "__main__":
     if gpus >= 2:
         run_on_gpus(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)
     else:
-        compile_only()
+        compile_only(gpus)

@@ -3,8 +3,8 @@ waits for its left neighbour's, with no kernel boundary in between; checked on t
 
     python examples/triton_ring_put.py
 
-On GPUs (one process, every visible GPU) it launches the kernel on each GPU. On a machine without
-GPUs it compiles the kernel and links it with jaxgin's device library for sm_90a, which is as far
+On GPUs (one process, every visible GPU; one GPU is a ring of one, which puts to itself) it
+launches the kernel on each GPU. On a machine without GPUs it compiles the kernel and links it with jaxgin's device library for sm_90a, which is as far
 as it can go there.
 """
 
@@ -71,7 +71,7 @@ if __name__ == "__main__":
         gpus = torch.cuda.device_count()
     except ImportError:
         gpus = 0
-    if gpus >= 2:
+    if gpus >= 1:
         run_on_gpus()
     else:
         compile_only()

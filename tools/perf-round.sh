@@ -10,6 +10,7 @@
 #   bash tools/perf-round.sh one-gpu    # what one GPU can check: fault cleanup test, MoE dispatch's
 #                                       # HBM side (every entry local), matmul chunking
 #   bash tools/perf-round.sh matmul     # the fault cleanup test, Triton matmul variants against cuBLAS
+#   bash tools/perf-round.sh single     # on a machine with one GPU: every GPU test that runs there, the examples
 # Logs and JSON go to $OUT.
 source "$(dirname "$0")/round-common.sh"
 install_jaxgin || exit 1
@@ -47,6 +48,13 @@ case "${1:-tests}" in
   matmul)
     step 200 fault python3 -m pytest -q -rA tests/gpu/test_fault_cleanup_gpu.py
     TAIL=12 step 400 triton_matmul python3 tools/tune_triton_matmul.py --out "$OUT"
+    ;;
+  single)
+    TAIL=30 step 240 ops_runtime python3 -m pytest -q -rA tests/gpu/test_ops_gpu.py tests/gpu/test_runtime_gpu.py \
+      tests/gpu/test_tritongin_gpu.py tests/gpu/test_fault_cleanup_gpu.py
+    TAIL=20 step 250 fused_moe python3 -m pytest -q -rA tests/gpu/test_fused_gpu.py tests/gpu/test_moe_gpu.py
+    step 60 ring_put python3 examples/triton_ring_put.py
+    step 60 lsa_bandwidth python3 examples/triton_lsa_bandwidth.py
     ;;
   fused)
     step 300 fused python3 -m pytest -x -q -rA tests/gpu/test_fused_gpu.py ${2:+-k "$2"}

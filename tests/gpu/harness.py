@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _gpu_count() -> int:
     if shutil.which("nvidia-smi") is None:
@@ -19,7 +21,11 @@ def _gpu_count() -> int:
 
 
 GPUS = _gpu_count()
-WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [2]
+# Worlds of the tests parametrized by one: 2 and every visible GPU; on a machine with one GPU, that
+# one (an axis of size 1: every op's peer is the device itself, through the same kernels).
+WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [GPUS] if GPUS == 1 else [2]
+ANY_GPU = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU, found none")
+TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_processes, run_scenario
 
 SCENARIOS = Path(__file__).with_name("fused_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 def _assert_cases(result):
@@ -39,6 +39,7 @@ def test_fused_ops_single_process(world, command_buffers):
     _assert_cases(result)
 
 
+@TWO_GPUS
 def test_fused_ops_process_per_gpu():
     results = run_processes(SCENARIOS, ["check"], GPUS)
     record(f"fused_check_processes_{GPUS}gpu", results[0])
@@ -47,6 +48,7 @@ def test_fused_ops_process_per_gpu():
         _assert_cases(result)
 
 
+@TWO_GPUS
 @pytest.mark.parametrize("op", ["matmul_all_to_all", "all_gather_matmul"])
 def test_peer_that_never_calls_fails_naming_it(op):
     """Only axis index 0 runs the op (method="chunked"): its bounded wait for the other's chunk

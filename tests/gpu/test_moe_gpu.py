@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_processes, run_scenario
 
 SCENARIOS = Path(__file__).with_name("moe_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 def _assert_cases(result):
@@ -47,6 +47,7 @@ def test_moe_single_process(world, command_buffers):
     _assert_cases(result)
 
 
+@TWO_GPUS
 def test_moe_process_per_gpu():
     results = run_processes(SCENARIOS, ["check"], GPUS)
     record(f"moe_check_processes_{GPUS}gpu", results[0])

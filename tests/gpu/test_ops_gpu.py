@@ -3,18 +3,19 @@ put_signal / wait_signal against jax.lax in the same program (shapes, dtypes, gr
 peers, XLA collectives in the same jit), 1000 back-to-back iterations with and without XLA command
 buffers, replay of CUDA graphs, and starved waits and out-of-range traced indices that must fail with a named
 error instead of hanging. On 2 GPUs and
-on all visible ones, in one process and in one process per GPU."""
+on all visible ones (on a machine with one GPU, on that one), in one process and in one process
+per GPU."""
 
 from pathlib import Path
 
 import pytest
 
-from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_processes, run_scenario
 
 SCENARIOS = Path(__file__).with_name("ops_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 def _check_correctness(result, world):
@@ -48,6 +49,7 @@ def test_1000_iterations(world, command_buffers):
     assert result["mismatches"] == 0
 
 
+@TWO_GPUS
 def test_cuda_graph_replay():
     """XLA records jaxgin's custom calls into command buffers and replays them: the host handler
     runs for a small fraction of the ops executed, and every result still equals jax.lax's."""
@@ -57,12 +59,14 @@ def test_cuda_graph_replay():
     assert result["handler_calls"] < result["ops_executed"] / 4, result
 
 
+@TWO_GPUS
 def test_1000_iterations_process_per_gpu():
     results = run_processes(SCENARIOS, ["iterations"], 2)
     record("ops_iterations_process_per_gpu_2gpu", {"processes": results})
     assert all(r["mismatches"] == 0 and r["iterations"] == 1000 for r in results)
 
 
+@TWO_GPUS
 def test_starved_wait_fails_with_a_named_error():
     result = run_scenario(SCENARIOS, ["timeout"], 2, timeout=180)
     record("ops_timeout", result)
@@ -73,6 +77,7 @@ def test_starved_wait_fails_with_a_named_error():
     assert "jaxgin.wait_signal" in fault and "waited for 2 puts" in fault and "only 1 arrived" in fault, fault
 
 
+@TWO_GPUS
 def test_starved_wait_from_fails_naming_the_sender():
     result = run_scenario(SCENARIOS, ["timeout_from"], 2, timeout=180)
     record("ops_timeout_from", result)
@@ -81,6 +86,7 @@ def test_starved_wait_from_fails_naming_the_sender():
     assert "jaxgin.wait_signal_from" in fault and "peer rank" in fault and "never arrived" in fault, fault
 
 
+@TWO_GPUS
 @pytest.mark.parametrize("scenario, name, index", [("peer_out_of_range", "peer", 5), ("source_out_of_range", "source", -2)])
 def test_traced_index_out_of_range_fails_naming_it(scenario, name, index):
     """An axis index known only at run time and outside [0, 2): the program fails at once (no

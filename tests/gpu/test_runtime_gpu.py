@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import GPUS, WORLD_SIZES, record as _record, run_processes, run_scenario
+from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record as _record, run_processes, run_scenario
 
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 # Memory that a finalize() -> initialize() cycle may fail to give back (allocation rounding).
@@ -15,7 +15,7 @@ CYCLE_TOLERANCE = 4 << 20
 # loaded; measured 192 MiB per H200 with NCCL 2.28.9); it must not grow with further cycles.
 ONE_TIME_BOUND = 256 << 20
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 def _run(args, gpus, timeout=600) -> dict:
@@ -72,6 +72,7 @@ def test_wait_times_out_with_a_clear_error():
     assert 2.0 <= result["seconds"] < 30.0
 
 
+@TWO_GPUS
 def test_force_gin_without_gin_says_why():
     result = _run(["force_gin"], 2, timeout=300)
     _record("force_gin", result)

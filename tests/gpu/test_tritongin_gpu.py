@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import GPUS, WORLD_SIZES, record, run_scenario
+from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_scenario
 
 SCENARIOS = Path(__file__).with_name("tritongin_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 # Raw NCCL device-API ping-pong over NVLink on 2 x H200 (../shared/baselines): 1.71 us one way.
 RAW_PINGPONG_US = 1.71
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -42,6 +42,7 @@ def test_triton_call_equals_lax_ppermute(world, command_buffers):
     assert result["faults"] == []
 
 
+@TWO_GPUS
 def test_put_signal_latency():
     result = run_scenario(SCENARIOS, ["latency"], 2)
     result["raw_nccl_pingpong_us"] = RAW_PINGPONG_US
@@ -50,6 +51,7 @@ def test_put_signal_latency():
         assert result["one_way_us"][nbytes] <= 2 * RAW_PINGPONG_US, result
 
 
+@TWO_GPUS
 def test_peer_ptr_bandwidth():
     result = run_scenario(SCENARIOS, ["bandwidth"], 2)
     record("tritongin_bandwidth_2gpu", result)
