@@ -16,11 +16,7 @@ from jaxgin import nvidia_packages
 
 def packaged_library() -> Path | None:
     """libcupti.so.13 of the nvidia-cuda-cupti package, or None."""
-    for root in nvidia_packages.roots():
-        candidate = root / "cu13" / "lib" / "libcupti.so.13"
-        if candidate.exists():
-            return candidate
-    return None
+    return nvidia_packages.find("cu13/lib/libcupti.so.13")
 
 
 def loaded_library() -> Path | None:

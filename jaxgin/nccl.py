@@ -71,11 +71,7 @@ def loaded_libraries() -> list[Path]:
 
 def packaged_library() -> Path | None:
     """libnccl.so.2 of the nvidia-nccl-cu13 package, which XLA's CUDA plugin loads."""
-    for root in nvidia_packages.roots():
-        candidate = root / "nccl" / "lib" / "libnccl.so.2"
-        if candidate.exists():
-            return candidate
-    return None
+    return nvidia_packages.find("nccl/lib/libnccl.so.2")
 
 
 def packaged_install() -> NcclInstall | None:
