@@ -131,14 +131,7 @@ def fault(argv):
     report["gpu_used_mib_before_initialize"] = used["before"]  # JAX's context alone
     report["gpu_used_mib_after_initialize"] = used["initialized"]
     report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            jaxgin.finalize()
-            report["finalize_error"] = ""
-        except Exception as e:  # reported, asserted empty by the test
-            report["finalize_error"] = f"{type(e).__name__}: {e}"[:400]
-    report["finalize_warnings"] = [str(w.message)[:300] for w in caught]
+    _finalize_into(jaxgin, report)
     report["gpu_used_mib_after_finalize"] = _gpu_used_mib(rank)
     report["primary_context_active_after_finalize"] = _primary_context_active(rank)
     # Every GPU's, the dead peer's included: nothing of it may outlive it on its GPU.
@@ -191,6 +184,16 @@ def starved(argv):
     report["seconds_to_error"] = time.perf_counter() - start
     report["faults"] = jaxgin.device_faults()
     report["gpu_used_mib_before_finalize"] = [_gpu_used_mib(i) for i in range(n)]
+    _finalize_into(jaxgin, report)
+    time.sleep(0.5)  # nvidia-smi's figure lags the release a little
+    report["gpu_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
+    report["primary_context_active_after_finalize"] = [_primary_context_active(i) for i in range(n)]
+    print("RESULT:" + json.dumps(report), flush=True)
+    os._exit(0)  # XLA's clients still point at the reset contexts: skip their teardown
+
+
+def _finalize_into(jaxgin, report: dict) -> None:
+    """jaxgin.finalize() after a fault, its error (empty if none) and its warnings into `report`."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -199,11 +202,6 @@ def starved(argv):
         except Exception as e:  # reported, asserted empty by the test
             report["finalize_error"] = f"{type(e).__name__}: {e}"[:400]
     report["finalize_warnings"] = [str(w.message)[:300] for w in caught]
-    time.sleep(0.5)  # nvidia-smi's figure lags the release a little
-    report["gpu_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
-    report["primary_context_active_after_finalize"] = [_primary_context_active(i) for i in range(n)]
-    print("RESULT:" + json.dumps(report), flush=True)
-    os._exit(0)  # XLA's clients still point at the reset contexts: skip their teardown
 
 
 def _primary_context_active(ordinal: int) -> bool | None:
