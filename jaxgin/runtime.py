@@ -433,12 +433,16 @@ def wait_signal(signal: int, value: int, *, local_index: int = 0) -> None:
 def device_faults() -> list[str]:
     """Device-side faults recorded on this process's GPUs (a timed-out wait, a peer index out of
     range), each naming op, rank, peer and signal. A jaxgin op that faults makes XLA report a CUDA
-    error; this says why. Empty in reference mode or when nothing failed."""
+    error; this says why. After them, a line for each rank whose process the host transport saw
+    end (the rank that died, where the faults above name ranks that were only waiting for it).
+    Empty in reference mode or when nothing failed."""
     state = current()
     if state.runtime is None:
         return []
-    text = state.runtime.device_faults()
-    return [line for line in text.splitlines() if line]
+    faults = [line for line in state.runtime.device_faults().splitlines() if line]
+    # A peer that died shows on the survivors as waits that starve, each naming whom it waited
+    # for; where the host transport saw which process ended, say so after them.
+    return faults + transport_lib.lost_peer_lines() if faults else faults
 
 
 def call_backend(method, *args):

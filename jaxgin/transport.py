@@ -127,6 +127,27 @@ def counters(library: Path | str | None = None) -> dict[str, int]:
     return dict(zip(COUNTERS, (int(v) for v in values)))
 
 
+def lost_peers(library: Path | str | None = None) -> list[int]:
+    """Ranks whose process the host transport saw end without a goodbye (their connection closed),
+    in the order seen; empty when the transport is not in use in this process."""
+    path = library or os.environ.get("NCCL_RMA_PLUGIN")
+    if not path or Path(path).name != LIBRARY_NAME:
+        return []
+    lib = ctypes.CDLL(str(path))
+    capacity = 64
+    ranks = (ctypes.c_int * capacity)()
+    count = lib.jaxgin_transport_lost_peers(ranks, capacity)
+    return [int(r) for r in ranks[: min(count, capacity)]]
+
+
+def lost_peer_lines(library: Path | str | None = None) -> list[str]:
+    """A fault line per rank in lost_peers(): faults of waits that starved name whom they waited
+    for, which may itself only have been waiting; these name the rank that went away."""
+    return [f"the host transport saw rank {rank}'s process end (its connection closed without a goodbye): "
+            f"rank {rank} died or its host became unreachable, and waits for it time out"
+            for rank in lost_peers(library)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxgin.transport",

@@ -234,6 +234,10 @@ def test_a_dead_peer_is_reported_not_waited_for(library, tmp_path):
         assert code == 0, f"rank {rank}: {output}"
         assert "ended without a goodbye" in output  # the plugin's warning names what happened
         assert f"failed with {REMOTE_ERROR}" in output
+        # Said on stderr whatever the log level (before anything else can end the survivor), and
+        # kept for jaxgin.device_faults() to name the rank that died.
+        assert f"rank {rank}: rank 2's process ended" in output, output
+        assert "lost peers: [2]" in output, output
 
 
 # --- choosing the transport (jaxgin.initialize(gin_transport=...)) ------------------------------

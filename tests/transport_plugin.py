@@ -211,6 +211,9 @@ def main(argv: list[str]) -> int:
             return 1
         except TransportError as e:
             print(f"put to the dead rank failed with {e.code} after {time.monotonic() - start:.3f} s", flush=True)
+            from jaxgin import transport
+
+            print(f"lost peers: {transport.lost_peers(library)}", flush=True)
             return 0 if e.code == REMOTE_ERROR else 1
     # scenario "ring": one round, then a clean close
     right = (rank + 1) % nranks

@@ -44,6 +44,26 @@ enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged,
                kCounterCount };
 std::atomic<uint64_t> counters[kCounterCount];
 
+// Ranks whose connection ended without a goodbye (their process exited or their host is gone),
+// for fault reports: read through jaxgin_transport_lost_peers(). A wait that times out on a
+// survivor may name the neighbour it waited for, which was itself only waiting; this names the
+// rank that really went away.
+std::mutex lost_lock;
+std::vector<int> lost_ranks;
+
+void record_lost_peer(int rank, int peer) {
+  {
+    std::lock_guard<std::mutex> g(lost_lock);
+    for (int r : lost_ranks)
+      if (r == peer) return;
+    lost_ranks.push_back(peer);
+  }
+  // On stderr at once, whatever NCCL's log level: JAX's coordination service may end this process
+  // soon after a peer died, before a timed-out wait can be reported.
+  std::fprintf(stderr, "jaxgin transport: rank %d: rank %d's process ended (its connection closed without a goodbye); "
+               "waits for it will time out\n", rank, peer);
+}
+
 struct Plugin {
   uint64_t comm_id;
   rmaLogger_t log;
@@ -382,6 +402,7 @@ void agent_loop(Comm* c) {
           std::lock_guard<std::mutex> g(c->lock);
           c->peer_gone[peer] = true;
         }
+        record_lost_peer(c->rank, peer);
         fail(c, "the connection from rank " + std::to_string(peer) +
                     " ended without a goodbye: that process exited or its host is unreachable");
       }
@@ -1030,6 +1051,15 @@ const rmaPlugin_v14_t ncclRmaPlugin_v14 = {
 __attribute__((visibility("default"))) int jaxgin_transport_counters(uint64_t* out, int n) {
   for (int i = 0; i < n && i < kCounterCount; i++) out[i] = counters[i].load();
   return kCounterCount;
+}
+
+// The ranks whose process the transport saw end, in the order seen; returns how many (it may
+// exceed `capacity`, which bounds what is written).
+__attribute__((visibility("default"))) int jaxgin_transport_lost_peers(int* out, int capacity) {
+  std::lock_guard<std::mutex> g(jaxgin::transport::lost_lock);
+  const auto& lost = jaxgin::transport::lost_ranks;
+  for (int i = 0; i < capacity && i < static_cast<int>(lost.size()); i++) out[i] = lost[i];
+  return static_cast<int>(lost.size());
 }
 
 }  // extern "C"

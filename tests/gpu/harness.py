@@ -1,6 +1,14 @@
 """What the GPU tests share: how many GPUs there are, how a scenario runs in a fresh process (a
 device fault leaves a CUDA context unusable, and several processes need their own JAX runtime),
-and where results are recorded (JAXGIN_RESULTS_DIR, for closing notes and benchmarks)."""
+and where results are recorded (JAXGIN_RESULTS_DIR, for closing notes and benchmarks).
+
+Two kinds of multi-process job: one process per GPU (peers on one host, LSA), and **emulated
+hosts**: `world` processes spread over the GPUs present (on a machine with one GPU all on GPU 0),
+each claiming a host of its own (NCCL_HOSTID, JAXGIN_TRANSPORT_HOST_ID), so that NCCL makes every
+peer a GIN peer and jaxgin's host transport carries every byte. That is how the multi-rank code
+paths run on a machine with one GPU; it needs NCCL >= 2.30 (RMA plugins). Times measured in such a
+job are not performance: the processes time-slice the GPUs.
+"""
 
 import json
 import os
@@ -8,9 +16,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+import job
 
 
 def _gpu_count() -> int:
@@ -26,6 +37,44 @@ GPUS = _gpu_count()
 WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [GPUS] if GPUS == 1 else [2]
 ANY_GPU = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU, found none")
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")
+# Worlds of the emulated-hosts tests, whatever the number of GPUs.
+EMULATED_WORLDS = [2, 4, 8]
+# The JAXGIN_TEST_HEAP of an emulated rank: eight of them share one GPU with their JAX runtimes.
+EMULATED_HEAP = "1GiB"
+
+
+def require_emulated_hosts() -> None:
+    """Skips the calling test unless the NCCL here loads RMA plugins (emulated hosts need jaxgin's
+    host transport), saying what to install."""
+    from jaxgin import nccl, transport
+
+    install = nccl.load()
+    if install.version < transport.MIN_NCCL:
+        pytest.skip(f"emulated hosts need NCCL >= 2.30 (RMA plugins, for jaxgin's host transport); found "
+                    f"{install.version_string}: pip install \"nvidia-nccl-cu13>=2.30\"")
+
+
+def emulated_env(rank: int, world: int, ranks_per_host: int = 1) -> dict:
+    """The environment of rank `rank` of an emulated-hosts job: a host id of its own (shared by
+    `ranks_per_host` consecutive ranks, which then reach each other over NVLink when they sit on
+    different GPUs), one GPU (ranks spread round-robin over the GPUs present), jaxgin forced onto
+    GIN through the host transport, and no XLA memory pool taken up front (ranks share GPUs)."""
+    gpu = rank % max(GPUS, 1)
+    host = f"emuhost{rank // ranks_per_host}"
+    return {
+        "CUDA_VISIBLE_DEVICES": str(gpu),
+        "JAXGIN_TEST_LOCAL_DEVICE": "0",
+        "JAXGIN_TEST_PHYSICAL_GPU": str(gpu),
+        "JAXGIN_TEST_EMULATED_HOSTS": "1",
+        "NCCL_HOSTID": host,
+        "JAXGIN_TRANSPORT_HOST_ID": host,
+        "NCCL_SOCKET_IFNAME": "lo",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "JAXGIN_FORCE_GIN": "1",
+        "JAXGIN_GIN_TRANSPORT": "host",
+        "JAXGIN_TRANSPORT_QUIET": "1",
+        "JAXGIN_TEST_HEAP": os.environ.get("JAXGIN_TEST_HEAP", EMULATED_HEAP),
+    }
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:
@@ -57,31 +106,41 @@ def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags:
     return result(proc.stdout)
 
 
-def start_processes(script: Path, args, world: int, timeout: float = 600, env: dict | None = None):
-    """The scenario in `world` processes of one GPU each (jax.distributed on localhost), each
-    given `RANK WORLD ADDR` after `args`. Returns [(returncode, stdout, stderr)] per rank."""
+def start_processes(script: Path, args, world: int, timeout: float = 600, env: dict | None = None,
+                    emulated: bool = False, xla_flags: str | None = None):
+    """The scenario in `world` processes (jax.distributed on localhost), each given `RANK WORLD
+    ADDR` after `args`: one GPU each, or with `emulated`, each its own host (emulated_env).
+    Returns [(returncode, stdout, stderr)] per rank; a rank still running at `timeout` is killed
+    (returncode -9) and the others are still collected."""
     port = free_port()
-    env = {**scenario_env(world), **(env or {})}
-    procs = [
-        subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
+    base = scenario_env(min(world, max(GPUS, 1)) if emulated else world, xla_flags)
+    procs = []
+    for r in range(world):
+        rank_env = {**base, **(emulated_env(r, world) if emulated else {}), **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
+                                      env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
+            try:
+                outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                outputs.append((out, err + f"\n[harness: killed after {timeout:.0f} s]"))
     finally:
         for p in procs:
             p.kill()
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 
 
-def run_processes(script: Path, args, world: int, timeout: float = 600) -> list[dict]:
+def run_processes(script: Path, args, world: int, timeout: float = 600, emulated: bool = False,
+                  xla_flags: str | None = None, env: dict | None = None) -> list[dict]:
     """start_processes, every process expected to succeed; their RESULT lines."""
-    finished = start_processes(script, args, world, timeout)
+    finished = start_processes(script, args, world, timeout, env=env, emulated=emulated, xla_flags=xla_flags)
     for rank, (code, out, err) in enumerate(finished):
-        assert code == 0, f"process {rank} failed ({code}):\n{out[-4000:]}\n{err[-8000:]}"
+        assert code == 0, f"process {rank} of {world} failed ({code}):\n{out[-4000:]}\n{err[-8000:]}"
     return [result(out) for _, out, _ in finished]
 
 
@@ -95,17 +154,26 @@ def run_mesh_check(check, axis_name: str) -> None:
     """A scenario script's entry point. argv `check` runs one process over every visible GPU;
     `check RANK WORLD COORDINATOR` is one process of a process-per-GPU job (run_processes). Calls
     check(mesh) on a 1-D mesh of all devices named `axis_name`, between jaxgin.initialize and
-    finalize, and prints RESULT: {json} for result()."""
+    finalize, and prints RESULT: {json} for result(). With JAXGIN_TEST_REPORT_ERROR=1 an exception
+    from check is reported instead ({"error", "faults"}), for tests of refusals and faults."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     import jaxgin
 
-    if len(sys.argv) > 3:
-        rank, world, coordinator = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-        jax.distributed.initialize(coordinator, num_processes=world, process_id=rank, local_device_ids=[rank])
-    jaxgin.initialize()
+    job.join(sys.argv[2:])
+    heap = os.environ.get("JAXGIN_TEST_HEAP")
+    jaxgin.initialize(**({"heap_size": heap} if heap else {}))
+    if os.environ.get("JAXGIN_TEST_REPORT_ERROR") == "1":
+        # The test expects the check to fail (a refusal, or a device fault): report how.
+        try:
+            report = {"error": "", "result": check(Mesh(np.array(jax.devices()), (axis_name,)))}
+        except Exception as e:
+            report = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        report["faults"] = jaxgin.device_faults()
+        print("RESULT:" + json.dumps(report), flush=True)
+        os._exit(0)  # after a device fault the CUDA context is unusable: skip teardown
     report = check(Mesh(np.array(jax.devices()), (axis_name,)))
     jaxgin.finalize()
     print("RESULT:" + json.dumps(report))

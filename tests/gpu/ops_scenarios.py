@@ -12,15 +12,15 @@ import os
 import sys
 import time
 
+import job
+
 
 def _setup(argv, before_initialize=None):
     """jax (one process per GPU when argv is `RANK WORLD ADDR`) and an initialized jaxgin;
     `before_initialize()` runs once JAX holds its GPUs and jaxgin does not yet."""
     import jax
 
-    if argv:
-        rank, count, address = int(argv[0]), int(argv[1]), argv[2]
-        jax.distributed.initialize(address, num_processes=count, process_id=rank, local_device_ids=[rank])
+    job.join(argv)
     import jaxgin
 
     if before_initialize is not None:

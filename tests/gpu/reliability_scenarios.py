@@ -1,9 +1,9 @@
 """GPU scenarios for issue 7 (reliability), each run in a fresh process by test_reliability_gpu.py.
 
-    python tests/gpu/reliability_scenarios.py stress OPS            # one process, all visible GPUs
-    python tests/gpu/reliability_scenarios.py fault RANK N ADDR     # one of N processes, one GPU each
-    python tests/gpu/reliability_scenarios.py memory_model          # one process, all visible GPUs
-    python tests/gpu/reliability_scenarios.py starved               # one process, all visible GPUs
+    python tests/gpu/reliability_scenarios.py stress OPS [RANK N ADDR]     # one process, all visible GPUs,
+    python tests/gpu/reliability_scenarios.py memory_model [RANK N ADDR]   #   or one of N processes
+    python tests/gpu/reliability_scenarios.py starved [RANK N ADDR]
+    python tests/gpu/reliability_scenarios.py fault KIND RANK N ADDR       # one of N processes
 
 Each prints one JSON line prefixed with RESULT:.
 """
@@ -15,12 +15,13 @@ import sys
 import time
 import warnings
 
+import job
 import ops_scenarios
 
 
 def stress(argv):
     """jaxgin.stress: random ops, sizes 0 B - 64 MiB, against jax.lax; memory before and after."""
-    jax, jaxgin = ops_scenarios._setup([])
+    jax, jaxgin = ops_scenarios._setup(argv[1:])
     import numpy as np
     from jax.sharding import Mesh
 
@@ -33,7 +34,7 @@ def stress(argv):
     print("RESULT:" + json.dumps(result), flush=True)
 
 
-MEMORY_MODEL_ITERATIONS = 3000
+MEMORY_MODEL_ITERATIONS = int(os.environ.get("JAXGIN_MEMORY_MODEL_ITERATIONS", "3000"))
 
 
 def memory_model(argv):
@@ -99,8 +100,9 @@ def fault(argv):
     (FAULT_MESSAGES), then rank, world and coordinator address."""
     message, argv = argv[0], argv[1:]
     used = {}
-    jax, jaxgin = ops_scenarios._setup(argv, lambda: used.update(before=_gpu_used_mib(int(argv[0]))))
-    used["initialized"] = _gpu_used_mib(int(argv[0]))
+    gpu = job.physical_gpu(int(argv[0]))
+    jax, jaxgin = ops_scenarios._setup(argv, lambda: used.update(before=_gpu_used_mib(gpu)))
+    used["initialized"] = _gpu_used_mib(gpu)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
@@ -130,10 +132,10 @@ def fault(argv):
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
     report["gpu_used_mib_before_initialize"] = used["before"]  # JAX's context alone
     report["gpu_used_mib_after_initialize"] = used["initialized"]
-    report["gpu_used_mib_before_finalize"] = _gpu_used_mib(rank)
+    report["gpu_used_mib_before_finalize"] = _gpu_used_mib(gpu)
     _finalize_into(jaxgin, report)
-    report["gpu_used_mib_after_finalize"] = _gpu_used_mib(rank)
-    report["primary_context_active_after_finalize"] = _primary_context_active(rank)
+    report["gpu_used_mib_after_finalize"] = _gpu_used_mib(gpu)
+    report["primary_context_active_after_finalize"] = _primary_context_active(job.local_device(rank))
     # Every GPU's, the dead peer's included: nothing of it may outlive it on its GPU.
     report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
     print("RESULT:" + json.dumps(report), flush=True)
@@ -151,13 +153,17 @@ def starved(argv):
     def before_initialize():
         import jax
 
-        used["before"] = [_gpu_used_mib(i) for i in range(len(jax.devices()))]
+        used["before"] = [_gpu_used_mib(i) for i in gpus(jax)]
 
-    jax, jaxgin = ops_scenarios._setup([], before_initialize)
+    def gpus(jax):  # the nvidia-smi index of each GPU this process drives
+        return [job.physical_gpu(int(argv[0]))] if argv else list(range(len(jax.local_devices())))
+
+    jax, jaxgin = ops_scenarios._setup(argv, before_initialize)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     n = len(jax.devices())
+    local = gpus(jax)
     mesh = ops_scenarios._mesh(jax)
     box = jaxgin.Mailbox("starved_everywhere", (8,), jnp.float32)
 
@@ -174,7 +180,7 @@ def starved(argv):
     info = jaxgin.info()
     report = {"devices": n, "heap_mib": info["heap_bytes"] >> 20, "timeout_s": info["timeout_s"],
               "fault_cleanup": info["fault_cleanup"], "gpu_used_mib_before_initialize": used["before"],
-              "gpu_used_mib_after_initialize": [_gpu_used_mib(i) for i in range(n)]}
+              "gpu_used_mib_after_initialize": [_gpu_used_mib(i) for i in local]}
     start = time.perf_counter()
     try:
         jax.block_until_ready(f(x))
@@ -183,11 +189,11 @@ def starved(argv):
         report["error"] = f"{type(e).__name__}: {e}"[:400]
     report["seconds_to_error"] = time.perf_counter() - start
     report["faults"] = jaxgin.device_faults()
-    report["gpu_used_mib_before_finalize"] = [_gpu_used_mib(i) for i in range(n)]
+    report["gpu_used_mib_before_finalize"] = [_gpu_used_mib(i) for i in local]
     _finalize_into(jaxgin, report)
     time.sleep(0.5)  # nvidia-smi's figure lags the release a little
-    report["gpu_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
-    report["primary_context_active_after_finalize"] = [_primary_context_active(i) for i in range(n)]
+    report["gpu_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in local]
+    report["primary_context_active_after_finalize"] = [_primary_context_active(i) for i in range(len(local))]
     print("RESULT:" + json.dumps(report), flush=True)
     os._exit(0)  # XLA's clients still point at the reset contexts: skip their teardown
 

@@ -13,6 +13,8 @@ import json
 import sys
 import time
 
+import job
+
 
 def _free_bytes(backend, devices):
     return [backend.device_memory(d.local_hardware_id)[0] for d in devices]
@@ -34,9 +36,7 @@ def _xla_all_reduce(jax):
 def lifecycle(argv):
     import jax
 
-    if argv:
-        rank, count, address = int(argv[0]), int(argv[1]), argv[2]
-        jax.distributed.initialize(address, num_processes=count, process_id=rank, local_device_ids=[rank])
+    job.join(argv)
     import jaxgin
     from jaxgin import build, nccl, runtime
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+                     run_processes, run_scenario)
 
 SCENARIOS = Path(__file__).with_name("fused_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -59,3 +60,14 @@ def test_peer_that_never_calls_fails_naming_it(op):
     assert 2.0 <= result["seconds"] < 60.0, result
     fault = result["faults"][0]
     assert f"jaxgin.fused.{op}" in fault and "peer rank 1" in fault and "never handed over its chunk" in fault, fault
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_fused_ops_refuse_gin_peers_emulated_hosts(world):
+    """Until the fused kernels get their GIN data path, a mesh whose peers are on other hosts is
+    refused up front with an error that names the GIN peer (never a hang or wrong values)."""
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["check"], world, emulated=True, env={"JAXGIN_TEST_REPORT_ERROR": "1"})
+    record(f"emulated_fused_check_{world}ranks", {"processes": results})
+    for result in results:
+        assert "NVLink (LSA) peer" in result["error"] and "reached through GIN" in result["error"], result

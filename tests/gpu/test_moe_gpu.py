@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+                     run_processes, run_scenario)
 
 SCENARIOS = Path(__file__).with_name("moe_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -54,3 +55,15 @@ def test_moe_process_per_gpu():
     for result in results:
         assert result["processes"] == GPUS
         _assert_cases(result)
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_moe_faults_on_gin_peers_emulated_hosts(world):
+    """Until the MoE kernels get their GIN data path, dispatch to a peer on another host fails at
+    once with a fault line that names the peer and the way to reach it (never a hang or wrong values)."""
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["check"], world, emulated=True, env={"JAXGIN_TEST_REPORT_ERROR": "1"})
+    record(f"emulated_moe_check_{world}ranks", {"processes": results})
+    for result in results:
+        assert result["error"], result
+        assert any("not in this rank's LSA (NVLink) team" in f for f in result["faults"]), result

@@ -2,17 +2,20 @@
 put_signal / wait_signal against jax.lax in the same program (shapes, dtypes, gradients, traced
 peers, XLA collectives in the same jit), 1000 back-to-back iterations with and without XLA command
 buffers, replay of CUDA graphs, and starved waits and out-of-range traced indices that must fail with a named
-error instead of hanging. On 2 GPUs and
-on all visible ones (on a machine with one GPU, on that one), in one process and in one process
-per GPU."""
+error instead of hanging. On 2 GPUs and on all visible ones (on a machine with one GPU, on that
+one), in one process and in one process per GPU; and in emulated-hosts jobs of 2, 4 and 8 ranks
+(every peer through GIN over jaxgin's host transport, on however many GPUs there are)."""
 
 from pathlib import Path
 
 import pytest
 
-from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+                     run_processes, run_scenario)
 
 SCENARIOS = Path(__file__).with_name("ops_scenarios.py")
+# ops_scenarios.py's scenarios, reporting also what jaxgin.info() and the host transport saw.
+OVER_TRANSPORT = Path(__file__).with_name("transport_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 pytestmark = [pytest.mark.gpu, ANY_GPU]
@@ -96,3 +99,59 @@ def test_traced_index_out_of_range_fails_naming_it(scenario, name, index):
     assert result["error"] and result["seconds"] < 2.0, result
     fault = result["faults"][0]
     assert f"{name} index {index} is out of range" in fault and "must be in [0, 2)" in fault, fault
+
+
+def _went_through_gin(result):
+    """The rank ran with every peer a GIN peer, and the host transport carried the bytes (staged:
+    each rank is a host of its own, so nothing is mapped)."""
+    info = result["transport_info"]
+    assert info["gin_type"] == "proxy" and info["gin_transport"] == "host" and info["lsa_team_size"] == 1, info
+    counters = result["transport"]
+    assert counters["bytes_staged"] > 0 and counters["bytes_mapped"] == 0 and counters["signals_applied"] > 0, counters
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_ops_equal_lax_emulated_hosts(world):
+    require_emulated_hosts()
+    results = run_processes(OVER_TRANSPORT, ["correctness"], world, emulated=True)
+    record(f"emulated_ops_correctness_{world}ranks", {"processes": results})
+    for result in results:
+        assert result["processes"] == world
+        _check_correctness(result, world)
+        _went_through_gin(result)
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_1000_iterations_emulated_hosts(world, command_buffers):
+    require_emulated_hosts()
+    results = run_processes(OVER_TRANSPORT, ["iterations"], world, emulated=True,
+                            xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"emulated_ops_iterations_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
+    for result in results:
+        assert result["iterations"] == 1000 and result["mismatches"] == 0, result
+        _went_through_gin(result)
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+@pytest.mark.parametrize("scenario, expected", [
+    ("timeout", ("jaxgin.wait_signal", "waited for 2 puts", "only 1 arrived")),
+    ("timeout_from", ("jaxgin.wait_signal_from", "peer rank", "never arrived")),
+    ("peer_out_of_range", ("peer index {bad} is out of range", "must be in [0, {world})")),
+    ("source_out_of_range", ("source index -2 is out of range", "must be in [0, {world})")),
+])
+def test_faults_name_their_cause_emulated_hosts(world, scenario, expected):
+    """Starved waits over GIN fail after the timeout, and traced indices outside the axis at once,
+    on every rank, each with a fault line naming the op, the peer or index and the counts."""
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, [scenario], world, emulated=True, timeout=300)
+    record(f"emulated_ops_{scenario}_{world}ranks", {"processes": results})
+    for result in results:
+        assert result["error"] and result["faults"], result
+        fault = result["faults"][0]
+        for text in expected:
+            assert text.format(world=world, bad=world + 3) in fault, fault
+        if scenario.endswith("out_of_range"):
+            assert result["seconds"] < 2.0, result
+        else:
+            assert 2.0 <= result["seconds"] < 60.0, result

@@ -1,21 +1,25 @@
 """Issue 7 on NVIDIA GPUs: randomized stress against jax.lax with and without XLA command buffers
 (no mismatch, no growth in device memory), payloads checked element by element right after their
 wait (a missing fence would show), and a peer process that dies mid-loop (the others fail with
-jaxgin's named timeout instead of hanging, and finalize() gives their GPU memory back)."""
+jaxgin's named timeout instead of hanging, and finalize() gives their GPU memory back). The same
+in emulated-hosts jobs of 2, 4 and 8 ranks, every peer through GIN over jaxgin's host transport:
+there a survivor also says which rank's process ended."""
 
 import os
 from pathlib import Path
 
 import pytest
-from harness import GPUS, record, result, run_scenario, start_processes
+from harness import (ANY_GPU, EMULATED_WORLDS, GPUS, TWO_GPUS, record, require_emulated_hosts, result, run_processes,
+                     run_scenario, start_processes)
 
 SCENARIOS = Path(__file__).with_name("reliability_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 STRESS_OPS = int(os.environ.get("JAXGIN_STRESS_OPS", "10000"))
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")]
+pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
+@TWO_GPUS
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
 def test_stress_equals_lax_without_memory_growth(command_buffers):
     out = run_scenario(SCENARIOS, ["stress", str(STRESS_OPS)], GPUS, xla_flags=COMMAND_BUFFERS if command_buffers else None)
@@ -37,6 +41,7 @@ def test_stress_equals_lax_without_memory_growth(command_buffers):
 JAX_LEFTOVER_MIB = 64
 
 
+@TWO_GPUS
 @pytest.mark.parametrize(("message", "record_nccl_memory"), [("lines", True), ("ring", True), ("lines", False)],
                          ids=["lines", "ring", "lines-heaps-only"])
 def test_dead_peer_fails_survivors_within_the_timeout(message, record_nccl_memory):
@@ -80,6 +85,7 @@ def test_dead_peer_fails_survivors_within_the_timeout(message, record_nccl_memor
             assert s["all_gpus_used_mib_after_finalize"][-1] < s["heap_mib"], s
 
 
+@TWO_GPUS
 def test_payloads_are_complete_when_the_wait_returns():
     out = run_scenario(SCENARIOS, ["memory_model"], 2, timeout=300)
     record("memory_model_2gpu", out)
@@ -87,3 +93,79 @@ def test_payloads_are_complete_when_the_wait_returns():
     for path, r in out["paths"].items():
         assert r["elements_checked"] >= 3000 * 2048 * 2, (path, r)
         assert r["mismatched_elements"] == 0, (path, r)
+
+
+EMULATED_STRESS_OPS = int(os.environ.get("JAXGIN_EMULATED_STRESS_OPS", "300"))
+EMULATED_MEMORY_MODEL_ITERATIONS = 300
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_stress_equals_lax_emulated_hosts(world):
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["stress", str(EMULATED_STRESS_OPS)], world, emulated=True)
+    record(f"emulated_stress_{world}ranks", {"processes": results})
+    for out in results:
+        assert out["ops"] == EMULATED_STRESS_OPS and out["mismatches"] == 0, out
+        assert min(out["by_op"].values()) > 0, out["by_op"]
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_payloads_are_complete_when_the_wait_returns_emulated_hosts(world):
+    require_emulated_hosts()
+    env = {"JAXGIN_MEMORY_MODEL_ITERATIONS": str(EMULATED_MEMORY_MODEL_ITERATIONS)}
+    results = run_processes(SCENARIOS, ["memory_model"], world, emulated=True, env=env)
+    record(f"emulated_memory_model_{world}ranks", {"processes": results})
+    for out in results:
+        assert set(out["paths"]) == {"lines", "slots", "ppermute_lines", "ppermute"}, out
+        for path, r in out["paths"].items():
+            assert r["elements_checked"] >= EMULATED_MEMORY_MODEL_ITERATIONS * 2048 * 2, (path, r)
+            assert r["mismatched_elements"] == 0, (path, r)
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world):
+    """The last rank dies mid-loop. Every survivor reports which rank's process ended: in its fault
+    lines, or at the latest on stderr (the transport's line, printed as soon as the connection
+    closed) if JAX's coordination service ends it first. Survivors that report fail within the
+    timeout with a named fault and finalize cleanly. (GPU memory is not compared: ranks share GPUs.)"""
+    require_emulated_hosts()
+    env = {"JAXGIN_TIMEOUT": "10", "JAXGIN_RECORD_NCCL_MEMORY": "1"}
+    finished = start_processes(SCENARIOS, ["fault", "lines"], world, timeout=300, env=env, emulated=True)
+    victim = world - 1
+    code, _, err = finished[victim]
+    assert code == 17, err[-3000:]  # the victim died as planned
+    gone = f"rank {victim}'s process ended"
+    reports = []
+    for rank, (code, out, err) in enumerate(finished[:victim]):
+        report = result(out) if code == 0 and "RESULT:" in out else {"rank": rank, "exit_code": code}
+        report["stderr_names_the_dead_rank"] = gone in err
+        reports.append(report)
+    record(f"emulated_fault_dead_peer_{world}ranks", {"survivors": reports})
+    for report in reports:
+        if "faults" in report:
+            assert report["error"] and any("timed out" in f for f in report["faults"]), report
+            assert any(gone in f for f in report["faults"]), report["faults"]
+            assert report["seconds_to_error"] < report["timeout_s"] + 30, report
+            assert report["finalize_error"] == "", report
+        else:
+            assert report["stderr_names_the_dead_rank"], report
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_starved_wait_then_finalize_emulated_hosts(world):
+    """Every rank starves in a wait for itself, then finalize(): named faults, a clean finalize
+    that says the GPU was reset, and no context left. (Memory per GPU is the fault cleanup test's;
+    here the ranks share GPUs.)"""
+    require_emulated_hosts()
+    env = {"JAXGIN_TIMEOUT": "2", "JAXGIN_RECORD_NCCL_MEMORY": "1"}
+    results = run_processes(SCENARIOS, ["starved"], world, timeout=300, env=env, emulated=True)
+    record(f"emulated_fault_starved_{world}ranks", {"processes": results})
+    for r in results:
+        assert r["devices"] == world and r["error"], r
+        assert len(r["faults"]) == 1, r["faults"]
+        assert "timed out" in r["faults"][0] and "jaxgin.wait_signal_from" in r["faults"][0], r["faults"]
+        assert r["seconds_to_error"] < r["timeout_s"] + 30, r
+        assert r["finalize_error"] == "", r
+        assert any("was reset to release its memory" in w for w in r["finalize_warnings"]), r
+        assert r["fault_cleanup"] == "all of NCCL's GPU memory", r
+        assert r["primary_context_active_after_finalize"] == [False], r

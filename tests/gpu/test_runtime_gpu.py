@@ -1,12 +1,14 @@
 """Runtime tests on NVIDIA GPUs (skipped where there are none): bring-up, LSA exchange between all
 ranks through the device library, finalize() releasing GPU memory, re-initialization, bounded
-waits, and the forced-GIN switch; in one process and in one process per GPU."""
+waits, and the forced-GIN switch; in one process, in one process per GPU, and in emulated-hosts
+jobs of 2, 4 and 8 ranks (every peer through GIN over jaxgin's host transport)."""
 
 from pathlib import Path
 
 import pytest
 
-from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record as _record, run_processes, run_scenario
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record as _record, require_emulated_hosts,
+                     run_processes, run_scenario)
 
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 # Memory that a finalize() -> initialize() cycle may fail to give back (allocation rounding).
@@ -61,6 +63,29 @@ def test_lifecycle_one_process_per_gpu(world):
         assert result["processes"] == world
         _check_lifecycle(result, world)
         assert [d["rank"] for d in result["cycles"][0]["info"]["local_devices"]] == [rank]
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_lifecycle_emulated_hosts(world):
+    """initialize -> selftest -> finalize -> initialize over GIN, with XLA's own collective beside.
+    (Memory is not compared here: the ranks share the GPUs, so one rank's readings include the
+    others'; the one-GPU and process-per-GPU tests above hold the memory bounds.)"""
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["lifecycle"], world, emulated=True)
+    _record(f"emulated_lifecycle_{world}ranks", {"processes": results})
+    for rank, result in enumerate(results):
+        assert result["processes"] == world and result["devices"] == world
+        assert len(result["cycles"]) == 2
+        for cycle in result["cycles"]:
+            info = cycle["info"]
+            assert info["world_size"] == world and info["lsa_team_size"] == 1, info
+            assert info["gin_type"] == "proxy" and info["gin_transport"] == "host", info
+            assert [d["rank"] for d in info["local_devices"]] == [rank]
+            assert len(cycle["nccl_libraries"]) == 1, cycle["nccl_libraries"]
+            assert cycle["xla_all_reduce"] == world * (world - 1) / 2
+            for name in ("selftest_4KiB", "selftest_1MiB"):
+                assert cycle[name]["path"] == "gin", cycle[name]
+                assert cycle[name]["ok"], f"{name}: wrong words per (receiver, sender): {cycle[name]['mismatches']}"
 
 
 def test_wait_times_out_with_a_clear_error():

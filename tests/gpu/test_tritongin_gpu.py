@@ -2,13 +2,17 @@
 from standalone Triton launches, checked word by word for 1000 iterations; the same kind of
 kernel through jaxgin.triton_call under jax.jit equal to jax.lax.ppermute, with and without XLA
 command buffers; one-way put_signal latency and peer_ptr bandwidth (recorded, asserted against
-the issue's targets)."""
+the issue's targets). In emulated-hosts jobs of 2, 4 and 8 ranks the exchanges and triton_call
+run with every peer through GIN, and 30 back-to-back launches that import Triton before
+jaxgin.initialize() must all come up."""
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness import ANY_GPU, TWO_GPUS, GPUS, WORLD_SIZES, record, run_scenario
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+                     run_processes, run_scenario, start_processes)
 
 SCENARIOS = Path(__file__).with_name("tritongin_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -59,3 +63,51 @@ def test_peer_ptr_bandwidth():
     record("tritongin_bandwidth_2gpu", result)
     assert result["copy_correct"]
     assert result["ratio_to_plain_copy"] >= 0.9, result
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_standalone_exchanges_emulated_hosts(world):
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["standalone", "200"], world, emulated=True)
+    record(f"emulated_tritongin_standalone_{world}ranks", {"processes": results})
+    for result in results:
+        assert result["world"] == world and result["barrier_kernel"] == "put_signal", result
+        for case in ("ring", "all_pairs", "barrier"):
+            assert result[case]["words_checked"] > 0 and result[case]["mismatched_words"] == 0, (case, result)
+        assert result["dlpack_view_matches"] and result["faults"] == [], result
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_triton_call_equals_lax_ppermute_emulated_hosts(world, command_buffers):
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["triton_call", "200"], world, emulated=True,
+                            xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"emulated_tritongin_triton_call_{'graphs' if command_buffers else 'plain'}_{world}ranks",
+           {"processes": results})
+    for result in results:
+        assert result["devices"] == world and result["iterations"] == 200, result
+        assert result["mismatches"] == 0 and result["last_equals_numpy_roll"], result
+        assert result["faults"] == [], result
+
+
+LAUNCHES = 30
+LAUNCHES_AT_ONCE = 5  # jobs side by side on the GPU(s), to keep the test within minutes
+
+
+def test_launches_importing_triton_first_all_come_up():
+    """A world-2 emulated job whose ranks import Triton and tritongin before jaxgin.initialize(),
+    launched 30 times back to back: every rank of every launch comes up, passes the selftest over
+    GIN and finalizes (once one rank in five launches died with SIGSEGV in initialize())."""
+    require_emulated_hosts()
+
+    def launch(_):
+        return start_processes(SCENARIOS, ["bringup"], 2, timeout=300, emulated=True)
+
+    with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
+        launches = list(pool.map(launch, range(LAUNCHES)))
+    crashes = [{"launch": i, "rank": rank, "code": code, "stderr": err[-3000:]}
+               for i, finished in enumerate(launches) for rank, (code, out, err) in enumerate(finished)
+               if code != 0 or '"selftest_ok": true' not in out]
+    record("emulated_tritongin_launches", {"launches": LAUNCHES, "failed": crashes})
+    assert crashes == [], crashes

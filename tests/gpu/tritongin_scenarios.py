@@ -1,6 +1,8 @@
 """GPU scenarios for tritongin, each run in a fresh process by tests/gpu/test_tritongin_gpu.py.
 
-    python tests/gpu/tritongin_scenarios.py NAME     # one process, all visible GPUs
+    python tests/gpu/tritongin_scenarios.py NAME [ITERATIONS]                  # one process, all visible GPUs
+    python tests/gpu/tritongin_scenarios.py NAME ITERATIONS RANK N ADDR        # one of N processes (standalone,
+                                                                               # triton_call, bringup)
 
 Standalone launches go through Triton's own launcher (PyTorch streams, one launch per GPU; the
 launches are asynchronous, so kernels that wait for each other run together). Every payload is a
@@ -16,6 +18,7 @@ import time
 import triton
 import triton.language as tl
 
+import job
 import tritongin.language as tgl
 
 
@@ -93,6 +96,35 @@ def barrier_kernel(ctx, slots, errors, words, iteration, BLOCK: tl.constexpr):
     tgl.barrier(ctx)  # slots are rewritten only after everyone checked them
 
 
+@triton.jit(do_not_specialize=["iteration"])
+def barrier_put_kernel(ctx, send, slots, errors, sig, words, iteration, BLOCK: tl.constexpr):
+    """barrier_kernel for peers that are not all LSA peers: each program puts its share of a stamped
+    tile into every peer's slot with put_signal (signal `sig` + program id), waits for its shares
+    from every peer, crosses the barrier, and checks them."""
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    pid = tl.program_id(0)
+    share = tl.cdiv(words, tl.num_programs(0))
+    lo = pid * share
+    hi = tl.minimum(lo + share, words)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(send + offs, _stamp(me, iteration, offs), mask=offs < hi)
+    for step in range(1, n):
+        peer = (me + step) % n
+        tgl.put_signal(ctx, slots + me * words + lo, send + lo, (hi - lo) * 4, peer, sig + pid)
+    tgl.wait_arrivals(ctx, sig + pid, n - 1)
+    tgl.barrier(ctx)
+    for step in range(1, n):
+        sender = (me + n - step) % n
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hi
+            got = tl.load(slots + sender * words + offs, mask=mask, other=0)
+            tl.atomic_add(errors, tl.sum(((got != _stamp(sender, iteration, offs)) & mask).to(tl.int32)))
+    tgl.barrier(ctx)  # slots are rewritten only after everyone checked them
+
+
 @triton.jit(do_not_specialize=["rounds"])
 def pingpong_kernel(ctx, buf, sig, nbytes, rounds):
     """Ranks 0 and 1 bounce `nbytes` back and forth `rounds` times through put_signal."""
@@ -115,16 +147,25 @@ def push_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr):
     tl.store(tgl.peer_ptr(ctx, dst, peer) + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def _setup():
+def _setup(argv=()):
+    """jax (one of N processes when argv is `RANK N ADDR`), torch and an initialized jaxgin; the
+    number of GPUs this process drives."""
     import jax
     import torch
 
+    job.join(argv)
     import jaxgin
     import tritongin
 
     jaxgin.initialize(heap_size=os.environ.get("JAXGIN_TEST_HEAP", "3GiB"))
     devices = len(jax.local_devices())
     return jax, torch, jaxgin, tritongin, devices
+
+
+def _ranks(jax):
+    """(world size, jaxgin rank of each local GPU): ranks follow JAX's global device order."""
+    order = {d.id: i for i, d in enumerate(jax.devices())}
+    return jax.device_count(), [order[d.id] for d in jax.local_devices()]
 
 
 def _launch_all(torch, tritongin, devices, launch):
@@ -139,21 +180,30 @@ def _sync(torch, devices):
         torch.cuda.synchronize(d)
 
 
-def standalone(iterations: int):
-    jax, torch, jaxgin, tritongin, devices = _setup()
-    out = {"devices": devices, "iterations": iterations}
+def standalone(iterations: int, argv=()):
+    jax, torch, jaxgin, tritongin, devices = _setup(argv)
+    world, ranks = _ranks(jax)
+    all_lsa = jaxgin.info()["lsa_team_size"] == world and not jaxgin.info()["force_gin"]
+    out = {"devices": devices, "world": world, "iterations": iterations, "processes": jax.process_count(),
+           "barrier_kernel": "peer_ptr stores" if all_lsa else "put_signal"}
     words, block = 16384, 1024  # 64 KiB tiles
     errors = [torch.zeros(1, dtype=torch.int32, device=f"cuda:{d}") for d in range(devices)]
 
     send = tritongin.empty((words,), "int32")
-    recv = tritongin.empty((devices * words,), "int32")
-    sig = tritongin.signals(3)
+    recv = tritongin.empty((world * words,), "int32")
+    barrier_programs = 4
+    sig = tritongin.signals(3 + barrier_programs)
+    barrier = (
+        (lambda d, ctx, i: barrier_kernel[(barrier_programs,)](ctx, recv.local(d), errors[d], words, i, BLOCK=block))
+        if all_lsa else
+        (lambda d, ctx, i: barrier_put_kernel[(barrier_programs,)](ctx, send.local(d), recv.local(d), errors[d], sig[3],
+                                                                   words, i, BLOCK=block)))
     cases = {
         "ring": lambda d, ctx, i: ring_kernel[(1,)](ctx, send.local(d), recv.local(d), errors[d], sig[0], sig[1],
                                                     words, i, BLOCK=block),
         "all_pairs": lambda d, ctx, i: all_pairs_kernel[(1,)](ctx, send.local(d), recv.local(d), errors[d], sig[2],
                                                               words, i, BLOCK=block),
-        "barrier": lambda d, ctx, i: barrier_kernel[(4,)](ctx, recv.local(d), errors[d], words, i, BLOCK=block),
+        "barrier": barrier,
     }
     for name, case in cases.items():
         for e in errors:
@@ -164,13 +214,18 @@ def standalone(iterations: int):
         _sync(torch, devices)
         out[name] = {
             "mismatched_words": int(sum(int(e.item()) for e in errors)),
-            "words_checked": iterations * devices * words * (devices - 1 if name != "ring" else 1),
+            "words_checked": iterations * devices * words * (world - 1 if name != "ring" else 1),
             "seconds": round(time.perf_counter() - start, 3),
         }
-    # DLPack: the heap buffer seen through PyTorch holds what the last ring iteration received.
-    left_of_0 = devices - 1
+    # DLPack: the heap buffer seen through PyTorch holds what a ring step received. (One more step
+    # after the other cases: on ranks other than 0 they overwrite the ring's slot, slot 0.)
+    for e in errors:
+        e.zero_()
+    _launch_all(torch, tritongin, devices, lambda d, ctx: cases["ring"](d, ctx, iterations))
+    _sync(torch, devices)
+    left_of_first = (ranks[0] + world - 1) % world
     view = torch.from_dlpack(recv.local(0))
-    expected = left_of_0 * 1000003 + (iterations - 1) * 7919 + torch.arange(words, device="cuda:0", dtype=torch.int32)
+    expected = left_of_first * 1000003 + iterations * 7919 + torch.arange(words, device="cuda:0", dtype=torch.int32)
     out["dlpack_view_matches"] = bool(torch.equal(view[:words], expected))
     out["faults"] = jaxgin.device_faults()
     print("RESULT:" + json.dumps(out))
@@ -259,18 +314,22 @@ def ring_call_kernel(ctx, x, send, recv, data_sig, credit_sig, out, WORDS: tl.co
     tgl.wait_arrivals(ctx, credit_sig, 1)
 
 
-def triton_call(iterations: int):
+def triton_call(iterations: int, argv=()):
     import jax.numpy as jnp
     import numpy as np
+    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    jax, torch, jaxgin, tritongin, devices = _setup()
+    jax, torch, jaxgin, tritongin, _ = _setup(argv)
+    devices = jax.device_count()
     words = 4096
     send = tritongin.empty((words,), "float32")
     recv = tritongin.empty((words,), "float32")
     sig = tritongin.signals(2)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     ring = [(i, (i + 1) % devices) for i in range(devices)]
+    gather = ((lambda a: np.asarray(a)) if jax.process_count() == 1 else
+              (lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))))
 
     def body(x):
         ours = jaxgin.triton_call(ring_call_kernel, x, send, recv, sig[0], sig[1], grid=(1,), out_shape=x,
@@ -279,17 +338,20 @@ def triton_call(iterations: int):
         return jnp.array_equal(ours, theirs)[None], ours
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))
-    x = jax.device_put(jnp.arange(devices * words, dtype=jnp.float32), NamedSharding(mesh, P("x")))
+    host = np.arange(devices * words, dtype=np.float32)
+    x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("x")), lambda index: host[index])
     mismatches = 0
     start = time.perf_counter()
     for i in range(iterations):
         equal, ours = step(x + i)
-        mismatches += int(devices - int(np.sum(np.asarray(equal))))
+        mismatches += int(devices - int(np.sum(gather(equal))))
     elapsed = time.perf_counter() - start
-    expected = np.roll(np.arange(devices * words, dtype=np.float32).reshape(devices, words), 1, axis=0).ravel()
+    expected = np.roll(host.reshape(devices, words), 1, axis=0).ravel()
     hlo = step.lower(x).as_text()
+    ours = gather(ours)
     print("RESULT:" + json.dumps({
         "devices": devices,
+        "processes": jax.process_count(),
         "iterations": iterations,
         "mismatches": mismatches,
         "last_equals_numpy_roll": bool(np.array_equal(np.asarray(ours), expected + iterations - 1)),
@@ -299,15 +361,28 @@ def triton_call(iterations: int):
     }))
 
 
+def bringup(argv=()):
+    """Triton and tritongin imported first (this module's top), then initialize / selftest /
+    finalize: the launch pattern of every tritongin scenario, alone."""
+    jax, torch, jaxgin, tritongin, devices = _setup(argv)
+    report = jaxgin.selftest(rounds=2)
+    info = jaxgin.info()
+    jaxgin.finalize()
+    print("RESULT:" + json.dumps({"devices": devices, "world": info["world_size"], "gin_type": info["gin_type"],
+                                  "selftest_ok": report.ok, "path": report.path}))
+
+
 if __name__ == "__main__":
     name, rest = sys.argv[1], sys.argv[2:]
     if name == "standalone":
-        standalone(int(rest[0]) if rest else 1)
+        standalone(int(rest[0]) if rest else 1, rest[1:])
     elif name == "latency":
         latency()
     elif name == "bandwidth":
         bandwidth()
     elif name == "triton_call":
-        triton_call(int(rest[0]) if rest else 1)
+        triton_call(int(rest[0]) if rest else 1, rest[1:])
+    elif name == "bringup":
+        bringup(rest)
     else:
         raise SystemExit(f"unknown scenario {name}")

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU suite on a lent machine with one GPU or more, the emulated-hosts tests included (worlds
+# 2, 4 and 8 of processes sharing the GPUs, every peer through GIN over jaxgin's host transport).
+# Those need NCCL >= 2.30: stage it first with ../shared/tools/nccl-stage (6 device calls).
+#
+# A whole round outlasts one device call (10 minutes), so it runs in the background, in a process
+# session of its own, which outlives the call that started it; later calls wait on it:
+#
+#   bash tools/emulated-round.sh start [PYTEST ARGS]   # install, build, then pytest (default: tests/gpu)
+#   bash tools/emulated-round.sh wait SECONDS          # up to SECONDS; copies the results into $OUT
+#
+# Send the ignored folder .whl along if it holds pytest-xdist and execnet: the tests then run in
+# ROUND_WORKERS (default 3) processes side by side. Crashes print native stacks
+# (tools/native_backtrace.c, preloaded) and Python's (PYTHONFAULTHANDLER).
+set -o pipefail
+cd "$(dirname "$0")/.."
+ROUND=${ROUND_DIR:-/root/jaxgin-round}
+
+case "${1:-}" in
+  start)
+    shift
+    rm -rf "$ROUND"; mkdir -p "$ROUND/results"
+    cp -r . "$ROUND/repo" 2>/dev/null  # the call's working tree goes away when the call returns
+    setsid bash "$ROUND/repo/tools/emulated-round.sh" run "$@" > "$ROUND/round.log" 2>&1 < /dev/null &
+    sleep 2
+    echo "round started in $ROUND (pid $!)"
+    ;;
+  run)
+    shift
+    export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 JAXGIN_TIMEOUT=${JAXGIN_TIMEOUT:-10}
+    export JAXGIN_RESULTS_DIR=$ROUND/results JAXGIN_CACHE_DIR=${JAXGIN_CACHE_DIR:-/tmp/jaxgin-cache}
+    export PYTHONFAULTHANDLER=1
+    start=$(date +%s)
+    stamp() { echo "=== $1 ($(( $(date +%s) - start )) s)"; }
+    stamp "machine"; nvidia-smi -L
+    parallel=()
+    if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/xdist .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
+        && export PYTHONPATH=/tmp/xdist${PYTHONPATH:+:$PYTHONPATH} && parallel=(-n "${ROUND_WORKERS:-3}")
+    fi
+    stamp "install"; python3 -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed"; touch "$ROUND/done"; exit 1; }
+    stamp "build"; python3 -m jaxgin.build && python3 -m jaxgin.transport || { echo "build failed"; touch "$ROUND/done"; exit 1; }
+    gcc -shared -fPIC -O1 -o /tmp/native_backtrace.so tools/native_backtrace.c -ldl && export LD_PRELOAD=/tmp/native_backtrace.so
+    stamp "info"; python3 -m jaxgin.info
+    stamp "tests"; python3 -m pytest -v -rA --durations=30 "${parallel[@]}" "${@:-tests/gpu}" 2>&1 | tee "$ROUND/pytest.log"
+    echo "pytest exit status $?"
+    stamp "done"
+    touch "$ROUND/done"
+    ;;
+  wait)
+    limit=${2:-500}
+    for ((i = 0; i < limit; i += 5)); do [ -e "$ROUND/done" ] && break; sleep 5; done
+    [ -e "$ROUND/done" ] && echo "round finished" || echo "round still running"
+    OUT=${OUT:-/tmp}
+    cp "$ROUND/round.log" "$OUT/round.log" 2>/dev/null
+    tar -C "$ROUND" -czf "$OUT/results.tar.gz" results 2>/dev/null
+    grep -E "^(=== |tests/gpu/.*(PASSED|FAILED|SKIPPED|ERROR)|FAILED|ERROR|[0-9]+ (passed|failed))|pytest exit" "$ROUND/round.log" | tail -80
+    ;;
+  *) sed -n 2,16p "$0"; exit 2;;
+esac
