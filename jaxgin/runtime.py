@@ -11,9 +11,11 @@ On a CPU backend it selects the reference mode: no NCCL, and every jaxgin op low
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -350,7 +352,7 @@ def initialize(
                 record_vmm_calls=record_vmm_calls,
             )
         except RuntimeError as e:
-            raise JaxginError(f"jaxgin.initialize() failed: {e}") from None
+            raise JaxginError(f"jaxgin.initialize() failed: {e}{transport_lib.not_loaded_hint(state.gin_transport)}") from None
         state.backend_lib = backend_lib
         unavailable = state.runtime.device_info(0)["vmm_ledger_unavailable"]
         if unavailable:
@@ -358,6 +360,7 @@ def initialize(
         from jaxgin.ffi import targets
 
         targets.register(backend_lib)
+        atexit.register(_report_faults_at_exit)  # once per process: atexit keeps a set of functions
     user_offset = reserved_bytes(options.signal_count, options.barrier_slots, len(devices), options.channel)
     if state.runtime is not None:
         user_offset = state.runtime.device_info(0)["user_offset"]
@@ -365,6 +368,20 @@ def initialize(
     state.signals = heap_lib.signal_allocator(options.signal_count)
     _generation += 1
     _state = state
+
+
+def _report_faults_at_exit() -> None:
+    """A process that ends with jaxgin initialized and device faults recorded says them on stderr:
+    XLA reports a trapped jaxgin kernel only as a CUDA error, and a batch job may never have asked
+    jaxgin.device_faults() why."""
+    if _state is None or _state.runtime is None:
+        return
+    try:
+        faults = device_faults()
+    except Exception:  # the runtime is half torn down: nothing reliable to say
+        return
+    if faults:
+        print("jaxgin: device faults recorded in this process:\n  " + "\n  ".join(faults), file=sys.stderr, flush=True)
 
 
 def finalize() -> None:

@@ -127,6 +127,23 @@ def counters(library: Path | str | None = None) -> dict[str, int]:
     return dict(zip(COUNTERS, (int(v) for v in values)))
 
 
+def not_loaded_hint(gin_transport: str) -> str:
+    """Why GIN may be missing although the host transport was asked for: NCCL reads NCCL_RMA_PLUGIN
+    once, when the process creates its first communicator, which may have been XLA's (a jax.lax
+    collective run before jaxgin.initialize()). '' when the plugin is loaded or was not asked for."""
+    path = os.environ.get("NCCL_RMA_PLUGIN")
+    if gin_transport != "host" or not path:
+        return ""
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return ""
+    except OSError:
+        return (f". NCCL did not load jaxgin's host transport ({path}): NCCL loads its plugins once, when the process "
+                "creates its first communicator, and one was created before jaxgin.initialize() (by an XLA collective?). "
+                "Call jaxgin.initialize() before the first collective, or set NCCL_RMA_PLUGIN to that path before the "
+                "process starts (python -m jaxgin.transport prints the line)")
+
+
 def lost_peers(library: Path | str | None = None) -> list[int]:
     """Ranks whose process the host transport saw end without a goodbye (their connection closed),
     in the order seen; empty when the transport is not in use in this process."""

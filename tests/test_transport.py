@@ -288,3 +288,25 @@ def test_reference_mode_reports_no_transport():
 
     jaxgin.initialize(backend="reference")
     assert jaxgin.info()["gin_transport"] == "none"
+
+
+def test_initialize_failure_says_when_nccl_never_loaded_the_plugin(monkeypatch, tmp_path):
+    """NCCL reads NCCL_RMA_PLUGIN at the process's first communicator only: when the plugin asked
+    for is not in the process, initialize()'s error says why and what to do."""
+    from jaxgin import transport
+
+    missing = tmp_path / transport.LIBRARY_NAME
+    monkeypatch.setenv("NCCL_RMA_PLUGIN", str(missing))
+    hint = transport.not_loaded_hint("host")
+    assert str(missing) in hint and "first communicator" in hint and "before jaxgin.initialize()" in hint, hint
+    assert transport.not_loaded_hint("nic") == ""
+
+
+def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
+    from jaxgin import transport
+
+    monkeypatch.setenv("NCCL_RMA_PLUGIN", str(library))
+    assert transport.lost_peers() == []  # nobody went away in this process
+    assert transport.lost_peer_lines() == []
+    monkeypatch.setenv("NCCL_RMA_PLUGIN", "/elsewhere/libother_plugin.so")
+    assert transport.lost_peers() == []  # another plugin: not ours to ask

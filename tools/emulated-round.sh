@@ -10,7 +10,7 @@
 #   bash tools/emulated-round.sh wait SECONDS          # up to SECONDS; copies the results into $OUT
 #
 # Send the ignored folder .whl along if it holds pytest-xdist and execnet: the tests then run in
-# ROUND_WORKERS (default 3) processes side by side. Crashes print native stacks
+# ROUND_WORKERS (default 2) processes side by side. Crashes print native stacks
 # (tools/native_backtrace.c, preloaded) and Python's (PYTHONFAULTHANDLER).
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -36,14 +36,27 @@ case "${1:-}" in
     parallel=()
     if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/xdist .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
-        && export PYTHONPATH=/tmp/xdist${PYTHONPATH:+:$PYTHONPATH} && parallel=(-n "${ROUND_WORKERS:-3}")
+        && export PYTHONPATH=/tmp/xdist${PYTHONPATH:+:$PYTHONPATH} && parallel=(-n "${ROUND_WORKERS:-2}")
     fi
     stamp "install"; python3 -m pip install -q --no-build-isolation --no-deps -e . || { echo "install failed"; touch "$ROUND/done"; exit 1; }
     stamp "build"; python3 -m jaxgin.build && python3 -m jaxgin.transport || { echo "build failed"; touch "$ROUND/done"; exit 1; }
     gcc -shared -fPIC -O1 -o /tmp/native_backtrace.so tools/native_backtrace.c -ldl && export LD_PRELOAD=/tmp/native_backtrace.so
     stamp "info"; python3 -m jaxgin.info
-    stamp "tests"; python3 -m pytest -v -rA --durations=30 "${parallel[@]}" "${@:-tests/gpu}" 2>&1 | tee "$ROUND/pytest.log"
-    echo "pytest exit status $?"
+    if [ $# -gt 0 ]; then
+      stamp "tests"; python3 -m pytest -v -rA --durations=30 "${parallel[@]}" "$@" 2>&1 | tee "$ROUND/pytest.log"
+      echo "pytest exit status $?"
+    else
+      # The emulated-hosts tests first, side by side; then the rest one at a time: the one-GPU
+      # tests read the GPU's memory and take XLA's memory pool, so nothing may run beside them.
+      stamp "emulated-hosts tests"
+      JAXGIN_TIMEOUT=${JAXGIN_EMULATED_TIMEOUT:-30} python3 -m pytest -v -rA --durations=40 "${parallel[@]}" tests/gpu \
+        -k "emulated_hosts or launches_importing" 2>&1 | tee "$ROUND/pytest-emulated.log"
+      echo "pytest exit status $? (emulated hosts)"
+      stamp "one-GPU tests"
+      python3 -m pytest -v -rA --durations=20 tests/gpu -k "not emulated_hosts and not launches_importing" 2>&1 \
+        | tee "$ROUND/pytest-one-gpu.log"
+      echo "pytest exit status $? (one GPU)"
+    fi
     stamp "done"
     touch "$ROUND/done"
     ;;
@@ -54,7 +67,7 @@ case "${1:-}" in
     OUT=${OUT:-/tmp}
     cp "$ROUND/round.log" "$OUT/round.log" 2>/dev/null
     tar -C "$ROUND" -czf "$OUT/results.tar.gz" results 2>/dev/null
-    grep -E "^(=== |tests/gpu/.*(PASSED|FAILED|SKIPPED|ERROR)|FAILED|ERROR|[0-9]+ (passed|failed))|pytest exit" "$ROUND/round.log" | tail -80
+    grep -E "^(=== |FAILED|ERROR)|[0-9]+ (passed|failed)|pytest exit" "$ROUND/round.log" | tail -80
     ;;
   *) sed -n 2,16p "$0"; exit 2;;
 esac

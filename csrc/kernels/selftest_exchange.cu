@@ -1,7 +1,8 @@
 // A diagnostic exchange through the device library, used by jaxgin.selftest() and the GPU tests:
 // every rank sends a stamped block to every rank (itself included), each receiver checks every
 // word, acknowledges, and the next round starts. Even rounds use jaxgin_put_signal, odd rounds
-// direct NVLink stores through jaxgin_peer_ptr followed by jaxgin_signal.
+// direct NVLink stores through jaxgin_peer_ptr followed by jaxgin_signal (for LSA peers; peers
+// reached through GIN get put_signal in every round).
 #include <string>
 
 #include "../device/jaxgin_device.h"
@@ -39,11 +40,12 @@ __global__ void exchange_kernel(const jaxgin_context* ctx, int rounds, uint64_t 
   for (int round = 0; round < rounds; round++) {
     // The peer must have checked the previous round's block before we overwrite it.
     if (round > 0) jaxgin_wait_signal_arrivals(ctx, signal_base + (uint32_t)(world + peer), 1);
-    if (round % 2 == 0) {
+    // NULL for a peer outside this rank's LSA team: such a peer gets every round by put_signal.
+    uint32_t* remote = static_cast<uint32_t*>(jaxgin_peer_ptr(ctx, recv_offset, peer));
+    if (round % 2 == 0 || remote == nullptr) {
       for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) send[w] = stamp(seed, round, me, peer, w);
       jaxgin_put_signal(ctx, recv_offset, send_offset, block_bytes, peer, signal_base + (uint32_t)me);
     } else {
-      uint32_t* remote = static_cast<uint32_t*>(jaxgin_peer_ptr(ctx, recv_offset, peer));
       for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) remote[w] = stamp(seed, round, me, peer, w);
       jaxgin_signal(ctx, peer, signal_base + (uint32_t)me, 1);
     }

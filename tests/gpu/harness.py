@@ -74,7 +74,15 @@ def emulated_env(rank: int, world: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_GIN_TRANSPORT": "host",
         "JAXGIN_TRANSPORT_QUIET": "1",
         "JAXGIN_TEST_HEAP": os.environ.get("JAXGIN_TEST_HEAP", EMULATED_HEAP),
+        # NCCL loads plugins once, at the process's first communicator, which may be XLA's.
+        "NCCL_RMA_PLUGIN": str(_transport_library()),
     }
+
+
+def _transport_library():
+    from jaxgin import transport
+
+    return transport.build()
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:
@@ -139,9 +147,24 @@ def run_processes(script: Path, args, world: int, timeout: float = 600, emulated
                   xla_flags: str | None = None, env: dict | None = None) -> list[dict]:
     """start_processes, every process expected to succeed; their RESULT lines."""
     finished = start_processes(script, args, world, timeout, env=env, emulated=emulated, xla_flags=xla_flags)
-    for rank, (code, out, err) in enumerate(finished):
-        assert code == 0, f"process {rank} of {world} failed ({code}):\n{out[-4000:]}\n{err[-8000:]}"
+    failed = [rank for rank, (code, _, _) in enumerate(finished) if code != 0]
+    assert not failed, "\n".join(f"process {rank} of {world} failed ({finished[rank][0]}):\n{finished[rank][1][-2000:]}\n"
+                                 f"{digest(finished[rank][2])}" for rank in failed)
     return [result(out) for _, out, _ in finished]
+
+
+# Lines XLA repeats by the hundred once a context is broken or a peer is gone: they hide the cause.
+_NOISE = ("Failed to unload module", "destroying CUDA event", "Stream not idle on destroy", "Failed to destroy CUDA stream",
+          "=== Source Location Trace", "cuda_status.cc", "grpc_util.h", "GRPC error information", "Stream removed",
+          "absl::", "std::_Function_handler", "tsl::", "(unknown)", "coordination_service")
+
+
+def digest(stderr: str, lines: int = 60) -> str:
+    """A failed process's stderr without XLA's repeated teardown noise: its first and last lines."""
+    kept = [line for line in stderr.splitlines() if line.strip() and not any(n in line for n in _NOISE)]
+    if len(kept) > 2 * lines:
+        kept = kept[:lines] + [f"[... {len(kept) - 2 * lines} lines ...]"] + kept[-lines:]
+    return "\n".join(kept)
 
 
 def free_port() -> int:
@@ -173,6 +196,7 @@ def run_mesh_check(check, axis_name: str) -> None:
             report = {"error": f"{type(e).__name__}: {e}"[:2000]}
         report["faults"] = jaxgin.device_faults()
         print("RESULT:" + json.dumps(report), flush=True)
+        job.exit_together("report_error")
         os._exit(0)  # after a device fault the CUDA context is unusable: skip teardown
     report = check(Mesh(np.array(jax.devices()), (axis_name,)))
     jaxgin.finalize()

@@ -8,6 +8,7 @@ which visible GPU to drive (JAXGIN_TEST_LOCAL_DEVICE) and which physical one tha
 """
 
 import os
+import sys
 
 
 def local_device(rank: int) -> int:
@@ -35,3 +36,19 @@ def join(argv) -> tuple[int, int] | None:
     rank, world, address = int(argv[0]), int(argv[1]), argv[2]
     jax.distributed.initialize(address, num_processes=world, process_id=rank, local_device_ids=[local_device(rank)])
     return rank, world
+
+
+def exit_together(name: str, timeout_s: float = 120.0) -> None:
+    """Waits until every process of the job got here, then returns (at once in a one-process
+    scenario). Scenarios that end without jax.distributed's shutdown (after a device fault) call
+    it before exiting: a process that exits first looks to the others like a dead peer (their
+    transports see its connections close, and JAX's coordination service ends them)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    try:
+        client.wait_at_barrier(f"jaxgin_test_exit_{name}", int(timeout_s * 1000))
+    except Exception as e:  # a peer that already died: nothing to wait for
+        print(f"exit barrier '{name}': {type(e).__name__}: {e}"[:300], file=sys.stderr, flush=True)
