@@ -77,16 +77,16 @@ def bound_by_shard_map(names: Sequence[Hashable]) -> bool:
 
 
 def require_shard_map(names: Sequence[Hashable], op: str) -> None:
-    """For ops that only exist between devices: a clear error when one of `names` is bound by
-    something other than jax.shard_map (a jax.vmap axis_name), instead of a failure deep in JAX's
-    batching or in the lowering."""
+    """For ops that only exist between devices: a clear error while tracing when one of `names`
+    (all bound: check with axis_size first) is bound by something other than jax.shard_map, a
+    jax.vmap axis_name, instead of a failure in JAX's batching or in the lowering."""
     if not bound_by_shard_map(names):
         manual = manual_axes()
-        others = [n for n in names if n not in manual]
+        named = [n for n in names if n not in manual] or list(names)
         raise JaxginError(
-            f"{op}: axis_name {tuple(names)!r} names {others or list(names)!r}, bound by jax.vmap (or another "
-            f"transformation) rather than by jax.shard_map (manual mesh axes here: {manual!r}); {op} moves data "
-            f"between devices, so call it inside jax.shard_map over a mesh with that axis"
+            f"{op}: axis_name {', '.join(map(repr, named))} is bound by jax.vmap (or another transformation), not "
+            f"by jax.shard_map (manual mesh axes here: {manual!r}); {op} works between the devices of mesh axes, so "
+            f"call it inside jax.shard_map over a mesh with that axis"
         )
 
 
