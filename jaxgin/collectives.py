@@ -11,6 +11,8 @@ all_to_all with split and concat axes swapped, so jax.grad and jax.linear_transp
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxgin import runtime
+from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
 
 _EXCHANGE_TARGET = "jaxgin_exchange"
@@ -119,21 +122,65 @@ for _prim, _ref, _kind, _op in (
 # Public API
 
 
-def _check_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
+def _check_perm(perm, size: int, op: str = "jaxgin.ppermute") -> tuple[tuple[int, int], ...]:
+    """`perm` as (source, destination) pairs in [0, size), accepting and refusing what
+    jax.lax.ppermute does, with the same exception types: a list or tuple (TypeError otherwise,
+    an iterator such as zip(...) included) of pairs of ints (TypeError; ValueError for another
+    length), indices in [-size, size) with negative ones counting from the end (IndexError), no
+    source or destination twice once wrapped (ValueError). lax finds most of these only when it
+    compiles; jaxgin finds them while tracing."""
+    if not isinstance(perm, (list, tuple)):
+        hint = " (materialize an iterator with list(...))" if hasattr(perm, "__next__") else ""
+        raise TypeError(
+            f"{op}: perm must be a list or a tuple of (source, destination) pairs, as for jax.lax.ppermute; "
+            f"got {type(perm).__name__}{hint}"
+        )
+    pairs = []
+    for entry in perm:
+        try:
+            pair = tuple(entry)
+        except TypeError:
+            raise TypeError(f"{op}: perm entry {entry!r} is not a (source, destination) pair; perm={perm!r}") from None
+        if len(pair) != 2:
+            raise ValueError(f"{op}: perm entry {entry!r} has {len(pair)} values, not 2 (source, destination); perm={perm!r}")
+        try:
+            pairs.append(tuple(operator.index(v) for v in pair))
+        except TypeError:
+            raise TypeError(f"{op}: perm entry {entry!r} must hold two integer axis indices; perm={perm!r}") from None
+    for role, column in (("sources", 0), ("destinations", 1)):
+        wrapped = [p[column] % size for p in pairs]
+        if len(set(wrapped)) != len(wrapped):
+            raise ValueError(
+                f"{op}: perm {role} must be unique (negative indices count from the end of the axis of size "
+                f"{size}), got perm={perm!r}"
+            )
+    for pair in pairs:
+        if not all(-size <= v < size for v in pair):
+            raise IndexError(
+                f"{op}: perm entry {pair} is out of range for an axis of size {size} (indices must be in "
+                f"[{-size}, {size}), negative ones counting from the end); perm={perm!r}"
+            )
+    return tuple((s % size, d % size) for s, d in pairs)
+
+
+def _check_axis_index_groups(groups, size: int, op: str) -> tuple[tuple[int, ...], ...] | None:
+    """axis_index_groups as jax.lax takes it: lists of axis indices that cover every index of the
+    axis exactly once, all of one size."""
+    if groups is None:
+        return None
     try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
-    except (TypeError, ValueError):
-        raise TypeError(f"jaxgin.ppermute: perm must be a sequence of (source, destination) index pairs, got {perm!r}") from None
-    sources = [s for s, _ in pairs]
-    dests = [d for _, d in pairs]
-    for s, d in pairs:
-        if not (0 <= s < size and 0 <= d < size):
-            raise ValueError(f"jaxgin.ppermute: pair {(s, d)} of perm is out of range for an axis of size {size}")
-    if len(set(sources)) != len(sources):
-        raise ValueError(f"jaxgin.ppermute: perm sources must be unique, got {sources}")
-    if len(set(dests)) != len(dests):
-        raise ValueError(f"jaxgin.ppermute: perm destinations must be unique, got {dests}")
-    return pairs
+        groups = tuple(tuple(operator.index(i) for i in group) for group in groups)
+    except TypeError:
+        raise TypeError(f"{op}: axis_index_groups must be a list of lists of axis indices, got {groups!r}") from None
+    flat = [i for group in groups for i in group]
+    if sorted(flat) != list(range(size)):
+        raise ValueError(
+            f"{op}: axis_index_groups must cover all indices exactly once: every index of the axis of size {size} "
+            f"in exactly one group, got {groups!r}"
+        )
+    if len({len(group) for group in groups}) != 1:
+        raise ValueError(f"{op}: axis_index_groups must all have the same size, got {groups!r}")
+    return groups
 
 
 def as_varying(x, names):
@@ -149,22 +196,88 @@ def as_varying(x, names):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _over_vmap_axis(lax_collective, op: str, names):
+    """jax.lax's collective, for an axis_name bound by jax.vmap: the batch is on this device, so
+    there is nothing for jaxgin to send; lax's vmap rules compute the result."""
+    try:
+        return lax_collective()
+    except AssertionError as e:  # jax's own varying-axes check (pvary) inside a checking shard_map
+        raise JaxginError(
+            f"{op} over the jax.vmap axis_name {tuple(names)!r} runs as jax.lax's collective, which fails inside a "
+            f"jax.shard_map that checks varying axes (an assertion in jax's pvary); pass check_vma=False to that "
+            f"jax.shard_map, or exchange over one of its mesh axes"
+        ) from e
+
+
 def ppermute(x, axis_name, perm):
     """Like jax.lax.ppermute: sends each device's `x` to the axis index perm maps it to.
 
-    Devices that nobody sends to receive zeros. `x` may be a pytree of arrays.
+    Devices that nobody sends to receive zeros. `x` may be a pytree of arrays (each leaf moves).
+    `perm` is what jax.lax.ppermute takes (a list or tuple of (source, destination) pairs,
+    negative indices counting from the end), refused with lax's exception types. Over a jax.vmap
+    axis_name, where there are no devices to talk between, it is jax.lax.ppermute.
     """
-    names = axes_lib.axis_names(axis_name, "jaxgin.ppermute")
-    size = axes_lib.axis_size(names, "jaxgin.ppermute")
+    op = "jaxgin.ppermute"
+    names = axes_lib.axis_names(axis_name, op, allow_empty=True)
+    size = axes_lib.axis_size(names, op)
     pairs = _check_perm(perm, size)
+    if not axes_lib.bound_by_shard_map(names):
+        if len(pairs) != size:
+            raise ValueError(
+                f"{op}: over the jax.vmap axis {tuple(names)!r} perm must be a full permutation of the {size} "
+                f"indices (jax.lax.ppermute's vmap rule has no zero fill), got perm={perm!r}; use jax.shard_map "
+                f"for partial permutations"
+            )
+        return _over_vmap_axis(lambda: jax.lax.ppermute(x, names, pairs), op, names)
+    if not names:  # an axis of size 1: the value stays if perm keeps it, else zeros
+        return jax.tree.map(lambda leaf: jnp.asarray(leaf) if pairs else jnp.zeros_like(leaf), x)
     return jax.tree.map(lambda leaf: ppermute_p.bind(as_varying(jnp.asarray(leaf), names), axis_name=names, perm=pairs), x)
 
 
-def _tiled_all_to_all(x, names, size: int, split_axis: int, concat_axis: int):
+def _grouped_exchange(y, names, size: int, groups):
+    """The all_to_all exchange on the canonical layout y [group size, ...]: row q goes to the q-th
+    member of this device's group, row j of the result came from its j-th member."""
+    if groups is None:
+        return all_to_all_p.bind(y, axis_name=names)
+    k = len(groups[0])
+    if k == 1:
+        return y
+    if k == size:  # one group: the whole axis in another order, one exchange with rows relabelled
+        order = np.asarray(groups[0])
+        return jnp.take(all_to_all_p.bind(jnp.take(y, np.argsort(order), axis=0), axis_name=names), order, axis=0)
+    # Several groups: shift s sends every member's row for the member s places on (one ppermute
+    # per shift, each moving 1/k of the data, so no bytes travel to devices outside the group).
+    position = np.empty(size, np.int32)
+    for group in groups:
+        position[list(group)] = np.arange(k)
+    me = jnp.asarray(position)[jax.lax.axis_index(names)]
+    # Group indices count over `names` in the order given; the ppermutes run over the same axes in
+    # the mesh's order (the order jax.lax.ppermute, the reference lowering, insists on).
+    mesh_names, relabel = _in_mesh_order(names)
+    received = [jax.lax.dynamic_index_in_dim(y, me, 0, keepdims=False)]
+    for shift in range(1, k):
+        perm = tuple((int(relabel[group[q]]), int(relabel[group[(q + shift) % k]])) for group in groups for q in range(k))
+        row = jax.lax.dynamic_index_in_dim(y, (me + shift) % k, 0, keepdims=False)
+        received.append(ppermute_p.bind(row, axis_name=mesh_names, perm=perm))  # from member me - shift
+    return jnp.take(jnp.stack(received), (me - jnp.arange(k)) % k, axis=0)
+
+
+def _in_mesh_order(names):
+    """`names` sorted in the mesh's axis order, and for each index over `names` (row-major in the
+    order given) the index of the same device over the sorted names."""
+    order = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    mesh_names = tuple(sorted(names, key=order.index))
+    sizes = [jax.lax.axis_size(n) for n in names]
+    coords = np.unravel_index(np.arange(int(np.prod(sizes))), sizes)
+    relabel = np.ravel_multi_index([coords[names.index(n)] for n in mesh_names], [jax.lax.axis_size(n) for n in mesh_names])
+    return mesh_names, relabel
+
+
+def _tiled_all_to_all(x, names, size: int, split_axis: int, concat_axis: int, exchange):
     n = x.shape[split_axis]
     # Canonical layout: [size, n / size, rest...] with the split axis chunked and leading.
     y = jnp.moveaxis(x, split_axis, 0).reshape((size, n // size) + tuple(np.delete(x.shape, split_axis)))
-    z = all_to_all_p.bind(y, axis_name=names)  # z[j]: the chunk device j sent to me
+    z = exchange(y)  # z[j]: the chunk device j sent to me
     z = jnp.moveaxis(z, 1, split_axis + 1)  # [size, *x.shape with split axis n / size]
     z = jnp.moveaxis(z, 0, concat_axis)  # chunks side by side before the concat axis
     shape = list(z.shape)
@@ -172,40 +285,75 @@ def _tiled_all_to_all(x, names, size: int, split_axis: int, concat_axis: int):
     return z.reshape(merged)
 
 
-def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+def _canonical_axis(value, name: str, ndim: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"jaxgin.all_to_all: {name} must be an int, got {value!r}") from None
+    if not -ndim <= value < ndim:
+        raise ValueError(f"jaxgin.all_to_all: {name}={value} is out of range for an array of rank {ndim}")
+    return value % ndim
+
+
+def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
     """Like jax.lax.all_to_all (same arguments and result).
 
     Splits `x` along `split_axis` into one chunk per device of the axis, sends chunk i to axis
     index i and concatenates what arrives along `concat_axis`. Without `tiled`, x.shape[split_axis]
     must equal the axis size, that axis is removed and a new one of that size is inserted at
-    `concat_axis`; with `tiled`, it must be divisible by the axis size.
+    `concat_axis`; with `tiled`, it must be divisible by the axis size. `x` may be a pytree (each
+    leaf is exchanged, its axes counted in its own rank).
+
+    `axis_index_groups` (lists of axis indices covering the axis once, all of one size) runs one
+    all_to_all within each group, group size taking the place of axis size; several groups travel
+    as one jaxgin ppermute per position in the group. Over a jax.vmap axis_name it is
+    jax.lax.all_to_all (which has no axis_index_groups there).
     """
-    names = axes_lib.axis_names(axis_name, "jaxgin.all_to_all")
-    size = axes_lib.axis_size(names, "jaxgin.all_to_all")
-    x = as_varying(jnp.asarray(x), names)
+    op = "jaxgin.all_to_all"
+    names = axes_lib.axis_names(axis_name, op, allow_empty=True)
+    size = axes_lib.axis_size(names, op)
+    groups = _check_axis_index_groups(axis_index_groups, size, op)
+    if not axes_lib.bound_by_shard_map(names):
+        if groups is not None:
+            raise NotImplementedError(
+                f"{op}: axis_index_groups over the jax.vmap axis {tuple(names)!r} is not supported (nor by "
+                f"jax.lax.all_to_all); use jax.shard_map"
+            )
+        return _over_vmap_axis(lambda: jax.lax.all_to_all(x, names, split_axis, concat_axis, tiled=tiled), op, names)
+    if groups is None:
+        size_of = ("the axis size", size)
+    else:
+        size_of = ("the size of the axis_index_groups", len(groups[0]))
+    if not names:
+        exchange = lambda y: y  # an axis of size 1
+    else:
+        exchange = lambda y: _grouped_exchange(y, names, size, groups)
+    return jax.tree.map(lambda leaf: _all_to_all_leaf(leaf, names, size_of, split_axis, concat_axis, tiled, exchange), x)
+
+
+def _all_to_all_leaf(x, names, size_of: tuple[str, int], split_axis, concat_axis, tiled: bool, exchange):
+    x = jnp.asarray(x)
     ndim = x.ndim
     if ndim == 0:
         raise ValueError("jaxgin.all_to_all: x must have at least one dimension to split")
-    for name, value in (("split_axis", split_axis), ("concat_axis", concat_axis)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            raise TypeError(f"jaxgin.all_to_all: {name} must be an int, got {value!r}")
-    split_axis = int(split_axis) % ndim if -ndim <= split_axis < ndim else _axis_error("split_axis", split_axis, ndim)
-    # Both forms keep the rank (non-tiled: one axis out, one in), so concat_axis indexes ndim axes.
-    if not -ndim <= concat_axis < ndim:
-        _axis_error("concat_axis", concat_axis, ndim)
-    concat_axis = int(concat_axis) % ndim
+    # Both forms keep the rank (non-tiled: one axis out, one in), so both axes index ndim axes.
+    split_axis = _canonical_axis(split_axis, "split_axis", ndim)
+    concat_axis = _canonical_axis(concat_axis, "concat_axis", ndim)
+    what, size = size_of
     if tiled:
         if x.shape[split_axis] % size:
             raise ValueError(
-                f"jaxgin.all_to_all: x.shape[{split_axis}] = {x.shape[split_axis]} is not divisible by the axis size "
+                f"jaxgin.all_to_all: x.shape[{split_axis}] = {x.shape[split_axis]} is not divisible by {what} "
                 f"{size} (tiled=True splits that axis into {size} equal chunks); pad it or pick another split_axis"
             )
-        return _tiled_all_to_all(x, names, size, split_axis, concat_axis)
-    if x.shape[split_axis] != size:
+    elif x.shape[split_axis] != size:
         raise ValueError(
-            f"jaxgin.all_to_all: x.shape[{split_axis}] = {x.shape[split_axis]} must equal the axis size {size} "
+            f"jaxgin.all_to_all: x.shape[{split_axis}] = {x.shape[split_axis]} must equal {what} {size} "
             f"when tiled=False (use tiled=True to split a larger axis into {size} chunks)"
         )
+    x = as_varying(x, names)
+    if tiled:
+        return _tiled_all_to_all(x, names, size, split_axis, concat_axis, exchange)
     # Same reduction to the tiled case as jax.lax.all_to_all: insert the new axis, exchange, then
     # drop the split axis (now of size 1).
     if split_axis < concat_axis:
@@ -214,11 +362,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     elif split_axis > concat_axis:
         x = jnp.expand_dims(x, concat_axis)
         split_axis += 1
-    result = _tiled_all_to_all(x, names, size, split_axis, concat_axis)
+    result = _tiled_all_to_all(x, names, size, split_axis, concat_axis, exchange)
     if split_axis != concat_axis:
         result = jnp.squeeze(result, split_axis)
     return result
-
-
-def _axis_error(name: str, value: int, ndim: int):
-    raise ValueError(f"jaxgin.all_to_all: {name}={value} is out of range for an array of rank {ndim}")

@@ -186,6 +186,16 @@ def test_axis_route_needs_every_axis_manual(init):
         jax.jit(f)(jnp.zeros((4,), jnp.int32))
 
 
+def test_axis_route_over_a_vmap_axis(init):
+    """A jax.vmap axis_name has no ranks: the error names it and says to use jax.shard_map
+    (jaxgin/ffi/axes.py's require_shard_map, shared by ops that only exist between devices)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    f = jax.shard_map(lambda v: jax.vmap(lambda u: u + jaxgin.axis_route("i")[0], axis_name="i")(v), mesh=mesh,
+                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    with pytest.raises(jaxgin.JaxginError, match=r"axis_route: axis_name 'i' is bound by jax.vmap.*\('x',\).*jax.shard_map"):
+        jax.jit(f)(jnp.zeros((8,), jnp.int32))
+
+
 # ---------------------------------------------------------------------------------------------
 # The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
 

@@ -69,6 +69,7 @@ def axis_route(axis_name) -> jax.Array:
     manual (the device's whole position picks its row of the route table)."""
     names = axes_lib.axis_names(axis_name, "jaxgin.axis_route")
     size = axes_lib.axis_size(names, "jaxgin.axis_route")
+    axes_lib.require_shard_map(names, "jaxgin.axis_route")
     runtime.current()
     mesh = jax.sharding.get_abstract_mesh()
     everything = tuple(mesh.axis_names)
