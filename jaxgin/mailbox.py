@@ -30,17 +30,38 @@ Rules (the device checks what it can and fails with a named error instead of han
     program (XLA must not hoist a wait above the puts it depends on) and, in reference mode,
     carries the data;
   - put_signal / wait_signal are not differentiable (use jaxgin.ppermute / all_to_all for that).
+
+Reference mode checks these rules when the program runs and fails where a GPU would fault (there
+after the runtime timeout): a wait_signal that finds fewer than `count` puts, a wait_signal_from
+whose source has no put waiting, a put from a sender whose previous put into the same mailbox at
+the same receiver no wait has taken yet, and a traced peer or source out of range. The error names
+the op, the mailbox, the ranks (indices along the op's axis) and the counts, in the words of the
+GPU's fault line. How: every put and wait computes, on each device, which senders' puts are
+waiting in its mailbox (int32 masks next to the data, from the all_gather the reference put does
+anyway), and a lax.cond on "is this a misuse" calls jax.pure_callback only on the bad branch; the
+callback raises JaxginError, which JAX hands back as a JaxRuntimeError carrying the message (like
+a GPU fault, when the result is read). The cond's int32 zero is added to the masks the data is
+selected with, so the check runs before the op's result exists and XLA cannot drop it. A correct
+program pays a few int32[axis size] operations and a not-taken branch per op; no callback runs.
+checkify would need every caller to wrap their function, and an unconditional debug.callback would
+run on the host at every op. The order of puts and waits is followed within one traced body (a
+jit, a shard_map, a loop body): a wait in another body that takes a put's token (a loop body
+waiting on a put made before the loop) makes the put unknown to later checks of its own body,
+which then skip it rather than guess. The GPU does not fault on a put that no wait ever takes
+(until a later put from the same sender to the same receiver, in a later call), so neither does
+reference mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, get_opaque_trace_state
 from jax.interpreters import batching, mlir
 
 from jaxgin import runtime
@@ -65,13 +86,11 @@ class Mailbox:
     shape: tuple[int, ...]
     dtype: np.dtype
 
-    def __init__(self, name: str, shape: Sequence[int], dtype):
+    def __init__(self, name: str, shape: int | Sequence[int], dtype):
         if not isinstance(name, str) or not name:
             raise TypeError(f"Mailbox name must be a non-empty str, got {name!r}")
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"Mailbox {name!r}: shape {shape} has a negative dimension")
-        dtype = np.dtype(dtype)
+        shape = _shape_arg(name, shape)
+        dtype = _dtype_arg(name, dtype)
         previous = _declared.setdefault(name, (shape, dtype))
         if previous != (shape, dtype):
             raise ValueError(
@@ -85,6 +104,38 @@ class Mailbox:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _shape_arg(name: str, shape) -> tuple[int, ...]:
+    """An int or a sequence of ints, as JAX takes shapes (8 means (8,))."""
+    rule = "shape must be an int or a sequence of non-negative ints (like jnp.zeros' shape)"
+    if _is_int(shape):
+        shape = (shape,)
+    elif isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"Mailbox {name!r}: {rule}, got {type(shape).__name__} {shape!r}")
+    bad = [d for d in shape if not _is_int(d)]
+    if bad:
+        raise TypeError(f"Mailbox {name!r}: {rule}, got {tuple(shape)!r}: {bad[0]!r} is not an int")
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"Mailbox {name!r}: shape {shape} has a negative dimension; {rule}")
+    return shape
+
+
+def _dtype_arg(name: str, dtype) -> np.dtype:
+    """A numeric or bool dtype JAX arrays can have."""
+    wanted = f"Mailbox {name!r}: dtype must be a numeric or bool dtype such as jnp.float32, jnp.bfloat16 or 'int8'"
+    try:
+        checked = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{wanted}, got {dtype!r}") from None
+    if not (jnp.issubdtype(checked, jnp.number) or jnp.issubdtype(checked, jnp.bool_)):
+        raise TypeError(f"{wanted}, got {dtype!r}")
+    return checked
 
 
 def mailbox_bytes(payload_bytes: int, axis_size: int) -> int:
@@ -265,6 +316,8 @@ def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
 
     `x` must match the mailbox's shape and dtype. A traced `peer` outside [0, axis size) makes the
     device fail with an error naming the op and the index (the program stops; nothing is written).
+    In reference mode so does a put while this sender's previous put into the mailbox still waits
+    at that receiver (on a GPU it would wait for the receiver's credit and time out).
     """
     if not isinstance(mailbox, Mailbox):
         raise TypeError(f"jaxgin.put_signal: mailbox must be a jaxgin.Mailbox, got {type(mailbox).__name__}")
@@ -276,6 +329,7 @@ def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
             f"jaxgin.put_signal: x is {x.dtype}{list(x.shape)} but mailbox {mailbox.name!r} holds "
             f"{mailbox.dtype}{list(mailbox.shape)}; every sender and receiver of a mailbox uses its shape and dtype"
         )
+    peer_is_traced = not _is_int(peer)
     peer = _axis_index_arg(peer, size, "jaxgin.put_signal", "peer", "destination")
     state = runtime.current()
 
@@ -287,6 +341,8 @@ def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
             put_signal_p.bind(x, peer, axis_name=names, size=size, mailbox=mailbox.name, payload_bytes=mailbox.nbytes),
         )
 
+    if state.options.backend == "reference":
+        return _checked_put(mailbox, names, size, peer, peer_is_traced, *put(x, peer))
     return Token(mailbox.name, tuple(put(x, peer)))
 
 
@@ -299,6 +355,217 @@ def _reference_put(x, peer, names):
     return mail, arrived.astype(jnp.int32)
 
 
+# ---------------------------------------------------------------------------------------------
+# Reference mode: the protocol checks (the module docstring says what and how)
+
+
+@dataclasses.dataclass(eq=False)
+class _TracedPut:
+    """A put as reference mode follows it through the traced body that made it. `pending` is
+    int32[axis size]: on each device, nonzero at s while sender s's put (this one) waits in that
+    device's mailbox and no wait of the body took it."""
+
+    token: weakref.ref
+    trace: object  # get_opaque_trace_state() of the body
+    names: tuple
+    pending: jax.Array
+    followed: bool = True  # False once a wait in another body took from it (what it took is unknown here)
+
+
+_traced_puts: dict[str, list[_TracedPut]] = {}  # per mailbox; a record leaves when its Token dies
+
+
+def _follow(token: Token, names: tuple) -> None:
+    puts = _traced_puts.setdefault(token.mailbox, [])
+    record = _TracedPut(None, get_opaque_trace_state(), names, token.values[1])
+    record.token = weakref.ref(token, lambda _: puts.remove(record))
+    puts.append(record)
+
+
+def _followed_here(mailbox: str, names: tuple) -> list[_TracedPut]:
+    here = get_opaque_trace_state()
+    return [p for p in _traced_puts.get(mailbox, ()) if p.followed and p.names == names and p.trace == here]
+
+
+def _record_of(token: Token) -> _TracedPut | None:
+    """The record of the put that made `token` (also through a pytree round trip in its body)."""
+    for record in _traced_puts.get(token.mailbox, ()):
+        made = record.token()
+        if made is not None and made.values[1] is token.values[1]:
+            return record
+    return None
+
+
+def _everyone(names: tuple) -> tuple:
+    """Every manual mesh axis here: the devices that must stop together."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    return tuple(a for a in mesh.axis_names if a in manual) or names
+
+
+def _check(bad, names: tuple, describe: Callable[..., str], *facts):
+    """An int32 zero computed through a branch that, when `bad` holds on some device, raises
+    JaxginError(describe(rank, *facts)) with the facts (NumPy values) of the first such device.
+    Every device of the shard_map takes the branch (a psum decides), so none is left waiting in a
+    later collective for one that stopped. Add the zero to what the op computes next: the check
+    then runs first and is not dropped as dead code."""
+    everyone = _everyone(names)
+
+    def fail(bad, rank, *facts):
+        first = int(np.flatnonzero(bad)[0])
+        raise JaxginError(describe(rank[first], *(f[first] for f in facts)))
+
+    def misuse(*local):
+        gathered = jax.lax.all_gather(local, everyone)
+        return jax.pure_callback(fail, jax.ShapeDtypeStruct((), jnp.int32), *gathered, vmap_method="sequential")
+
+    # Adding a zero that varies over every axis lets the collectives run over all of them.
+    zero = jax.lax.axis_index(everyone) * 0
+    local = [jnp.asarray(f).astype(jnp.int32) + zero for f in (bad, jax.lax.axis_index(names), *facts)]
+    anyone = jax.lax.psum(local[0], everyone) > 0
+    return jax.lax.cond(anyone, misuse, lambda *_: jnp.int32(0), *local)
+
+
+def _axis(names: tuple) -> str:
+    return repr(names[0]) if len(names) == 1 else repr(names)
+
+
+def _out_of_range(op: str, name: str, index: int, me: int, names: tuple, size: int, box: str) -> str:
+    return (
+        f"{op} at rank {me} of axis {_axis(names)}: {name} index {index} is out of range: the mesh axis has {size} "
+        f"devices, so it must be in [0, {size}) (mailbox {box!r}; a GPU fails the same way)"
+    )
+
+
+def _put_again(box: str, names: tuple, senders: list[int], receiver: int, seen_by: str = "") -> str:
+    others = f" (ranks {senders[1:]} did the same)" if len(senders) > 1 else ""
+    seen = f"; found by {seen_by} on rank {receiver}, whose after= holds both puts" if seen_by else ""
+    return (
+        f"jaxgin.put_signal at rank {senders[0]} of axis {_axis(names)}, peer rank {receiver}: the receiver never "
+        f"consumed this rank's previous put into mailbox {box!r} before this one (puts of rank {senders[0]} waiting "
+        f"there: 1, at most 1 allowed, this put makes 2){others}{seen}. Every put_signal needs a matching "
+        "wait_signal or wait_signal_from on the receiver before the next put to it from the same sender; on a GPU "
+        "this put waits for that credit and times out"
+    )
+
+
+def _put_misuse(box, names, size, me, peer, again) -> str:
+    me, peer = int(me), int(peer)
+    if not 0 <= peer < size:
+        return _out_of_range("jaxgin.put_signal", "peer", peer, me, names, size, box)
+    return _put_again(box, names, np.flatnonzero(again).tolist(), me)
+
+
+def _checked_put(mailbox: Mailbox, names, size, peer, peer_is_traced, mail, arrived) -> Token:
+    """The reference put's Token, after checking the traced peer and that no put of the same
+    sender into this mailbox still waits at the receiver."""
+    earlier = _followed_here(mailbox.name, names)
+    if peer_is_traced or earlier:
+        waiting = sum(p.pending for p in earlier) if earlier else arrived * 0
+        again = (waiting > 0) & (arrived > 0)
+        bad = (peer < 0) | (peer >= size) | jnp.any(again)
+        describe = lambda *facts: _put_misuse(mailbox.name, names, size, *facts)
+        ok = _check(bad, names, describe, peer, again)
+        arrived = arrived + ok
+        for p in earlier:  # a later wait on them runs this check first, even if nothing waits on this put
+            p.pending = p.pending + ok
+    token = Token(mailbox.name, (mail, arrived))
+    _follow(token, names)
+    return token
+
+
+def _waiting(tokens: list[Token]) -> list[tuple[jax.Array, jax.Array, _TracedPut | None]]:
+    """(mail, int32[axis size] of the senders whose put waits here, the put's record if this body
+    follows it) for each distinct token."""
+    here = get_opaque_trace_state()
+    views, seen = [], []
+    for token in tokens:
+        if any(token.values[1] is s for s in seen):
+            continue
+        seen.append(token.values[1])
+        record = _record_of(token)
+        if record is not None and record.followed and record.trace == here:
+            views.append((token.values[0], record.pending, record))
+        else:
+            if record is not None:
+                record.followed = False
+            views.append((token.values[0], token.values[1], None))
+    return views
+
+
+def _doubled(views) -> jax.Array | None:
+    """Senders with a put waiting in two of these tokens that no put-time check compared."""
+    doubled = None
+    for i, (_, a, ra) in enumerate(views):
+        for _, b, rb in views[i + 1 :]:
+            if ra is None or rb is None:
+                both = (a > 0) & (b > 0)
+                doubled = both if doubled is None else doubled | both
+    return doubled
+
+
+def _wait_misuse(box, names, count, me, waiting, doubled) -> str:
+    me = int(me)
+    if doubled.any():
+        return _put_again(box, names, np.flatnonzero(doubled).tolist(), me, "jaxgin.wait_signal")
+    senders = np.flatnonzero(waiting).tolist()
+    return (
+        f"jaxgin.wait_signal at rank {me} of axis {_axis(names)}: waited for {count} puts into mailbox {box!r} but "
+        f"only {len(senders)} arrived (from ranks {senders}): fewer senders put to this rank than the count, their "
+        "tokens are not in after=, or an earlier wait took their puts. On a GPU this wait times out"
+    )
+
+
+def _checked_wait(mailbox: Mailbox, names, count: int, tokens: list[Token]) -> list:
+    """(mail, mask) pairs for the reference wait, after checking that `count` puts wait here."""
+    views = _waiting(tokens)
+    waiting = sum(w for _, w, _ in views)
+    doubled = _doubled(views)
+    ok = 0
+    if count > 0 or doubled is not None:
+        doubled = waiting * 0 > 0 if doubled is None else doubled
+        bad = (jnp.sum(waiting > 0) < count) | jnp.any(doubled)
+        describe = lambda *facts: _wait_misuse(mailbox.name, names, count, *facts)
+        ok = _check(bad, names, describe, waiting, doubled)
+    for _, _, record in views:
+        if record is not None:
+            record.pending = record.pending * 0  # a wait takes every put that waits
+    return [v for mail, w, _ in views for v in (mail, w + ok)]
+
+
+def _wait_from_misuse(box, names, size, me, source, waiting, doubled) -> str:
+    me, source = int(me), int(source)
+    if not 0 <= source < size:
+        return _out_of_range("jaxgin.wait_signal_from", "source", source, me, names, size, box)
+    if doubled[source]:
+        return _put_again(box, names, [source], me, "jaxgin.wait_signal_from")
+    senders = np.flatnonzero(waiting).tolist()
+    return (
+        f"jaxgin.wait_signal_from at rank {me} of axis {_axis(names)}, peer rank {source}: that sender's next put "
+        f"into mailbox {box!r} never arrived (puts of rank {source} waiting here: 0, needed: 1; ranks with a put "
+        f"waiting here: {senders}): the sender never put to this rank, its token is not in after=, or an earlier "
+        "wait took its put. On a GPU this wait times out"
+    )
+
+
+def _checked_wait_from(mailbox: Mailbox, names, size, source, tokens: list[Token]) -> list:
+    """(mail, mask) pairs for the reference wait_signal_from, after checking the source and that
+    its put waits here."""
+    views = _waiting(tokens)
+    waiting = sum(w for _, w, _ in views)
+    doubled = _doubled(views)
+    doubled = waiting * 0 > 0 if doubled is None else doubled
+    index = jnp.clip(source, 0, size - 1)
+    bad = (source < 0) | (source >= size) | (waiting[index] == 0) | doubled[index]
+    describe = lambda *facts: _wait_from_misuse(mailbox.name, names, size, *facts)
+    ok = _check(bad, names, describe, source, waiting, doubled)
+    taken = jnp.arange(size) == source
+    for _, _, record in views:
+        if record is not None:
+            record.pending = jnp.where(taken, 0, record.pending)
+    return [v for mail, w, _ in views for v in (mail, w + ok)]
+
+
 def _after_tokens(mailbox: Mailbox, after, op: str) -> list:
     tokens = [after] if isinstance(after, Token) else list(after) if isinstance(after, (list, tuple)) else None
     if not tokens or not all(isinstance(t, Token) for t in tokens):
@@ -306,7 +573,7 @@ def _after_tokens(mailbox: Mailbox, after, op: str) -> list:
     for t in tokens:
         if t.mailbox != mailbox.name:
             raise ValueError(f"{op}: a token of mailbox {t.mailbox!r} was passed to wait on {mailbox.name!r}")
-    return [v for t in tokens for v in t.values]
+    return tokens
 
 
 def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
@@ -316,7 +583,8 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
     `after`: the Token (or Tokens) of the put_signal calls this wait follows in the program.
     On GPUs the wait is bounded by the runtime timeout: if fewer than `count` puts arrive, the
     program fails with an error naming the mailbox's signals, the count and how many arrived. In
-    reference mode the rows come from the tokens and `count` is not enforced.
+    reference mode the rows come from the tokens, and fewer than `count` puts waiting here (or two
+    puts of one sender in `after`) raise JaxginError, naming the ranks and counts, when it runs.
     """
     if not isinstance(mailbox, Mailbox):
         raise TypeError(f"jaxgin.wait_signal: mailbox must be a jaxgin.Mailbox, got {type(mailbox).__name__}")
@@ -324,8 +592,12 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
     size = axes_lib.axis_size(names, "jaxgin.wait_signal")
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= size:
         raise ValueError(f"jaxgin.wait_signal: count must be an int in [0, {size}] (puts from distinct senders), got {count!r}")
-    values = _after_tokens(mailbox, after, "jaxgin.wait_signal")
+    tokens = _after_tokens(mailbox, after, "jaxgin.wait_signal")
     state = runtime.current()
+    if state.options.backend == "reference":
+        values = _checked_wait(mailbox, names, int(count), tokens)
+    else:
+        values = [v for t in tokens for v in t.values]
 
     @_not_differentiable("jaxgin.wait_signal")
     def wait(*values):
@@ -350,7 +622,8 @@ def wait_signal_from(mailbox: Mailbox, source, *, axis_name, after) -> jax.Array
     `source`: a Python int or a traced integer scalar; out of [0, axis size) on a GPU, the program
     fails with an error naming it. `after`: the Token(s) of the put_signal calls this wait follows.
     On GPUs the wait is bounded by the runtime timeout (the error names the sender). In reference
-    mode the payload comes from the tokens; a sender that did not put gives zeros.
+    mode the payload comes from the tokens, and a source with no put waiting here (or out of range)
+    raises JaxginError, naming it, when it runs.
     """
     op = "jaxgin.wait_signal_from"
     if not isinstance(mailbox, Mailbox):
@@ -358,17 +631,20 @@ def wait_signal_from(mailbox: Mailbox, source, *, axis_name, after) -> jax.Array
     names = axes_lib.axis_names(axis_name, op)
     size = axes_lib.axis_size(names, op)
     source = _axis_index_arg(source, size, op, "source", "sender")
-    values = _after_tokens(mailbox, after, op)
+    tokens = _after_tokens(mailbox, after, op)
     state = runtime.current()
+    if state.options.backend == "reference":
+        values = _checked_wait_from(mailbox, names, size, source, tokens)
+    else:
+        values = [v for t in tokens for v in t.values]
 
     @_not_differentiable(op)
     def wait(source, *values):
         if state.options.backend == "reference":
             out = jnp.zeros(mailbox.shape, mailbox.dtype)
-            valid = (source >= 0) & (source < size)  # out of range: nothing arrives, as no sender has it
-            index = jnp.clip(source, 0, size - 1)
+            index = jnp.clip(source, 0, size - 1)  # out of range failed its check before this runs
             for mail, arrived in zip(values[0::2], values[1::2]):
-                out = jnp.where(valid & (arrived[index] > 0), mail[index], out)
+                out = jnp.where(arrived[index] > 0, mail[index], out)
             return out
         return wait_signal_from_p.bind(
             source, *values, axis_name=names, size=size, shape=mailbox.shape, dtype=mailbox.dtype, mailbox=mailbox.name
