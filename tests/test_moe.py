@@ -311,3 +311,116 @@ def test_expert_ids_out_of_range_are_reported_not_sent(init):
     np.testing.assert_array_equal(np.asarray(dropped), [tokens] * n)  # one bad entry per token
     assert int(np.asarray(counts).sum()) == n * tokens  # only the good entries arrived
     _close(back, 0.5 * x, 1e-6)  # the bad entry contributes nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked entries (expert id -1 or >= num_experts, whole tokens routed nowhere): legal input that
+# means "no expert". Checked against jax.grad of dense formulations that skip those entries.
+
+
+def _mask_ids(ids, experts, masked_token):
+    """ids with entries masked in every way: token index t (of this shard) with t % 5 == masked_token
+    routed nowhere (all -1); else entry 0 of every third token -1, the last entry of every fourth
+    token an id >= experts (experts itself, or larger), entry 1 of every seventh token -7."""
+    t = jnp.arange(ids.shape[0])[:, None]
+    k = jnp.arange(ids.shape[1])[None, :]
+    ids = jnp.where((t % 3 == 0) & (k == 0), -1, ids)
+    ids = jnp.where((t % 4 == 1) & (k == ids.shape[1] - 1), experts + (t % 3) * 1000, ids)
+    ids = jnp.where((t % 7 == 2) & (k == 1), -7, ids)
+    return jnp.where(t % 5 == masked_token, -1, ids).astype(jnp.int32)
+
+
+def _valid(ids, experts):
+    return (ids >= 0) & (ids < experts)
+
+
+MASKED_CASES = [
+    # devices, tokens per device, experts, top_k, which tokens (index % 5) are routed nowhere
+    (4, 6, 8, 3, 2),
+    (2, 10, 4, 2, 0),
+    (8, 5, 16, 4, 4),
+    (1, 7, 4, 2, 1),
+]
+
+
+@pytest.mark.parametrize("n,tokens,experts,top_k,masked_token", MASKED_CASES)
+def test_masked_ids_dispatch_and_combine_values_and_gradients(init, n, tokens, experts, top_k, masked_token):
+    """dispatch -> a per-expert function -> combine with masked entries, against jax.grad of
+    y[t] = sum over t's valid entries k of w[t, k] * tanh(x[t] * scale[ids[t, k]]): values and
+    gradients in x, the routing weights (0 exactly for masked entries) and the expert parameters."""
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(experts * 7 + top_k), 5)
+    hidden = 5
+    x = jax.random.normal(keys[0], (n * tokens, hidden))
+    scale = jax.random.normal(keys[1], (experts, hidden))
+    picked = jax.vmap(lambda key: jax.random.choice(key, experts, (top_k,), replace=False))(
+        jax.random.split(keys[2], n * tokens)).astype(jnp.int32)
+    ids = jax.jit(jax.shard_map(lambda i: _mask_ids(i, experts, masked_token), mesh=mesh, in_specs=SPEC,
+                                out_specs=SPEC))(picked)
+    w = jax.random.uniform(keys[3], (n * tokens, top_k), minval=0.1, maxval=1.0)
+    ct = jax.random.normal(keys[4], (n * tokens, hidden))
+    valid = np.asarray(_valid(ids, experts))
+    assert (~valid).any(axis=1).sum() > n and (~valid).all(axis=1).sum() >= n  # every kind of mask occurs
+
+    def moe(x, ids, w, scale):
+        sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep")
+        local = experts // n
+        expert_of_row = jnp.repeat(jnp.arange(local), sent.expert_counts, total_repeat_length=sent.x.shape[0])
+        every = jax.lax.all_gather(scale, "ep", tiled=True)
+        mine = jax.lax.dynamic_slice_in_dim(every, jax.lax.axis_index("ep") * local, local)
+        return jaxgin.moe.combine(jnp.tanh(sent.x * mine[expert_of_row]), sent.handle)
+
+    def dense(x, ids, w, scale):
+        every = jax.lax.all_gather(scale, "ep", tiled=True)
+        keep = _valid(ids, experts)
+        f = jnp.tanh(x[:, None, :] * every[jnp.clip(ids, 0, experts - 1)])
+        return jnp.sum(jnp.where(keep, w, 0.0)[..., None] * f, axis=1)
+
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC, SPEC, SPEC, P()), out_specs=SPEC)  # noqa: E731
+    got = jax.jit(sm(moe))(x, ids, w, scale)
+    _close(got, jax.jit(sm(dense))(x, ids, w, scale), 1e-6)
+    np.testing.assert_array_equal(np.asarray(got)[~valid.any(axis=1)], 0.0)  # routed nowhere: zeros
+    loss = lambda f: (lambda x, ids, w, s, ct: jnp.sum(sm(f)(x, ids, w, s) * ct))  # noqa: E731
+    dx, dw, dscale = jax.jit(jax.grad(loss(moe), argnums=(0, 2, 3)))(x, ids, w, scale, ct)
+    want_dx, want_dw, want_dscale = jax.jit(jax.grad(loss(dense), argnums=(0, 2, 3)))(x, ids, w, scale, ct)
+    _close(dx, want_dx, 1e-5)
+    _close(dw, want_dw, 1e-5)
+    _close(dscale, want_dscale, 1e-5)
+    np.testing.assert_array_equal(np.asarray(dw)[~valid], 0.0)  # masked weights: exactly 0
+    np.testing.assert_array_equal(np.asarray(dx)[~valid.any(axis=1)], 0.0)
+    assert np.abs(np.asarray(dw)[valid]).min() > 0  # the valid ones are really exercised
+
+
+@pytest.mark.parametrize("n,tokens,experts,top_k,masked_token", MASKED_CASES[:3])
+def test_masked_ids_through_the_layer_values_and_gradients(init, n, tokens, experts, top_k, masked_token):
+    """moe_layer's pipeline (router, dispatch, the layer's expert FFN on ragged_dot, combine) with
+    masked entries in the router's ids, against jax.grad of the dense per-token layer that skips
+    them: values and gradients in x, router_logits (through the routing weights), w1 and w2."""
+    from jaxgin.moe.layer import expert_ffn
+
+    mesh = _mesh(n)
+    x, logits, w1, w2, ct = _params(n, tokens, 8, 6, experts, "random", seed=top_k)
+
+    def layer(x, l, a, b):
+        weights, ids = jaxgin.moe.router(l, top_k)
+        ids = _mask_ids(ids, experts, masked_token)
+        sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep")
+        with jax.default_matmul_precision("highest"):
+            return jaxgin.moe.combine(expert_ffn(sent.x, a, b, sent.expert_counts, jax.nn.silu), sent.handle)
+
+    def dense(x, l, a, b):
+        weights, ids = jaxgin.moe.router(l, top_k)
+        ids = _mask_ids(ids, experts, masked_token)
+        a, b = jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True)
+        safe = jnp.clip(ids, 0, experts - 1)
+        h = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x, a[safe], precision="highest"))
+        y = jnp.einsum("tkf,tkfh->tkh", h, b[safe], precision="highest")
+        return jnp.sum(y * jnp.where(_valid(ids, experts), weights, 0.0)[..., None], axis=1)
+
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC)  # noqa: E731
+    _close(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
+    loss = lambda f: (lambda *a: jnp.sum(sm(f)(*a[:4]) * a[4]))  # noqa: E731
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-4, floor=1e-2)
