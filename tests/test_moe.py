@@ -424,3 +424,53 @@ def test_masked_ids_through_the_layer_values_and_gradients(init, n, tokens, expe
     want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
     for g, w in zip(got, want):
         _close(g, w, 1e-4, floor=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors of moe_layer: top_k's type, weights sharded the wrong way.
+
+
+def _layer_call(mesh, top_k=2, **kwargs):
+    return jax.jit(jax.shard_map(lambda x, l, a, b: L(x, l, a, b, top_k=top_k, axis_name="ep", **kwargs),
+                                 mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC))
+
+
+@pytest.mark.parametrize("top_k", [np.int64(2), np.int32(2), np.uint8(2), np.array(2)])
+def test_layer_takes_any_integer_top_k(init, top_k):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 4, 8, 4, 4, "random")
+    np.testing.assert_array_equal(np.asarray(_layer_call(mesh, top_k=top_k)(x, logits, w1, w2)),
+                                  np.asarray(_layer_call(mesh, top_k=2)(x, logits, w1, w2)))
+
+
+@pytest.mark.parametrize("top_k,error,message", [
+    (True, TypeError, r"top_k must be an integer .* in \[1, 4\] .* got True of type bool"),
+    (np.bool_(True), TypeError, r"top_k must be an integer .* of type bool"),
+    (2.0, TypeError, r"top_k must be an integer .* got 2\.0 of type float"),
+    (np.float32(2), TypeError, r"top_k must be an integer .* of type float32"),
+    ("2", TypeError, r"top_k must be an integer .* got '2' of type str"),
+    (np.int64(0), ValueError, r"top_k must be an int in \[1, 4\] \(the number of experts\), got 0"),
+    (5, ValueError, r"top_k must be an int in \[1, 4\] \(the number of experts\), got 5"),
+])
+def test_layer_refuses_top_k_that_is_not_an_integer_in_range(init, top_k, error, message):
+    x, logits, w1, w2, _ = _params(2, 4, 8, 4, 4, "random")
+    with pytest.raises(error, match=message):
+        _layer_call(_mesh(2), top_k=top_k)(x, logits, w1, w2)
+
+
+@pytest.mark.parametrize("w1_spec,w2_spec,w1_experts,message", [
+    (P(), P(), 8, r"w1 holds all 8 experts on every device \(replicated over the expert axis\); each of the 4 devices "
+                  r"must hold 8 / 4 = 2 of them, w1 \[2, \.\.\.\]: shard w1 over the expert axis 'ep' along its first "
+                  r"dimension \(shard_map in_specs P\('ep'\)\)"),
+    (SPEC, P(), 8, r"w2 holds all 8 experts on every device .* shard w2 over the expert axis 'ep'"),
+    (SPEC, SPEC, 16, r"w1 holds 4 experts on this device, but router_logits has 8 experts over an expert axis of "
+                     r"size 4, so each device must hold 2: shard w1"),
+])
+def test_layer_blames_weights_sharded_the_wrong_way(init, w1_spec, w2_spec, w1_experts, message):
+    mesh = _mesh(4)
+    x, logits = jnp.ones((16, 8)), jnp.ones((16, 8))
+    w1, w2 = jnp.ones((w1_experts, 8, 4)), jnp.ones((8, 4, 8))
+    f = lambda x, l, a, b: L(x, l, a, b, top_k=2, axis_name="ep")  # noqa: E731
+    with pytest.raises(ValueError, match=message) as raised:
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC, SPEC, w1_spec, w2_spec), out_specs=SPEC))(x, logits, w1, w2)
+    assert "router_logits must" not in str(raised.value)  # the logits are right
