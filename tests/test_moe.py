@@ -11,6 +11,7 @@ router_logits, w1 and w2, under random and adversarial routing.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -474,3 +475,60 @@ def test_layer_blames_weights_sharded_the_wrong_way(init, w1_spec, w2_spec, w1_e
     with pytest.raises(ValueError, match=message) as raised:
         jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC, SPEC, w1_spec, w2_spec), out_specs=SPEC))(x, logits, w1, w2)
     assert "router_logits must" not in str(raised.value)  # the logits are right
+
+
+# ---------------------------------------------------------------------------------------------
+# Drops are never silent: moe_layer warns at run time when a capacity below the worst case drops
+# entries (unless return_stats=True hands the counts over), and compiles no check otherwise.
+
+
+def _layer_warnings(f, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jax.block_until_ready(f(*args))
+        jax.effects_barrier()
+    return out, [str(w.message) for w in caught if str(w.message).startswith("jaxgin.moe.moe_layer:")]
+
+
+def test_layer_warns_how_many_entries_a_small_capacity_dropped(init):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 8, 8, 4, 4, "last_gpu")
+    stats = jax.jit(jax.shard_map(
+        lambda x, l, a, b: (lambda y, s: (y, s["dropped"][None], s["expert_counts"].sum()[None]))(
+            *L(x, l, a, b, top_k=2, axis_name="ep", capacity=5, return_stats=True)),
+        mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC,) * 3))
+    want_y, dropped, kept = stats(x, logits, w1, w2)
+    _, quiet = _layer_warnings(stats, x, logits, w1, w2)
+    assert quiet == []  # return_stats=True: the caller has the counts
+    dropped, kept = np.asarray(dropped), np.asarray(kept)
+    assert dropped[1] > 0  # every token has an entry on the last GPU
+
+    y, messages = _layer_warnings(_layer_call(mesh, capacity=5), x, logits, w1, w2)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))  # the warning changes nothing else
+    want = [f"jaxgin.moe.moe_layer: {dropped[d]} of {dropped[d] + kept[d]} routed entries at expert-axis index {d} "
+            f"did not fit capacity=5 and were dropped, which changes the output. Pass capacity >= "
+            f"{dropped[d] + kept[d]} (what this call needed there) or capacity=None (the worst case, 32 rows, never "
+            f"drops), or return_stats=True to get the counts instead of this warning."
+            for d in range(2) if dropped[d] > 0]
+    assert sorted(messages) == sorted(want)
+
+    # under jax.grad the forward pass warns the same way
+    loss = jax.jit(jax.grad(lambda *a: jnp.sum(_layer_call(mesh, capacity=5)(*a)), argnums=(0, 2)))
+    _, messages = _layer_warnings(loss, x, logits, w1, w2)
+    assert sorted(messages) == sorted(want)
+
+
+def test_layer_without_drops_stays_quiet_and_checks_only_when_it_could_drop(init):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 8, 8, 4, 4, "random")
+    need = jax.jit(jax.shard_map(
+        lambda *a: (lambda y, s: (s["dropped"] + s["expert_counts"].sum())[None])(
+            *L(*a, top_k=2, axis_name="ep", return_stats=True)), mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC))
+    rows = int(np.asarray(need(x, logits, w1, w2)).max())
+    assert rows < 32  # the worst case: 2 GPUs x 8 tokens x min(2, 2) entries
+    for capacity in (None, 32, 100, rows):
+        f = _layer_call(mesh, capacity=capacity)
+        _, messages = _layer_warnings(f, x, logits, w1, w2)
+        assert messages == [], capacity
+        # nothing can drop (capacity None or >= the worst case): no check at all in the program
+        assert ("callback" in f.lower(x, logits, w1, w2).as_text()) == (capacity == rows), capacity

@@ -4,12 +4,14 @@ jaxgin.moe.dispatch / combine and jax.lax.ragged_dot."""
 from __future__ import annotations
 
 import operator
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxgin.ffi import axes as axes_lib
+from jaxgin.moe import _routing
 from jaxgin.moe.exchange import combine, dispatch
 
 OP = "jaxgin.moe.moe_layer"
@@ -106,8 +108,12 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     integer scalar (Python or numpy) in [1, E].
 
     Differentiable in x, router_logits, w1 and w2. capacity / mode: as jaxgin.moe.dispatch.
-    return_stats=True returns (y, {"dropped": entries over capacity, "expert_counts": rows per
-    local expert}) so a too small capacity shows."""
+    Drops are never silent: return_stats=True returns (y, {"dropped": entries over capacity,
+    "expert_counts": rows per local expert}); without it, a capacity below the worst case
+    (P * T * min(top_k, E_local) rows) makes every call check at run time whether this device
+    dropped entries and, when it did, warn (RuntimeWarning, through jax.debug.callback) how many and
+    what capacity that call needed. With capacity=None (the default, nothing can drop) or
+    return_stats=True no check is compiled in."""
     names = axes_lib.axis_names(axis_name, OP)
     size = axes_lib.axis_size(names, OP)
     x, router_logits, w1, w2 = map(jnp.asarray, (x, router_logits, w1, w2))
@@ -117,4 +123,28 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     y = combine(expert_ffn(sent.x, w1, w2, sent.expert_counts, activation), sent.handle)
     if return_stats:
         return y, {"dropped": sent.dropped, "expert_counts": sent.expert_counts}
+    plan = sent.handle.plan
+    worst = _routing.worst_case_capacity(size, plan.tokens, top_k, plan.local_experts)
+    if plan.capacity < worst:
+        _warn_when_dropped(sent, plan.capacity, worst, names)
     return y
+
+
+def _warn_when_dropped(sent, capacity: int, worst: int, names):
+    """At run time, only on a device that dropped entries: a RuntimeWarning saying how many and how
+    to size capacity. The branch is a conditional on a scalar (its predicate is read on the host);
+    the Python callback runs only on a drop."""
+
+    def warn(dropped, needed, index):
+        warnings.warn(
+            f"{OP}: {int(dropped)} of {int(needed)} routed entries at expert-axis index {int(index)} did not fit "
+            f"capacity={capacity} and were dropped, which changes the output. Pass capacity >= {int(needed)} (what "
+            f"this call needed there) or capacity=None (the worst case, {worst} rows, never drops), or "
+            f"return_stats=True to get the counts instead of this warning.",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+    needed = jnp.sum(sent.expert_counts) + sent.dropped  # the router's ids are all valid: every drop is capacity's
+    jax.lax.cond(sent.dropped > 0, lambda *a: jax.debug.callback(warn, *a), lambda *a: None,
+                 sent.dropped, needed, jax.lax.axis_index(names))
