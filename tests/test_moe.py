@@ -367,14 +367,12 @@ def test_masked_ids_dispatch_and_combine_values_and_gradients(init, n, tokens, e
         sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep")
         local = experts // n
         expert_of_row = jnp.repeat(jnp.arange(local), sent.expert_counts, total_repeat_length=sent.x.shape[0])
-        every = jax.lax.all_gather(scale, "ep", tiled=True)
-        mine = jax.lax.dynamic_slice_in_dim(every, jax.lax.axis_index("ep") * local, local)
+        mine = jax.lax.dynamic_slice_in_dim(scale, jax.lax.axis_index("ep") * local, local)  # scale: replicated
         return jaxgin.moe.combine(jnp.tanh(sent.x * mine[expert_of_row]), sent.handle)
 
     def dense(x, ids, w, scale):
-        every = jax.lax.all_gather(scale, "ep", tiled=True)
         keep = _valid(ids, experts)
-        f = jnp.tanh(x[:, None, :] * every[jnp.clip(ids, 0, experts - 1)])
+        f = jnp.tanh(x[:, None, :] * scale[jnp.clip(ids, 0, experts - 1)])
         return jnp.sum(jnp.where(keep, w, 0.0)[..., None] * f, axis=1)
 
     sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC, SPEC, SPEC, P()), out_specs=SPEC)  # noqa: E731
