@@ -11,6 +11,7 @@ router_logits, w1 and w2, under random and adversarial routing.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -311,3 +312,221 @@ def test_expert_ids_out_of_range_are_reported_not_sent(init):
     np.testing.assert_array_equal(np.asarray(dropped), [tokens] * n)  # one bad entry per token
     assert int(np.asarray(counts).sum()) == n * tokens  # only the good entries arrived
     _close(back, 0.5 * x, 1e-6)  # the bad entry contributes nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked entries (expert id -1 or >= num_experts, whole tokens routed nowhere): legal input that
+# means "no expert". Checked against jax.grad of dense formulations that skip those entries.
+
+
+def _mask_ids(ids, experts, masked_token):
+    """ids with entries masked in every way: token index t (of this shard) with t % 5 == masked_token
+    routed nowhere (all -1); else entry 0 of every third token -1, the last entry of every fourth
+    token an id >= experts (experts itself, or larger), entry 1 of every seventh token -7."""
+    t = jnp.arange(ids.shape[0])[:, None]
+    k = jnp.arange(ids.shape[1])[None, :]
+    ids = jnp.where((t % 3 == 0) & (k == 0), -1, ids)
+    ids = jnp.where((t % 4 == 1) & (k == ids.shape[1] - 1), experts + (t % 3) * 1000, ids)
+    ids = jnp.where((t % 7 == 2) & (k == 1), -7, ids)
+    return jnp.where(t % 5 == masked_token, -1, ids).astype(jnp.int32)
+
+
+def _valid(ids, experts):
+    return (ids >= 0) & (ids < experts)
+
+
+MASKED_CASES = [
+    # devices, tokens per device, experts, top_k, which tokens (index % 5) are routed nowhere
+    (4, 6, 8, 3, 2),
+    (2, 10, 4, 2, 0),
+    (8, 5, 16, 4, 4),
+    (1, 7, 4, 2, 1),
+]
+
+
+@pytest.mark.parametrize("n,tokens,experts,top_k,masked_token", MASKED_CASES)
+def test_masked_ids_dispatch_and_combine_values_and_gradients(init, n, tokens, experts, top_k, masked_token):
+    """dispatch -> a per-expert function -> combine with masked entries, against jax.grad of
+    y[t] = sum over t's valid entries k of w[t, k] * tanh(x[t] * scale[ids[t, k]]): values and
+    gradients in x, the routing weights (0 exactly for masked entries) and the expert parameters."""
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(experts * 7 + top_k), 5)
+    hidden = 5
+    x = jax.random.normal(keys[0], (n * tokens, hidden))
+    scale = jax.random.normal(keys[1], (experts, hidden))
+    picked = jax.vmap(lambda key: jax.random.choice(key, experts, (top_k,), replace=False))(
+        jax.random.split(keys[2], n * tokens)).astype(jnp.int32)
+    ids = jax.jit(jax.shard_map(lambda i: _mask_ids(i, experts, masked_token), mesh=mesh, in_specs=SPEC,
+                                out_specs=SPEC))(picked)
+    w = jax.random.uniform(keys[3], (n * tokens, top_k), minval=0.1, maxval=1.0)
+    ct = jax.random.normal(keys[4], (n * tokens, hidden))
+    valid = np.asarray(_valid(ids, experts))
+    assert (~valid).any(axis=1).sum() > n and (~valid).all(axis=1).sum() >= n  # every kind of mask occurs
+
+    def moe(x, ids, w, scale):
+        sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep")
+        local = experts // n
+        expert_of_row = jnp.repeat(jnp.arange(local), sent.expert_counts, total_repeat_length=sent.x.shape[0])
+        mine = jax.lax.dynamic_slice_in_dim(scale, jax.lax.axis_index("ep") * local, local)  # scale: replicated
+        return jaxgin.moe.combine(jnp.tanh(sent.x * mine[expert_of_row]), sent.handle)
+
+    def dense(x, ids, w, scale):
+        keep = _valid(ids, experts)
+        f = jnp.tanh(x[:, None, :] * scale[jnp.clip(ids, 0, experts - 1)])
+        return jnp.sum(jnp.where(keep, w, 0.0)[..., None] * f, axis=1)
+
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC, SPEC, SPEC, P()), out_specs=SPEC)  # noqa: E731
+    got = jax.jit(sm(moe))(x, ids, w, scale)
+    _close(got, jax.jit(sm(dense))(x, ids, w, scale), 1e-6)
+    np.testing.assert_array_equal(np.asarray(got)[~valid.any(axis=1)], 0.0)  # routed nowhere: zeros
+    loss = lambda f: (lambda x, ids, w, s, ct: jnp.sum(sm(f)(x, ids, w, s) * ct))  # noqa: E731
+    dx, dw, dscale = jax.jit(jax.grad(loss(moe), argnums=(0, 2, 3)))(x, ids, w, scale, ct)
+    want_dx, want_dw, want_dscale = jax.jit(jax.grad(loss(dense), argnums=(0, 2, 3)))(x, ids, w, scale, ct)
+    _close(dx, want_dx, 1e-5)
+    _close(dw, want_dw, 1e-5)
+    _close(dscale, want_dscale, 1e-5)
+    np.testing.assert_array_equal(np.asarray(dw)[~valid], 0.0)  # masked weights: exactly 0
+    np.testing.assert_array_equal(np.asarray(dx)[~valid.any(axis=1)], 0.0)
+    assert np.abs(np.asarray(dw)[valid]).min() > 0  # the valid ones are really exercised
+
+
+@pytest.mark.parametrize("n,tokens,experts,top_k,masked_token", MASKED_CASES[:3])
+def test_masked_ids_through_the_layer_values_and_gradients(init, n, tokens, experts, top_k, masked_token):
+    """moe_layer's pipeline (router, dispatch, the layer's expert FFN on ragged_dot, combine) with
+    masked entries in the router's ids, against jax.grad of the dense per-token layer that skips
+    them: values and gradients in x, router_logits (through the routing weights), w1 and w2."""
+    from jaxgin.moe.layer import expert_ffn
+
+    mesh = _mesh(n)
+    x, logits, w1, w2, ct = _params(n, tokens, 8, 6, experts, "random", seed=top_k)
+
+    def layer(x, l, a, b):
+        weights, ids = jaxgin.moe.router(l, top_k)
+        ids = _mask_ids(ids, experts, masked_token)
+        sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep")
+        with jax.default_matmul_precision("highest"):
+            return jaxgin.moe.combine(expert_ffn(sent.x, a, b, sent.expert_counts, jax.nn.silu), sent.handle)
+
+    def dense(x, l, a, b):
+        weights, ids = jaxgin.moe.router(l, top_k)
+        ids = _mask_ids(ids, experts, masked_token)
+        a, b = jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True)
+        safe = jnp.clip(ids, 0, experts - 1)
+        h = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x, a[safe], precision="highest"))
+        y = jnp.einsum("tkf,tkfh->tkh", h, b[safe], precision="highest")
+        return jnp.sum(y * jnp.where(_valid(ids, experts), weights, 0.0)[..., None], axis=1)
+
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC)  # noqa: E731
+    _close(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
+    loss = lambda f: (lambda *a: jnp.sum(sm(f)(*a[:4]) * a[4]))  # noqa: E731
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-4, floor=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors of moe_layer: top_k's type, weights sharded the wrong way.
+
+
+def _layer_call(mesh, top_k=2, **kwargs):
+    return jax.jit(jax.shard_map(lambda x, l, a, b: L(x, l, a, b, top_k=top_k, axis_name="ep", **kwargs),
+                                 mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC))
+
+
+@pytest.mark.parametrize("top_k", [np.int64(2), np.int32(2), np.uint8(2), np.array(2)])
+def test_layer_takes_any_integer_top_k(init, top_k):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 4, 8, 4, 4, "random")
+    np.testing.assert_array_equal(np.asarray(_layer_call(mesh, top_k=top_k)(x, logits, w1, w2)),
+                                  np.asarray(_layer_call(mesh, top_k=2)(x, logits, w1, w2)))
+
+
+@pytest.mark.parametrize("top_k,error,message", [
+    (True, TypeError, r"top_k must be an integer .* in \[1, 4\] .* got True of type bool"),
+    (np.bool_(True), TypeError, r"top_k must be an integer .* of type bool"),
+    (2.0, TypeError, r"top_k must be an integer .* got 2\.0 of type float"),
+    (np.float32(2), TypeError, r"top_k must be an integer .* of type float32"),
+    ("2", TypeError, r"top_k must be an integer .* got '2' of type str"),
+    (np.int64(0), ValueError, r"top_k must be an int in \[1, 4\] \(the number of experts\), got 0"),
+    (5, ValueError, r"top_k must be an int in \[1, 4\] \(the number of experts\), got 5"),
+])
+def test_layer_refuses_top_k_that_is_not_an_integer_in_range(init, top_k, error, message):
+    x, logits, w1, w2, _ = _params(2, 4, 8, 4, 4, "random")
+    with pytest.raises(error, match=message):
+        _layer_call(_mesh(2), top_k=top_k)(x, logits, w1, w2)
+
+
+@pytest.mark.parametrize("w1_spec,w2_spec,w1_experts,message", [
+    (P(), P(), 8, r"w1 holds all 8 experts on every device \(replicated over the expert axis\); each of the 4 devices "
+                  r"must hold 8 / 4 = 2 of them, w1 \[2, \.\.\.\]: shard w1 over the expert axis 'ep' along its first "
+                  r"dimension \(shard_map in_specs P\('ep'\)\)"),
+    (SPEC, P(), 8, r"w2 holds all 8 experts on every device .* shard w2 over the expert axis 'ep'"),
+    (SPEC, SPEC, 16, r"w1 holds 4 experts on this device, but router_logits has 8 experts over an expert axis of "
+                     r"size 4, so each device must hold 2: shard w1"),
+])
+def test_layer_blames_weights_sharded_the_wrong_way(init, w1_spec, w2_spec, w1_experts, message):
+    mesh = _mesh(4)
+    x, logits = jnp.ones((16, 8)), jnp.ones((16, 8))
+    w1, w2 = jnp.ones((w1_experts, 8, 4)), jnp.ones((8, 4, 8))
+    f = lambda x, l, a, b: L(x, l, a, b, top_k=2, axis_name="ep")  # noqa: E731
+    with pytest.raises(ValueError, match=message) as raised:
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC, SPEC, w1_spec, w2_spec), out_specs=SPEC))(x, logits, w1, w2)
+    assert "router_logits must" not in str(raised.value)  # the logits are right
+
+
+# ---------------------------------------------------------------------------------------------
+# Drops are never silent: moe_layer warns at run time when a capacity below the worst case drops
+# entries (unless return_stats=True hands the counts over), and compiles no check otherwise.
+
+
+def _layer_warnings(f, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jax.block_until_ready(f(*args))
+        jax.effects_barrier()
+    return out, [str(w.message) for w in caught if str(w.message).startswith("jaxgin.moe.moe_layer:")]
+
+
+def test_layer_warns_how_many_entries_a_small_capacity_dropped(init):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 8, 8, 4, 4, "last_gpu")
+    stats = jax.jit(jax.shard_map(
+        lambda x, l, a, b: (lambda y, s: (y, s["dropped"][None], s["expert_counts"].sum()[None]))(
+            *L(x, l, a, b, top_k=2, axis_name="ep", capacity=5, return_stats=True)),
+        mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC,) * 3))
+    want_y, dropped, kept = stats(x, logits, w1, w2)
+    _, quiet = _layer_warnings(stats, x, logits, w1, w2)
+    assert quiet == []  # return_stats=True: the caller has the counts
+    dropped, kept = np.asarray(dropped), np.asarray(kept)
+    assert dropped[1] > 0  # every token has an entry on the last GPU
+
+    y, messages = _layer_warnings(_layer_call(mesh, capacity=5), x, logits, w1, w2)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))  # the warning changes nothing else
+    want = [f"jaxgin.moe.moe_layer: {dropped[d]} of {dropped[d] + kept[d]} routed entries at expert-axis index {d} "
+            f"did not fit capacity=5 and were dropped, which changes the output. Pass capacity >= "
+            f"{dropped[d] + kept[d]} (what this call needed there) or capacity=None (the worst case, 32 rows, never "
+            f"drops), or return_stats=True to get the counts instead of this warning."
+            for d in range(2) if dropped[d] > 0]
+    assert sorted(messages) == sorted(want)
+
+    # under jax.grad the forward pass warns the same way
+    loss = jax.jit(jax.grad(lambda *a: jnp.sum(_layer_call(mesh, capacity=5)(*a)), argnums=(0, 2)))
+    _, messages = _layer_warnings(loss, x, logits, w1, w2)
+    assert sorted(messages) == sorted(want)
+
+
+def test_layer_without_drops_stays_quiet_and_checks_only_when_it_could_drop(init):
+    mesh = _mesh(2)
+    x, logits, w1, w2, _ = _params(2, 8, 8, 4, 4, "random")
+    need = jax.jit(jax.shard_map(
+        lambda *a: (lambda y, s: (s["dropped"] + s["expert_counts"].sum())[None])(
+            *L(*a, top_k=2, axis_name="ep", return_stats=True)), mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC))
+    rows = int(np.asarray(need(x, logits, w1, w2)).max())
+    assert rows < 32  # the worst case: 2 GPUs x 8 tokens x min(2, 2) entries
+    for capacity in (None, 32, 100, rows):
+        f = _layer_call(mesh, capacity=capacity)
+        _, messages = _layer_warnings(f, x, logits, w1, w2)
+        assert messages == [], capacity
+        # nothing can drop (capacity None or >= the worst case): no check at all in the program
+        assert ("callback" in f.lower(x, logits, w1, w2).as_text()) == (capacity == rows), capacity

@@ -55,7 +55,7 @@ class SourceRoute:
     slot: jax.Array  # int32 [T, P]: staging row on GPU d, -1 where token t does not go to d
     before: jax.Array  # int32 [T, P]: tokens before t that go to GPU d (slot where t goes there too)
     meta: jax.Array  # int32 [T, P, K]: code of entry k for GPU d, -1 where its expert is elsewhere
-    dest: jax.Array  # int32 [T, K]: GPU of entry k's expert
+    dest: jax.Array  # int32 [T, K]: GPU of entry k's expert, -1 where the entry is masked (id outside [0, E))
     send_counts: jax.Array  # int32 [P, EL + 1]: entries per local expert of d, then tokens sent to d
 
 
@@ -96,7 +96,8 @@ def _rank_among_equal(keys, bins: int):
 
 
 def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
-    """(routing, entries with an expert id outside [0, num_experts): not sent, reported as dropped)."""
+    """(routing, masked entries: those with an expert id outside [0, num_experts), such as -1; they
+    are not sent anywhere, have dest -1, and are reported as dropped)."""
     t, k, p, el = plan.tokens, plan.top_k, plan.size, plan.local_experts
     ids = topk_ids.astype(jnp.int32)
     valid = (ids >= 0) & (ids < plan.num_experts)
@@ -112,7 +113,7 @@ def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     send_counts = jnp.concatenate(
         [per_expert[:-1].reshape(p, el), jnp.sum(goes, axis=0, dtype=jnp.int32)[:, None]], axis=1
     )
-    return SourceRoute(slot, before, meta, jnp.maximum(dest, 0), send_counts), per_expert[-1]
+    return SourceRoute(slot, before, meta, dest, send_counts), per_expert[-1]
 
 
 def placement(counts, codes, capacity: int, local_experts: int):

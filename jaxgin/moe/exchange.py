@@ -4,7 +4,8 @@ On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call; 
 (CPU) the same placement is computed with jax.lax.all_to_all over worst-case staging arrays.
 Gradients (jax.custom_vjp, shared by both modes so the CPU tests check the rules the GPUs use):
 dispatch's backward is a combine (with unit weights, for x) plus the routing weights' cotangents
-sent home; combine's backward is a dispatch of the output cotangent.
+sent home; combine's backward is a dispatch of the output cotangent. Entries that land nowhere
+(masked ids, entries over capacity) contribute nothing forward, so their weights' gradients are 0.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ jax.tree_util.register_dataclass(Handle, data_fields=["route", "positions", "wei
 class Dispatched:
     """dispatch's result. x: [capacity, H], rows grouped by local expert (expert 0's first), rows past
     sum(expert_counts) zero; expert_counts: int32 [local experts], the rows kept per expert;
-    dropped: int32 (), entries not delivered: this GPU's entries past its capacity, plus entries of
-    this GPU's tokens whose expert id is outside [0, num_experts) (those are not sent);
+    dropped: int32 (), entries not delivered: entries that arrived here past the capacity, plus
+    this GPU's masked entries (expert id outside [0, num_experts), not sent anywhere);
     handle: for combine."""
 
     x: jax.Array
@@ -64,6 +65,12 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     jax.lax.ragged_dot with expert_counts as group sizes). Within an expert, rows are ordered by
     source GPU, then by token. topk_weights [T, K] travel along for combine.
 
+    Masked entries: an expert id outside [0, num_experts) (-1 by convention, as in DeepEP and NCCL
+    EP; ids >= num_experts too) means "no expert". Such an entry is sent nowhere, adds nothing to
+    combine's output, is counted in `dropped`, and gets a zero gradient for its routing weight. A
+    token whose entries are all masked is sent nowhere: combine returns zeros for it, and its x
+    gradient is 0.
+
     capacity: rows of the grouped output (default: the worst case, P * T * min(K, E / P)); entries
     that do not fit are dropped and counted in `dropped`, never silently. mode: 'low_latency'
     (small batches, decode), 'high_throughput', or 'auto' (low_latency up to 256 tokens per GPU).
@@ -82,8 +89,10 @@ def combine(expert_out, handle: Handle):
     """The inverse of the dispatch that made `handle`: expert_out [capacity, H] in dispatch's layout
     (row i = an expert's output for the token dispatch put at row i) goes back to each token's GPU,
     weighted by the routing weights: out[t] = sum over t's top-k entries of weight * expert_out[row],
-    [T, H]. Each token gets one row per GPU (that GPU's entries reduced there, float32, then
-    rounded to x's dtype), summed at home in float32."""
+    [T, H], where entries that landed nowhere (masked ids, over capacity) count as 0. Each token
+    gets one row per GPU (that GPU's entries reduced there, float32, then rounded to x's dtype),
+    summed at home in float32. Differentiable in expert_out and, through the handle, in the
+    topk_weights given to dispatch."""
     if not isinstance(handle, Handle):
         raise TypeError(f"{COMBINE}: handle must be the .handle of jaxgin.moe.dispatch's result, got {type(handle).__name__}")
     plan = handle.plan
@@ -275,12 +284,14 @@ def _dispatch_bwd(plan, saved, cts):
     landed = positions >= 0
     # x: each of a token's landed entries contributes its row's cotangent: a combine with weight 1.
     dx = _combine_forward(ct_x, landed.astype(jnp.float32), positions, rows, route, plan)
-    # weights: entry (s, r, k)'s cotangent goes home to source s, row r.
+    # weights: entry (s, r, k)'s cotangent goes home to source s, row r. A masked entry (dest -1)
+    # went nowhere and gets 0: the row it would read belongs to another token, or to none.
     home = _exchange_back(jnp.where(landed, ct_w, 0.0), plan)  # [P GPUs, T rows, K]
-    dest = route.dest
+    sent = route.dest >= 0
+    dest = jnp.maximum(route.dest, 0)
     rows_at = jnp.take_along_axis(route.slot, dest, axis=1)  # [T, K]: the token's row on its entry's GPU
     dw = home[dest, jnp.maximum(rows_at, 0), jnp.arange(plan.top_k)[None, :]]
-    return dx, dw, None
+    return dx, jnp.where(sent, dw, 0.0), None
 
 
 def _exchange_back(a, plan):

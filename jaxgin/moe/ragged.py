@@ -22,7 +22,7 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     names = axes_lib.axis_names(axis_name, OP)
     size = axes_lib.axis_size(names, OP)
     x, router_logits, w1, w2 = map(jnp.asarray, (x, router_logits, w1, w2))
-    experts = check_layer(OP, x, router_logits, w1, w2, top_k, size)
+    experts, top_k = check_layer(OP, x, router_logits, w1, w2, top_k, names, size)
     weights, ids = router(router_logits, top_k)
     received, group_sizes, state = dispatch(x, ids, num_experts=experts, axis_name=names, capacity=capacity)
     return combine(expert_ffn(received, w1, w2, group_sizes, activation), weights, state)

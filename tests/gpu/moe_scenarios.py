@@ -3,12 +3,16 @@
     python tests/gpu/moe_scenarios.py check              # one process, all visible GPUs
     python tests/gpu/moe_scenarios.py check RANK WORLD COORDINATOR   # one process per GPU
 
-Per case (random and adversarial routing, top_k 1 to 8, both modes, a capacity that overflows):
+Per case (random and adversarial routing, top_k 1 to 8, both modes, a capacity that overflows,
+masked entries: expert ids -1 and >= E, tokens routed nowhere):
 - dispatch equals the reference placement (jax.lax.all_to_all over staging arrays, run on the
   same GPUs) bit for bit: grouped rows, positions, weights, expert counts, dropped entries;
 - combine equals the reference combine within one rounding of the returned rows;
 - moe_layer equals a dense per-token computation (every expert's weights gathered), values and
   gradients in x, router_logits, w1, w2; the ragged_all_to_all layer is checked the same way;
+  with masked entries, moe_layer's pipeline (router, masked ids, dispatch, the layer's expert FFN,
+  combine) against the dense computation that skips them, the same values and gradients;
+- a capacity that overflows makes moe_layer (without return_stats) warn, counted over processes;
 - 500 calls in one jit with routing that changes every call, dispatch compared exactly and combine
   within rounding, every call.
 Prints RESULT: {json}.
@@ -17,6 +21,7 @@ Prints RESULT: {json}.
 import json
 import os
 import sys
+import warnings
 
 if len(sys.argv) > 3:  # one process per GPU: XLA needs leave to run ragged_all_to_all (the baseline layer) over NCCL
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -31,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxgin
 from harness import run_mesh_check
 from jaxgin.moe import _routing, exchange
+from jaxgin.moe.layer import expert_ffn
 
 
 def _host(a) -> np.ndarray:
@@ -51,6 +57,7 @@ def cases(n):
         ("top8", 96, 256, 32, 16, 8, jnp.bfloat16, None, "auto", "random"),
         ("empty_experts", 80, 256, 32, 4 * n, 2, jnp.float32, None, "high_throughput", "even_experts"),
         ("capacity_overflow", 64, 128, 32, 2 * n, 2, jnp.float32, 40, "auto", "one_gpu"),
+        ("masked_ids", 96, 256, 32, 4 * n, 4, jnp.float32, None, "auto", "masked"),
     ]
 
 
@@ -66,9 +73,27 @@ def _logits(key, tokens, experts, routing):
     return logits
 
 
-def _dense(x, logits, w1, w2, top_k):
-    """Each token through its experts one by one (all experts' weights gathered): the definition."""
+def _routed(logits, top_k, experts, routing):
+    """The router's (weights, ids); for the "masked" routing with entries masked in every way: every
+    fifth token routed nowhere (all -1), entry 0 of every third token -1, the last entry of every
+    fourth token an id >= experts, entry 1 of every seventh token -7."""
     weights, ids = jaxgin.moe.router(logits, top_k)
+    if routing == "masked":
+        t, k = jnp.arange(ids.shape[0])[:, None], jnp.arange(top_k)[None, :]
+        ids = jnp.where((t % 3 == 0) & (k == 0), -1, ids)
+        ids = jnp.where((t % 4 == 1) & (k == top_k - 1), experts + t % 3, ids)
+        ids = jnp.where((t % 7 == 2) & (k == 1), -7, ids)
+        ids = jnp.where(t % 5 == 2, -1, ids)
+    return weights, ids
+
+
+def _dense(x, logits, w1, w2, top_k, routing="random"):
+    """Each token through its experts one by one (all experts' weights gathered): the definition.
+    Masked entries (ids outside [0, E)) contribute nothing."""
+    experts = w1.shape[0]
+    weights, ids = _routed(logits, top_k, experts, routing)
+    valid = (ids >= 0) & (ids < experts)
+    weights, ids = jnp.where(valid, weights, 0.0), jnp.clip(ids, 0, experts - 1)
     a, b = w1[ids], w2[ids]  # [T, K, H, F], [T, K, F, H]
     h = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x.astype(jnp.float32), a.astype(jnp.float32)))
     y = jnp.einsum("tkf,tkfh->tkh", h.astype(x.dtype).astype(jnp.float32), b.astype(jnp.float32))
@@ -76,8 +101,10 @@ def _dense(x, logits, w1, w2, top_k):
 
 
 def _reference_dispatch(x, ids, weights, plan):
-    route, _ = _routing.route(ids, plan)
-    return exchange.dispatch_reference(x, weights, route, plan), route
+    """The reference placement; its dropped count includes the masked entries, as dispatch's does."""
+    route, masked = _routing.route(ids, plan)
+    grouped, positions, weights_out, counts, rows, dropped = exchange.dispatch_reference(x, weights, route, plan)
+    return (grouped, positions, weights_out, counts, rows, dropped + masked), route
 
 
 def _kernel_calls() -> dict:
@@ -121,7 +148,7 @@ def check(mesh) -> dict:
         ct = put(jax.random.normal(keys[4], (n * tokens, hidden), jnp.float32).astype(dtype))
 
         def both(x, logits):
-            weights, ids = jaxgin.moe.router(logits, top_k)
+            weights, ids = _routed(logits, top_k, experts, routing)
             sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", capacity=capacity,
                                        mode=mode)
             plan = sent.handle.plan
@@ -145,14 +172,25 @@ def check(mesh) -> dict:
 
         layer = lambda x, l, a, b: jaxgin.moe.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep",  # noqa: E731
                                                         capacity=capacity, mode=mode)
+        if routing == "masked":  # moe_layer's own router never masks: its pipeline with masked ids
+            def layer(x, l, a, b):
+                weights, ids = _routed(l, top_k, experts, routing)
+                sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", mode=mode)
+                return jaxgin.moe.combine(expert_ffn(sent.x, a, b, sent.expert_counts, jax.nn.silu), sent.handle)
 
         def dense(x, l, a, b):
-            return _dense(x, l, jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True), top_k)
+            return _dense(x, l, jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True), top_k,
+                          routing)
 
         sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)  # noqa: E731
         row = dict(case=name, tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, dtype=np.dtype(dtype).name,
                    mode=mode, capacity=capacity, dispatch_exact=same, dropped=int(_host(dropped).sum()),
                    combine_rel_err=combine_err, launches_per_call=launches)
+        if routing == "masked":
+            ids = jax.jit(jax.shard_map(lambda l: _routed(l, top_k, experts, routing)[1], mesh=mesh, in_specs=spec,
+                                        out_specs=spec))(logits)
+            ids = _host(ids)
+            row["masked_entries"] = int(((ids < 0) | (ids >= experts)).sum())
         if capacity is None:  # the dense definition has no capacity
             row["layer_rel_err"] = _rel(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
             loss = lambda f: (lambda x, l, a, b, ct: jnp.sum(sm(f)(x, l, a, b).astype(jnp.float32)  # noqa: E731
@@ -160,10 +198,19 @@ def check(mesh) -> dict:
             g_layer = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
             g_dense = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
             row["grad_rel_err"] = {k: _rel(a, b) for k, a, b in zip(("x", "logits", "w1", "w2"), g_layer, g_dense)}
-            if jax.default_backend() == "gpu":  # XLA:CPU has no ragged-all-to-all
+            if jax.default_backend() == "gpu" and routing != "masked":  # XLA:CPU has no ragged-all-to-all
                 ragged = lambda x, l, a, b: jaxgin.moe.ragged.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep")  # noqa: E731
                 row["ragged_layer_rel_err"] = _rel(jax.jit(sm(ragged))(x, logits, w1, w2),
                                                    jax.jit(sm(dense))(x, logits, w1, w2))
+
+        else:  # moe_layer without return_stats warns on the devices that dropped entries
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                jax.block_until_ready(jax.jit(sm(layer))(x, logits, w1, w2))
+                jax.effects_barrier()
+            mine = sum(str(w.message).startswith("jaxgin.moe.moe_layer:") and "were dropped" in str(w.message)
+                       for w in caught)
+            row["layer_drop_warnings"] = int(_host(np.array([mine])).sum())
 
         # 500 calls back to back, routing changing every call, each compared with the reference.
         def loop(x, logits):
