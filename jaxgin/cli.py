@@ -31,10 +31,13 @@ def stop(script: str, message: str, status: int):
 
 
 def installed(module: str) -> bool:
-    """Whether `module` (dotted names too) can be imported, without importing it."""
+    """Whether `module` (dotted names too) can be imported, without importing it; a module blocked
+    in sys.modules (set to None) counts as missing."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
     try:
         return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a missing parent package of a dotted name
+    except (ModuleNotFoundError, ValueError):  # a missing or blocked parent package of a dotted name
         return False
 
 
