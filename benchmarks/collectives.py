@@ -2,6 +2,9 @@
 
     python benchmarks/collectives.py [--out DIR] [--max-bytes 512MiB] [--ops ppermute,all_to_all,put_wait,put_wait_from]
 
+Needs 2 or more NVIDIA GPUs visible to JAX in this process (pip install -e ".[cuda]"); without
+them it says so and exits with status 4 (jaxgin.cli). matplotlib, if installed, draws the plot.
+
 XLA_FLAGS apply to both implementations alike; with
 XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 XLA records jaxgin's custom calls into CUDA graphs (its own NCCL collectives stay outside).
@@ -26,8 +29,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
+from jaxgin import cli, sizes
 from timing import best_seconds
-from jaxgin.runtime import parse_size
 
 
 def chain_length(nbytes: int) -> int:
@@ -48,6 +51,9 @@ def _array(mesh, nbytes: int, n: int):
 def _handler_calls() -> int:
     calls = jaxgin.runtime.current().backend_lib.ffi_calls()
     return sum(calls.values())
+
+
+OPS = ("ppermute", "self_copy", "all_to_all", "put_wait", "put_wait_from")
 
 
 def make_ops(n: int):
@@ -171,13 +177,18 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--max-bytes", default="512MiB")
+    parser.add_argument("--max-bytes", type=sizes.argument("--max-bytes", minimum=8), default=512 << 20,
+                        help="largest message per device, e.g. 64KiB, 512MiB (default 512MiB)")
     parser.add_argument("--ops", default="ppermute,all_to_all,put_wait,put_wait_from")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--name", default="collectives", help="output file stem")
     args = parser.parse_args()
-    jaxgin.initialize(heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "2GiB"))
-    report = run(args.ops.split(","), parse_size(args.max_bytes, "--max-bytes"), args.repeats)
+    unknown = sorted(set(args.ops.split(",")) - set(OPS))
+    if unknown:
+        parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
+    cli.require_gpus(__file__, 2, "it times jaxgin's collectives against XLA's between them")
+    cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "2GiB"))
+    report = run(args.ops.split(","), args.max_bytes, args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     path = args.out / f"{args.name}.json"

@@ -2,6 +2,10 @@
 
     python benchmarks/fused.py [--out DIR] [--dtype bfloat16] [--sweep 512,1024,2048,4096,8192]
 
+Needs 2 or more NVIDIA GPUs visible to JAX in this process, 1 for --chunking-only, and Triton
+(both from pip install -e ".[cuda]"); without them it says so and exits with status 4 (too few
+GPUs) or 3 (a missing package), as every script here does (jaxgin.cli).
+
 Per device and per shape (M x K x N, x [M, K] @ w [K, N]):
   xla_matmul            x @ w (cuBLAS through XLA)
   triton_matmul         the fused all_to_all's tile code alone (same tile configuration)
@@ -33,8 +37,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
-from timing import best_seconds
+from jaxgin import cli
 from jaxgin.fused import _common
+from timing import best_seconds
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
@@ -259,7 +264,12 @@ def main() -> None:
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
     args = parser.parse_args()
-    jaxgin.initialize(heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
+    if args.chunking_only:
+        cli.require_gpus(__file__, 1, "it times cuBLAS and the fused ops' Triton tile code on them")
+    else:
+        cli.require_gpus(__file__, 2, "it times jaxgin.fused against XLA's matmul and collectives between them")
+    cli.require(__file__, "triton", why="the fused ops' kernels and tile code", install='-e ".[cuda]"')
+    cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     dtype = jnp.dtype(args.dtype)
     if args.chunking_only:

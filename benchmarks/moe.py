@@ -3,6 +3,10 @@ same routing.
 
     python benchmarks/moe.py [--out DIR] [--tokens 128,4096] [--hidden 7168] [--experts 256] [--top-k 8]
 
+Needs 1 or more NVIDIA GPUs visible to JAX in this process (with one, every entry is local: the
+HBM side alone) and Triton (both from pip install -e ".[cuda]"); without them it says so and
+exits with status 4 (too few GPUs) or 3 (a missing package), as every script here does (jaxgin.cli).
+
 DeepSeek-V3-like defaults: hidden 7168, 256 experts, top-8, bfloat16, 128 tokens per GPU (low
 latency) and 4096 (high throughput). Per token count, per GPU:
   jaxgin_dispatch / jaxgin_combine    jaxgin.moe.dispatch / combine (routing arithmetic included)
@@ -34,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
+from jaxgin import cli
 from timing import best_seconds
 
 STEPS = 20
@@ -208,11 +213,13 @@ def main() -> None:
     parser.add_argument("--blocks", default=None,
                         help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
     args = parser.parse_args()
+    cli.require_gpus(__file__, 1, "it times jaxgin.moe's kernels and XLA's ragged_all_to_all on them")
+    cli.require(__file__, "triton", why="jaxgin.moe's kernels", install='-e ".[cuda]"')
     devices = jax.devices()
     tokens = [int(t) for t in args.tokens.split(",")]
     # staging + return areas: 2 halves x devices x tokens x hidden x 2 bytes each
     need = 4 * len(devices) * max(tokens) * args.hidden * 2
-    jaxgin.initialize(heap_size=max(1 << 30, int(need * 1.25)))
+    cli.run(__file__, jaxgin.initialize, heap_size=max(1 << 30, int(need * 1.25)))
     mesh = Mesh(np.array(devices), ("ep",))
     report = dict(device=devices[0].device_kind, devices=len(devices), jax=jax.__version__,
                   jaxgin_info={k: str(v) for k, v in jaxgin.info().items()}, peer_copy_GBps=None, results=[])

@@ -26,6 +26,9 @@ uniformly at random; weights sum to 1), bfloat16:
 Before timing, combine(dispatch(x)) with identity experts must give x back and every expert's
 received rows must be exactly the rows routed to it (from every rank); the run fails otherwise.
 Writes nccl_ep.json (every rank's numbers) into --out.
+
+Without 2 NVIDIA GPUs it says so and exits with status 4, without torch or nccl-extensions with
+status 3, as every script here does (jaxgin.cli).
 """
 
 from __future__ import annotations
@@ -275,9 +278,12 @@ def main() -> None:
     if args.rank is not None:
         worker(args)
         return
-    import torch
+    from jaxgin import cli
 
-    world = args.gpus or torch.cuda.device_count()
+    gpus = cli.require_gpus(__file__, 2, "NCCL EP runs one process per GPU", through_jax=False)
+    cli.require(__file__, "torch", why="tensors and the ranks' process group", install="torch")
+    cli.require(__file__, "nccl.ep", why="NCCL EP itself", install="nccl-extensions")
+    world = args.gpus or gpus
     if world < 2:
         sys.exit(f"--gpus={world}: NCCL EP needs at least 2 GPUs, one process each")
     if args.experts % world:

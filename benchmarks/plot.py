@@ -1,12 +1,14 @@
 """Plots a benchmarks/*.json report: latency and bandwidth vs message size, XLA vs jaxgin.
 
     python benchmarks/plot.py collectives.json      # writes collectives.png next to it
+
+Needs matplotlib (pip install matplotlib); without it, it says so and exits with status 3.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -39,5 +41,15 @@ def plot(path: Path) -> Path:
     return out
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("report", type=Path, help="a JSON report of benchmarks/collectives.py")
+    args = parser.parse_args()
+    from jaxgin import cli
+
+    cli.require(__file__, "matplotlib", why="it draws the plot", install="matplotlib")
+    print(plot(args.report))
+
+
 if __name__ == "__main__":
-    print(plot(Path(sys.argv[1])))
+    main()

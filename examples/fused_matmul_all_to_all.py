@@ -2,9 +2,13 @@
 jaxgin.fused.matmul_all_to_all under jax.jit and shard_map, checked against (and timed next to)
 the unfused jax.lax.all_to_all(x @ w), plus a gradient check and all_gather_matmul.
 
+Needs: on a machine without GPUs nothing beyond pip install -e . (reference mode); on NVIDIA GPUs
+pip install -e ".[cuda]" (JAX's CUDA plugin, NCCL, nvcc, Triton). A missing one ends it with one
+line that names it and the pip command (exit status 3).
+
 On NVIDIA GPUs (2 or more) it runs the default method="chunked" (cuBLAS chunks, copy-engine
-exchange) on every GPU of this process; without
-them it runs the reference path on 4 virtual CPU devices (same results, no speed claim).
+exchange) on every GPU of this process; without them it runs the reference path on 4 virtual CPU
+devices (same results, no speed claim).
 
     python examples/fused_matmul_all_to_all.py
 """
@@ -21,6 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxgin  # noqa: E402
+from jaxgin import cli  # noqa: E402
 
 
 def timed(f, *args, steps=20) -> float:
@@ -45,6 +50,8 @@ def timed(f, *args, steps=20) -> float:
 
 def main() -> None:
     global MESH
+    if jax.default_backend() == "gpu":
+        cli.require(__file__, "triton", why="jaxgin.fused's kernels on GPUs", install='-e ".[cuda]"')
     jaxgin.initialize()
     on_gpu = jaxgin.info()["backend"] == "cuda"
     MESH = Mesh(np.array(jax.devices()), ("x",))
@@ -91,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(__file__, main)

@@ -2,6 +2,10 @@
 combine through jaxgin) next to the same layer on jax.lax.ragged_all_to_all, same weights, same
 data: loss per step and time per training step.
 
+Needs: on a machine without GPUs nothing beyond pip install -e . (reference mode); on NVIDIA GPUs
+pip install -e ".[cuda]" (JAX's CUDA plugin, NCCL, nvcc, Triton). A missing one ends it with one
+line that names it and the pip command (exit status 3).
+
 On NVIDIA GPUs (2 or more) it runs jaxgin's Triton kernels over NVLink on every GPU of this
 process; without them it runs the reference path on 4 virtual CPU devices (the ragged_all_to_all
 layer is skipped there: XLA:CPU does not implement ragged-all-to-all).
@@ -21,9 +25,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxgin  # noqa: E402
+from jaxgin import cli  # noqa: E402
 
-jaxgin.initialize()
 ON_GPU = jax.default_backend() == "gpu"
+if ON_GPU:
+    cli.require(__file__, "triton", why="jaxgin.moe's kernels on GPUs", install='-e ".[cuda]"')
+cli.run(__file__, jaxgin.initialize)
 DEVICES = jax.devices() if ON_GPU else jax.devices()[:4]
 MESH = Mesh(np.array(DEVICES), ("ep",))
 N = len(DEVICES)

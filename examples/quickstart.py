@@ -2,6 +2,10 @@
 devices, then use jaxgin's JAX ops inside shard_map and compare them with jax.lax's: ppermute,
 all_to_all, and the ring exchange written with put_signal / wait_signal.
 
+Needs: on a machine without GPUs nothing beyond pip install -e . (reference mode); on NVIDIA GPUs
+pip install -e ".[cuda]" (JAX's CUDA plugin, NCCL, nvcc). A missing toolchain ends it with one line
+that names it and the pip command (exit status 3).
+
 On NVIDIA GPUs the exchange is a kernel of jaxgin's device library: every GPU writes a block into
 every GPU's symmetric heap (LSA stores over NVLink within a host, GIN across hosts), signals it,
 and checks what its peers wrote. Without GPUs it runs in reference mode on 4 virtual CPU devices
@@ -21,6 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jaxgin  # noqa: E402
+from jaxgin import cli  # noqa: E402
 
 
 def ops_against_lax() -> None:
@@ -59,9 +64,13 @@ def main() -> None:
     jaxgin.initialize()
     try:
         info = jaxgin.info()
+        if info["backend"] == "reference":
+            where = "no NCCL, no heap: ops lower to jax.lax collectives"
+        else:
+            where = (f"NCCL={info['nccl_version']}, GIN={info['gin_type']}, LSA team={info['lsa_team_size']}, "
+                     f"heap={info['heap_bytes'] >> 20} MiB per device")
         print(f"jaxgin {jaxgin.__version__} on {info['world_size']} {jax.default_backend()} devices: "
-              f"backend={info['backend']}, NCCL={info['nccl_version']}, GIN={info['gin_type']}, "
-              f"LSA team={info['lsa_team_size']}, heap={info['heap_bytes'] >> 20} MiB per device")
+              f"backend={info['backend']}, {where}")
         report = jaxgin.selftest(rounds=20, block_bytes=64 * 1024)
         pairs = report.world_size * report.world_size
         if not report.ok:
@@ -74,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(__file__, main)

@@ -1,17 +1,26 @@
 """Bulk data to a peer GPU with Triton's own vector stores through tritongin.peer_ptr (NVLink),
 against a plain peer copy (copy engine) of the same bytes, both timed with CUDA events.
 
-    python examples/triton_lsa_bandwidth.py [GiB]
+Needs Triton, nvcc, NCCL's headers and nvJitLink: pip install -e ".[cuda]" (".[test]" has them
+too); with 2 GPUs also PyTorch, which fills, checks and copies the buffers and times both:
+pip install -e ".[cuda,torch]". A missing one ends it with one line that names it and the pip
+command (exit status 3).
 
-Needs 2 GPUs of one host; without them it compiles and links the kernel for sm_90a and stops.
+    python examples/triton_lsa_bandwidth.py [SIZE]      # SIZE: bytes to move, default 1GiB
+
+Measures on 2 GPUs of one host; with fewer it compiles and links the kernel for sm_90a and stops.
 """
 
-import sys
+import argparse
 
-import triton
-import triton.language as tl
+from jaxgin import cli, sizes
 
-import tritongin.language as tgl
+cli.require(__file__, "triton", why="the kernel is a Triton kernel", install='-e ".[cuda]"')
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import tritongin.language as tgl  # noqa: E402
 
 
 @triton.jit
@@ -35,15 +44,15 @@ def best_seconds(torch, fn, repeats=5):
     return min(times)
 
 
-def run_on_gpus(gib: float):
+def run_on_gpus(nbytes: int):
     import torch
 
     import jaxgin
     import tritongin
 
-    jaxgin.initialize(heap_size=f"{int(2 * gib + 1)}GiB")
-    nbytes = int(gib * (1 << 30))
+    jaxgin.initialize(heap_size=2 * nbytes + (1 << 30))
     count = nbytes // 4
+    nbytes = count * 4  # float32 words
     src, dst = tritongin.empty((count,), "float32"), tritongin.empty((count,), "float32")
     torch.cuda.set_device(0)
     torch.from_dlpack(src.local(0)).copy_(torch.rand(count, device="cuda:0"))
@@ -57,7 +66,7 @@ def run_on_gpus(gib: float):
     plain_dst = torch.empty(count, dtype=torch.float32, device="cuda:1")
     plain = best_seconds(torch, lambda: plain_dst.copy_(plain_src, non_blocking=True))
     triton_gbs, plain_gbs = nbytes / seconds / 1e9, nbytes / plain / 1e9
-    print(f"{gib:g} GiB GPU0 -> GPU1: Triton peer_ptr stores {triton_gbs:.0f} GB/s, plain peer copy "
+    print(f"{nbytes / (1 << 30):g} GiB GPU0 -> GPU1: Triton peer_ptr stores {triton_gbs:.0f} GB/s, plain peer copy "
           f"{plain_gbs:.0f} GB/s ({triton_gbs / plain_gbs:.2f}x); data checked")
     jaxgin.finalize()
 
@@ -75,13 +84,14 @@ def compile_only(gpus: int):
 
 
 if __name__ == "__main__":
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count()
-    except ImportError:
-        gpus = 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("size", nargs="?", type=sizes.argument("SIZE", minimum=4), default=1 << 30,
+                        help="bytes to move, e.g. 256MiB, 1GiB (default 1GiB)")
+    args = parser.parse_args()
+    gpus = cli.cuda_gpu_count()
     if gpus >= 2:
-        run_on_gpus(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)
+        cli.require(__file__, "torch", why="it fills, checks and copies the buffers and times both",
+                    install='-e ".[cuda,torch]"')
+        cli.run(__file__, run_on_gpus, args.size)
     else:
-        compile_only(gpus)
+        cli.run(__file__, compile_only, gpus)

@@ -1,18 +1,27 @@
 """Ring exchange from inside a Triton kernel: every GPU puts a tile to its right neighbour and
 waits for its left neighbour's, with no kernel boundary in between; checked on the host.
 
+Needs Triton, nvcc, NCCL's headers and nvJitLink: pip install -e ".[cuda]" (".[test]" has them
+too); on GPUs also PyTorch, which launches the kernel on each GPU and holds its outputs:
+pip install -e ".[cuda,torch]". A missing one ends it with one line that names it and the pip
+command (exit status 3).
+
     python examples/triton_ring_put.py
 
 On GPUs (one process, every visible GPU; one GPU is a ring of one, which puts to itself) it
-launches the kernel on each GPU. On a machine without GPUs it compiles the kernel and links it with jaxgin's device library for sm_90a, which is as far
-as it can go there.
+launches the kernel on each GPU. On a machine without GPUs it compiles the kernel and links it
+with jaxgin's device library for sm_90a, which is as far as it can go there.
 """
 
-import numpy as np
-import triton
-import triton.language as tl
+from jaxgin import cli
 
-import tritongin.language as tgl
+cli.require(__file__, "triton", why="the kernel is a Triton kernel", install='-e ".[cuda]"')
+
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import tritongin.language as tgl  # noqa: E402
 
 WORDS = 4096
 
@@ -65,13 +74,9 @@ def compile_only():
 
 
 if __name__ == "__main__":
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count()
-    except ImportError:
-        gpus = 0
-    if gpus >= 1:
-        run_on_gpus()
+    if cli.cuda_gpu_count() >= 1:
+        cli.require(__file__, "torch", why="it launches the kernel on every GPU and holds the outputs",
+                    install='-e ".[cuda,torch]"')
+        cli.run(__file__, run_on_gpus)
     else:
-        compile_only()
+        cli.run(__file__, compile_only)

@@ -13,6 +13,11 @@ Outputs of one build:
   jaxgin_device.cubin   the same as a relocatable cubin
 
 Pre-build (for example in a container image) with ``python -m jaxgin.build``.
+
+A build that compiles (a cache miss: the first use on a machine, or after an upgrade of NCCL,
+nvcc or jaxgin) takes minutes, so it reports its progress on stderr, a few short lines: what it
+compiles and where it caches it, each step as it finishes, what is still compiling when nothing
+finished for HEARTBEAT_S seconds, and the total time. JAXGIN_BUILD_PROGRESS=0 silences it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from jaxgin import nccl as nccl_lib
@@ -54,6 +60,7 @@ BACKEND_SOURCES = (
 )
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
+HEARTBEAT_S = 20.0  # a progress line at least this often while a build compiles
 
 
 def sources_dir() -> Path:
@@ -205,6 +212,49 @@ def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out
     return [first, [link]]
 
 
+def _step_name(command: list[str], root: Path) -> str:
+    """What one nvcc command makes, for progress lines: 'kernels/exchange.cu', 'device/library.cu
+    -> ptx', 'link libjaxgin_backend.so'."""
+    output = Path(command[command.index("-o") + 1]).name
+    if "-shared" in command:
+        return f"link {output}"
+    source = next(Path(part) for part in command if part.endswith(".cu"))
+    name = str(source.relative_to(root)) if source.is_relative_to(root) else source.name
+    return f"{name} -> {output.rsplit('.', 1)[-1]}" if "-c" not in command else name
+
+
+class _Progress:
+    """Progress lines of one build on stderr, each with the seconds since it started."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.start = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            print(f"jaxgin build [{time.monotonic() - self.start:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+
+def _run_stage(stage: list[list[str]], root: Path, progress: _Progress, done: int, total: int) -> int:
+    """Runs one stage's commands in parallel, reporting each as it finishes and, when nothing
+    finished for HEARTBEAT_S seconds, what is still running; returns the steps done so far."""
+    with concurrent.futures.ThreadPoolExecutor(len(stage)) as pool:
+        names = {pool.submit(_run, c, root): _step_name(c, root) for c in stage}
+        pending = set(names)
+        while pending:
+            finished, pending = concurrent.futures.wait(pending, timeout=HEARTBEAT_S,
+                                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                future.result()
+                done += 1
+                progress(f"{done}/{total} {names[future]}")
+            if not finished:
+                running = sorted(names[f] for f in pending)
+                more = f" and {len(running) - 3} more" if len(running) > 3 else ""
+                progress(f"still compiling {', '.join(running[:3])}{more}")
+    return done
+
+
 @contextlib.contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +263,13 @@ def _locked(path: Path):
         yield
 
 
-def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False) -> Artifacts:
-    """Builds (or finds in the cache) jaxgin's CUDA code for `nccl` and `arch`."""
+def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False,
+          progress: bool | None = None) -> Artifacts:
+    """Builds (or finds in the cache) jaxgin's CUDA code for `nccl` and `arch`. A build that
+    compiles reports its progress on stderr unless `progress` is False (default: on, unless
+    JAXGIN_BUILD_PROGRESS=0); `verbose` also prints the nvcc commands."""
+    if progress is None:
+        progress = os.environ.get("JAXGIN_BUILD_PROGRESS", "1") != "0"
     nccl_lib.check_version(nccl.version, str(nccl.include_dir))
     nvcc = find_nvcc()
     root = sources_dir()
@@ -232,13 +287,18 @@ def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = Non
             return artifacts
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
         try:
-            for stage in _commands(nvcc, nccl, arch, root, staging):
+            stages = _commands(nvcc, nccl, arch, root, staging)
+            total = sum(len(stage) for stage in stages)
+            report = _Progress(progress)
+            report(f"compiling jaxgin's CUDA code for NCCL {nccl.version_string}, {arch} with {nvcc}: {total} nvcc "
+                   f"steps, once per NCCL, nvcc and jaxgin version (cached in {cache_dir})")
+            done = 0
+            for stage in stages:
                 if verbose:
                     for command in stage:
                         print(" ".join(command), file=sys.stderr)
-                with concurrent.futures.ThreadPoolExecutor(len(stage)) as pool:
-                    for future in [pool.submit(_run, c, root) for c in stage]:
-                        future.result()
+                done = _run_stage(stage, root, report, done, total)
+            report(f"done: {final}")
             for obj in staging.glob("*.o"):
                 obj.unlink()
             (staging / "complete").write_text(f"nvcc: {nvcc}\n")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import re
 import sys
 import warnings
 from typing import Any
@@ -26,33 +25,13 @@ from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import transport as transport_lib
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError
+from jaxgin.sizes import parse_size
 
 BACKENDS = ("cuda", "reference")
 GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
 DEFAULT_HEAP_SIZE = "1GiB"
 DEFAULT_TIMEOUT_S = 30.0
 MIN_USER_HEAP_BYTES = 1 << 20  # below this no op has room for its buffers
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def parse_size(value: int | str, name: str = "heap_size") -> int:
-    """Bytes from an int or a string such as '512MiB' or '2GiB'."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a byte count or a string like '1GiB', got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+)\s*([KMG]i?B|B)?\s*", value, flags=re.IGNORECASE)
-        if match is None:
-            raise ValueError(f"{name}={value!r} is not a size; write bytes as an int or e.g. '256MiB', '2GiB'")
-        size = int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
-    else:
-        raise TypeError(f"{name} must be a byte count or a string like '1GiB', got {type(value).__name__}")
-    if size <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return size
-
-
 @dataclasses.dataclass(frozen=True)
 class ChannelShape:
     """The exchange channel behind ppermute / all_to_all: per ordered pair of ranks, `lanes`

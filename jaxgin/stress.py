@@ -1,6 +1,6 @@
 """Randomized stress of jaxgin's JAX ops against jax.lax, for the reliability tests.
 
-    python -m jaxgin.stress --ops 10000 [--seed S] [--max-bytes B]
+    python -m jaxgin.stress --ops 10000 [--seed S] [--max-bytes 64MiB]
 
 Runs a random sequence of ppermute (random permutations), all_to_all and put_signal + wait exchanges
 (random peers; wait_signal or wait_signal_from), with message sizes from 0 B up to `max_bytes` per
@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxgin import sizes
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 MAILBOX_MAX_BYTES = 1 << 20  # mailboxes keep n + 1 slots of their size in the heap
@@ -210,12 +212,17 @@ def stress(mesh: Mesh, ops: int, *, seed: int = 0, max_bytes: int = 64 << 20) ->
     return result
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxgin.stress", description=__doc__.splitlines()[0])
+    p.add_argument("--ops", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-bytes", type=sizes.argument("--max-bytes"), default=64 << 20,
+                   help="largest message per device, e.g. 65536, 64KiB, 16MiB (default 64MiB)")
+    return p
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", type=int, default=10000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-bytes", type=int, default=64 << 20)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     import jaxgin
 
     jaxgin.initialize()

@@ -307,3 +307,72 @@ def test_header_version_errors(tmp_path):
 )
 def test_arch_for(capability, arch):
     assert build.arch_for(capability) == arch
+
+
+def _headers_only(packaged_nccl) -> nccl.NcclInstall:
+    return nccl.NcclInstall(packaged_nccl.version, packaged_nccl.include_dir, None)
+
+
+def test_build_reports_progress_on_stderr(tmp_path, capfd, nvcc, packaged_nccl):
+    """A build that compiles says what, where it caches it, and each step with the seconds elapsed;
+    stdout stays clean. The lazy first-use build (initialize() on GPUs) is this same function."""
+    artifacts = build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "cache")
+    out, err = capfd.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert all(re.match(r"jaxgin build \[ *\d+ s\] ", line) for line in lines), lines
+    assert f"for NCCL {packaged_nccl.version_string}, {ARCH} with {nvcc}: 2 nvcc steps" in lines[0]
+    assert str(tmp_path / "cache") in lines[0]
+    # a slow machine may add "still compiling" lines between the steps
+    steps = sorted(line.split("] ", 1)[1] for line in lines[1:-1] if "still compiling" not in line)
+    assert steps == ["1/2 device/library.cu -> cubin", "2/2 device/library.cu -> ptx"] or \
+        steps == ["1/2 device/library.cu -> ptx", "2/2 device/library.cu -> cubin"], lines
+    assert lines[-1].endswith(f"done: {artifacts.directory}")
+    build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "cache")
+    assert capfd.readouterr().err == ""  # a cached build says nothing
+
+
+def test_build_says_what_is_still_compiling(tmp_path, capfd, monkeypatch, nvcc, packaged_nccl):
+    """Nothing finished for HEARTBEAT_S seconds: a line names the steps still running (three at
+    most, then how many more)."""
+    monkeypatch.setattr(build, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(build, "_run", lambda command, cwd: time.sleep(0.4))
+    build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "cache")
+    err = capfd.readouterr().err
+    assert "still compiling device/library.cu -> cubin, device/library.cu -> ptx\n" in err
+    stage = [["nvcc", "-c", f"/src/csrc/kernels/k{i}.cu", "-o", f"/o/k{i}.o"] for i in range(5)]
+    build._run_stage(stage, Path("/src/csrc"), build._Progress(True), 0, 5)
+    err = capfd.readouterr().err
+    assert "still compiling kernels/k0.cu, kernels/k1.cu, kernels/k2.cu and 2 more\n" in err
+    assert "5/5 kernels/k" in err
+
+
+def test_build_progress_can_be_switched_off(tmp_path, capfd, monkeypatch, nvcc, packaged_nccl):
+    monkeypatch.setattr(build, "_run", lambda command, cwd: None)
+    monkeypatch.setenv("JAXGIN_BUILD_PROGRESS", "0")
+    build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "quiet")
+    assert capfd.readouterr().err == ""
+    build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "loud", progress=True)
+    assert "jaxgin build [" in capfd.readouterr().err
+
+
+def test_step_names():
+    root = Path("/src/csrc")
+    assert build._step_name(["nvcc", "-c", "/src/csrc/kernels/exchange.cu", "-o", "/o/kernels_exchange.o"],
+                            root) == "kernels/exchange.cu"
+    assert build._step_name(["nvcc", "-ptx", "/src/csrc/device/library.cu", "-o", "/o/jaxgin_device.ptx"],
+                            root) == "device/library.cu -> ptx"
+    assert build._step_name(["nvcc", "-shared", "/o/a.o", "-o", "/o/libjaxgin_backend.so"],
+                            root) == "link libjaxgin_backend.so"
+
+
+def test_prebuild_command_reports_progress(tmp_path, nvcc, packaged_nccl):
+    """python -m jaxgin.build: progress on stderr while it compiles, the artifacts on stdout."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxgin.build", "--arch", ARCH, "--nccl-include", str(packaged_nccl.include_dir),
+         "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "JAXGIN_BUILD_PROGRESS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "compiling jaxgin's CUDA code" in result.stderr and "2/2 device/library.cu" in result.stderr
+    assert "jaxgin_device.ptx" in result.stdout and "jaxgin build" not in result.stdout

@@ -245,49 +245,6 @@ def test_selftest_before_initialize():
         jaxgin.selftest()
 
 
-@pytest.mark.parametrize(
-    "value, expected",
-    [
-        ("256MiB", 256 << 20),
-        ("2GiB", 2 << 30),
-        ("2gib", 2 << 30),
-        (" 16 KiB ", 16 << 10),
-        ("1MB", 10**6),
-        ("1kb", 1000),
-        ("3GB", 3 * 10**9),
-        ("4096", 4096),
-        ("4096B", 4096),
-        (4096, 4096),
-        (1, 1),
-    ],
-)
-def test_parse_size(value, expected):
-    assert runtime.parse_size(value) == expected
-
-
-@pytest.mark.parametrize("value", ["", "lots", "1.5GiB", "-1", "-1MiB", "12 TiB", "GiB", "1 GiBs", "0x100"])
-def test_parse_size_rejects_bad_strings(value):
-    with pytest.raises(ValueError, match="heap_size"):
-        runtime.parse_size(value)
-
-
-@pytest.mark.parametrize("value", [0, -4096, "0", "0MiB"])
-def test_parse_size_rejects_non_positive(value):
-    with pytest.raises(ValueError, match="heap_size must be positive"):
-        runtime.parse_size(value)
-
-
-@pytest.mark.parametrize("value", [True, False, None, 1.5, b"1GiB"])
-def test_parse_size_rejects_other_types(value):
-    with pytest.raises(TypeError, match="heap_size"):
-        runtime.parse_size(value)
-
-
-def test_parse_size_names_the_argument():
-    with pytest.raises(ValueError, match="block_size"):
-        runtime.parse_size("big", name="block_size")
-
-
 def test_initialize_rejects_bad_heap_size():
     with pytest.raises(ValueError, match="heap_size"):
         jaxgin.initialize(heap_size="a lot")

@@ -4,6 +4,9 @@ per op, the device events of one op from the middle (start offset, duration, nam
 total, so launch gaps can be told from kernel time.
 
     python tools/profile_latency.py [--bytes 8] [--ops ppermute,put_wait_from,put_wait,self_copy]
+
+Needs 2 or more NVIDIA GPUs visible to JAX (pip install -e ".[cuda]"); without them it says so and
+exits with status 4 (jaxgin.cli).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxgin
+from jaxgin import cli, sizes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -31,11 +35,13 @@ STEPS = 50
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bytes", type=int, default=8)
+    parser.add_argument("--bytes", type=sizes.argument("--bytes"), default=8,
+                        help="message per device, e.g. 8, 4KiB (default 8)")
     parser.add_argument("--ops", default="ppermute,put_wait_from,put_wait,self_copy")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    jaxgin.initialize()
+    cli.require_gpus(__file__, 2, "it profiles benchmarks/collectives.py's chains between them")
+    cli.run(__file__, jaxgin.initialize)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     implementations = make_ops(mesh.size)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-latency-"))

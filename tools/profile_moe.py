@@ -4,6 +4,9 @@ events of one call in order (start offset, duration, name) and each name's total
 a change to the kernels can be judged by what it removes.
 
     python tools/profile_moe.py [--tokens 128] [--out DIR]
+
+Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without them it says so
+and exits with status 4 or 3 (jaxgin.cli).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxgin
+from jaxgin import cli
 
 STEPS = 8
 
@@ -79,8 +83,10 @@ def main() -> None:
     # moe.py's _touch: the benchmark's way of making each call wait for the previous one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from moe import _touch
+    cli.require_gpus(__file__, 1, "it profiles jaxgin.moe's kernels")
+    cli.require(__file__, "triton", why="jaxgin.moe's kernels", install='-e ".[cuda]"')
     devices = jax.devices()
-    jaxgin.initialize(heap_size=max(1 << 30, 5 * len(devices) * args.tokens * args.hidden * 2))
+    cli.run(__file__, jaxgin.initialize, heap_size=max(1 << 30, 5 * len(devices) * args.tokens * args.hidden * 2))
     mesh = Mesh(np.array(devices), ("ep",))
     n, t, e, k = mesh.size, args.tokens, args.experts, args.top_k
     spec = P("ep")

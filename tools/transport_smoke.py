@@ -5,6 +5,9 @@ every peer forced through GIN over the RMA plugin, against jax.lax in the same j
 
 Prints one line per size (equal to lax or not, time per op of each, plugin counters) and writes
 transport_smoke.json. Times are per op from a chain of ops inside one jit.
+
+Needs an NVIDIA GPU visible to JAX and NCCL >= 2.30 (pip install -e ".[cuda]"); without a GPU it
+says so and exits with status 4 (jaxgin.cli).
 """
 
 import argparse
@@ -25,7 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxgin
-from jaxgin import transport
+from jaxgin import cli, transport
 
 
 def per_op_seconds(f, x, chain):
@@ -42,7 +45,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
-    jaxgin.initialize(heap_size="1GiB")
+    cli.require_gpus(__file__, 1, "it runs jaxgin's ops over the host transport")
+    cli.run(__file__, jaxgin.initialize, heap_size="1GiB")
     info = jaxgin.info()
     print({k: info[k] for k in ("gin_type", "gin_transport", "nccl_version", "force_gin")}, flush=True)
     mesh = Mesh(np.array(jax.devices()), ("x",))

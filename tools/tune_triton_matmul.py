@@ -11,7 +11,8 @@
   descriptors_persistent_ws   the same with Triton's warp specialization
 
 Each variant over a few tile configurations, checked against cuBLAS before timing. A diagnostic
-for choosing the fused kernels' matmul, not a test; needs torch (the GPU machines have it).
+for choosing the fused kernels' matmul, not a test; needs an NVIDIA GPU, Triton and torch
+(pip install -e ".[cuda,torch]"); without them it says so and exits with status 4 or 3 (jaxgin.cli).
 
     python tools/tune_triton_matmul.py [--out DIR]
 """
@@ -24,11 +25,18 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxgin import cli  # noqa: E402
+
+if __name__ == "__main__":
+    cli.require_gpus(__file__, 1, "it times matmuls", through_jax=False)
+cli.require(__file__, "torch", why="cuBLAS, the bar, and the CUDA events", install='-e ".[cuda,torch]"')
+cli.require(__file__, "triton", why="the tile code", install='-e ".[cuda]"')
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from jaxgin.fused._kernels import _tile_coords, matmul_kernel  # noqa: E402
 
 SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096), (1024, 7168, 2048)]

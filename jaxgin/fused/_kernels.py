@@ -17,7 +17,7 @@ One launch per op does everything, so consecutive calls never interleave on a GP
   output tiles, own shard first, then each peer's as its row groups arrive. No copy-out: every
   tile is stored into the XLA output by the program that computed it.
 
-Readiness is announced with flags (tritongin.set_flag / wait_flag) holding the call counter + 1
+Readiness is announced with flags (tritongin.language.set_flag / wait_flag) holding the call counter + 1
 rather than with counting signals: any number of programs can wait for the same flag.
 
 Buffer reuse across calls: the exchange/gather buffers have two halves, picked by the parity of a

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxgin import cli
 from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
                      run_processes, run_scenario, start_processes)
 
@@ -19,7 +20,9 @@ COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_
 # Raw NCCL device-API ping-pong over NVLink on 2 x H200 (../shared/baselines): 1.71 us one way.
 RAW_PINGPONG_US = 1.71
 
-pytestmark = [pytest.mark.gpu, ANY_GPU]
+# The scenarios launch kernels standalone: PyTorch holds their buffers and picks device and stream.
+NEEDS_TORCH = pytest.mark.skipif(not cli.installed("torch"), reason='needs PyTorch: pip install -e ".[cuda,torch]"')
+pytestmark = [pytest.mark.gpu, ANY_GPU, NEEDS_TORCH]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -1,0 +1,79 @@
+"""benchmarks/ and tools/ on a machine without GPUs: each says, in one line on stderr, that it needs
+GPUs and how many, and exits with jaxgin.cli.EXIT_TOO_FEW_GPUS, before touching jaxgin or JAX's
+devices for real work (no traceback)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxgin import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*argv):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("script, args, gpus", [
+    ("benchmarks/collectives.py", [], 2),
+    ("benchmarks/collectives.py", ["--max-bytes", "64KiB", "--ops", "ppermute"], 2),
+    ("benchmarks/fused.py", [], 2),
+    ("benchmarks/fused.py", ["--chunking-only"], 1),
+    ("benchmarks/moe.py", [], 1),
+    ("benchmarks/nccl_ep.py", [], 2),
+    ("tools/profile_latency.py", [], 2),
+    ("tools/profile_moe.py", [], 1),
+    ("tools/transport_smoke.py", [], 1),
+    ("tools/tune_triton_matmul.py", [], 1),
+])
+def test_without_gpus_says_how_many_it_needs(script, args, gpus, tmp_path):
+    out = _run(script, *args, "--out", str(tmp_path))
+    assert out.returncode == cli.EXIT_TOO_FEW_GPUS, (out.returncode, out.stdout, out.stderr)
+    needed = "an NVIDIA GPU" if gpus == 1 else f"{gpus} or more NVIDIA GPUs"
+    assert out.stderr.startswith(f"{Path(script).name}: needs {needed} ("), out.stderr
+    assert out.stderr.rstrip().endswith("there are none here"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout == ""
+    assert not list(tmp_path.iterdir())  # no half-written results
+
+
+def test_driver_count_without_jax(monkeypatch):
+    """Scripts that run PyTorch or Triton directly count the CUDA driver's GPUs."""
+    monkeypatch.setattr(cli, "cuda_gpu_count", lambda: 1)
+    with pytest.raises(SystemExit) as excinfo:
+        cli.require_gpus("bench.py", 2, "it times things", through_jax=False)
+    assert excinfo.value.code == cli.EXIT_TOO_FEW_GPUS
+    assert cli.require_gpus("bench.py", 1, "it times things", through_jax=False) == 1
+
+
+def test_driver_gpus_without_jax_plugin_message(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "cuda_gpu_count", lambda: 2)
+    with pytest.raises(SystemExit):
+        cli.require_gpus("bench.py", 2, "it times things")
+    err = capsys.readouterr().err
+    assert err.startswith("bench.py: needs 2 or more NVIDIA GPUs (it times things); the CUDA driver shows 2 but "
+                          "JAX runs on 'cpu'")
+    assert 'pip install -e ".[cuda]"' in err
+
+
+def test_plot_without_matplotlib_or_report():
+    out = _run("benchmarks/plot.py")
+    assert out.returncode == 2 and "required: report" in out.stderr
+    if not cli.installed("matplotlib"):
+        out = _run("benchmarks/plot.py", "benchmarks/results/2xh200/collectives.json")
+        assert out.returncode == cli.EXIT_MISSING_DEPENDENCY
+        assert out.stderr == "plot.py: needs matplotlib (it draws the plot), which is not installed: pip install matplotlib\n"
+
+
+def test_require_names_the_module_and_the_pip_command(capsys):
+    cli.require("x.py", "json", why="never missing", install="nothing")
+    with pytest.raises(SystemExit) as excinfo:
+        cli.require("x.py", "jaxgin_no_such_module.sub", why="a test", install='-e ".[cuda]"')
+    assert excinfo.value.code == cli.EXIT_MISSING_DEPENDENCY
+    assert capsys.readouterr().err == ('x.py: needs jaxgin_no_such_module.sub (a test), which is not installed: '
+                                       'pip install -e ".[cuda]"\n')
