@@ -323,6 +323,7 @@ def put_signal(x, mailbox: Mailbox, peer, *, axis_name) -> Token:
         raise TypeError(f"jaxgin.put_signal: mailbox must be a jaxgin.Mailbox, got {type(mailbox).__name__}")
     names = axes_lib.axis_names(axis_name, "jaxgin.put_signal")
     size = axes_lib.axis_size(names, "jaxgin.put_signal")
+    axes_lib.require_shard_map(names, "jaxgin.put_signal")
     x = jnp.asarray(x)
     if x.shape != mailbox.shape or x.dtype != mailbox.dtype:
         raise TypeError(
@@ -590,6 +591,7 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
         raise TypeError(f"jaxgin.wait_signal: mailbox must be a jaxgin.Mailbox, got {type(mailbox).__name__}")
     names = axes_lib.axis_names(axis_name, "jaxgin.wait_signal")
     size = axes_lib.axis_size(names, "jaxgin.wait_signal")
+    axes_lib.require_shard_map(names, "jaxgin.wait_signal")
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or not 0 <= count <= size:
         raise ValueError(f"jaxgin.wait_signal: count must be an int in [0, {size}] (puts from distinct senders), got {count!r}")
     tokens = _after_tokens(mailbox, after, "jaxgin.wait_signal")
@@ -630,6 +632,7 @@ def wait_signal_from(mailbox: Mailbox, source, *, axis_name, after) -> jax.Array
         raise TypeError(f"{op}: mailbox must be a jaxgin.Mailbox, got {type(mailbox).__name__}")
     names = axes_lib.axis_names(axis_name, op)
     size = axes_lib.axis_size(names, op)
+    axes_lib.require_shard_map(names, op)
     source = _axis_index_arg(source, size, op, "source", "sender")
     tokens = _after_tokens(mailbox, after, op)
     state = runtime.current()

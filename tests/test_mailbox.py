@@ -254,3 +254,19 @@ def test_bad_shape_names_shape(request, shape, error, says):
 def test_bad_dtype_names_dtype_and_choices(request, dtype):
     with pytest.raises(TypeError, match="dtype must be a numeric or bool dtype such as jnp.float32"):
         jaxgin.Mailbox(f"test_mailbox::{request.node.name}", (4,), dtype)
+
+
+@pytest.mark.parametrize("op", ["put_signal", "wait_signal", "wait_signal_from"])
+def test_mailbox_ops_over_a_vmap_axis_say_to_use_shard_map(op):
+    """A vmap axis name is not a set of devices: the ops refuse it while tracing, naming shard_map."""
+    box = jaxgin.Mailbox(f"vmap_{op}", (4,), jnp.float32)
+
+    def body(v):
+        if op == "put_signal":
+            return jaxgin.put_signal(v, box, peer=0, axis_name="v")
+        if op == "wait_signal":
+            return jaxgin.wait_signal(box, 1, axis_name="v", after=())
+        return jaxgin.wait_signal_from(box, 0, axis_name="v", after=())
+
+    with pytest.raises(jaxgin.JaxginError, match=rf"jaxgin\.{op}: axis_name 'v' is bound by jax\.vmap.*jax\.shard_map"):
+        jax.vmap(body, axis_name="v")(jnp.zeros((2, 4), jnp.float32))
