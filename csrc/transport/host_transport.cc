@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -62,6 +63,68 @@ void record_lost_peer(int rank, int peer) {
   // soon after a peer died, before a timed-out wait can be reported.
   std::fprintf(stderr, "jaxgin transport: rank %d: rank %d's process ended (its connection closed without a goodbye); "
                "waits for it will time out\n", rank, peer);
+}
+
+// --- stopping NCCL's GIN proxy threads after a device fault -------------------------------
+//
+// After a kernel trapped, ncclCommAbort frees the communicator through a chain of steps that each
+// return at the first CUDA error, and the step that stops and joins NCCL's GIN progress threads
+// (ncclGinHostFinalize) comes late in it: in a context in error it is never reached, and the
+// threads go on polling the GPU's descriptor queues (NCCL's cuMem host allocations) for good.
+// jaxgin's cleanup then resets the GPU and unmaps NCCL's recorded allocations; a thread still
+// polling a queue then faults on the unmapped page. NCCL has no call that stops those threads, but
+// every iteration of one calls in here (rmaProgress, and iput / test while work is in flight), and
+// nothing in NCCL waits for it after such an abort. So the runtime asks, per CUDA device, that those
+// threads be parked: each sleeps forever at its next call, holding nothing of this library, and
+// the runtime proceeds once every thread that serves that device is parked or has exited.
+struct ProxyThreads {
+  std::mutex lock;
+  std::condition_variable changed;
+  std::map<int, int> live, parked;  // per CUDA device: threads that called in and did not exit; parked ones
+  std::map<int, bool> parking;      // per CUDA device: park its threads at their next call
+  std::atomic<bool> any_parking{false};
+};
+// Never destroyed: a thread may leave (and count itself out) while the process exits.
+ProxyThreads& proxy_threads() {
+  static ProxyThreads* t = new ProxyThreads;
+  return *t;
+}
+
+// Counts the calling thread in for `device` on its first call, out again when it exits.
+struct ProxyThreadMembership {
+  int device = 0;
+  bool counted = false;
+  ~ProxyThreadMembership() {
+    if (!counted) return;
+    ProxyThreads& t = proxy_threads();
+    {
+      std::lock_guard<std::mutex> g(t.lock);
+      t.live[device]--;
+    }
+    t.changed.notify_all();
+  }
+};
+
+// Called first by every entry point NCCL's GIN progress thread uses. Cheap unless the thread is
+// new or a device is being stopped.
+void park_if_asked(int device) {
+  thread_local ProxyThreadMembership membership;
+  ProxyThreads& t = proxy_threads();
+  if (!membership.counted) {
+    std::lock_guard<std::mutex> g(t.lock);
+    membership.device = device;
+    membership.counted = true;
+    t.live[device]++;
+  }
+  if (!t.any_parking.load(std::memory_order_acquire)) return;
+  {
+    std::unique_lock<std::mutex> g(t.lock);
+    if (!t.parking[membership.device]) return;
+    t.parked[membership.device]++;
+  }
+  t.changed.notify_all();
+  // Never returns: NCCL would read its queues again. The process ends it at exit.
+  while (true) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
 struct Plugin {
@@ -699,6 +762,13 @@ rmaResult_t plugin_connect(void* ctx, void* handles[], int nranks, int rank, voi
     cudaGetLastError();
     c->device = -1;  // host memory only (the CPU tests)
   }
+  {
+    // A new communicator on this device starts with running threads; those parked for an earlier
+    // one stay parked (and counted as such).
+    ProxyThreads& t = proxy_threads();
+    std::lock_guard<std::mutex> g(t.lock);
+    t.parking[c->device] = false;
+  }
   c->addresses.resize(nranks);
   c->same_host.assign(nranks, false);
   c->out.assign(nranks, -1);
@@ -971,6 +1041,7 @@ rmaResult_t plugin_close_coll(void* coll_comm) {
 
 rmaResult_t plugin_iput(void* rma_ctx, int context, uint64_t src_off, void* src, size_t size, uint64_t dst_off,
                         void* dst, uint32_t rank, void** request) {
+  park_if_asked(static_cast<Context*>(rma_ctx)->comm->device);
   return enqueue(static_cast<Context*>(rma_ctx), context, src_off, static_cast<Region*>(src), size, dst_off,
                  static_cast<Region*>(dst), rank, nullptr, 0, 0, request);
 }
@@ -979,6 +1050,7 @@ rmaResult_t plugin_iput_signal(void* rma_ctx, int context, uint64_t src_off, voi
                                void* dst, uint32_t rank, uint64_t signal_off, void* signal, uint64_t signal_value,
                                uint32_t signal_op, bool /*strong: every signal here is strong*/, void** request) {
   auto* x = static_cast<Context*>(rma_ctx);
+  park_if_asked(x->comm->device);
   if (!signal || (signal_op != RMA_SIGNAL_OP_INC && signal_op != RMA_SIGNAL_OP_ADD)) {
     WARN(x->comm, "rank %d: signal operation %u on %s region: expected INC (1) or ADD (2) on a registered region",
          x->comm->rank, signal_op, signal ? "a" : "no");
@@ -1001,7 +1073,8 @@ rmaResult_t plugin_iflush(void*, int, void*, uint32_t, void** request) {
   return rmaSuccess;
 }
 
-rmaResult_t plugin_test(void*, void* request, int* done) {
+rmaResult_t plugin_test(void* coll_comm, void* request, int* done) {
+  if (coll_comm) park_if_asked(static_cast<Comm*>(coll_comm)->device);
   auto* op = static_cast<Op*>(request);
   if (!op) {  // NCCL tests no null request, but a flush's is null: done
     *done = 1;
@@ -1016,6 +1089,7 @@ rmaResult_t plugin_test(void*, void* request, int* done) {
 }
 
 rmaResult_t plugin_progress(void* rma_ctx) {
+  park_if_asked(static_cast<Context*>(rma_ctx)->comm->device);
   progress(static_cast<Context*>(rma_ctx));
   return rmaSuccess;
 }
@@ -1051,6 +1125,21 @@ const rmaPlugin_v14_t ncclRmaPlugin_v14 = {
 __attribute__((visibility("default"))) int jaxgin_transport_counters(uint64_t* out, int n) {
   for (int i = 0; i < n && i < kCounterCount; i++) out[i] = counters[i].load();
   return kCounterCount;
+}
+
+// After a device fault on CUDA device `device`, once its communicator was aborted: parks NCCL's
+// GIN progress threads serving that device at their next call into this library (see
+// park_if_asked) and waits up to `timeout_ms` for all of them. Returns how many still run: 0 when
+// none can touch NCCL's GIN memory any more. A thread that never returns to this library (one
+// spinning on a descriptor the GPU left half written) is among those counted.
+__attribute__((visibility("default"))) int jaxgin_transport_park_proxy_threads(int device, int timeout_ms) {
+  ProxyThreads& t = proxy_threads();
+  std::unique_lock<std::mutex> g(t.lock);
+  t.parking[device] = true;
+  t.any_parking.store(true, std::memory_order_release);
+  auto running = [&] { return t.live[device] - t.parked[device]; };
+  t.changed.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] { return running() <= 0; });
+  return std::max(running(), 0);
 }
 
 // The ranks whose process the transport saw end, in the order seen; returns how many (it may
