@@ -2,7 +2,10 @@
 // communicator and the device-resident jaxgin_context that kernels receive.
 #include "runtime.h"
 
+#include <dlfcn.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <algorithm>
@@ -230,12 +233,42 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   JAXGIN_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), dev);
 }
 
+// After a fault and ncclCommAbort: whether NCCL's GIN proxy threads that serve `device` can no
+// longer read NCCL's GIN memory. NCCL 2.32's abort stops and joins them only at the end of its
+// communicator cleanup (ncclGinHostFinalize, late in commFree), and that cleanup returns at its
+// first CUDA error, which in a context in error comes before. The threads then keep polling the
+// GPU's descriptor queues, NCCL cuMem host allocations, and a thread polling one that the cleanup
+// below unmaps dies with SIGSEGV (measured on H100 with jaxgin's host transport). NCCL has no call
+// that stops them; jaxgin's host transport (NCCL_RMA_PLUGIN) parks them at their next call into
+// it, which each makes every iteration. With another GIN proxy plugin (or none loaded by that
+// name) the threads cannot be stopped: false.
+// NCCL_GIN_TYPE_PROXY (2.29+), NCCL_NET_DEVICE_GIN_PROXY in 2.28's devComm.ginTypes: the same value.
+constexpr int kGinTypeProxy = 2;
+
+bool gin_proxy_threads_stopped(int device) {
+  const char* plugin = std::getenv("NCCL_RMA_PLUGIN");
+  if (plugin == nullptr || *plugin == '\0') return false;
+  // Only if NCCL already loaded it: loading it here would not reach NCCL's threads.
+  void* library = dlopen(plugin, RTLD_NOW | RTLD_NOLOAD);
+  if (library == nullptr) return false;
+  using Park = int (*)(int device, int timeout_ms);
+  auto park = reinterpret_cast<Park>(dlsym(library, "jaxgin_transport_park_proxy_threads"));
+  // A thread is between two calls for microseconds; one that has not come back in seconds is
+  // stuck outside the plugin (spinning on a descriptor the trapped kernel left half written).
+  const bool stopped = park != nullptr && park(device, 5000) == 0;
+  dlclose(library);  // drops only the reference NOLOAD took
+  return stopped;
+}
+
 // Best effort, reverse order of setup_device; returns the first error instead of stopping.
 // `ledger`: what NCCL mapped during setup, or nullptr when it was not recorded.
 std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
   std::string first;
   auto note = [&](const std::string& what) { if (first.empty()) first = what; };
   if (cudaSetDevice(s.device) != cudaSuccess) note("cudaSetDevice failed");
+  // Set when NCCL's GIN proxy threads may still run after the abort (gin_proxy_threads_stopped):
+  // the host memory they poll then stays mapped. GPU memory is released all the same.
+  bool keep_host_memory = false;
   // A kernel that trapped leaves the CUDA context unusable (the error is sticky: every later call
   // returns it, so a second synchronize tells it from an error that was merely pending). Then only
   // ncclCommAbort is safe, and what the context holds comes back only with the context itself: the
@@ -259,6 +292,8 @@ std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
       const bool recording = ledger != nullptr && ledger->start().empty();
       ncclCommAbort(s.comm);
       if (recording) ledger->stop();
+      // Before the reset and the undo below free what NCCL's GIN proxy threads read.
+      if (s.gin_type == kGinTypeProxy && !gin_proxy_threads_stopped(s.device)) keep_host_memory = true;
     } else {
       if (ncclCommFinalize(s.comm) != ncclSuccess) note("ncclCommFinalize failed");
       if (ncclCommDestroy(s.comm) != ncclSuccess) note("ncclCommDestroy failed");
@@ -272,7 +307,11 @@ std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
       note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
            "allocated until the process exits");
     } else if (ledger != nullptr) {
-      const std::string e = ledger->undo(s.cuda_context);
+      if (keep_host_memory)
+        std::fprintf(stderr, "jaxgin: NCCL's GIN proxy thread(s) for CUDA device %d were not seen to stop after the "
+                     "fault; the host memory they poll (NCCL's GIN queues) stays allocated until the process exits\n",
+                     s.device);
+      const std::string e = ledger->undo(s.cuda_context, keep_host_memory);
       if (!e.empty())
         note("NCCL's memory on CUDA device " + std::to_string(s.device) + " could not all be released after the "
              "reset (" + e + "); what remains stays allocated until the process exits");

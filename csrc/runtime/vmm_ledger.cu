@@ -161,9 +161,14 @@ void VmmLedger::on_call(CUcontext context, uint32_t callback_id, const void* par
   std::lock_guard<std::mutex> lock(mutex_);
   auto take = [&](CUmemGenericAllocationHandle handle) { books_[context].references[handle]++; };
   switch (callback_id) {
-    case CUPTI_DRIVER_TRACE_CBID_cuMemCreate:
-      take(*static_cast<const cuMemCreate_params*>(params)->handle);
+    case CUPTI_DRIVER_TRACE_CBID_cuMemCreate: {
+      const auto* p = static_cast<const cuMemCreate_params*>(params);
+      take(*p->handle);
+      const CUmemLocationType where = p->prop != nullptr ? p->prop->location.type : CU_MEM_LOCATION_TYPE_DEVICE;
+      if (where != CU_MEM_LOCATION_TYPE_DEVICE && where != CU_MEM_LOCATION_TYPE_INVALID)
+        host_located_.insert(*p->handle);
       break;
+    }
     case CUPTI_DRIVER_TRACE_CBID_cuMemImportFromShareableHandle:
       take(*static_cast<const cuMemImportFromShareableHandle_params*>(params)->handle);
       break;
@@ -174,18 +179,23 @@ void VmmLedger::on_call(CUcontext context, uint32_t callback_id, const void* par
       const CUmemGenericAllocationHandle handle = static_cast<const cuMemRelease_params*>(params)->handle;
       if (auto* refs = holder(books_, context, &Books::references, handle)) {
         auto it = refs->find(handle);
-        if (--it->second == 0) refs->erase(it);
+        if (--it->second == 0) {
+          refs->erase(it);
+          host_located_.erase(handle);
+        }
       }
       break;
     }
     case CUPTI_DRIVER_TRACE_CBID_cuMemMap: {
       const auto* p = static_cast<const cuMemMap_params*>(params);
       books_[context].mappings[p->ptr] = p->size;
+      if (host_located_.count(p->handle)) books_[context].host_mappings.insert(p->ptr);
       break;
     }
     case CUPTI_DRIVER_TRACE_CBID_cuMemUnmap: {
       const CUdeviceptr ptr = static_cast<const cuMemUnmap_params*>(params)->ptr;
       if (auto* maps = holder(books_, context, &Books::mappings, ptr)) maps->erase(ptr);
+      for (auto& [_, b] : books_) b.host_mappings.erase(ptr);
       break;
     }
     case CUPTI_DRIVER_TRACE_CBID_cuMemAddressReserve: {
@@ -203,14 +213,28 @@ void VmmLedger::on_call(CUcontext context, uint32_t callback_id, const void* par
   }
 }
 
-std::string VmmLedger::undo(CUcontext context) {
+std::string VmmLedger::undo(CUcontext context, bool keep_host_memory) {
   Books b;
+  std::set<CUmemGenericAllocationHandle> host_handles;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = books_.find(context);
     if (it == books_.end()) return "";
     b = std::move(it->second);
     books_.erase(it);
+    host_handles = host_located_;
+  }
+  if (keep_host_memory) {
+    // What stays must stay whole: the mapping, the references that keep its memory, and the
+    // reserved range around it.
+    for (CUdeviceptr kept : b.host_mappings) b.mappings.erase(kept);
+    for (auto it = b.references.begin(); it != b.references.end();)
+      it = host_handles.count(it->first) ? b.references.erase(it) : std::next(it);
+    for (auto it = b.reservations.begin(); it != b.reservations.end();) {
+      bool holds_kept = false;
+      for (CUdeviceptr kept : b.host_mappings) holds_kept |= kept >= it->first && kept < it->first + it->second;
+      it = holds_kept ? b.reservations.erase(it) : std::next(it);
+    }
   }
   const VmmDriver& driver = vmm_driver();
   std::string first;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 
 namespace jaxgin {
@@ -27,6 +28,7 @@ class VmmLedger {
   struct Books {
     std::map<CUdeviceptr, size_t> mappings, reservations;
     std::map<CUmemGenericAllocationHandle, int> references;
+    std::set<CUdeviceptr> host_mappings;  // those of `mappings` whose allocation lives in host memory
   };
   VmmLedger() = default;
   VmmLedger(const VmmLedger&) = delete;
@@ -44,14 +46,19 @@ class VmmLedger {
   // `context` that was not unmapped since, drops the allocation-handle references recorded (created,
   // imported or retained, not released since), then frees the address ranges reserved. Returns ""
   // or the first call that failed; the rest is still attempted.
-  std::string undo(CUcontext context);
+  // `keep_host_memory`: leaves allocations that live in host memory (cuMem host allocations: NCCL's
+  // GIN proxy queues among them) mapped, with their references and reserved ranges, for a thread
+  // that may still read them (see teardown_device in runtime.cu). GPU memory is undone all the same.
+  std::string undo(CUcontext context, bool keep_host_memory = false);
 
   // Called by CUPTI for each recorded call that succeeded.
   void on_call(CUcontext context, uint32_t callback_id, const void* params);
 
  private:
-  std::mutex mutex_;  // books_
+  std::mutex mutex_;  // books_, host_located_
   std::map<CUcontext, Books> books_;
+  // Allocation handles created in host memory, while referenced (a handle value may be reused).
+  std::set<CUmemGenericAllocationHandle> host_located_;
   std::mutex subscription_mutex_;  // subscriber_, recorders_
   void* subscriber_ = nullptr;
   int recorders_ = 0;
