@@ -140,8 +140,7 @@ def not_loaded_hint(gin_transport: str) -> str:
     except OSError:
         return (f". NCCL did not load jaxgin's host transport ({path}): NCCL loads its plugins once, when the process "
                 "creates its first communicator, and one was created before jaxgin.initialize() (by an XLA collective?). "
-                "Call jaxgin.initialize() before the first collective, or set NCCL_RMA_PLUGIN to that path before the "
-                "process starts (python -m jaxgin.transport prints the line)")
+                "Call jaxgin.initialize() before the first collective")
 
 
 def lost_peers(library: Path | str | None = None) -> list[int]:

@@ -1073,13 +1073,15 @@ rmaResult_t plugin_iflush(void*, int, void*, uint32_t, void** request) {
   return rmaSuccess;
 }
 
-rmaResult_t plugin_test(void* coll_comm, void* request, int* done) {
-  if (coll_comm) park_if_asked(static_cast<Comm*>(coll_comm)->device);
+// The first argument is whatever handle NCCL's GIN layer keeps for the connection, which need not
+// be this library's Comm: the device comes from the request's own context instead.
+rmaResult_t plugin_test(void* /*coll_comm*/, void* request, int* done) {
   auto* op = static_cast<Op*>(request);
   if (!op) {  // NCCL tests no null request, but a flush's is null: done
     *done = 1;
     return rmaSuccess;
   }
+  park_if_asked(op->context->comm->device);
   if (op->state == 0) progress(op->context);
   int state = op->state;
   *done = state != 0;

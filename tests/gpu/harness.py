@@ -74,15 +74,7 @@ def emulated_env(rank: int, world: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_GIN_TRANSPORT": "host",
         "JAXGIN_TRANSPORT_QUIET": "1",
         "JAXGIN_TEST_HEAP": os.environ.get("JAXGIN_TEST_HEAP", EMULATED_HEAP),
-        # NCCL loads plugins once, at the process's first communicator, which may be XLA's.
-        "NCCL_RMA_PLUGIN": str(_transport_library()),
     }
-
-
-def _transport_library():
-    from jaxgin import transport
-
-    return transport.build()
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:

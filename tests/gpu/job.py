@@ -38,11 +38,13 @@ def join(argv) -> tuple[int, int] | None:
     return rank, world
 
 
-def exit_together(name: str, timeout_s: float = 120.0) -> None:
+def exit_together(name: str, timeout_s: float = 600.0) -> None:
     """Waits until every process of the job got here, then returns (at once in a one-process
     scenario). Scenarios that end without jax.distributed's shutdown (after a device fault) call
     it before exiting: a process that exits first looks to the others like a dead peer (their
-    transports see its connections close, and JAX's coordination service ends them)."""
+    transports see its connections close, and JAX's coordination service ends them). The timeout
+    is generous because a barrier that times out ends every process of the job (measured: 8 ranks
+    sharing one H100 beside two other jobs did not all finalize within 120 s)."""
     from jax._src import distributed
 
     client = distributed.global_state.client
