@@ -72,6 +72,18 @@ def _close(a, b, tol=2e-5, floor=1e-30):
     assert np.abs(a - b).max() <= tol * max(np.abs(b).max(), floor), np.abs(a - b).max()
 
 
+def _same_values_and_gradients(mesh, layer, dense, args, ct):
+    """layer and its dense reference (each over the four sharded args) agree in value and in the
+    gradient of <output, ct> with respect to every argument."""
+    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC)  # noqa: E731
+    _close(jax.jit(sm(layer))(*args), jax.jit(sm(dense))(*args))
+    loss = lambda f: (lambda *a: jnp.sum(sm(f)(*a[:4]) * a[4]))  # noqa: E731
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(*args, ct)
+    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(*args, ct)
+    for g, w in zip(got, want):
+        _close(g, w, 1e-4, floor=1e-2)
+
+
 LAYER_CASES = [
     # devices, tokens per device, hidden, ffn, experts, top_k, routing
     (2, 12, 16, 8, 4, 2, "random"),
@@ -96,13 +108,7 @@ def test_moe_layer_matches_dense_values_and_gradients(init, n, tokens, hidden, f
     def dense(x, l, a, b):
         return _dense(x, l, jax.lax.all_gather(a, "ep", tiled=True), jax.lax.all_gather(b, "ep", tiled=True), top_k)
 
-    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC)  # noqa: E731
-    _close(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
-    loss = lambda f: (lambda *a: jnp.sum(sm(f)(*a[:4]) * a[4]))  # noqa: E731
-    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
-    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
-    for g, w in zip(got, want):
-        _close(g, w, 1e-4, floor=1e-2)
+    _same_values_and_gradients(mesh, layer, dense, (x, logits, w1, w2), ct)
 
 
 def _spec_layout(x, ids, n, experts, capacity):
@@ -416,13 +422,7 @@ def test_masked_ids_through_the_layer_values_and_gradients(init, n, tokens, expe
         y = jnp.einsum("tkf,tkfh->tkh", h, b[safe], precision="highest")
         return jnp.sum(y * jnp.where(_valid(ids, experts), weights, 0.0)[..., None], axis=1)
 
-    sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=SPEC)  # noqa: E731
-    _close(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
-    loss = lambda f: (lambda *a: jnp.sum(sm(f)(*a[:4]) * a[4]))  # noqa: E731
-    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
-    want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
-    for g, w in zip(got, want):
-        _close(g, w, 1e-4, floor=1e-2)
+    _same_values_and_gradients(mesh, layer, dense, (x, logits, w1, w2), ct)
 
 
 # ---------------------------------------------------------------------------------------------
