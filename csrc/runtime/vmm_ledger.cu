@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <initializer_list>
+#include <thread>
 
 #include "driver_entry.h"
 
@@ -69,13 +70,19 @@ std::string cupti_error(const char* call, CUptiResult r) {
 }
 
 // Set while stop() makes the CUDA call at whose exit CUPTI detaches (see stop()).
+// Only the thread that asked detaches: once the cuCtxGetCurrent callback is on, every thread's
+// cuCtxGetCurrent reaches record_call, and NCCL's and the transport's threads call it all the time;
+// one of them taking the request would finalize CUPTI while the asking thread is inside its own
+// call and its callback.
 std::atomic<bool> detach_requested{false}, detached{false};
+std::atomic<std::thread::id> detaching_thread{};
 
 void CUPTIAPI record_call(void* ledger, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void* data) {
   const auto* call = static_cast<const CUpti_CallbackData*>(data);
   if (domain != CUPTI_CB_DOMAIN_DRIVER_API || call->callbackSite != CUPTI_API_EXIT) return;
   if (id == CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) {
-    if (detach_requested.exchange(false)) detached = cupti.finalize() == CUPTI_SUCCESS;
+    if (detaching_thread.load() == std::this_thread::get_id() && detach_requested.exchange(false))
+      detached = cupti.finalize() == CUPTI_SUCCESS;
     return;
   }
   const auto* result = static_cast<const CUresult*>(call->functionReturnValue);
@@ -141,10 +148,12 @@ void VmmLedger::stop() {
   if (cupti.finalize != nullptr && driver.current_context != nullptr &&
       cupti.enable_callback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) ==
           CUPTI_SUCCESS) {
+    detaching_thread = std::this_thread::get_id();
     detach_requested = true;
     CUcontext context = nullptr;
     driver.current_context(&context);
     detach_requested = false;
+    detaching_thread = std::thread::id{};
   }
   if (!detached) cupti.unsubscribe(subscriber);
 }
