@@ -138,11 +138,12 @@ void log_message(rmaLogger_t log, rmaLogLevel_t level, int line, const char* fmt
   va_start(args, fmt);
   std::vsnprintf(text, sizeof(text), fmt, args);
   va_end(args);
-  if (log) {
-    log(level, RMA_LOG_SUBSYS_NET, __FILE__, line, "jaxgin transport: %s", text);
-  } else if (level == RMA_LOG_WARN || std::getenv("JAXGIN_TRANSPORT_DEBUG")) {
+  if (log) log(level, RMA_LOG_SUBSYS_NET, __FILE__, line, "jaxgin transport: %s", text);
+  // A warning is on stderr whatever NCCL_DEBUG says: NCCL's logger prints nothing by default, and
+  // an error returned to NCCL's GIN progress thread ends that thread silently (every later put of
+  // the communicator is then never read), so the warning is the only trace of why.
+  if (level == RMA_LOG_WARN || (!log && std::getenv("JAXGIN_TRANSPORT_DEBUG")))
     std::fprintf(stderr, "jaxgin transport: %s\n", text);
-  }
 }
 // JAXGIN_TRANSPORT_TRACE=1: one stderr line per request and per delivery (debugging only).
 bool tracing() {
