@@ -339,7 +339,8 @@ def initialize(
         from jaxgin.ffi import targets
 
         targets.register(backend_lib)
-        atexit.register(_report_faults_at_exit)  # once per process: atexit keeps a set of functions
+        atexit.unregister(_report_faults_at_exit)  # once per process, however often initialize() runs
+        atexit.register(_report_faults_at_exit)
     user_offset = reserved_bytes(options.signal_count, options.barrier_slots, len(devices), options.channel)
     if state.runtime is not None:
         user_offset = state.runtime.device_info(0)["user_offset"]
