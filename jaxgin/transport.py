@@ -116,12 +116,18 @@ def enable(library: Path) -> None:
         )
 
 
+def _plugin_path(library: Path | str | None) -> str | None:
+    """The plugin asked about: `library`, else the one NCCL_RMA_PLUGIN names (None if neither)."""
+    path = library or os.environ.get("NCCL_RMA_PLUGIN")
+    return str(path) if path else None
+
+
 def counters(library: Path | str | None = None) -> dict[str, int]:
     """What the plugin loaded in this process moved so far (all communicators together)."""
-    path = library or os.environ.get("NCCL_RMA_PLUGIN")
-    if not path:
+    path = _plugin_path(library)
+    if path is None:
         raise JaxginError("the host transport is not in use in this process (NCCL_RMA_PLUGIN is unset)")
-    lib = ctypes.CDLL(str(path))
+    lib = ctypes.CDLL(path)
     values = (ctypes.c_uint64 * len(COUNTERS))()
     lib.jaxgin_transport_counters(values, len(COUNTERS))
     return dict(zip(COUNTERS, (int(v) for v in values)))
@@ -146,11 +152,11 @@ def not_loaded_hint(gin_transport: str) -> str:
 def lost_peers(library: Path | str | None = None) -> list[int]:
     """Ranks whose process the host transport saw end without a goodbye (their connection closed),
     in the order seen; empty when the transport is not in use in this process."""
-    path = library or os.environ.get("NCCL_RMA_PLUGIN")
-    if not path or Path(path).name != LIBRARY_NAME:
+    path = _plugin_path(library)
+    if path is None or Path(path).name != LIBRARY_NAME:
         return []
-    lib = ctypes.CDLL(str(path))
-    capacity = 64
+    lib = ctypes.CDLL(path)
+    capacity = lib.jaxgin_transport_lost_peers(None, 0)  # how many, then read them (at any world size)
     ranks = (ctypes.c_int * capacity)()
     count = lib.jaxgin_transport_lost_peers(ranks, capacity)
     return [int(r) for r in ranks[: min(count, capacity)]]

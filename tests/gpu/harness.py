@@ -54,7 +54,7 @@ def require_emulated_hosts() -> None:
                     f"{install.version_string}: pip install \"nvidia-nccl-cu13>=2.30\"")
 
 
-def emulated_env(rank: int, world: int, ranks_per_host: int = 1) -> dict:
+def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
     """The environment of rank `rank` of an emulated-hosts job: a host id of its own (shared by
     `ranks_per_host` consecutive ranks, which then reach each other over NVLink when they sit on
     different GPUs), one GPU (ranks spread round-robin over the GPUs present), jaxgin forced onto
@@ -113,10 +113,10 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
     Returns [(returncode, stdout, stderr)] per rank; a rank still running at `timeout` is killed
     (returncode -9) and the others are still collected."""
     port = free_port()
-    base = scenario_env(min(world, max(GPUS, 1)) if emulated else world, xla_flags)
+    base = scenario_env(world, xla_flags)  # an emulated rank's own CUDA_VISIBLE_DEVICES replaces it
     procs = []
     for r in range(world):
-        rank_env = {**base, **(emulated_env(r, world) if emulated else {}), **(env or {})}
+        rank_env = {**base, **(emulated_env(r) if emulated else {}), **(env or {})}
         procs.append(subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
                                       env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout

@@ -265,10 +265,11 @@ def iterations(argv):
     # Per device, the iterations whose checks failed, counted on the device and gathered once (a
     # gather per iteration would dominate a multi-process run).
     count = jax.jit(lambda failed, ok: failed + (~ok).astype(jnp.int32))
-    failed = jnp.zeros_like(f(x, jnp.int32(0)), dtype=jnp.int32)
+    failed = None
     start = time.perf_counter()
     for i in range(1000):
-        failed = count(failed, f(x, jnp.int32(i)))
+        ok = f(x, jnp.int32(i))
+        failed = count(jnp.zeros_like(ok, dtype=jnp.int32) if failed is None else failed, ok)
     bad = int(_gather(jax, failed).sum())
     elapsed = time.perf_counter() - start
     calls = {k: v - calls_before[k] for k, v in _ffi_calls(jaxgin).items()}
