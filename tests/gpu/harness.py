@@ -159,6 +159,19 @@ def digest(stderr: str, lines: int = 60) -> str:
     return "\n".join(kept)
 
 
+def went_through_transport(result: dict, *, mapped: bool) -> None:
+    """A transport_scenarios.py result ran with every peer forced through GIN and jaxgin's host
+    transport carried the traffic: by CUDA IPC copies (`mapped`), or staged through TCP only."""
+    info = result["transport_info"]
+    assert info["gin_type"] == "proxy" and info["gin_transport"] == "host" and info["force_gin"], info
+    counters = result["transport"]
+    assert counters["signals_applied"] > 0, counters
+    if mapped:
+        assert counters["bytes_mapped"] > 0, counters  # CUDA IPC copies carried the data
+    else:
+        assert counters["bytes_staged"] > 0 and counters["bytes_mapped"] == 0, counters  # TCP carried it
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,7 @@ went through it. Needs NCCL >= 2.30 (skipped otherwise; tools/gpu-transport-roun
 from pathlib import Path
 
 import pytest
-from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario
+from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario, went_through_transport
 
 SCENARIOS = Path(__file__).with_name("transport_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -22,24 +22,13 @@ def nccl_with_rma_plugins():
         pytest.skip(f"NCCL {install.version_string} loads no RMA plugins (needs >= 2.30)")
 
 
-def _went_through_plugin(result, *, mapped: bool):
-    info = result["transport_info"]
-    assert info["gin_type"] == "proxy" and info["gin_transport"] == "host" and info["force_gin"], info
-    counters = result["transport"]
-    assert counters["signals_applied"] > 0, counters
-    if mapped:
-        assert counters["bytes_mapped"] > 0, counters  # CUDA IPC copies carried the data
-    else:
-        assert counters["bytes_staged"] > 0 and counters["bytes_mapped"] == 0, counters  # TCP carried it
-
-
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_ops_equal_lax_over_host_transport_one_process(world):
     result = run_scenario(SCENARIOS, ["correctness"], world)
     record(f"transport_ops_correctness_single_process_{world}gpu", result)
     assert result["failed"] == [], result["details"]
     assert result["checks"] >= 100
-    _went_through_plugin(result, mapped=True)
+    went_through_transport(result, mapped=True)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -48,7 +37,7 @@ def test_ops_equal_lax_over_host_transport_process_per_gpu(world):
     record(f"transport_ops_correctness_process_per_gpu_{world}gpu", {"processes": results})
     for result in results:
         assert result["failed"] == [], result["details"]
-        _went_through_plugin(result, mapped=True)
+        went_through_transport(result, mapped=True)
 
 
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
@@ -56,7 +45,7 @@ def test_1000_iterations_over_host_transport(command_buffers):
     result = run_scenario(SCENARIOS, ["iterations"], 2, xla_flags=COMMAND_BUFFERS if command_buffers else None)
     record(f"transport_iterations_{'graphs' if command_buffers else 'plain'}_2gpu", result)
     assert result["iterations"] == 1000 and result["mismatches"] == 0
-    _went_through_plugin(result, mapped=True)
+    went_through_transport(result, mapped=True)
 
 
 def test_two_hosts_over_tcp(monkeypatch):
@@ -66,7 +55,7 @@ def test_two_hosts_over_tcp(monkeypatch):
     record("transport_ops_correctness_two_hosts_tcp_2gpu", {"processes": results})
     for result in results:
         assert result["failed"] == [], result["details"]
-        _went_through_plugin(result, mapped=False)
+        went_through_transport(result, mapped=False)
 
 
 def test_starved_wait_still_fails_with_a_named_error(monkeypatch):
