@@ -40,8 +40,8 @@ def table(library):
     return load(library)
 
 
-def connect_all(table, nranks, contexts=2):
-    ranks = [Rank(table, contexts) for _ in range(nranks)]
+def connect_all(table, nranks, contexts=2, log=None):
+    ranks = [Rank(table, contexts, log) for _ in range(nranks)]
     handles = [r.handle.raw for r in ranks]
     with concurrent.futures.ThreadPoolExecutor(nranks) as pool:  # connect is collective
         list(pool.map(lambda i: ranks[i].connect(handles, i), range(nranks)))
@@ -71,6 +71,18 @@ def test_plugin_table_is_what_nccl_loads(table):
     assert props.maxRecvs * 32 >= 128  # NCCL sizes its descriptor queues from it
     count = ctypes.c_int()
     assert table.devices(ctypes.byref(count)) == 0 and count.value == 1
+
+
+def test_connect_logs_through_the_logger_given_to_init(table):
+    """connect() ignores the context NCCL passes it (NCCL 2.32 passes its NET plugin's, here words
+    that are no pointers): its lines reach the logger that init() was given."""
+    lines = []
+    ranks = connect_all(table, 2, log=lambda level, text: lines.append((level, text)))
+    close_all(ranks)
+    connected = [text for level, text in lines if level == 3 and "on CUDA device" in text]  # 3: INFO
+    assert sorted(connected) == sorted(f"rank {r} of 2 on CUDA device -1: 1 peers on this host (CUDA IPC + Unix "
+                                       f"sockets), 0 over TCP; signals applied by stream writes of known values"
+                                       for r in range(2)), lines
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])

@@ -98,26 +98,37 @@ def check(code: int, what: str) -> None:
         raise TransportError(what, code)
 
 
-class Rank:
-    """One rank's view: its plugin context, listener, communicator and RMA context."""
+# NCCL's logger: (level, subsystems, file, line, format, ...); the plugin's one variadic argument
+# is its message (format "jaxgin transport: %s").
+LOGGER = CFUNCTYPE(None, c_int, c_uint64, c_char_p, c_int, c_char_p, c_char_p)
 
-    def __init__(self, table: PluginTable, contexts: int = 2):
+
+class Rank:
+    """One rank's view: its plugin context, listener, communicator and RMA context. `log` receives
+    (level, message) for every line the plugin gives NCCL's logger."""
+
+    def __init__(self, table: PluginTable, contexts: int = 2, log=None):
         self.t = table
         self.contexts = contexts
         self.ctx = c_void_p()
-        check(table.init(ctypes.byref(self.ctx), 1234, None), "init")
+        self.logger = LOGGER(lambda level, flags, file, line, fmt, text: log(level, text.decode())) if log else None
+        check(table.init(ctypes.byref(self.ctx), 1234, ctypes.cast(self.logger, c_void_p) if log else None), "init")
         self.handle = ctypes.create_string_buffer(HANDLE_BYTES)
         self.listener = c_void_p()
         check(table.listen(self.ctx, 0, self.handle, ctypes.byref(self.listener)), "listen")
         self.comm = c_void_p()
         self.rma = c_void_p()
         self.keep = []  # arrays registered with the plugin must outlive it
+        # NCCL (2.32) hands connect() its NET plugin's context, not the one init() made here: pass
+        # something else too, whose words are no pointers a plugin could follow.
+        self.foreign = (c_uint64 * 4)(0xDEAD0001, 0xDEAD0002, 0xDEAD0003, 0xDEAD0004)
 
     def connect(self, handles: list[bytes], rank: int) -> None:
         self.rank, self.nranks = rank, len(handles)
         buffers = [ctypes.create_string_buffer(h, HANDLE_BYTES) for h in handles]
         array = (c_void_p * len(handles))(*[ctypes.cast(b, c_void_p) for b in buffers])
-        check(self.t.connect(self.ctx, array, len(handles), rank, self.listener, ctypes.byref(self.comm)), "connect")
+        check(self.t.connect(ctypes.cast(self.foreign, c_void_p), array, len(handles), rank, self.listener,
+                             ctypes.byref(self.comm)), "connect")
         config = Config(self.contexts, -1, 1)
         check(self.t.createContext(self.comm, ctypes.byref(config), ctypes.byref(self.rma)), "createContext")
 

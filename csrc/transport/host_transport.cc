@@ -157,8 +157,8 @@ bool tracing() {
       std::fputc('\n', stderr);                             \
     }                                                       \
   } while (0)
-#define WARN(comm, ...) log_message((comm)->plugin->log, RMA_LOG_WARN, __LINE__, __VA_ARGS__)
-#define INFO(comm, ...) log_message((comm)->plugin->log, RMA_LOG_INFO, __LINE__, __VA_ARGS__)
+#define WARN(comm, ...) log_message((comm)->log, RMA_LOG_WARN, __LINE__, __VA_ARGS__)
+#define INFO(comm, ...) log_message((comm)->log, RMA_LOG_INFO, __LINE__, __VA_ARGS__)
 
 // CUDA calls from NCCL's proxy thread must not be refused while another thread captures a graph.
 void relax_capture_mode() {
@@ -216,7 +216,8 @@ struct Op {
 };
 
 struct Comm {
-  Plugin* plugin;
+  // NCCL's logger, copied: the plugin context it came from may be finalized before this closes.
+  rmaLogger_t log = nullptr;
   int rank = 0, nranks = 0, device = -1;
   std::vector<Address> addresses;
   std::vector<bool> same_host;
@@ -484,7 +485,7 @@ char* pool_get(Comm* c) {
     return p;
   }
   char* p = nullptr;
-  if (cudaHostAlloc(&p, kChunkBytes, cudaHostAllocPortable) != cudaSuccess) return nullptr;
+  if (!cuda_ok(c, cudaHostAlloc(&p, kChunkBytes, cudaHostAllocPortable), "cudaHostAlloc(staging chunk)")) return nullptr;
   c->pool_all.push_back(p);
   return p;
 }
@@ -753,10 +754,13 @@ void close_comm_fds(Comm* c) {
     if (fd >= 0) close(fd);
 }
 
-rmaResult_t plugin_connect(void* ctx, void* handles[], int nranks, int rank, void* listen_comm, void** coll_comm) {
+rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int rank, void* listen_comm, void** coll_comm) {
   auto* l = static_cast<Listener*>(listen_comm);
   auto* c = new Comm;
-  c->plugin = static_cast<Plugin*>(ctx);
+  // Not from `ctx`: NCCL 2.32 passes its NET plugin's context here, not the one init() made for
+  // this plugin (reading a logger through it crashed a second initialize()). The listener was
+  // made from the right one.
+  c->log = l->plugin->log;
   c->rank = rank;
   c->nranks = nranks;
   if (cudaGetDevice(&c->device) != cudaSuccess) {
