@@ -381,3 +381,31 @@ def test_cupti_already_in_the_process_is_not_loaded_twice(monkeypatch, tmp_path)
     assert cupti.load() is None
     monkeypatch.setattr(cupti, "packaged_library", lambda: tmp_path / "libcupti.so.13")  # not a library
     assert cupti.load() is None
+
+
+def test_custom_calls_are_kept_out_of_command_buffers(monkeypatch):
+    """Every jaxgin target is registered without COMMAND_BUFFER_COMPATIBLE: inside XLA's command
+    buffers, independent jaxgin calls ran concurrently on a shared exchange channel."""
+    from jaxgin.ffi import targets
+
+    class FakeBackend:
+        path = "/fake/libjaxgin_backend.so"
+
+        def ffi_handler(self, symbol):
+            return 0x1000 + len(symbol)
+
+        def ffi_address(self, symbol):
+            return 0x2000 + len(symbol)
+
+    registered = {}
+    monkeypatch.setattr(targets, "_registered_from", None)
+    monkeypatch.setattr(targets, "_HANDLER", lambda address: address)
+    monkeypatch.setattr(jax.ffi, "pycapsule", lambda x: x)
+    monkeypatch.setattr(jax.ffi, "register_ffi_type", lambda *a, **k: None)
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, fn, platform, **kwargs: registered.setdefault(name, (platform, kwargs)))
+    targets.register(FakeBackend())
+    assert set(registered) == set(targets.TARGETS)
+    for name, (platform, kwargs) in registered.items():
+        assert platform == "CUDA" and "traits" not in kwargs, (name, kwargs)
+    assert targets.command_buffer_compatible is False

@@ -64,8 +64,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_exchange, jaxgin::ffi_support::exchange
                                   .Attr<xla::ffi::Span<const int64_t>>("axes")
                                   .Attr<int64_t>("kind")
                                   .Attr<xla::ffi::Span<const int64_t>>("perm")
-                                  .Attr<int64_t>("generation"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("generation"));
 
 extern "C" JAXGIN_API int jaxgin_ffi_calls(uint64_t* exchange, uint64_t* put, uint64_t* wait) {
   *exchange = jaxgin::ffi_support::exchange_calls.load();

@@ -109,8 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   JAXGIN_MAILBOX_ATTRS
-                                  .Attr<int64_t>("generation"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("generation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                               xla::ffi::Ffi::Bind()
@@ -120,8 +119,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   JAXGIN_MAILBOX_ATTRS
                                   .Attr<int64_t>("count")
-                                  .Attr<int64_t>("generation"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("generation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait_from, jaxgin::ffi_support::wait_from,
                               xla::ffi::Ffi::Bind()
@@ -131,5 +129,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait_from, jaxgin::ffi_support::wait_fr
                                   .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   JAXGIN_MAILBOX_ATTRS
-                                  .Attr<int64_t>("generation"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("generation"));

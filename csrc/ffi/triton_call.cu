@@ -173,5 +173,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_execute, jaxgin::ffi_support::ex
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Ctx<xla::ffi::State<jaxgin::ffi_support::TritonKernel>>()
                                   .RemainingArgs()
-                                  .RemainingRets() JAXGIN_TRITON_ATTRS,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .RemainingRets() JAXGIN_TRITON_ATTRS);

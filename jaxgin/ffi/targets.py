@@ -23,21 +23,28 @@ TARGETS = {
     # jaxgin.triton_call loads its kernel once per executable (instantiate), then launches.
     "jaxgin_triton_call": {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},
 }
-# Targets XLA must run outside its command buffers: CUDA refuses to nest what they record (cuBLAS
-# calls and peer copies on a second stream) in XLA's graphs; see csrc/ffi/chunked_matmul.cu.
-NOT_IN_COMMAND_BUFFERS = frozenset({"jaxgin_matmul_all_to_all", "jaxgin_all_gather_matmul"})
-# FFI state types: name -> (exported type-id getter, exported type-info getter)
+# No target is marked command-buffer compatible, so XLA runs every jaxgin call as its own step on
+# its stream, in program order, and records only the code around them into CUDA graphs. Inside a
+# command buffer XLA orders commands by the buffers they share and nothing else, so two jaxgin calls
+# without a data dependency (a put_signal beside a ppermute, two ppermutes of different arrays) ran
+# concurrently there; they share the exchange channel's signals and counters, and under GIN a
+# 1000-iteration loop stalled within a few calls (expected 5, stayed at 4). The fused ops also nest
+# work that CUDA refuses to record as a child graph (cuBLAS calls and peer copies on a second
+# stream; csrc/ffi/chunked_matmul.cu).
+# FFI state types# FFI state types: name -> (exported type-id getter, exported type-info getter)
 STATE_TYPES = {
     "jaxgin_triton_kernel": ("jaxgin_ffi_triton_kernel_type_id", "jaxgin_ffi_triton_kernel_type_info"),
 }
 
 _registered_from: str | None = None
-command_buffer_compatible = False  # whether XLA may capture jaxgin's custom calls into CUDA graphs
+# Whether XLA may capture jaxgin's custom calls into CUDA graphs (reported by jaxgin.info()): no,
+# see above.
+command_buffer_compatible = False
 _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 
 
 def register(backend) -> None:
-    global _registered_from, command_buffer_compatible
+    global _registered_from
     if _registered_from == backend.path:
         return
     if _registered_from is not None:
@@ -45,15 +52,6 @@ def register(backend) -> None:
             f"jaxgin's XLA custom calls are registered from {_registered_from}; this process cannot switch to "
             f"{backend.path} (another NCCL or build). Start a new process"
         )
-    # The handlers enqueue only graph-safe work (no host synchronisation, expected values kept on
-    # the device), so XLA may record them into command buffers and replay them; XLA needs to be
-    # told at registration. The trait enum is not public API, so its absence is reported in info().
-    try:
-        from jax._src.lib import xla_client
-
-        traits = {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
-    except (ImportError, AttributeError):
-        traits = {}
     for name, (type_id, type_info) in STATE_TYPES.items():
         registration = {
             "type_id": jax.ffi.pycapsule(backend.ffi_address(type_id)),
@@ -65,6 +63,6 @@ def register(backend) -> None:
             fn = jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(symbols)))
         else:
             fn = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in symbols.items()}
-        jax.ffi.register_ffi_target(target, fn, platform="CUDA", **({} if target in NOT_IN_COMMAND_BUFFERS else traits))
+        # No traits: not COMMAND_BUFFER_COMPATIBLE (see above).
+        jax.ffi.register_ffi_target(target, fn, platform="CUDA")
     _registered_from = backend.path
-    command_buffer_compatible = bool(traits)

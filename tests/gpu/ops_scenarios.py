@@ -288,8 +288,9 @@ def iterations_graphs(argv):
 
 
 def graph_replay(argv):
-    """Under XLA command buffers, a program of jaxgin ops is recorded into a CUDA graph once and
-    replayed: handler calls stay far below ops executed, and results stay right as data changes."""
+    """With XLA command buffers on, a program of jaxgin ops between fusions stays right as data
+    changes, and every jaxgin call runs through its handler (XLA keeps jaxgin's calls out of its
+    graphs; see jaxgin/ffi/targets.py)."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip()
     jax, jaxgin = _setup(argv)
     import jax.numpy as jnp

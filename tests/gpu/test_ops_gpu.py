@@ -53,13 +53,14 @@ def test_1000_iterations(world, command_buffers):
 
 
 @TWO_GPUS
-def test_cuda_graph_replay():
-    """XLA records jaxgin's custom calls into command buffers and replays them: the host handler
-    runs for a small fraction of the ops executed, and every result still equals jax.lax's."""
+def test_command_buffers_keep_jaxgin_calls_in_program_order():
+    """With XLA command buffers on, every result equals jax.lax's and every jaxgin call ran through
+    its handler: XLA records the fusions around them into graphs, never the calls themselves
+    (independent calls inside one graph ran concurrently and shared the exchange channel)."""
     result = run_scenario(SCENARIOS, ["graph_replay"], 2)
     record("ops_graph_replay_2gpu", result)
     assert result["mismatches"] == 0
-    assert result["handler_calls"] < result["ops_executed"] / 4, result
+    assert result["handler_calls"] == result["ops_executed"], result
 
 
 @TWO_GPUS
