@@ -3,9 +3,7 @@
 #include <cupti.h>  // with generated_cuda_meta.h: each driver call's parameter struct
 #include <dlfcn.h>
 
-#include <atomic>
 #include <initializer_list>
-#include <thread>
 
 #include "driver_entry.h"
 
@@ -25,7 +23,6 @@ struct Cupti {
   decltype(&cuptiEnableCallback) enable_callback = nullptr;
   decltype(&cuptiUnsubscribe) unsubscribe = nullptr;
   decltype(&cuptiGetResultString) result_string = nullptr;
-  decltype(&cuptiFinalize) finalize = nullptr;
 };
 
 std::once_flag loaded;
@@ -57,7 +54,6 @@ void load() {
     cupti.enable_callback = reinterpret_cast<decltype(cupti.enable_callback)>(dlsym(handle, "cuptiEnableCallback"));
     cupti.unsubscribe = reinterpret_cast<decltype(cupti.unsubscribe)>(dlsym(handle, "cuptiUnsubscribe"));
     cupti.result_string = reinterpret_cast<decltype(cupti.result_string)>(dlsym(handle, "cuptiGetResultString"));
-    cupti.finalize = reinterpret_cast<decltype(cupti.finalize)>(dlsym(handle, "cuptiFinalize"));
     if (!cupti.subscribe || !cupti.enable_callback || !cupti.unsubscribe)
       load_failure = "the loaded CUPTI library lacks its callback API";
   });
@@ -69,22 +65,9 @@ std::string cupti_error(const char* call, CUptiResult r) {
   return std::string(call) + " failed (" + text + ")";
 }
 
-// Set while stop() makes the CUDA call at whose exit CUPTI detaches (see stop()).
-// Only the thread that asked detaches: once the cuCtxGetCurrent callback is on, every thread's
-// cuCtxGetCurrent reaches record_call, and NCCL's and the transport's threads call it all the time;
-// one of them taking the request would finalize CUPTI while the asking thread is inside its own
-// call and its callback.
-std::atomic<bool> detach_requested{false}, detached{false};
-std::atomic<std::thread::id> detaching_thread{};
-
 void CUPTIAPI record_call(void* ledger, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void* data) {
   const auto* call = static_cast<const CUpti_CallbackData*>(data);
   if (domain != CUPTI_CB_DOMAIN_DRIVER_API || call->callbackSite != CUPTI_API_EXIT) return;
-  if (id == CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) {
-    if (detaching_thread.load() == std::this_thread::get_id() && detach_requested.exchange(false))
-      detached = cupti.finalize() == CUPTI_SUCCESS;
-    return;
-  }
   const auto* result = static_cast<const CUresult*>(call->functionReturnValue);
   if (result == nullptr || *result != CUDA_SUCCESS) return;
   static_cast<VmmLedger*>(ledger)->on_call(call->context, id, call->functionParams);
@@ -140,22 +123,12 @@ void VmmLedger::stop() {
   if (recorders_ == 0 || --recorders_ > 0) return;
   auto subscriber = static_cast<CUpti_SubscriberHandle>(subscriber_);
   subscriber_ = nullptr;
-  // Detach CUPTI from the process (cuptiFinalize) rather than only unsubscribe, so that no later
-  // CUDA call pays for its hooks. CUPTI wants that done at the exit of a CUDA call: here one of
-  // cuCtxGetCurrent's, made for the purpose. The subscription goes with CUPTI.
-  detached = false;
-  const VmmDriver& driver = vmm_driver();
-  if (cupti.finalize != nullptr && driver.current_context != nullptr &&
-      cupti.enable_callback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent) ==
-          CUPTI_SUCCESS) {
-    detaching_thread = std::this_thread::get_id();
-    detach_requested = true;
-    CUcontext context = nullptr;
-    driver.current_context(&context);
-    detach_requested = false;
-    detaching_thread = std::thread::id{};
-  }
-  if (!detached) cupti.unsubscribe(subscriber);
+  // Unsubscribe only, never cuptiFinalize: finalizing detaches CUPTI from every thread at once,
+  // while NCCL's proxy threads and the host transport's threads are inside driver calls (and
+  // CUPTI's hooks) all the time, and CUPTI documents no safe way to do that with other threads
+  // running. What stays is CUPTI's per-call hook with no callback enabled: a few nanoseconds on
+  // driver calls, nothing on kernels.
+  cupti.unsubscribe(subscriber);
 }
 
 VmmLedger::~VmmLedger() {

@@ -40,7 +40,7 @@ class VmmLedger {
   // Threads may record at once (the teardowns of several GPUs): each successful start() is
   // matched by one stop(), and recording stops with the last.
   std::string start();
-  // Stops recording (the last stop() detaches CUPTI from the process); what was recorded stays.
+  // Stops recording (the last stop() unsubscribes from CUPTI); what was recorded stays.
   void stop();
   // After the device that `context` belonged to was reset: unmaps every mapping recorded in
   // `context` that was not unmapped since, drops the allocation-handle references recorded (created,
