@@ -51,7 +51,9 @@ def build(*, cache_dir: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode() + b"\0" + (root / name).read_bytes())
-    digest.update(build_lib.nvcc_version(nvcc).encode())
+    # -g: a crash report's offsets into the plugin resolve to lines (addr2line).
+    flags = ["-std=c++17", "-O2", "-g", "-shared", "-Xcompiler=-fPIC,-fvisibility=hidden"]
+    digest.update(build_lib.nvcc_version(nvcc).encode() + " ".join(flags).encode())
     cache_dir = Path(cache_dir) if cache_dir else build_lib.default_cache_dir()
     final = cache_dir / f"transport-{digest.hexdigest()[:20]}"
     library = final / LIBRARY_NAME
@@ -60,10 +62,8 @@ def build(*, cache_dir: Path | None = None) -> Path:
             return library
         final.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=".transport-", dir=final)) / LIBRARY_NAME
-        command = [
-            str(nvcc), "-std=c++17", "-O2", "-shared", "-Xcompiler=-fPIC,-fvisibility=hidden",
-            *(str(root / s) for s in SOURCES if s.endswith(".cc")), "-lpthread", "-o", str(partial),
-        ]
+        command = [str(nvcc), *flags, *(str(root / s) for s in SOURCES if s.endswith(".cc")), "-lpthread", "-o",
+                   str(partial)]
         build_lib._run(command, root)
         partial.rename(library)
         partial.parent.rmdir()

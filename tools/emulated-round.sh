@@ -9,6 +9,9 @@
 #   bash tools/emulated-round.sh start [PYTEST ARGS]   # install, build, then pytest (default: tests/gpu)
 #   bash tools/emulated-round.sh wait SECONDS          # up to SECONDS; copies the results into $OUT
 #
+# ROUND_COMMANDS=FILE (a shell script in the repo) runs that instead of pytest, with $RESULTS naming
+# the folder that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output).
+#
 # Send the ignored folder .whl along if it holds pytest-xdist and execnet: the tests then run in
 # ROUND_WORKERS (default 2) processes side by side. Crashes print native stacks
 # (tools/native_backtrace.c, preloaded) and Python's (PYTHONFAULTHANDLER).
@@ -42,7 +45,10 @@ case "${1:-}" in
     stamp "build"; python3 -m jaxgin.build && python3 -m jaxgin.transport || { echo "build failed"; touch "$ROUND/done"; exit 1; }
     gcc -shared -fPIC -O1 -o /tmp/native_backtrace.so tools/native_backtrace.c -ldl && export LD_PRELOAD=/tmp/native_backtrace.so
     stamp "info"; python3 -m jaxgin.info
-    if [ $# -gt 0 ]; then
+    if [ -n "${ROUND_COMMANDS:-}" ]; then
+      stamp "commands $ROUND_COMMANDS"; RESULTS=$ROUND/results bash "$ROUND_COMMANDS"
+      echo "commands exit status $?"
+    elif [ $# -gt 0 ]; then
       stamp "tests"; python3 -m pytest -v -rA --durations=30 "${parallel[@]}" "$@" 2>&1 | tee "$ROUND/pytest.log"
       echo "pytest exit status $?"
     else
