@@ -5,11 +5,17 @@
 
 Writes rank<R>.out / rank<R>.err and summary.json (exit codes, seconds, RESULT lines) under --out.
 Ranks are started exactly as the GPU tests start them (tests/gpu/harness.py, emulated=True).
+--stacks-after T (repeatable) attaches cuda-gdb to every rank still running T seconds after the
+start and writes every thread's native stack to rank<R>.stacks-<T>s (the GPU machines have no gdb).
 """
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +26,36 @@ import harness  # noqa: E402
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
+def _ranks_running() -> dict[int, int]:
+    """rank -> pid of this process's children (their command lines end in RANK WORLD ADDR)."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and len(argv) >= 3 and argv[-3].isdigit():
+            ranks[int(argv[-3])] = int(entry.name)
+    return ranks
+
+
+def _dump_stacks(out: Path, times: list[float], start: float) -> None:
+    debugger = shutil.which("cuda-gdb") or "/usr/local/cuda/bin/cuda-gdb"
+    for t in sorted(times):
+        time.sleep(max(0.0, start + t - time.monotonic()))
+        for rank, pid in sorted(_ranks_running().items()):
+            command = [debugger, "-batch", "-p", str(pid), "-ex", "set pagination off", "-ex", "thread apply all bt 40"]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+                text = done.stdout + done.stderr
+            except (OSError, subprocess.TimeoutExpired) as e:
+                text = f"cuda-gdb failed: {e}"
+            (out / f"rank{rank}.stacks-{t:g}s").write_text(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, required=True)
@@ -27,6 +63,7 @@ def main() -> int:
     parser.add_argument("--xla-flags", default="", help="more XLA flags")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--stacks-after", type=float, action="append", default=[], metavar="SECONDS")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("script", type=Path)
     parser.add_argument("args", nargs="*")
@@ -40,6 +77,8 @@ def main() -> int:
     flags = " ".join(f for f in (COMMAND_BUFFERS if a.graphs else "", a.xla_flags) if f) or None
     a.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    if a.stacks_after:
+        threading.Thread(target=_dump_stacks, args=(a.out, a.stacks_after, start), daemon=True).start()
     finished = harness.start_processes(a.script, a.args, a.world, a.timeout, env=env, emulated=True, xla_flags=flags)
     seconds = time.monotonic() - start
     summary = {"world": a.world, "args": a.args, "env": env, "xla_flags": flags, "seconds": round(seconds, 1),

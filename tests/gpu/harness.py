@@ -86,6 +86,21 @@ def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:
     return env
 
 
+def keep_outputs(finished) -> None:
+    """The whole output of every rank of a job in which some rank exited non-zero, under
+    JAXGIN_RESULTS_DIR/nonzero-exit/<test>/ (expected in the fault tests): pytest shows only a
+    digest, and only once the session ends, which a GPU round may not reach."""
+    directory = os.environ.get("JAXGIN_RESULTS_DIR")
+    if not directory:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0]
+    folder = Path(directory, "nonzero-exit", "".join(c if c.isalnum() or c in "-_.[]" else "_" for c in test))
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, (code, out, err) in enumerate(finished):
+        Path(folder, f"rank{rank}.out").write_text(f"exit code {code}\n{out}")
+        Path(folder, f"rank{rank}.err").write_text(err)
+
+
 def record(name: str, result: dict) -> None:
     directory = os.environ.get("JAXGIN_RESULTS_DIR")
     if directory:
@@ -132,7 +147,10 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
     finally:
         for p in procs:
             p.kill()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    finished = [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    if any(code != 0 for code, _, _ in finished):
+        keep_outputs(finished)
+    return finished
 
 
 def run_processes(script: Path, args, world: int, timeout: float = 600, emulated: bool = False,
