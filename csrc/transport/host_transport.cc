@@ -38,7 +38,15 @@ namespace jaxgin::transport {
 namespace {
 
 constexpr size_t kChunkBytes = 4u << 20;  // staged puts travel in pieces of this size
-constexpr int kPrestagedChunks = 4;       // pinned chunks made at connect for staged sends
+// Everything a put needs from CUDA is made before the first put: pinned chunks for staged sends
+// (at connect) and copy events (per RMA context). NCCL's proxy thread must never create or destroy
+// a CUDA object while the GPU waits on this transport: creating one takes a driver lock that
+// cuGraphLaunch holds while it waits for the GPU. Measured on one H100 under XLA command buffers:
+// XLA's thread in cuGraphLaunch, waiting for a graph queued behind a jaxgin kernel; NCCL's proxy
+// thread in cuEventCreate, waiting for that lock; the kernel waiting for the proxy thread's put.
+// When they run out, a put waits for earlier ones to deliver.
+constexpr int kStagingChunks = 16;        // 64 MiB of pinned memory per communicator with staged peers
+constexpr int kCopyEvents = 1024;         // per RMA context
 
 // What moved, for tests and diagnostics: read through jaxgin_transport_counters().
 enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
@@ -259,6 +267,8 @@ struct Context {
   int contexts;
   std::mutex lock;
   std::vector<std::deque<Op*>> queues;  // [context * nranks + peer]
+  std::vector<cudaEvent_t> events;      // free copy events (under lock); all of them in all_events
+  std::vector<cudaEvent_t> all_events;
   // Copies towards each peer, made in createContext. One stream per peer keeps every queue's
   // copies in order, and few streams make it less likely that CUDA places one of them in the same
   // hardware queue as a kernel that spins (work in one hardware queue runs in order).
@@ -477,16 +487,12 @@ void agent_loop(Comm* c) {
 
 // --- the sending side ----------------------------------------------------------------------
 
+// A free staging chunk, or null when all are in flight.
 char* pool_get(Comm* c) {
   std::lock_guard<std::mutex> g(c->pool_lock);
-  if (!c->pool.empty()) {
-    char* p = c->pool.back();
-    c->pool.pop_back();
-    return p;
-  }
-  char* p = nullptr;
-  if (!cuda_ok(c, cudaHostAlloc(&p, kChunkBytes, cudaHostAllocPortable), "cudaHostAlloc(staging chunk)")) return nullptr;
-  c->pool_all.push_back(p);
+  if (c->pool.empty()) return nullptr;
+  char* p = c->pool.back();
+  c->pool.pop_back();
   return p;
 }
 
@@ -558,7 +564,7 @@ void progress(Context* x) {
         cudaError_t e = cudaEventQuery(op->event);
         if (e == cudaErrorNotReady) break;
         ok = cuda_ok(c, e, "a transport copy");
-        cudaEventDestroy(op->event);
+        x->events.push_back(op->event);
         op->event = nullptr;
       }
       ok = ok && deliver(c, op);
@@ -574,11 +580,43 @@ void progress(Context* x) {
   }
 }
 
-// Queues the op's copy on `stream` and records the event progress() waits for.
-bool start_copy(Comm* c, Op* op, void* to, const void* from, size_t bytes, cudaStream_t stream) {
-  return cuda_ok(c, cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate") &&
-         cuda_ok(c, cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync") &&
+// Delivers what it can until `take` succeeds, for up to the connect timeout: staging chunks and
+// copy events come back as earlier puts deliver. Called without x->lock.
+template <class Take>
+bool wait_to_take(Context* x, const char* what, Take take) {
+  if (take()) return true;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(connect_timeout_ms());
+  while (std::chrono::steady_clock::now() < deadline) {
+    progress(x);
+    if (take()) return true;
+    if (x->comm->failed) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  fail(x->comm, std::string("no ") + what + " came free within JAXGIN_TRANSPORT_CONNECT_TIMEOUT: earlier puts did not "
+                "deliver");
+  return false;
+}
+
+// Queues the op's copy on `stream` with an event from the context's pool for progress() to wait on.
+bool start_copy(Context* x, Op* op, void* to, const void* from, size_t bytes, cudaStream_t stream) {
+  Comm* c = x->comm;
+  bool got = wait_to_take(x, "copy event", [&] {
+    std::lock_guard<std::mutex> g(x->lock);
+    if (x->events.empty()) return false;
+    op->event = x->events.back();
+    x->events.pop_back();
+    return true;
+  });
+  return got && cuda_ok(c, cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync") &&
          cuda_ok(c, cudaEventRecord(op->event, stream), "cudaEventRecord");
+}
+
+// The calling thread's current device, set once per thread (NCCL's proxy thread serves one device).
+void use_device(int device) {
+  thread_local int current = -1;
+  if (device < 0 || device == current) return;
+  cudaSetDevice(device);
+  current = device;
 }
 
 rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size_t size, uint64_t dst_off,
@@ -608,14 +646,19 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
     }
   }
   TRACE("rank %d request ctx %d peer %u size %zu", c->rank, context, peer, size);
-  if (c->device >= 0) cudaSetDevice(c->device);
+  use_device(c->device);
   relax_capture_mode();
   const int index = context * c->nranks + static_cast<int>(peer);
   Route route = static_cast<int>(peer) == c->rank ? Route::kLocal
                 : (size == 0 || dst->peer_base[peer]) ? Route::kMapped
                                                       : Route::kStaged;
-  std::vector<Op*> ops;
-  auto make = [&](uint64_t at, size_t bytes) {
+  // One op per staged chunk, else one. Each joins the queue as soon as its copy is under way, so
+  // that a put larger than the staging pool delivers its first chunks while later ones wait.
+  const size_t pieces = route == Route::kStaged ? (size + kChunkBytes - 1) / kChunkBytes : 1;
+  Op* last = nullptr;
+  for (size_t i = 0; i < pieces; i++) {
+    const uint64_t at = i * kChunkBytes;
+    const size_t bytes = route == Route::kStaged ? std::min<uint64_t>(kChunkBytes, size - at) : size;
     Op* op = new Op;
     op->context = x;
     op->route = route;
@@ -623,64 +666,53 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
     op->size = bytes;
     op->region = dst ? dst->seq : 0;
     op->offset = dst_off + at;
-    ops.push_back(op);
-    return op;
-  };
-  bool ok = true;
-  if (route == Route::kStaged) {
-    for (uint64_t at = 0; ok && at < size; at += kChunkBytes) {
-      size_t bytes = std::min<uint64_t>(kChunkBytes, size - at);
-      Op* op = make(at, bytes);
-      const char* from = src->base + src_off + at;
+    if (i + 1 == pieces) {
+      last = op;
+      op->returned = true;
+      if (signal) {
+        op->has_signal = true;
+        op->signal_region = signal->seq;
+        op->signal_offset = signal_off;
+        op->signal_delta = signal_delta;
+      }
+    }
+    bool ok = true;
+    const char* from = src ? src->base + src_off + at : nullptr;
+    if (route == Route::kStaged) {
       if (!src->on_device) {
         op->host_source = from;
       } else {
-        op->staging = pool_get(c);
-        ok = op->staging && start_copy(c, op, op->staging, from, bytes, x->streams[peer]);
+        ok = wait_to_take(x, "staging chunk", [&] { return (op->staging = pool_get(c)) != nullptr; }) &&
+             start_copy(x, op, op->staging, from, bytes, x->streams[peer]);
       }
       counters[kPutsStaged]++;
       counters[kBytesStaged] += bytes;
-    }
-  } else {
-    Op* op = make(0, size);
-    if (size > 0) {
+    } else if (size > 0) {
       char* to = route == Route::kLocal ? dst->base + dst_off : dst->peer_base[peer] + dst_off;
-      const char* from = src->base + src_off;
       if (!src->on_device && !dst->on_device) {
         op->local_destination = to;
         op->local_source = from;
       } else {
-        ok = start_copy(c, op, to, from, size, x->streams[peer]);
+        ok = start_copy(x, op, to, from, size, x->streams[peer]);
       }
       counters[route == Route::kLocal ? kPutsLocal : kPutsMapped]++;
       if (route == Route::kMapped) counters[kBytesMapped] += size;
     }
-  }
-  if (ops.empty()) make(0, 0);  // a staged signal without data
-  Op* last = ops.back();
-  if (signal) {
-    last->has_signal = true;
-    last->signal_region = signal->seq;
-    last->signal_offset = signal_off;
-    last->signal_delta = signal_delta;
-  }
-  last->returned = true;
-  if (!ok) {
-    for (Op* op : ops) {
-      if (op->event) cudaEventDestroy(op->event);
+    if (!ok) {
+      // Chunks already queued still deliver (their data, no signal); the request fails.
+      std::lock_guard<std::mutex> g(x->lock);
+      if (op->event) x->events.push_back(op->event);
       pool_put(c, op->staging);
       delete op;
+      return rmaUnhandledCudaError;
     }
-    return rmaUnhandledCudaError;
-  }
-  {
     std::lock_guard<std::mutex> g(x->lock);
-    for (Op* op : ops) x->queues[index].push_back(op);
+    x->queues[index].push_back(op);
   }
   TRACE("rank %d enqueue ctx %d peer %u route %d size %zu src %lu+%lu dst %lu+%lu signal %ld+%lu +%lu ops %zu req %p",
         c->rank, context, peer, static_cast<int>(route), size, (unsigned long)(src ? src->seq : 0),
         (unsigned long)src_off, (unsigned long)(dst ? dst->seq : 0), (unsigned long)dst_off,
-        signal ? (long)signal->seq : -1L, (unsigned long)signal_off, (unsigned long)signal_delta, ops.size(),
+        signal ? (long)signal->seq : -1L, (unsigned long)signal_off, (unsigned long)signal_delta, pieces,
         static_cast<void*>(last));
   *request = last;
   return rmaSuccess;
@@ -838,11 +870,16 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
     return rmaSystemError;
   }
   c->agent = std::thread(agent_loop, c);
-  // Staged sends (peers on other hosts) start with pinned chunks made here, not on the proxy thread.
-  if (c->device >= 0 && unix_peers < nranks - 1) {
-    char* chunks[kPrestagedChunks];
-    for (char*& chunk : chunks) chunk = pool_get(c);
-    for (char* chunk : chunks) pool_put(c, chunk);
+  // Staged sends (peers on other hosts, or regions that cannot be mapped) take pinned chunks made
+  // here, never on the proxy thread (see kStagingChunks).
+  if (c->device >= 0) {
+    const int chunks = unix_peers < nranks - 1 ? kStagingChunks : 2;
+    for (int i = 0; i < chunks; i++) {
+      char* chunk = nullptr;
+      if (!cuda_ok(c, cudaHostAlloc(&chunk, kChunkBytes, cudaHostAllocPortable), "cudaHostAlloc(staging chunk)")) break;
+      c->pool_all.push_back(chunk);
+      c->pool.push_back(chunk);
+    }
   }
   INFO(c, "rank %d of %d on CUDA device %d: %d peers on this host (CUDA IPC + Unix sockets), %d over TCP; "
        "signals applied by %s", rank, nranks, c->device, unix_peers, nranks - 1 - unix_peers,
@@ -976,14 +1013,22 @@ rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** r
   x->streams.assign(c->nranks, nullptr);
   if (c->device >= 0) {
     cudaSetDevice(c->device);
-    for (int p = 0; p < c->nranks; p++)
-      if (!cuda_ok(c, cudaStreamCreateWithFlags(&x->streams[p], cudaStreamNonBlocking),
-                                   "cudaStreamCreate")) {
-        for (cudaStream_t s : x->streams)
-          if (s) cudaStreamDestroy(s);
-        delete x;
-        return rmaUnhandledCudaError;
-      }
+    bool ok = true;
+    for (int p = 0; ok && p < c->nranks; p++)
+      ok = cuda_ok(c, cudaStreamCreateWithFlags(&x->streams[p], cudaStreamNonBlocking), "cudaStreamCreate");
+    for (int i = 0; ok && i < kCopyEvents; i++) {
+      cudaEvent_t event = nullptr;
+      ok = cuda_ok(c, cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+      if (ok) x->all_events.push_back(event);
+    }
+    if (!ok) {
+      for (cudaStream_t s : x->streams)
+        if (s) cudaStreamDestroy(s);
+      for (cudaEvent_t e : x->all_events) cudaEventDestroy(e);
+      delete x;
+      return rmaUnhandledCudaError;
+    }
+    x->events = x->all_events;
   }
   *rma_ctx = x;
   return rmaSuccess;
@@ -1005,6 +1050,7 @@ rmaResult_t plugin_destroy_context(void* rma_ctx) {
       if (!op->returned) delete op;
   for (cudaStream_t s : x->streams)
     if (s) cudaStreamDestroy(s);
+  for (cudaEvent_t e : x->all_events) cudaEventDestroy(e);
   delete x;
   return rmaSuccess;
 }
