@@ -25,13 +25,12 @@ TARGETS = {
 }
 # No target is marked command-buffer compatible, so XLA runs every jaxgin call as its own step on
 # its stream, in program order, and records only the code around them into CUDA graphs. Inside a
-# command buffer XLA orders commands by the buffers they share and nothing else, so two jaxgin calls
-# without a data dependency (a put_signal beside a ppermute, two ppermutes of different arrays) ran
-# concurrently there; they share the exchange channel's signals and counters, and under GIN a
-# 1000-iteration loop stalled within a few calls (expected 5, stayed at 4). The fused ops also nest
-# work that CUDA refuses to record as a child graph (cuBLAS calls and peer copies on a second
-# stream; csrc/ffi/chunked_matmul.cu).
-# FFI state types# FFI state types: name -> (exported type-id getter, exported type-info getter)
+# command buffer XLA orders commands by the buffers they share and nothing else: XLA's thunk dump
+# of a step with several jaxgin calls showed calls without a data dependency as parallel graph
+# nodes. jaxgin's calls share the exchange channel's signals and counters, which assume one call
+# at a time. The fused ops also nest work that CUDA refuses to record as a child graph (cuBLAS
+# calls and peer copies on a second stream; csrc/ffi/chunked_matmul.cu).
+# FFI state types: name -> (exported type-id getter, exported type-info getter)
 STATE_TYPES = {
     "jaxgin_triton_kernel": ("jaxgin_ffi_triton_kernel_type_id", "jaxgin_ffi_triton_kernel_type_info"),
 }

@@ -56,7 +56,7 @@ def test_1000_iterations(world, command_buffers):
 def test_command_buffers_keep_jaxgin_calls_in_program_order():
     """With XLA command buffers on, every result equals jax.lax's and every jaxgin call ran through
     its handler: XLA records the fusions around them into graphs, never the calls themselves
-    (independent calls inside one graph ran concurrently and shared the exchange channel)."""
+    (inside one, XLA made independent calls parallel graph nodes on a shared exchange channel)."""
     result = run_scenario(SCENARIOS, ["graph_replay"], 2)
     record("ops_graph_replay_2gpu", result)
     assert result["mismatches"] == 0
