@@ -30,8 +30,6 @@ from jaxgin.nccl import version_string
 TRANSPORTS = ("auto", "host", "nic")
 LIBRARY_NAME = "libjaxgin_transport.so"
 SOURCES = ("rma_api.h", "wire.h", "wire.cc", "device_memory.h", "device_memory.cc", "host_transport.cc")
-# In the order of jaxgin_transport_counters() (csrc/transport/host_transport.cc).
-COUNTERS = ("puts_mapped", "puts_staged", "puts_local", "bytes_mapped", "bytes_staged", "signals_applied", "regions")
 MIN_NCCL = 23000  # NCCL_VERSION_CODE of 2.30.0, the first NCCL that loads RMA plugins
 
 
@@ -128,9 +126,15 @@ def counters(library: Path | str | None = None) -> dict[str, int]:
     if path is None:
         raise JaxginError("the host transport is not in use in this process (NCCL_RMA_PLUGIN is unset)")
     lib = ctypes.CDLL(path)
-    values = (ctypes.c_uint64 * len(COUNTERS))()
-    lib.jaxgin_transport_counters(values, len(COUNTERS))
-    return dict(zip(COUNTERS, (int(v) for v in values)))
+    # The names come from the plugin, which defines the counters: no second list to keep equal.
+    lib.jaxgin_transport_counter_names.restype = ctypes.c_int
+    lib.jaxgin_transport_counter_names.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]
+    count = lib.jaxgin_transport_counter_names(None, 0)
+    names = (ctypes.c_char_p * count)()
+    lib.jaxgin_transport_counter_names(names, count)
+    values = (ctypes.c_uint64 * count)()
+    lib.jaxgin_transport_counters(values, count)
+    return {name.decode(): int(value) for name, value in zip(names, values)}
 
 
 def not_loaded_hint(gin_transport: str) -> str:

@@ -85,6 +85,31 @@ def test_connect_logs_through_the_logger_given_to_init(table):
                                        for r in range(2)), lines
 
 
+def test_counters_count_what_moved(table, library):
+    """transport.counters() takes its names from the plugin and counts a put and its signal."""
+    from jaxgin import transport
+
+    ranks = connect_all(table, 2)
+    data = [np.zeros(3000, np.uint8) for _ in ranks]
+    signals = [np.zeros(2, np.uint64) for _ in ranks]
+    data_h = register_all(ranks, data)
+    signal_h = register_all(ranks, signals, NEVER_RESET)
+    before = transport.counters(library)
+    assert set(before) == {"puts_mapped", "puts_staged", "puts_local", "bytes_mapped", "bytes_staged",
+                           "signals_applied", "regions"}
+    data[0][:1000] = 7
+    # handles name the symmetric registration as seen from the rank that puts
+    ranks[0].wait(ranks[0].put(data_h[0], 0, 1000, data_h[0], 2000, 1, signal=signal_h[0], signal_off=8, value=1))
+    wait_word(signals[1], 1, 1)
+    after = transport.counters(library)
+    close_all(ranks)
+    delta = {k: after[k] - before[k] for k in after}
+    # Host memory cannot be mapped across processes: the put travels in a message (staged).
+    assert delta == {"puts_mapped": 0, "puts_staged": 1, "puts_local": 0, "bytes_mapped": 0, "bytes_staged": 1000,
+                     "signals_applied": 1, "regions": 0}, delta
+    assert (data[1][2000:3000] == 7).all()
+
+
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 @pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
 def test_ring_put_signal_many_rounds(table, nranks, tcp, monkeypatch):

@@ -51,6 +51,10 @@ constexpr int kCopyEvents = 1024;         // per RMA context
 // What moved, for tests and diagnostics: read through jaxgin_transport_counters().
 enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
                kCounterCount };
+// Their names, the keys of jaxgin.transport.counters() (read through jaxgin_transport_counter_names).
+constexpr const char* kCounterNames[] = {"puts_mapped",  "puts_staged",     "puts_local", "bytes_mapped",
+                                         "bytes_staged", "signals_applied", "regions"};
+static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kCounterCount, "a name per counter");
 std::atomic<uint64_t> counters[kCounterCount];
 
 // Ranks whose connection ended without a goodbye (their process exited or their host is gone),
@@ -1174,9 +1178,16 @@ const rmaPlugin_v14_t ncclRmaPlugin_v14 = {
     plugin_finalize,
 };
 
-// Totals since the library loaded, in the order of jaxgin.transport.COUNTERS.
+// Totals since the library loaded, in the order of jaxgin_transport_counter_names; returns how
+// many counters there are (at most `n` are written).
 __attribute__((visibility("default"))) int jaxgin_transport_counters(uint64_t* out, int n) {
   for (int i = 0; i < n && i < kCounterCount; i++) out[i] = counters[i].load();
+  return kCounterCount;
+}
+
+// The counters' names, in order; returns how many there are (at most `n` are written).
+__attribute__((visibility("default"))) int jaxgin_transport_counter_names(const char** out, int n) {
+  for (int i = 0; i < n && i < kCounterCount; i++) out[i] = kCounterNames[i];
   return kCounterCount;
 }
 
