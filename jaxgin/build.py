@@ -46,6 +46,7 @@ BACKEND_SOURCES = (
     "runtime/heap_release.cu",
     "runtime/vmm_ledger.cu",
     "runtime/cublas_loader.cu",
+    "runtime/constants.cu",
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",
     "kernels/exchange.cu",

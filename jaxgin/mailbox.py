@@ -68,8 +68,8 @@ from jaxgin import runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
 
-MAILBOX_HEADER_BYTES = 256  # mirrors kMailboxHeaderBytes in csrc/kernels/mailbox.h
-MAX_AXIS_SIZE = 64  # mirrors kMaxExchangePeers
+MAILBOX_HEADER_BYTES = 256  # kMailboxHeaderBytes (csrc/kernels/mailbox.h); a test holds them equal
+MAX_AXIS_SIZE = 64  # kMaxExchangePeers (csrc/kernels/exchange.h); likewise
 
 _declared: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
 

@@ -73,7 +73,7 @@ def channel_shape(world_size: int) -> ChannelShape:
 
 # Small messages between NVLink peers travel as 16-byte lines (8 payload bytes, two flag copies);
 # each sender has `slots` line slots of twice JAXGIN_LINE_MAX_BYTES at every receiver.
-LINE_MAX_BYTES = 8192
+LINE_MAX_BYTES = 8192  # JAXGIN_LINE_MAX_BYTES (csrc/device/impl/context__types.h); a test holds them equal
 LINE_SLOT_BYTES = 2 * LINE_MAX_BYTES
 
 

@@ -145,6 +145,30 @@ def test_backend_reports_nccl_versions(built):
     assert (loaded, compiled) == (install.version, install.version)
 
 
+def test_python_constants_equal_the_backend_ones(built):
+    """Sizes both sides compute with are defined in C and exported (jaxgin_constant); Python's
+    copies (which the reference path needs without a backend) must equal them."""
+    install, artifacts, _ = built
+    if install.library is None:
+        pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
+    from jaxgin import mailbox, runtime
+
+    python = {"mailbox_header_bytes": mailbox.MAILBOX_HEADER_BYTES, "max_exchange_peers": mailbox.MAX_AXIS_SIZE,
+              "line_max_bytes": runtime.LINE_MAX_BYTES}
+    code = (
+        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int64()\n"
+        "for name in sys.argv[2:]:\n"
+        "    assert lib.jaxgin_constant(name.encode(), ctypes.byref(v)) == 0, name\n"
+        "    print(name, v.value)\n"
+        "assert lib.jaxgin_constant(b'no_such_constant', ctypes.byref(v)) == -1"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(artifacts.backend), *python],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    exported = {name: int(value) for name, value in (line.split() for line in result.stdout.splitlines())}
+    assert exported == python
+
+
 def test_artifacts_layout(built):
     install, artifacts, _ = built
     assert artifacts.directory.parent == build.default_cache_dir()

@@ -57,6 +57,8 @@ typedef struct {
 // Status 2 means a kernel failed on the device (that GPU's CUDA context is unusable afterwards).
 #define JAXGIN_STATUS_DEVICE_FAULT 2
 JAXGIN_API int jaxgin_backend_abi(void);
+// A size Python computes with too, by name (csrc/runtime/constants.cu): 0, or -1 for an unknown name.
+JAXGIN_API int jaxgin_constant(const char* name, int64_t* value);
 JAXGIN_API int jaxgin_nccl_versions(int32_t* loaded, int32_t* compiled_against);
 JAXGIN_API const char* jaxgin_last_error(void);
 JAXGIN_API int jaxgin_unique_id(char* out);
