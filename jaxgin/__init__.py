@@ -15,7 +15,7 @@ from jaxgin.diagnostics import SelftestReport, selftest
 from jaxgin.collectives import all_to_all, ppermute
 from jaxgin.mailbox import Mailbox, Token, put_signal, wait_signal, wait_signal_from
 from jaxgin.triton_call import triton_call
-from jaxgin.ffi.route import axis_route
+from jaxgin.route import axis_route
 from jaxgin import fused, moe
 
 __version__ = "0.1.0"

@@ -75,7 +75,7 @@ def _kernel(state, x, w, plan: _Plan):
     if plan.method == "chunked":
         return _chunked.all_gather_matmul(x, w, plan)
     _common.require_tritongin(OP)
-    from jaxgin.ffi.route import axis_route
+    from jaxgin.route import axis_route
     from jaxgin.fused import _kernels
     from jaxgin.triton_call import triton_call
 

@@ -114,7 +114,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     if plan.method == "chunked":
         return _chunked.matmul_all_to_all(x, w, plan)
     _common.require_tritongin(OP)
-    from jaxgin.ffi.route import axis_route
+    from jaxgin.route import axis_route
     from jaxgin.fused import _kernels
     from jaxgin.triton_call import triton_call
 

@@ -219,7 +219,7 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
 
 def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
     _common.require_tritongin(DISPATCH)
-    from jaxgin.ffi.route import axis_route
+    from jaxgin.route import axis_route
     from jaxgin.moe import _kernels
     from jaxgin.triton_call import triton_call
 
@@ -248,7 +248,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
 
 def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan: Plan):
     _common.require_tritongin(COMBINE)
-    from jaxgin.ffi.route import axis_route
+    from jaxgin.route import axis_route
     from jaxgin.moe import _kernels
     from jaxgin.triton_call import triton_call
 
