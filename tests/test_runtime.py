@@ -385,7 +385,7 @@ def test_cupti_already_in_the_process_is_not_loaded_twice(monkeypatch, tmp_path)
 
 def test_custom_calls_are_kept_out_of_command_buffers(monkeypatch):
     """Every jaxgin target is registered without COMMAND_BUFFER_COMPATIBLE: inside XLA's command
-    buffers, independent jaxgin calls ran concurrently on a shared exchange channel."""
+    buffers, independent jaxgin calls became parallel graph nodes on a shared exchange channel."""
     from jaxgin.ffi import targets
 
     class FakeBackend:
