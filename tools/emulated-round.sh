@@ -9,7 +9,8 @@
 #   bash tools/emulated-round.sh start [PYTEST ARGS]   # install, build, then pytest (default: tests/gpu)
 #   bash tools/emulated-round.sh wait SECONDS          # up to SECONDS; copies the results into $OUT
 #
-# ROUND_SUITE=emulated or one-gpu runs half of the suite (see below).
+# ROUND_SUITE=emulated or one-gpu runs half of the suite (see below); ROUND_EMULATED_K=EXPR narrows
+# the emulated half further (pytest -k, and-ed with it).
 # ROUND_COMMANDS=FILE (a shell script in the repo) runs that instead of pytest, with $RESULTS naming
 # the folder that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output).
 #
@@ -60,7 +61,8 @@ case "${1:-}" in
       if [ "${ROUND_SUITE:-all}" != one-gpu ]; then
         stamp "emulated-hosts tests"
         JAXGIN_TIMEOUT=${JAXGIN_EMULATED_TIMEOUT:-30} python3 -m pytest -v -rA --durations=40 "${parallel[@]}" tests/gpu \
-          -k "emulated_hosts or launches_importing" 2>&1 | tee "$ROUND/pytest-emulated.log"
+          -k "(emulated_hosts or launches_importing)${ROUND_EMULATED_K:+ and ($ROUND_EMULATED_K)}" 2>&1 \
+          | tee "$ROUND/pytest-emulated.log"
         echo "pytest exit status $? (emulated hosts)"
       fi
       if [ "${ROUND_SUITE:-all}" != emulated ]; then
@@ -80,7 +82,8 @@ case "${1:-}" in
     OUT=${OUT:-/tmp}
     cp "$ROUND/round.log" "$OUT/round.log" 2>/dev/null
     tar -C "$ROUND" -czf "$OUT/results.tar.gz" results 2>/dev/null
-    grep -E "^(=== |FAILED|ERROR)|[0-9]+ (passed|failed)|pytest exit" "$ROUND/round.log" | tail -80
+    grep -E "^(=== |FAILED|ERROR)|(PASSED|FAILED|ERROR) tests|[0-9]+ (passed|failed)|pytest exit" "$ROUND/round.log" \
+      | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | tail -80
     ;;
   *) sed -n 2,16p "$0"; exit 2;;
 esac

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
       ncclGin g(ctx->comm, gin_context_index(ctx));
       g.put(ncclTeamWorld(ctx->comm), box.ranks[peer], ctx->window, dst, ctx->window, staging, end - begin,
             GinPutSignal{data, 1});
-      g.flush(ncclCoopThread());  // src may be reused by XLA once the kernel ends
+      bounded_flush(ctx, g, JAXGIN_OP_PUT_SIGNAL, box.ranks[peer]);  // the staging slot is reused by the next put
     }
   } else {
     cta_copy(box.peer_heaps[peer] + dst, src + begin, end - begin);

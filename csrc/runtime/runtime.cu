@@ -215,6 +215,11 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   c.consumed = s.consumed;
   c.fault = fault_on_device;
   c.timeout_ns = cfg.timeout_ns;
+  // NCCL's timed GIN calls count clock64() cycles. At the top clock rate this is the timeout; at a
+  // lower clock it is longer, never shorter.
+  int clock_khz = 0;
+  JAXGIN_CUDA(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev), dev);
+  c.timeout_cycles = cfg.timeout_ns / 1000000 * (uint64_t)std::max(clock_khz, 1);
   c.signal_count = cfg.signal_count;
   c.barrier_slots = cfg.barrier_slots;
   c.rank = s.dev_comm.rank;
@@ -439,6 +444,11 @@ std::string describe_fault(const DeviceState& s) {
       return timeout + where + ": the flag at heap offset " + std::to_string((uint64_t)f->signal * 8) +
              " was expected to reach " + std::to_string(f->expected) + " but stayed at " +
              std::to_string(f->observed) + " (the peer that sets it never got there, ran a different program, or died)";
+    case JAXGIN_FAULT_FLUSH_TIMEOUT:
+      return "device-side flush timed out after " + std::to_string(c.timeout_ns / 1e9) + after + where + peer +
+             ": NCCL's GIN backend did not take this rank's puts (their sources stay in use); the GIN proxy "
+             "thread or the network below it stalled, or stopped after an error (see the transport's lines on "
+             "stderr)";
     case JAXGIN_FAULT_NOT_LSA_PEER:
       return "peer_ptr asked for peer rank " + std::to_string(f->peer) + " at " + where +
              ", which is not in this rank's LSA (NVLink) team (ranks " + std::to_string(c.rank - c.lsa_rank) +

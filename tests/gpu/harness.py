@@ -13,9 +13,11 @@ job are not performance: the processes time-slice the GPUs.
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,8 +127,8 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
                     emulated: bool = False, xla_flags: str | None = None):
     """The scenario in `world` processes (jax.distributed on localhost), each given `RANK WORLD
     ADDR` after `args`: one GPU each, or with `emulated`, each its own host (emulated_env).
-    Returns [(returncode, stdout, stderr)] per rank; a rank still running at `timeout` is killed
-    (returncode -9) and the others are still collected."""
+    Returns [(returncode, stdout, stderr)] per rank; ranks still running at `timeout` print their
+    stacks (_print_stacks) and are killed, and the others are still collected."""
     port = free_port()
     base = scenario_env(world, xla_flags)  # an emulated rank's own CUDA_VISIBLE_DEVICES replaces it
     procs = []
@@ -134,23 +136,55 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
         rank_env = {**base, **(emulated_env(r) if emulated else {}), **(env or {})}
         procs.append(subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
                                       env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    # Every pipe is drained by a thread of its own from the start: a rank whose pipe filled up
+    # would block in its write and look hung (XLA logs a lot once a context is broken).
+    outputs = [{"out": [], "err": []} for _ in procs]
+    readers = [threading.Thread(target=lambda f, sink: sink.extend(iter(f.readline, "")), args=(f, outputs[r][key]),
+                                daemon=True)
+               for r, p in enumerate(procs) for key, f in (("out", p.stdout), ("err", p.stderr))]
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + timeout
-    outputs = []
+    hung = []
     try:
         for p in procs:
             try:
-                outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                outputs.append((out, err + f"\n[harness: killed after {timeout:.0f} s]"))
+                hung = [q for q in procs if q.poll() is None]
+                _print_stacks(hung)
+                break
     finally:
         for p in procs:
-            p.kill()
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for t in readers:
+        t.join(timeout=10)
+    note = f"\n[harness: still running after {timeout:.0f} s: stacks printed above, then killed]"
+    outputs = [("".join(o["out"]), "".join(o["err"]) + (note if p in hung else "")) for p, o in zip(procs, outputs)]
     finished = [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
     if any(code != 0 for code, _, _ in finished):
         keep_outputs(finished)
     return finished
+
+
+def _print_stacks(running) -> None:
+    """Before a hung job is killed: every thread's native stack (SIGUSR2, when GPU rounds preload
+    tools/native_backtrace.c; without it SIGUSR2 would kill) and then Python's (SIGABRT, which
+    PYTHONFAULTHANDLER=1 turns into a dump of every thread) into each rank's stderr, so that a hang
+    says where each rank waited."""
+    if not running:
+        return
+    if "native_backtrace" in os.environ.get("LD_PRELOAD", ""):
+        for p in running:
+            p.send_signal(signal.SIGUSR2)
+        time.sleep(3)
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        for p in running:
+            if p.poll() is None:
+                p.send_signal(signal.SIGABRT)
+        time.sleep(2)
 
 
 def run_processes(script: Path, args, world: int, timeout: float = 600, emulated: bool = False,

@@ -143,7 +143,7 @@ def test_faults_name_their_cause_emulated_hosts(world, scenario, expected):
     """Starved waits over GIN fail after the timeout, and traced indices outside the axis at once,
     on every rank, each with a fault line naming the op, the peer or index and the counts."""
     require_emulated_hosts()
-    results = run_processes(SCENARIOS, [scenario], world, emulated=True, timeout=300)
+    results = run_processes(SCENARIOS, [scenario], world, emulated=True, timeout=180)
     record(f"emulated_ops_{scenario}_{world}ranks", {"processes": results})
     for result in results:
         assert result["error"] and result["faults"], result

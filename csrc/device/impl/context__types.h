@@ -22,6 +22,7 @@ enum jaxgin_fault_code : uint32_t {
   JAXGIN_FAULT_HEAP_RANGE = 4,         // a put's source or destination is not inside the heap
   JAXGIN_FAULT_NOT_LSA_PEER = 5,       // a peer pointer was asked for a peer outside the LSA team
   JAXGIN_FAULT_FLAG_TIMEOUT = 6,       // a heap flag did not reach the expected value in time
+  JAXGIN_FAULT_FLUSH_TIMEOUT = 7,      // NCCL's GIN backend did not take this rank's puts in time
 };
 
 // Which operation was waiting; kernels pass their own tag so the host can name the op.
@@ -60,6 +61,7 @@ struct jaxgin_context {
   uint64_t* consumed;     // device memory, one counter per signal: arrivals already waited for
   jaxgin_fault* fault;    // host-mapped; see jaxgin_fault
   uint64_t timeout_ns;    // bound on every device-side wait
+  uint64_t timeout_cycles;  // the same bound in SM clock cycles (at most the GPU's top clock), for NCCL's timed calls
   uint32_t signal_count;  // user-visible signals [0, signal_count)
   uint32_t barrier_slots; // barrier signals follow the user signals, one per CTA index
   int32_t rank, world_size;

@@ -51,6 +51,22 @@ __device__ __forceinline__ void put_signal(const jaxgin_context* ctx, uint64_t d
 
 namespace jaxgin {
 
+// One thread: waits until NCCL's GIN backend took every put this thread issued on `gin` (their
+// sources may then be reused), bounded by the runtime's timeout. NCCL's untimed flush spins for
+// good when the proxy thread below it stalls or stops after an error (it stops silently), so the
+// rank would hang instead of reporting; NCCL >= 2.32 has a timed flush. Older NCCLs only have the
+// untimed one: there a stalled backend still hangs the kernel.
+__device__ __forceinline__ void bounded_flush(const jaxgin_context* ctx, const ncclGin& gin, jaxgin_op_tag op,
+                                              int peer) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 32, 0)
+  if (gin.flush(ncclCoopThread(), cuda::memory_order_acquire, ncclGin_None{}, ctx->timeout_cycles) != ncclSuccess)
+    fail(ctx, JAXGIN_FAULT_FLUSH_TIMEOUT, op, peer, 0, 0, 0);
+#else
+  (void)ctx, (void)op, (void)peer;
+  gin.flush(ncclCoopThread());
+#endif
+}
+
 // CTA-collective. Afterwards the sources of this CTA's earlier puts may be overwritten. It does
 // not mean the data arrived: a signal says that.
 __device__ __forceinline__ void flush(const jaxgin_context* ctx) {
@@ -58,7 +74,7 @@ __device__ __forceinline__ void flush(const jaxgin_context* ctx) {
   if (linear_thread() == 0) {
     if (ctx->gin_contexts > 0) {
       ncclGin gin(ctx->comm, gin_context_index(ctx));
-      gin.flush(ncclCoopThread());
+      bounded_flush(ctx, gin, JAXGIN_OP_DEVICE_CALL, -1);
     }
     __threadfence_system();
   }
