@@ -177,14 +177,25 @@ def _print_stacks(running) -> None:
     if not running:
         return
     if "native_backtrace" in os.environ.get("LD_PRELOAD", ""):
+        threads = 0
         for p in running:
+            threads = max(threads, _thread_count(p.pid))
             p.send_signal(signal.SIGUSR2)
-        time.sleep(3)
+        # The dumper visits one thread every 50 ms; the last-made threads (NCCL's, the transport's)
+        # are the ones that matter, so every thread gets its turn before the SIGABRT below.
+        time.sleep(min(1 + 0.06 * threads, 30))
     if os.environ.get("PYTHONFAULTHANDLER"):
         for p in running:
             if p.poll() is None:
                 p.send_signal(signal.SIGABRT)
         time.sleep(2)
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 def run_processes(script: Path, args, world: int, timeout: float = 600, emulated: bool = False,
