@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgin import runtime
+from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 # Default seeds: a new one per call, and the same sequence in every process of a job (each
 # receiver recomputes what its senders stamped, so all processes must agree on the seed).
@@ -81,18 +81,6 @@ def _reference_exchange(state, rounds: int, block_bytes: int, seed: int) -> dict
     return mismatches
 
 
-def _release_cleared(state, offset: int, nbytes: int) -> None:
-    """Returns a heap region to the allocator zeroed: buffers placed later rely on starting at zero
-    (mailbox line slots take any nonzero word pair for a flag). The peers' writes into it are done
-    (the selftest waited for them). A region that cannot be cleared (the device faulted) is never
-    handed out again."""
-    try:
-        runtime.call_backend(state.runtime.heap_clear, offset, nbytes)
-    except JaxginError:  # DeviceFault included
-        return
-    state.heap.free(offset)
-
-
 def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = None) -> SelftestReport:
     """Runs the exchange on every device of the job and reports mismatching words per pair.
 
@@ -126,7 +114,7 @@ def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = 
     try:
         counts = runtime.call_backend(state.runtime.selftest_exchange, rounds, block_bytes, seed, offset, signal_base)
     finally:
-        _release_cleared(state, offset, nbytes)
+        op_support.release(state, offset, nbytes)
         state.signals.free(signal_base)
     mismatches = {}
     for local, device in enumerate(state.local_devices):

@@ -64,7 +64,7 @@ import numpy as np
 from jax.extend.core import Primitive, get_opaque_trace_state
 from jax.interpreters import batching, mlir
 
-from jaxgin import runtime
+from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
 
@@ -208,30 +208,22 @@ batching.primitive_batchers[_unbatchable_p] = lambda args, dims, *, op: _no_batc
 
 
 def _placement(state, box_name: str, payload_bytes: int, size: int) -> tuple[int, int]:
-    """Heap offset and first signal of a mailbox on this runtime (placed on first use)."""
-    key = (box_name, size)
-    placed = state.mailboxes.get(key)
-    if placed is None:
+    """Heap offset and first signal of a mailbox on this runtime (placed on first use; its header,
+    line slots and slots start at zero: see op_support's zero invariant)."""
+
+    def place():
         if size > MAX_AXIS_SIZE:
             raise JaxginError(f"jaxgin mailboxes support axes of at most {MAX_AXIS_SIZE} devices, got {size}")
-        offset = state.heap.allocate(mailbox_bytes(payload_bytes, size))
-        signal_base = state.signals.allocate(2 * size)
-        state.runtime.heap_clear(offset, MAILBOX_HEADER_BYTES)  # local bookkeeping starts at zero
-        placed = state.mailboxes[key] = (offset, signal_base, payload_bytes)
-    if placed[2] != payload_bytes:
-        raise JaxginError(f"mailbox {box_name!r} is placed for {placed[2]} bytes per slot, not {payload_bytes}")
-    return placed[0], placed[1]
+        return state.heap.allocate(mailbox_bytes(payload_bytes, size)), state.signals.allocate(2 * size), payload_bytes
 
-
-def _cuda_state(op: str):
-    state = runtime.current()
-    if state.options.backend != "cuda":
-        raise JaxginError(f"{op}: this program was traced for the cuda backend but jaxgin now runs in reference mode")
-    return state
+    offset, signal_base, placed_bytes = op_support.placed(state, ("mailbox", box_name, size), place)
+    if placed_bytes != payload_bytes:
+        raise JaxginError(f"mailbox {box_name!r} is placed for {placed_bytes} bytes per slot, not {payload_bytes}")
+    return offset, signal_base
 
 
 def _lower_put(ctx, x, peer, *, axis_name, size, mailbox, payload_bytes):
-    state = _cuda_state("jaxgin.put_signal")
+    state = op_support.lowering_state("jaxgin.put_signal")
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.put_signal")
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
     return jax.ffi.ffi_lowering("jaxgin_put_signal", has_side_effect=True)(
@@ -240,7 +232,7 @@ def _lower_put(ctx, x, peer, *, axis_name, size, mailbox, payload_bytes):
 
 
 def _lower_wait(ctx, *tokens, axis_name, size, shape, dtype, mailbox, count):
-    state = _cuda_state("jaxgin.wait_signal")
+    state = op_support.lowering_state("jaxgin.wait_signal")
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal")
     payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
@@ -250,7 +242,7 @@ def _lower_wait(ctx, *tokens, axis_name, size, shape, dtype, mailbox, count):
 
 
 def _lower_wait_from(ctx, source, *tokens, axis_name, size, shape, dtype, mailbox):
-    state = _cuda_state("jaxgin.wait_signal_from")
+    state = op_support.lowering_state("jaxgin.wait_signal_from")
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal_from")
     payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)

@@ -116,8 +116,7 @@ class _State:
     runtime_backend_path: str | None = None
     heap: heap_lib.RangeAllocator | None = None  # user area of the symmetric heap
     signals: heap_lib.RangeAllocator | None = None  # user signals
-    mailboxes: dict = dataclasses.field(default_factory=dict)  # (name, axis size) -> placement
-    fused: dict = dataclasses.field(default_factory=dict)  # fused / moe op configuration -> its heap buffers
+    placements: dict = dataclasses.field(default_factory=dict)  # op configuration -> its heap buffers (op_support.placed)
     gin_transport: str = "none"  # in use: 'host', 'nic', or 'none' in reference mode
     # What finalize() can return after a device fault: FAULT_CLEANUP_COMPLETE, or why only the heaps.
     fault_cleanup: str = FAULT_CLEANUP_COMPLETE

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgin import runtime
+from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 
 TARGET = "jaxgin_triton_call"
@@ -113,7 +113,6 @@ def triton_call(
 ):
     """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays."""
     from tritongin import link
-    from tritongin.memory import SymmetricArray
 
     state = runtime.current()
     if state.runtime is None:
@@ -147,8 +146,8 @@ def triton_call(
     params += [_CONTEXT, 0]
     for position, arg in enumerate(args):
         name = next(it)
-        if isinstance(arg, SymmetricArray):
-            arg._check_live()
+        if isinstance(arg, op_support.SymmetricArray):
+            arg.check_live()
             signature[name] = _pointer_type(arg.dtype, f"argument {name!r}")
             params += [_HEAP, arg.offset]
         elif isinstance(arg, (bool, np.bool_)):

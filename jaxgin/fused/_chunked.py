@@ -10,6 +10,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jaxgin import op_support
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _common
@@ -40,27 +41,15 @@ def slot_bytes(shape, dtype) -> int:
 
 def _block(state, op: str, names, size: int, slot: int) -> int:
     """Heap offset of this op configuration's slots and handoff words (csrc/kernels/chunk_handoff.h),
-    placed on first use and kept; the words start at zero on every GPU before any GPU runs it."""
-    key = ("chunked", op, names, size, slot)
-    offset = state.fused.get(key)
-    if offset is None:
-        words = 2 * size * 8
-        offset = state.heap.allocate(slot * size + words)
-        state.runtime.heap_clear(offset + slot * size, words)
-        if jax.process_count() > 1:
-            # A peer must not hand over a chunk before this process cleared the words it adds to.
-            from jax._src import distributed
-
-            client = distributed.global_state.client
-            client.wait_at_barrier(f"jaxgin/fused/{op}/{offset}/{size}/{slot}", 600_000)
-        state.fused[key] = offset
-    return offset
+    placed on first use and kept. The words start at zero on every GPU (op_support's zero
+    invariant), so a peer may add to them before this process placed them."""
+    words = 2 * size * 8
+    return op_support.placed(state, ("chunked", op, names, size, slot),
+                             lambda: state.heap.allocate(slot * size + words))
 
 
 def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None, concat_rows=None):
-    from jaxgin.mailbox import _cuda_state
-
-    state = _cuda_state(op)
+    state = op_support.lowering_state(op)
     attrs = axes_lib.lowering_attributes(ctx, names, state, op)
     offset = _block(state, op, names, size, slot)
     if split_rows is not None:

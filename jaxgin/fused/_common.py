@@ -1,12 +1,12 @@
 """What the fused ops share: argument checks, tile configurations and their tuning, and the heap
-buffers and signals each op configuration keeps for the life of the runtime."""
+buffers each op configuration keeps for the life of the runtime (through op_support, which also
+holds what every op shares)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgin import runtime
+from jaxgin import op_support
 from jaxgin.errors import JaxginError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -120,87 +120,21 @@ def lax_precision(precision):
     return None if precision is None else jax.lax.Precision(precision)
 
 
-def same_varying(names, *arrays):
-    """The arrays typed as varying over `names` and over every axis any of them varies over, so a
-    custom_vjp sees one varying type for inputs, outputs and cotangents (autodiff of the casts
-    sums the cotangents of invariant inputs, as it must)."""
-    axes = set(names)
-    for a in arrays:
-        aval = jax.typeof(a)
-        manual = getattr(aval, "manual_axis_type", None)
-        axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
-    out = []
-    for a in arrays:
-        aval = jax.typeof(a)
-        manual = getattr(aval, "manual_axis_type", None)
-        have = manual.varying if manual is not None else getattr(aval, "vma", None)
-        if have is None:
-            out.append(a)
-            continue
-        missing = tuple(n for n in sorted(axes, key=str) if n not in have)
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return out
-
-
-def cuda_state():
-    """The live state when ops lower to kernels, None in reference mode."""
-    state = runtime.current()
-    return state if state.options.backend == "cuda" else None
-
-
-def by_backend(reference, kernel):
-    """f(*args): kernel(state, *args) when ops lower to kernels, else reference(*args)."""
-
-    def forward(*args):
-        state = cuda_state()
-        return reference(*args) if state is None else kernel(state, *args)
-
-    return forward
-
-
-def differentiable(reference, kernel, backward):
-    """A fused op as op(x, w, plan): forward through kernel(state, x, w, plan) on GPUs or
-    reference(x, w, plan) in reference mode, gradients from backward(plan, x, w, ct) -> (dx, dw).
-    Both modes share the custom_vjp, so the CPU tests exercise the backward rules the GPUs use."""
-
-    forward = by_backend(reference, kernel)
-    op = jax.custom_vjp(forward, nondiff_argnums=(2,))
-    op.defvjp(lambda x, w, plan: (forward(x, w, plan), (x, w)), lambda plan, saved, ct: backward(plan, *saved, ct))
-    return op
-
-
-# ---------------------------------------------------------------------------------------------
-# Buffers: one set per op configuration, allocated on first use and kept (the heap offset and the
-# signal ids are part of every compiled program that uses them).
-
-
 @dataclasses.dataclass
 class OpBuffers:
-    exchange: object  # tritongin SymmetricArray: two halves of every peer's slot
+    exchange: object  # SymmetricArray: two halves of every peer's slot
     flags: object  # int64 readiness flags, zero at first (see _kernels.py)
     state: object  # int64[2]: call counter, finished programs (see _kernels.py)
 
 
-def symmetric_array(state, shape, dtype, zero: bool):
-    """A heap array (same offset on every GPU) kept for the life of the runtime; `zero` clears it."""
-    from tritongin.memory import SymmetricArray
-
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    offset = state.heap.allocate(nbytes)
-    if zero:
-        state.runtime.heap_clear(offset, nbytes)
-    return SymmetricArray(tuple(shape), np.dtype(dtype), offset, nbytes, state.generation)
-
-
 def op_buffers(state, key, shape, dtype, flags: int) -> OpBuffers:
-    cache = state.fused
-    if key not in cache:
-        cache[key] = OpBuffers(
-            symmetric_array(state, shape, dtype, False),
-            symmetric_array(state, (flags,), np.int64, True),
-            symmetric_array(state, (2,), np.int64, True),
-        )
-    return cache[key]
+    """One set of heap buffers per op configuration (op_support.placed): the flags and counters
+    start at zero on every GPU, as the kernels need."""
+    return op_support.placed(state, ("fused",) + tuple(key), lambda: OpBuffers(
+        op_support.heap_array(state, shape, dtype),
+        op_support.heap_array(state, (flags,), np.int64),
+        op_support.heap_array(state, (2,), np.int64),
+    ))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +203,7 @@ def _tune(key, state, m, n, k, dtype, precision, candidates) -> TileConfig:
     if key in saved:
         return TileConfig(**saved[key])
     device = state.local_devices[0]
-    times = outside_trace(lambda: {c: time_matmul(c, m, n, k, dtype, precision, device=device) for c in candidates})
+    times = op_support.outside_trace(lambda: {c: time_matmul(c, m, n, k, dtype, precision, device=device) for c in candidates})
     best = min(times, key=times.get)
     saved[key] = dataclasses.asdict(best)
     try:
@@ -280,26 +214,6 @@ def _tune(key, state, m, n, k, dtype, precision, candidates) -> TileConfig:
     except OSError:
         pass  # an unwritable cache only costs tuning again next time
     return best
-
-
-def outside_trace(fn):
-    """fn() run where no JAX trace is active. Tuning happens while the user's program is traced,
-    and every jax operation there would be staged into that program; JAX's trace state is per
-    thread, so a fresh thread runs and times real kernels."""
-    result = {}
-
-    def run():
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # re-raised in the caller's thread
-            result["error"] = e
-
-    worker = threading.Thread(target=run, name="jaxgin-tile-tuning")
-    worker.start()
-    worker.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def matmul(x, w, tiles: TileConfig, precision: str = "tf32"):
@@ -343,10 +257,3 @@ def row_groups(tile_rows: int, limit: int = 32) -> tuple[int, int]:
     """(groups, tile rows per group): a shard's row tiles are announced in at most `limit` groups."""
     per = -(-tile_rows // limit)
     return -(-tile_rows // per), per
-
-
-def require_tritongin(op: str):
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise JaxginError(f"{op} on GPUs needs Triton (pip install 'jaxgin[cuda]')") from None

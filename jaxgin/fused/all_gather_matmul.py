@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgin import op_support
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -49,7 +50,7 @@ def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: st
     x, w = _common.check_operands(OP, x, w)
     (m, k), n = x.shape, w.shape[1]
     plan = _Plan(names, size, m, n, k, _common.lax_precision(precision), tiles, _common.check_method(OP, method, tiles))
-    x, w = _common.same_varying(names, x, w)
+    x, w = op_support.same_varying(names, x, w)
     return _fused(x, w, plan)
 
 
@@ -74,7 +75,7 @@ def reference(x, w, plan: _Plan):
 def _kernel(state, x, w, plan: _Plan):
     if plan.method == "chunked":
         return _chunked.all_gather_matmul(x, w, plan)
-    _common.require_tritongin(OP)
+    op_support.require_tritongin(OP)
     from jaxgin.route import axis_route
     from jaxgin.fused import _kernels
     from jaxgin.triton_call import triton_call
@@ -99,4 +100,4 @@ def _kernel(state, x, w, plan: _Plan):
     )
 
 
-_fused = _common.differentiable(reference, _kernel, _backward)
+_fused = op_support.differentiable(reference, _kernel, _backward)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgin import op_support
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -76,7 +77,7 @@ def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int 
         )
     plan = _Plan(names, size, m, n, k, split == 0, concat == 0, _common.lax_precision(precision), tiles,
                  _common.check_method(OP, method, tiles))
-    x, w = _common.same_varying(names, x, w)
+    x, w = op_support.same_varying(names, x, w)
     return _fused(x, w, plan)
 
 
@@ -113,7 +114,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     _kernels.matmul_all_to_all_kernel)."""
     if plan.method == "chunked":
         return _chunked.matmul_all_to_all(x, w, plan)
-    _common.require_tritongin(OP)
+    op_support.require_tritongin(OP)
     from jaxgin.route import axis_route
     from jaxgin.fused import _kernels
     from jaxgin.triton_call import triton_call
@@ -140,4 +141,4 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     )
 
 
-_fused = _common.differentiable(reference, _kernel, _backward)
+_fused = op_support.differentiable(reference, _kernel, _backward)

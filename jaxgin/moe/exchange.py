@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgin.ffi import axes as axes_lib
-from jaxgin.fused import _common
+from jaxgin import op_support
 from jaxgin.moe import _routing
 from jaxgin.moe._routing import Plan, SourceRoute
 
@@ -79,7 +79,7 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     size = axes_lib.axis_size(names, DISPATCH)
     x, topk_ids, topk_weights = _routing.check_inputs(DISPATCH, x, topk_ids, topk_weights)
     plan = _routing.make_plan(DISPATCH, names, size, x, topk_ids, num_experts, capacity, mode)
-    x, topk_ids, topk_weights = _common.same_varying(names, x, topk_ids, topk_weights)
+    x, topk_ids, topk_weights = op_support.same_varying(names, x, topk_ids, topk_weights)
     route, invalid = _routing.route(topk_ids, plan)
     grouped, positions, weights, counts, rows, dropped = _dispatch(x, topk_weights.astype(jnp.float32), route, plan)
     return Dispatched(grouped, counts, dropped + invalid, Handle(route, positions, weights, rows, plan))
@@ -104,7 +104,7 @@ def combine(expert_out, handle: Handle):
         )
     if expert_out.dtype.name != plan.dtype:
         raise TypeError(f"{COMBINE}: expert_out is {expert_out.dtype.name} but the dispatched x was {plan.dtype}; cast it")
-    arrays = _common.same_varying(plan.names, expert_out, handle.weights, handle.positions, handle.rows)
+    arrays = op_support.same_varying(plan.names, expert_out, handle.weights, handle.positions, handle.rows)
     return _combine(*arrays, handle.route, plan)
 
 
@@ -182,21 +182,24 @@ def _pow2(n: int) -> int:
 
 
 def _buffers(state, plan: Plan):
+    """The heap buffers of one exchange configuration (op_support.placed): flags and counters start
+    at zero on every GPU, as the kernels need."""
     key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype)
-    cache = state.fused
-    if key not in cache:
+
+    def place():
         p, t, h, k, el = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts
-        sym = lambda shape, dtype, zero=False: _common.symmetric_array(state, shape, dtype, zero)  # noqa: E731
-        cache[key] = dict(
+        sym = lambda shape, dtype: op_support.heap_array(state, shape, dtype)  # noqa: E731
+        return dict(
             stage_x=sym((2, p, t, h), plan.dtype), stage_meta=sym((2, p, t, k), np.int32),
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
             stage_starts=sym((2, p, t + 1), np.int32),
-            dispatch_flags=sym((p,), np.int64, True), block_flags=sym((p, t), np.int64, True),
-            dispatch_state=sym((4,), np.int64, True),
+            dispatch_flags=sym((p,), np.int64), block_flags=sym((p, t), np.int64),
+            dispatch_state=sym((4,), np.int64),
             back=sym((2, p, t, h), plan.dtype),
-            combine_flags=sym((p,), np.int64, True), combine_state=sym((4,), np.int64, True),
+            combine_flags=sym((p,), np.int64), combine_state=sym((4,), np.int64),
         )
-    return cache[key]
+
+    return op_support.placed(state, key, place)
 
 
 def _sms(state) -> int:
@@ -218,7 +221,7 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
 
 
 def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
-    _common.require_tritongin(DISPATCH)
+    op_support.require_tritongin(DISPATCH)
     from jaxgin.route import axis_route
     from jaxgin.moe import _kernels
     from jaxgin.triton_call import triton_call
@@ -247,7 +250,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
 
 
 def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan: Plan):
-    _common.require_tritongin(COMBINE)
+    op_support.require_tritongin(COMBINE)
     from jaxgin.route import axis_route
     from jaxgin.moe import _kernels
     from jaxgin.triton_call import triton_call
@@ -269,8 +272,8 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
 # The differentiable ops (one custom_vjp each, for both modes).
 
 
-_dispatch_forward = _common.by_backend(dispatch_reference, dispatch_kernel)
-_combine_forward = _common.by_backend(combine_reference, combine_kernel)
+_dispatch_forward = op_support.by_backend(dispatch_reference, dispatch_kernel)
+_combine_forward = op_support.by_backend(combine_reference, combine_kernel)
 
 
 def _dispatch_fwd(x, weights, route, plan):

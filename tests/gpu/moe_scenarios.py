@@ -114,7 +114,7 @@ def _kernel_calls() -> dict:
 
     state = jaxgin.runtime.current()
     totals = {"dispatch": [0] * len(state.local_devices), "combine": [0] * len(state.local_devices)}
-    for key, buffers in state.fused.items():
+    for key, buffers in state.placements.items():
         if key[0] != "moe":
             continue
         for op in totals:

@@ -1,0 +1,99 @@
+"""jaxgin.op_support, what every op shares: the one placement cache and the heap's zero invariant
+(a region is zeroed before the allocator hands it out again), on CPU with a fake CUDA runtime."""
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+import jaxgin
+from jaxgin import op_support, runtime
+from jaxgin.errors import JaxginError
+
+
+class _ClearingRuntime:
+    """Records what the heap clears; `fail` makes clearing fail as a faulted device would."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.cleared, self.fail = [], fail
+
+    def heap_clear(self, offset, nbytes):
+        if self.fail is not None:
+            raise self.fail
+        self.cleared.append((offset, nbytes))
+
+    def destroy(self):
+        pass
+
+    def device_faults(self):
+        return ""
+
+
+@pytest.fixture
+def cuda_state():
+    """jaxgin in reference mode dressed up as the cuda backend, with a runtime that records clears."""
+    jaxgin.initialize()
+    state = runtime.current()
+    state.options = dataclasses.replace(state.options, backend="cuda")
+    state.runtime = _ClearingRuntime()
+    yield state
+    state.runtime = None
+    jaxgin.finalize()
+
+
+def test_placed_places_once_per_key_and_keeps_it():
+    state = types.SimpleNamespace(placements={})
+    calls = []
+
+    def place(tag):
+        calls.append(tag)
+        return tag * 10
+
+    assert op_support.placed(state, ("op", 1), lambda: place(1)) == 10
+    assert op_support.placed(state, ("op", 1), lambda: place(2)) == 10  # kept: programs baked its offsets in
+    assert op_support.placed(state, ("op", 2), lambda: place(3)) == 30
+    assert calls == [1, 3]
+
+
+def test_placement_does_not_clear(cuda_state):
+    """A fresh placement is zero already; clearing it could erase what a faster peer put there."""
+    a = op_support.placed(cuda_state, ("op",), lambda: op_support.heap_array(cuda_state, (64,), np.int64))
+    assert a.shape == (64,) and a.dtype == np.int64 and a.nbytes == 512 and a.offset % 256 == 0
+    assert cuda_state.runtime.cleared == []
+
+
+def test_freeing_a_tritongin_buffer_zeroes_it_before_reuse(cuda_state):
+    import tritongin
+
+    heap_free = cuda_state.heap.available()
+    buf = tritongin.empty((100,), "float32")
+    buf.free()
+    assert cuda_state.runtime.cleared == [(buf.offset, 400)]
+    assert cuda_state.heap.available() == heap_free
+    again = tritongin.empty((50,), "int32")
+    assert again.offset == buf.offset  # the zeroed bytes are handed out again
+    with pytest.raises(JaxginError, match="freed"):
+        buf.free()
+
+
+def test_a_region_that_cannot_be_zeroed_is_never_reused(cuda_state):
+    import tritongin
+
+    buf = tritongin.empty((100,), "float32")
+    heap_free = cuda_state.heap.available()
+    cuda_state.runtime.fail = RuntimeError("device in error")
+    buf.free()
+    assert cuda_state.heap.available() == heap_free  # kept out of the allocator
+    cuda_state.runtime.fail = None
+    assert tritongin.empty((100,), "float32").offset != buf.offset
+
+
+def test_lowering_for_kernels_in_reference_mode_names_the_op():
+    jaxgin.initialize()
+    try:
+        assert op_support.kernel_state() is None
+        with pytest.raises(JaxginError, match="jaxgin.put_signal: this program was traced for the cuda backend"):
+            op_support.lowering_state("jaxgin.put_signal")
+    finally:
+        jaxgin.finalize()
