@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.ffi
+
 from jaxgin import nccl as nccl_lib
 from jaxgin import nvidia_packages
 from jaxgin.errors import ToolchainError
@@ -149,8 +152,6 @@ def _source_digest(root: Path) -> str:
 
 def xla_ffi_include_dir() -> Path:
     """XLA's FFI headers, shipped with jaxlib (the handlers in csrc/ffi are compiled against them)."""
-    import jax.ffi
-
     return Path(jax.ffi.include_dir())
 
 
@@ -327,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         nccl = nccl_lib.load()
     arch = args.arch
     if arch is None:
-        import jax
-
         gpus = [d for d in jax.devices() if d.platform == "gpu"]
         if not gpus:
             parser.error("no GPU visible to JAX: pass --arch (for example --arch sm_90a)")

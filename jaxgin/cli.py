@@ -67,7 +67,7 @@ def require_gpus(script: str, count: int, what: str, *, through_jax: bool = True
     are. With `through_jax` they must be JAX's devices (the script runs JAX on them), else the CUDA
     driver's (the script uses PyTorch or Triton directly). `what` says what the script does with them."""
     if through_jax:
-        import jax
+        import jax  # only here: scripts that drive GPUs through PyTorch or Triton never start JAX
 
         gpus = sum(d.platform == "gpu" for d in jax.devices())
         if gpus >= count:

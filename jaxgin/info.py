@@ -7,14 +7,14 @@ as JSON (or the error that stopped it).
 import json
 import sys
 
+import jax
+
+import jaxgin
+from jaxgin import build, nccl, rdma
+from jaxgin.errors import JaxginError
+
 
 def main() -> int:
-    import jax
-
-    import jaxgin
-    from jaxgin import build, nccl, rdma
-    from jaxgin.errors import JaxginError
-
     facts: dict = {"jax": jax.__version__, "jax_backend": jax.default_backend(), "rdma_devices": rdma.devices()}
     for name, probe in (("nvcc", lambda: str(build.find_nvcc())), ("nccl_package", lambda: _nccl_package(nccl))):
         try:

@@ -19,11 +19,15 @@ import warnings
 from typing import Any
 
 import jax
+from jax._src import distributed
 
+from jaxgin import build as build_lib
 from jaxgin import cupti as cupti_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
+from jaxgin import rdma
 from jaxgin import transport as transport_lib
+from jaxgin.ffi import targets
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError
 from jaxgin.sizes import parse_size
 
@@ -186,7 +190,7 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
 
 def _extension():
     try:
-        from jaxgin import _jaxgin_ext
+        from jaxgin import _jaxgin_ext  # compiled at install; reference mode runs without it
     except ImportError as e:
         raise JaxginError(
             f"jaxgin's compiled extension is missing ({e}); reinstall jaxgin with: pip install -e . (from a checkout)"
@@ -200,8 +204,6 @@ def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
     JAXGIN_BACKEND may name a prebuilt libjaxgin_backend.so instead; the backend itself refuses
     to run when it was compiled against other NCCL headers than the loaded library's.
     """
-    from jaxgin import build as build_lib
-
     path = os.environ.get("JAXGIN_BACKEND") or str(build_lib.build(nccl, arch).backend)
     if path not in _backends:
         try:
@@ -216,8 +218,6 @@ def _unique_id(backend, generation: int, nccl_version: str) -> bytes:
     after every process agreed on the NCCL version (_agree_on_nccl)."""
     if jax.process_count() == 1:
         return backend.unique_id()
-    from jax._src import distributed
-
     client = distributed.global_state.client
     if client is None:
         raise JaxginError(
@@ -297,9 +297,8 @@ def initialize(
     state = _State(options, devices, local_devices, _generation)
     if options.backend == "cuda":
         state.nccl = nccl_lib.load()
-        from jaxgin.build import arch_for
 
-        arch = arch_for(local_devices[0].compute_capability)
+        arch = build_lib.arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
         state.gin_transport = transport_lib.choose(options.gin_transport, options.force_gin, state.nccl.version)
         if state.gin_transport == "host":
@@ -335,7 +334,6 @@ def initialize(
         unavailable = state.runtime.device_info(0)["vmm_ledger_unavailable"]
         if unavailable:
             state.fault_cleanup = f"the heaps only: NCCL's calls were not recorded, {unavailable}"
-        from jaxgin.ffi import targets
 
         targets.register(backend_lib)
         atexit.unregister(_report_faults_at_exit)  # once per process, however often initialize() runs
@@ -456,7 +454,6 @@ def call_backend(method, *args):
 def info() -> dict[str, Any]:
     """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices, and on
     GPUs what finalize() can return after a device fault (``fault_cleanup``)."""
-    from jaxgin import rdma
 
     state = current()
     o = state.options
@@ -483,7 +480,6 @@ def info() -> dict[str, Any]:
             local_devices=[{"device": str(d), "rank": state.devices.index(d)} for d in state.local_devices],
         )
         return result
-    from jaxgin.ffi import targets
 
     per_device = [state.runtime.device_info(i) for i in range(len(state.local_devices))]
     gin_types = {GIN_TYPES.get(d["gin_type"], str(d["gin_type"])) for d in per_device}

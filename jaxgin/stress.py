@@ -21,9 +21,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgin import sizes
+import jaxgin
+from jaxgin import runtime, sizes
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 MAILBOX_MAX_BYTES = 1 << 20  # mailboxes keep n + 1 slots of their size in the heap
@@ -57,8 +59,6 @@ class Stress:
     """The menu of programs (compiled once each) and the random choice among them."""
 
     def __init__(self, mesh: Mesh, max_bytes: int, seed: int):
-        import jaxgin
-
         self.jaxgin = jaxgin
         self.mesh = mesh
         self.n = n = mesh.size
@@ -152,8 +152,6 @@ class Stress:
 def _host(x):
     if jax.process_count() == 1:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return multihost_utils.process_allgather(x, tiled=True)
 
 
@@ -161,8 +159,6 @@ def memory_in_use() -> dict:
     """Memory in use on this process's GPUs. `device`: total - free from the CUDA driver, which
     counts jaxgin's heap, NCCL's buffers and XLA's pool alike; `xla`: bytes XLA's allocator holds
     for live arrays, where it reports them. None where unknown (reference mode on CPU)."""
-    from jaxgin import runtime
-
     state = runtime._state
     device = None
     if state is not None and state.backend_lib is not None:
@@ -223,8 +219,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    import jaxgin
-
     jaxgin.initialize()
     mesh = Mesh(np.array(jax.devices()), ("x",))
     result = stress(mesh, args.ops, seed=args.seed, max_bytes=args.max_bytes)

@@ -24,6 +24,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from jaxgin import build as build_lib
+from jaxgin import rdma
 from jaxgin.errors import JaxginError
 from jaxgin.nccl import version_string
 
@@ -34,16 +36,12 @@ MIN_NCCL = 23000  # NCCL_VERSION_CODE of 2.30.0, the first NCCL that loads RMA p
 
 
 def sources_dir() -> Path:
-    from jaxgin.build import sources_dir as csrc
-
-    return csrc() / "transport"
+    return build_lib.sources_dir() / "transport"
 
 
 def build(*, cache_dir: Path | None = None) -> Path:
     """Compiles the plugin (host code only: g++ through nvcc, CUDA runtime linked statically) into
     the cache and returns its path. Needs no NCCL headers: the interface is declared in rma_api.h."""
-    from jaxgin import build as build_lib
-
     nvcc = build_lib.find_nvcc()
     root = sources_dir()
     digest = hashlib.sha256()
@@ -89,8 +87,6 @@ def choose(request: str, force_gin: bool, nccl_version: int) -> str:
         )
     if request != "auto":
         return request
-    from jaxgin import rdma
-
     # Without force_gin, GIN only carries traffic to other hosts; then a missing NIC is reported
     # by initialize() rather than papered over with TCP.
     return "host" if force_gin and not too_old and not rdma.devices() else "nic"

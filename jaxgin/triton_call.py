@@ -83,7 +83,7 @@ def _out_types(out_shape, arrays) -> tuple[list, bool]:
 
 
 def _compile(kernel, signature, constexprs, num_warps, num_stages, capability):
-    import triton
+    import triton  # Triton is optional: only triton_call on GPUs needs it
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -112,7 +112,7 @@ def triton_call(
     **constexprs,
 ):
     """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays."""
-    from tritongin import link
+    from jaxgin.triton import link  # needs Triton, which is optional
 
     state = runtime.current()
     if state.runtime is None:

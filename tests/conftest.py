@@ -90,7 +90,7 @@ def toolchain(nvcc, packaged_nccl, require):
     library), nvJitLink (linking it in). Returns the packaged NCCL install."""
     pytest.importorskip("triton")
     from jaxgin.errors import ToolchainError
-    from tritongin import link
+    from jaxgin.triton import link
 
     try:
         link.nvjitlink()

@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 import tritongin  # noqa: E402
 import tritongin.language as tgl  # noqa: E402
 from jaxgin import build  # noqa: E402
-from tritongin import link  # noqa: E402
+from jaxgin.triton import link  # noqa: E402
 
 from conftest import compile_for_sm90  # noqa: E402
 

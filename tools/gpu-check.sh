@@ -17,7 +17,7 @@ step "machine" nvidia-smi -L
 step "install" python3 -m pip install -q --no-build-isolation --no-deps -e .
 step "prebuild" python3 -m jaxgin.build -v
 step "info" python3 -m jaxgin.info
-step "nvjitlink" python3 -c "from tritongin import link; l = link.nvjitlink(); print(l.path, l.version)"
+step "nvjitlink" python3 -c "from jaxgin.triton import link; l = link.nvjitlink(); print(l.path, l.version)"
 step "gpu tests" python3 -m pytest -v -rA "${@:-tests/gpu}"
 if [ "${EXAMPLES:-1}" != 0 ]; then
   for example in examples/*.py; do step "$example" python3 "$example"; done

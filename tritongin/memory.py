@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgin import runtime
@@ -37,8 +38,6 @@ def _cuda_state(what: str):
 
 def _dtype(dtype) -> np.dtype:
     try:
-        import jax.numpy as jnp
-
         return np.dtype(jnp.dtype(dtype))
     except TypeError:
         raise TypeError(f"not a dtype: {dtype!r}") from None

@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgin import op_support
+from jax._src import distributed
+
+from jaxgin import build, op_support
 from jaxgin.errors import JaxginError
+from jaxgin.triton_call import triton_call
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -150,7 +153,6 @@ def _tuning_enabled() -> bool:
 
 
 def _cache_file() -> Path:
-    from jaxgin import build
 
     return build.default_cache_dir() / "fused-tiles.json"
 
@@ -183,7 +185,6 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
 def _agreed(key: str, tune) -> TileConfig:
     if jax.process_count() == 1:
         return tune()
-    from jax._src import distributed
 
     client = distributed.global_state.client
     kv_key = f"jaxgin/fused-tiles/{key}"
@@ -218,8 +219,7 @@ def _tune(key, state, m, n, k, dtype, precision, candidates) -> TileConfig:
 
 def matmul(x, w, tiles: TileConfig, precision: str = "tf32"):
     """x @ w with the fused kernels' tile code alone, as one XLA op (no communication)."""
-    from jaxgin.fused import _kernels
-    from jaxgin.triton_call import triton_call
+    from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     (m, k), n = x.shape, w.shape[1]
     tm, tn = -(-m // tiles.block_m), -(-n // tiles.block_n)

@@ -31,7 +31,7 @@ right.
 import triton
 import triton.language as tl
 
-import tritongin.language as tgl
+import jaxgin.triton.language as tgl
 
 
 @triton.jit

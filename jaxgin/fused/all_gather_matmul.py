@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgin import op_support
+from jaxgin.route import axis_route
+from jaxgin.triton_call import triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -76,9 +78,7 @@ def _kernel(state, x, w, plan: _Plan):
     if plan.method == "chunked":
         return _chunked.all_gather_matmul(x, w, plan)
     op_support.require_tritongin(OP)
-    from jaxgin.route import axis_route
-    from jaxgin.fused import _kernels
-    from jaxgin.triton_call import triton_call
+    from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
     precision = _common.dot_precision(dtype, plan.precision)

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgin import op_support
+from jaxgin.collectives import all_to_all
+from jaxgin.route import axis_route
+from jaxgin.triton_call import triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -82,7 +85,6 @@ def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int 
 
 
 def _backward(plan, x, w, ct):
-    from jaxgin.collectives import all_to_all
 
     # The transpose of a tiled all_to_all is the one with split and concat swapped; the
     # communication comes first here, so the fused epilogue does not apply (unfused, on purpose).
@@ -115,9 +117,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     if plan.method == "chunked":
         return _chunked.matmul_all_to_all(x, w, plan)
     op_support.require_tritongin(OP)
-    from jaxgin.route import axis_route
-    from jaxgin.fused import _kernels
-    from jaxgin.triton_call import triton_call
+    from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
     cm, cn = plan.chunk

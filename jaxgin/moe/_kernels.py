@@ -38,7 +38,7 @@ on host values, so CUDA-graph replay is right.
 import triton
 import triton.language as tl
 
-import tritongin.language as tgl
+import jaxgin.triton.language as tgl
 
 
 @triton.jit

@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgin.ffi import axes as axes_lib
 from jaxgin import op_support
+from jaxgin.collectives import all_to_all
+from jaxgin.ffi import axes as axes_lib
+from jaxgin.route import axis_route
+from jaxgin.triton_call import triton_call
 from jaxgin.moe import _routing
 from jaxgin.moe._routing import Plan, SourceRoute
 
@@ -222,9 +225,7 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
 
 def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
     op_support.require_tritongin(DISPATCH)
-    from jaxgin.route import axis_route
-    from jaxgin.moe import _kernels
-    from jaxgin.triton_call import triton_call
+    from jaxgin.moe import _kernels  # needs Triton (optional: GPU lowering only)
 
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
     bt, bh, warps, senders_per_8 = _blocks(plan)
@@ -251,9 +252,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
 
 def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan: Plan):
     op_support.require_tritongin(COMBINE)
-    from jaxgin.route import axis_route
-    from jaxgin.moe import _kernels
-    from jaxgin.triton_call import triton_call
+    from jaxgin.moe import _kernels  # needs Triton (optional: GPU lowering only)
 
     p, t, h, k = plan.size, plan.tokens, plan.hidden, plan.top_k
     bt, bh, warps, _ = _blocks(plan)
@@ -298,7 +297,6 @@ def _dispatch_bwd(plan, saved, cts):
 
 
 def _exchange_back(a, plan):
-    from jaxgin.collectives import all_to_all
 
     p, t, k = plan.size, plan.tokens, plan.top_k
     return all_to_all(a.reshape(p * t, k), plan.names, 0, 0, tiled=True).reshape(p, t, k)

@@ -214,7 +214,7 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        from triton import knobs
+        from triton import knobs  # Triton is optional: the rest of this module (nvJitLink, the library) works without it
 
         previous = knobs.runtime.add_stages_inspection_hook
 
