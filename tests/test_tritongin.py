@@ -59,6 +59,40 @@ def plain_copy(src, dst, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs) * 2.0)
 
 
+_C_KINDS = {"const void*": "address", "int": "i32", "int32_t": "i32", "uint32_t": "i32", "uint64_t": "i64",
+            "int64_t": "i64"}
+_C_RETURNS = {"int": "int32", "int32_t": "int32", "uint64_t": "int64", "int64_t": "int64"}
+
+
+def _c_declarations() -> dict[str, tuple[str, list[str]]]:
+    """symbol -> (return type, parameter types) of the device library's C declarations."""
+    found = {}
+    for header in ("jaxgin_triton.h", "jaxgin_device.h"):
+        text = (build.sources_dir() / "device" / header).read_text()
+        for ret, symbol, params in re.findall(r"__device__\s+([\w ]+?\*?)\s+(jaxgin_\w+)\(([^)]*)\);", text):
+            types = [re.sub(r"\s+\w+$", "", p.strip()).replace(" *", "*") for p in params.split(",") if p.strip()]
+            found[symbol] = (ret.strip(), types)
+    return found
+
+
+def test_triton_stubs_match_the_c_declarations():
+    """The one table of Triton entry points (jaxgin.triton._externs.FUNCTIONS) agrees with the C
+    header on every symbol's parameter count and kinds and its return type, and language.py wraps
+    every stub."""
+    from jaxgin.triton import _externs
+
+    declared = _c_declarations()
+    assert {"jaxgin_tt_put_signal", "jaxgin_rank", "jaxgin_read_signal"} <= declared.keys()  # the parse works
+    for name, (symbol, shown, params, ret, pure) in _externs.FUNCTIONS.items():
+        assert symbol in declared, f"{name}: {symbol} is not declared in the device library's headers"
+        c_ret, c_params = declared[symbol]
+        assert [_C_KINDS[t] for t in c_params] == [kind for _, kind in params], (name, c_params, params)
+        assert _C_RETURNS[c_ret] == ret.name, (name, c_ret, ret)
+        assert hasattr(tgl, shown), f"tritongin.language has no {shown} (wrapping {name})"
+    assert _externs.FUNCTIONS["rank"][4] and _externs.FUNCTIONS["world_size"][4]  # pure: Triton may compute once
+    assert not _externs.FUNCTIONS["put_signal"][4] and not _externs.FUNCTIONS["read_signal"][4]
+
+
 def test_device_library(toolchain):
     artifacts = tritongin.device_library("sm_90a")
     assert artifacts.directory.parent == build.default_cache_dir()

@@ -1,4 +1,5 @@
-"""Triton stubs for the device library's Triton entry points (csrc/device/jaxgin_triton.h).
+"""Triton stubs for the device library's Triton entry points (csrc/device/jaxgin_triton.h), made from
+one table (FUNCTIONS).
 
 Each stub is a ``@core.extern`` with an explicit dispatch table {(argument dtypes): (symbol,
 return dtype)}, as Triton's libdevice stubs are. Before dispatching, arguments are brought to the
@@ -8,6 +9,8 @@ region) are checked, so a tensor-valued peer is a compile-time error naming the 
 """
 
 from __future__ import annotations
+
+import inspect
 
 from triton.language import core
 
@@ -45,110 +48,75 @@ def _address(value, name: str, function: str, _semantic):
     )
 
 
-def _call(symbol: str, args: list, arg_types: tuple, ret, _semantic):
-    return core.extern_elementwise(
-        LIBRARY, "", args, {arg_types: (symbol, ret)}, is_pure=False, _semantic=_semantic
+# The device library's Triton entry points, declared once: stub name -> (C symbol, the name users
+# call it by, parameters as (name, kind), return type, pure). Kinds: "address" (a pointer, or an
+# int64 holding one, passed as int64), "i32" / "i64" (an integer, cast). language.py wraps these
+# stubs with their documentation; tests/test_tritongin.py checks every row against the C
+# declarations (csrc/device/jaxgin_triton.h, jaxgin_device.h). Pure: the same value for the whole
+# kernel and no effect, so Triton may compute it once.
+FUNCTIONS = {
+    "rank": ("jaxgin_rank", "rank", (("ctx", "address"),), _I32, True),
+    "world_size": ("jaxgin_world_size", "world_size", (("ctx", "address"),), _I32, True),
+    "peer_delta": ("jaxgin_tt_peer_delta", "peer_ptr", (("ctx", "address"), ("peer", "i32")), _I64, False),
+    "put_signal": ("jaxgin_tt_put_signal", "put_signal",
+                   (("ctx", "address"), ("dst", "address"), ("src", "address"), ("nbytes", "i64"), ("peer", "i32"),
+                    ("signal", "i32")), _I32, False),
+    "signal": ("jaxgin_tt_signal", "signal", (("ctx", "address"), ("peer", "i32"), ("signal", "i32"), ("value", "i64")),
+               _I32, False),
+    "read_signal": ("jaxgin_read_signal", "read_signal", (("ctx", "address"), ("signal", "i32")), _I64, False),
+    "wait_signal": ("jaxgin_tt_wait_signal", "wait_signal", (("ctx", "address"), ("signal", "i32"), ("value", "i64")),
+                    _I64, False),
+    "wait_arrivals": ("jaxgin_tt_wait_arrivals", "wait_arrivals",
+                      (("ctx", "address"), ("signal", "i32"), ("count", "i64")), _I64, False),
+    "set_flag": ("jaxgin_tt_set_flag", "set_flag",
+                 (("ctx", "address"), ("flag", "address"), ("value", "i64"), ("peer", "i32")), _I32, False),
+    "wait_flag": ("jaxgin_tt_wait_flag", "wait_flag", (("ctx", "address"), ("flag", "address"), ("value", "i64")),
+                  _I64, False),
+    "wait_peer_flag": ("jaxgin_tt_wait_peer_flag", "wait_peer_flag",
+                       (("ctx", "address"), ("flag", "address"), ("value", "i64"), ("peer", "i32")), _I64, False),
+    "flush": ("jaxgin_tt_flush", "flush", (("ctx", "address"),), _I32, False),
+    "barrier": ("jaxgin_tt_barrier", "barrier", (("ctx", "address"),), _I32, False),
+}
+
+_TYPES = {"address": _I64, "i32": _I32, "i64": _I64}
+
+
+def _convert(value, name: str, kind: str, function: str, _semantic):
+    if kind == "address":
+        return _address(value, name, function, _semantic)
+    return _integer(value, name, function, _TYPES[kind], _semantic)
+
+
+def _stub(name: str, symbol: str, shown: str, params: tuple, ret, pure: bool):
+    """The @core.extern stub of one row of FUNCTIONS, with the row's parameter names."""
+    arg_types = tuple(_TYPES[kind] for _, kind in params)
+
+    def stub(*args, _semantic=None):
+        if len(args) != len(params):
+            raise TypeError(f"tritongin.{shown} takes {len(params)} arguments "
+                            f"({', '.join(p for p, _ in params)}), got {len(args)}")
+        converted = [_convert(v, p, kind, shown, _semantic) for v, (p, kind) in zip(args, params)]
+        return core.extern_elementwise(LIBRARY, "", converted, {arg_types: (symbol, ret)}, is_pure=pure,
+                                       _semantic=_semantic)
+
+    stub.__name__ = stub.__qualname__ = name
+    stub.__signature__ = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p, _ in params]
+        + [inspect.Parameter("_semantic", inspect.Parameter.KEYWORD_ONLY, default=None)]
     )
+    return core.extern(stub)
 
 
-@core.extern
-def rank(ctx, _semantic=None):
-    ctx = _address(ctx, "ctx", "rank", _semantic)
-    return _call("jaxgin_rank", [ctx], (_I64,), _I32, _semantic)
-
-
-@core.extern
-def world_size(ctx, _semantic=None):
-    ctx = _address(ctx, "ctx", "world_size", _semantic)
-    return _call("jaxgin_world_size", [ctx], (_I64,), _I32, _semantic)
-
-
-@core.extern
-def peer_delta(ctx, peer, _semantic=None):
-    ctx = _address(ctx, "ctx", "peer_ptr", _semantic)
-    peer = _integer(peer, "peer", "peer_ptr", _I32, _semantic)
-    return _call("jaxgin_tt_peer_delta", [ctx, peer], (_I64, _I32), _I64, _semantic)
-
-
-@core.extern
-def put_signal(ctx, dst, src, nbytes, peer, signal, _semantic=None):
-    ctx = _address(ctx, "ctx", "put_signal", _semantic)
-    dst = _address(dst, "dst", "put_signal", _semantic)
-    src = _address(src, "src", "put_signal", _semantic)
-    nbytes = _integer(nbytes, "nbytes", "put_signal", _I64, _semantic)
-    peer = _integer(peer, "peer", "put_signal", _I32, _semantic)
-    signal = _integer(signal, "signal", "put_signal", _I32, _semantic)
-    return _call(
-        "jaxgin_tt_put_signal", [ctx, dst, src, nbytes, peer, signal], (_I64, _I64, _I64, _I64, _I32, _I32), _I32,
-        _semantic,
-    )
-
-
-@core.extern
-def signal(ctx, peer, signal, value, _semantic=None):
-    ctx = _address(ctx, "ctx", "signal", _semantic)
-    peer = _integer(peer, "peer", "signal", _I32, _semantic)
-    signal = _integer(signal, "signal", "signal", _I32, _semantic)
-    value = _integer(value, "value", "signal", _I64, _semantic)
-    return _call("jaxgin_tt_signal", [ctx, peer, signal, value], (_I64, _I32, _I32, _I64), _I32, _semantic)
-
-
-@core.extern
-def read_signal(ctx, signal, _semantic=None):
-    ctx = _address(ctx, "ctx", "read_signal", _semantic)
-    signal = _integer(signal, "signal", "read_signal", _I32, _semantic)
-    return _call("jaxgin_read_signal", [ctx, signal], (_I64, _I32), _I64, _semantic)
-
-
-@core.extern
-def wait_signal(ctx, signal, value, _semantic=None):
-    ctx = _address(ctx, "ctx", "wait_signal", _semantic)
-    signal = _integer(signal, "signal", "wait_signal", _I32, _semantic)
-    value = _integer(value, "value", "wait_signal", _I64, _semantic)
-    return _call("jaxgin_tt_wait_signal", [ctx, signal, value], (_I64, _I32, _I64), _I64, _semantic)
-
-
-@core.extern
-def wait_arrivals(ctx, signal, count, _semantic=None):
-    ctx = _address(ctx, "ctx", "wait_arrivals", _semantic)
-    signal = _integer(signal, "signal", "wait_arrivals", _I32, _semantic)
-    count = _integer(count, "count", "wait_arrivals", _I64, _semantic)
-    return _call("jaxgin_tt_wait_arrivals", [ctx, signal, count], (_I64, _I32, _I64), _I64, _semantic)
-
-
-@core.extern
-def set_flag(ctx, flag, value, peer, _semantic=None):
-    ctx = _address(ctx, "ctx", "set_flag", _semantic)
-    flag = _address(flag, "flag", "set_flag", _semantic)
-    value = _integer(value, "value", "set_flag", _I64, _semantic)
-    peer = _integer(peer, "peer", "set_flag", _I32, _semantic)
-    return _call("jaxgin_tt_set_flag", [ctx, flag, value, peer], (_I64, _I64, _I64, _I32), _I32, _semantic)
-
-
-@core.extern
-def wait_flag(ctx, flag, value, _semantic=None):
-    ctx = _address(ctx, "ctx", "wait_flag", _semantic)
-    flag = _address(flag, "flag", "wait_flag", _semantic)
-    value = _integer(value, "value", "wait_flag", _I64, _semantic)
-    return _call("jaxgin_tt_wait_flag", [ctx, flag, value], (_I64, _I64, _I64), _I64, _semantic)
-
-
-@core.extern
-def wait_peer_flag(ctx, flag, value, peer, _semantic=None):
-    ctx = _address(ctx, "ctx", "wait_peer_flag", _semantic)
-    flag = _address(flag, "flag", "wait_peer_flag", _semantic)
-    value = _integer(value, "value", "wait_peer_flag", _I64, _semantic)
-    peer = _integer(peer, "peer", "wait_peer_flag", _I32, _semantic)
-    return _call("jaxgin_tt_wait_peer_flag", [ctx, flag, value, peer], (_I64, _I64, _I64, _I32), _I64, _semantic)
-
-
-@core.extern
-def flush(ctx, _semantic=None):
-    ctx = _address(ctx, "ctx", "flush", _semantic)
-    return _call("jaxgin_tt_flush", [ctx], (_I64,), _I32, _semantic)
-
-
-@core.extern
-def barrier(ctx, _semantic=None):
-    ctx = _address(ctx, "ctx", "barrier", _semantic)
-    return _call("jaxgin_tt_barrier", [ctx], (_I64,), _I32, _semantic)
+rank = _stub("rank", *FUNCTIONS["rank"])
+world_size = _stub("world_size", *FUNCTIONS["world_size"])
+peer_delta = _stub("peer_delta", *FUNCTIONS["peer_delta"])
+put_signal = _stub("put_signal", *FUNCTIONS["put_signal"])
+signal = _stub("signal", *FUNCTIONS["signal"])
+read_signal = _stub("read_signal", *FUNCTIONS["read_signal"])
+wait_signal = _stub("wait_signal", *FUNCTIONS["wait_signal"])
+wait_arrivals = _stub("wait_arrivals", *FUNCTIONS["wait_arrivals"])
+set_flag = _stub("set_flag", *FUNCTIONS["set_flag"])
+wait_flag = _stub("wait_flag", *FUNCTIONS["wait_flag"])
+wait_peer_flag = _stub("wait_peer_flag", *FUNCTIONS["wait_peer_flag"])
+flush = _stub("flush", *FUNCTIONS["flush"])
+barrier = _stub("barrier", *FUNCTIONS["barrier"])
