@@ -46,15 +46,11 @@ __device__ void send_lane(const jaxgin_context* ctx, const Plan& plan, const exc
       const uint64_t staging = channel_staging_offset(ctx, p.rank, lane);
       cta_copy(ctx->heap + staging, p.src + begin, bytes);
       __syncthreads();
-      if (linear_thread() == 0) {
-        ncclGin g(ctx->comm, gin_context_index(ctx));
-        g.put(ncclTeamWorld(ctx->comm), p.rank, ctx->window, ring, ctx->window, staging, bytes,
-              GinPutSignal{data, 1});
-        g.flush(ncclCoopThread());  // the staging slot is reused by the next chunk
-      }
+      if (linear_thread() == 0)  // the staging slot is reused by the next chunk
+        gin_put_and_release_source(ctx, p.rank, ring, staging, bytes, data, (jaxgin_op_tag)plan.op);
       __syncthreads();
     } else {
-      char* dst = static_cast<char*>(ncclGetPeerPointer(ctx->window, ring, p.rank));
+      char* dst = lsa_peer_heap(ctx, ring, p.rank);
       cta_copy(dst, p.src + begin, bytes);
       __syncthreads();
       if (linear_thread() == 0) add_signal(ctx, p.rank, data, 1);
@@ -95,8 +91,8 @@ __device__ void send_lines(const jaxgin_context* ctx, const Plan& plan, const ex
     wait_until(ctx, channel_credit_signal(ctx, p.rank, 0), n + 1 - ctx->channel_slots, (jaxgin_op_tag)plan.op,
                p.rank);
   __syncthreads();
-  line* dst = static_cast<line*>(
-      ncclGetPeerPointer(ctx->window, channel_line_offset(ctx, ctx->rank, n % ctx->channel_slots), p.rank));
+  line* dst = reinterpret_cast<line*>(
+      lsa_peer_heap(ctx, channel_line_offset(ctx, ctx->rank, n % ctx->channel_slots), p.rank));
   const uint32_t flag = line_flag(n);
   const uint64_t lines = line_count(plan.bytes);
   for (uint64_t i = linear_thread(); i < lines; i += block_threads()) {

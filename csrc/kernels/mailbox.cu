@@ -141,12 +141,8 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
     const uint64_t staging = slot_offset(box, box.axis_size) + begin;
     cta_copy(box.heap + staging, src + begin, end - begin);
     __syncthreads();
-    if (linear_thread() == 0) {
-      ncclGin g(ctx->comm, gin_context_index(ctx));
-      g.put(ncclTeamWorld(ctx->comm), box.ranks[peer], ctx->window, dst, ctx->window, staging, end - begin,
-            GinPutSignal{data, 1});
-      bounded_flush(ctx, g, JAXGIN_OP_PUT_SIGNAL, box.ranks[peer]);  // the staging slot is reused by the next put
-    }
+    if (linear_thread() == 0)  // the staging slot is reused by the next put
+      gin_put_and_release_source(ctx, box.ranks[peer], dst, staging, end - begin, data, JAXGIN_OP_PUT_SIGNAL);
   } else {
     cta_copy(box.peer_heaps[peer] + dst, src + begin, end - begin);
     __syncthreads();

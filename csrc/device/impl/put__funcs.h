@@ -67,6 +67,24 @@ __device__ __forceinline__ void bounded_flush(const jaxgin_context* ctx, const n
 #endif
 }
 
+// One thread: a GIN put of `bytes` from heap offset `src_offset` to heap offset `dst_offset` on
+// `peer`, +1 on `signal` there, then a bounded wait until NCCL took it, so the source (a staging
+// slot the caller reuses for its next put) may be rewritten afterwards. Kernels put through this
+// helper rather than through NCCL's device API: this library is the only code that touches it.
+__device__ __forceinline__ void gin_put_and_release_source(const jaxgin_context* ctx, int peer, uint64_t dst_offset,
+                                                           uint64_t src_offset, uint64_t bytes, uint32_t signal,
+                                                           jaxgin_op_tag op) {
+  ncclGin gin(ctx->comm, gin_context_index(ctx));
+  gin.put(ncclTeamWorld(ctx->comm), peer, ctx->window, dst_offset, ctx->window, src_offset, bytes,
+          GinPutSignal{signal, 1});
+  bounded_flush(ctx, gin, op, peer);
+}
+
+// Any thread: where this GPU loads and stores heap byte `offset` of LSA (NVLink) peer `peer`.
+__device__ __forceinline__ char* lsa_peer_heap(const jaxgin_context* ctx, uint64_t offset, int peer) {
+  return static_cast<char*>(ncclGetPeerPointer(ctx->window, offset, peer));
+}
+
 // CTA-collective. Afterwards the sources of this CTA's earlier puts may be overwritten. It does
 // not mean the data arrived: a signal says that.
 __device__ __forceinline__ void flush(const jaxgin_context* ctx) {
