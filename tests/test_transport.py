@@ -16,8 +16,11 @@ from transport_plugin import (
     INVALID_ARGUMENT,
     INVALID_USAGE,
     NEVER_RESET,
+    PTR_CUDA,
+    PTR_HOST,
     REMOTE_ERROR,
     SIGNAL_INC,
+    CreditRing,
     Rank,
     TransportError,
     load,
@@ -48,9 +51,9 @@ def connect_all(table, nranks, contexts=2, log=None):
     return ranks
 
 
-def register_all(ranks, arrays, flags=0):
+def register_all(ranks, arrays, flags=0, kind=PTR_HOST):
     with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:  # so is registration
-        return list(pool.map(lambda i: ranks[i].register(arrays[i], flags), range(len(ranks))))
+        return list(pool.map(lambda i: ranks[i].register(arrays[i], flags, kind), range(len(ranks))))
 
 
 def close_all(ranks):
@@ -347,3 +350,97 @@ def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
     assert transport.lost_peer_lines() == []
     monkeypatch.setenv("NCCL_RMA_PLUGIN", "/elsewhere/libother_plugin.so")
     assert transport.lost_peers() == []  # another plugin: not ours to ask
+
+
+# --- the proxy's way: many requests in flight, tested in order ----------------------------------
+
+
+def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST):
+    """Runs transport_plugin.CreditRing on `nranks` ranks of this process (every rank its own
+    communicator, agent thread and connections; one thread drives all their proxies in turn).
+    `kind` is the memory type every region is registered as. Returns the ranks' signal words."""
+    ranks = connect_all(table, nranks, contexts=contexts)
+    data = [CreditRing.data_array(window) for _ in ranks]
+    signals = [CreditRing.signal_array() for _ in ranks]
+    data_h = register_all(ranks, data, kind=kind)
+    signal_h = register_all(ranks, signals, NEVER_RESET, kind=kind)
+    rings = [CreditRing(r, data[i], signals[i], data_h[i], signal_h[i], iterations, window)
+             for i, r in enumerate(ranks)]
+    deadline = time.monotonic() + 120
+    while not all(ring.finished() for ring in rings):
+        if time.monotonic() > deadline:
+            raise AssertionError("stalled: " + "; ".join(ring.state() for ring in rings))
+        for ring in rings:
+            ring.step()
+    while any(ring.proxy.pending for ring in rings):  # every rank's last requests, before any waits
+        if time.monotonic() > deadline:
+            raise AssertionError("requests never completed: " + "; ".join(ring.state() for ring in rings))
+        for ring in rings:
+            ring.proxy.poll()
+    for ring in rings:
+        ring.drain(deadline)
+    time.sleep(0.05)  # a stray extra signal would land by now
+    words = [s.tolist() for s in signals]
+    errors = [r.has_error() for r in ranks]
+    close_all(ranks)
+    assert not any(errors), errors
+    return words
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("window", [1, 4])
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_credit_ring_with_requests_in_flight(table, nranks, window, tcp, monkeypatch):
+    """The loop that lost its 172nd put on GPUs (a put with a data signal per iteration, a bare
+    credit back, the next put only after the credit), posted as NCCL's proxy posts it and run well
+    past 172 iterations on three contexts: every payload is right when its signal counts it, every
+    signal word ends at exactly its count."""
+    if tcp:
+        monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    iterations = 400
+    assert credit_ring(table, nranks, iterations, window) == [[iterations] * 4] * nranks
+
+
+def test_credit_ring_process_per_rank_on_emulated_hosts(library, tmp_path):
+    """The same loop with a process per rank, each its own host (TCP) and its own proxy thread, as
+    in the GPU worlds of emulated hosts."""
+    results = run_processes(library, tmp_path, 4, "credit_ring-400-4",
+                            lambda r: {"JAXGIN_TRANSPORT_HOST_ID": f"host{r}"})
+    for rank, (code, output) in enumerate(results):
+        assert code == 0 and "credit ring ok" in output, f"rank {rank}: {output}"
+
+
+@pytest.fixture(scope="module")
+def fake_device_table(nvcc, tmp_path_factory):
+    """The plugin linked against csrc/transport/fake_cuda.cc instead of CUDA: regions registered
+    as device memory (host memory here) take the device paths, pinned staging, copy events, the
+    receive double buffer and signals written in stream order, all completing asynchronously."""
+    import shutil
+
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++")
+    include = Path(nvcc).resolve().parent.parent / "include"
+    root = transport.sources_dir()
+    library = tmp_path_factory.mktemp("fake_cuda") / "libjaxgin_transport_fake_cuda.so"
+    sources = [root / name for name in ("host_transport.cc", "wire.cc", "device_memory.cc", "fake_cuda.cc")]
+    # Hidden and bound locally: the fake's cuda* symbols must not meet a real CUDA runtime's.
+    subprocess.run([compiler, "-std=c++17", "-O2", "-g", "-shared", "-fPIC", "-fvisibility=hidden",
+                    "-Wl,-Bsymbolic", f"-I{include}", *map(str, sources), "-lpthread", "-o", str(library)],
+                   check=True, capture_output=True, text=True)
+    return load(library)
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("window", [1, 4])
+@pytest.mark.parametrize("signals", ["written", "added"])
+def test_credit_ring_through_device_paths(fake_device_table, nranks, window, signals, monkeypatch):
+    """The same loop with every region registered as device memory, over the fake CUDA: puts are
+    copied into pinned staging on a stream and sent when their event completes, the receiver
+    copies them in through its two staging buffers and applies each signal in stream order after
+    the copy, as known values written (NCCL's never-reset signals) or as stream atomic adds."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")  # peers on other hosts, as the emulated hosts are
+    monkeypatch.setenv("JAXGIN_FAKE_CUDA_ADDS", "1" if signals == "added" else "0")
+    iterations = 400
+    words = credit_ring(fake_device_table, nranks, iterations, window, contexts=3, kind=PTR_CUDA)
+    assert words == [[iterations] * 4] * nranks

@@ -132,10 +132,12 @@ class Rank:
         config = Config(self.contexts, -1, 1)
         check(self.t.createContext(self.comm, ctypes.byref(config), ctypes.byref(self.rma)), "createContext")
 
-    def register(self, array: np.ndarray, flags: int = 0) -> c_void_p:
+    def register(self, array: np.ndarray, flags: int = 0, kind: int = PTR_HOST) -> c_void_p:
+        """`kind` PTR_CUDA registers host memory as device memory: only for the library built
+        against csrc/transport/fake_cuda.cc, whose "device memory" is host memory."""
         handle = c_void_p()
         self.keep.append(array)
-        check(self.t.regMrSym(self.comm, array.ctypes.data, array.nbytes, PTR_HOST, flags, ctypes.byref(handle)),
+        check(self.t.regMrSym(self.comm, array.ctypes.data, array.nbytes, kind, flags, ctypes.byref(handle)),
               "regMrSym")
         return handle
 
@@ -186,6 +188,135 @@ def wait_word(array: np.ndarray, index: int, value: int, timeout: float = 30.0, 
         time.sleep(0.0005)
 
 
+class Proxy:
+    """What the plugin sees of one rank's NCCL GIN proxy thread: requests are posted and not waited
+    for one by one; each poll tests every request not yet done, oldest first, and never tests a
+    request again once it said done (NCCL keeps the pointer; the plugin has freed it), then calls
+    rmaProgress."""
+
+    def __init__(self, rank: Rank):
+        self.rank = rank
+        self.pending = []  # [request, done] in posting order
+        self._done = c_int()
+
+    def post(self, request) -> list:
+        entry = [request, False]
+        self.pending.append(entry)
+        return entry
+
+    def poll(self) -> None:
+        r = self.rank
+        for entry in self.pending:
+            if not entry[1]:
+                self._done.value = 0
+                check(r.t.test(r.comm, entry[0], ctypes.byref(self._done)), "test")
+                entry[1] = bool(self._done.value)
+        while self.pending and self.pending[0][1]:
+            self.pending.pop(0)
+        r.progress()
+
+
+class CreditRing:
+    """One rank's side of the loop that lost its 172nd put on GPUs, posted the way NCCL's proxy
+    posts it. The rank streams `iterations` puts of up to PAYLOAD bytes to both ring neighbours
+    (two directions, so that data and credits cross on every connection) into a receiver ring of
+    `window` slots per sender: put k goes once the receiver returned credit k - window, and its
+    source slot is rewritten only after the put that last read it completed (what NCCL's flush
+    gives a kernel). A put is a put-with-signal, or (every third) a plain put and then a bare
+    signal on the same context; the receiver checks each payload as soon as its data signal counts
+    it and returns a bare signal as the credit. Each direction's puts use one context, its credits
+    another.
+
+    Regions: data_array(window) and signal_array(), registered in that order (the signals with
+    NEVER_RESET, as NCCL registers its GIN signals). Signal words: [puts arrived in direction 0,
+    1, credits returned for direction 0, 1]."""
+
+    PAYLOAD = 8192
+    STEPS = (1, -1)
+
+    @staticmethod
+    def data_array(window: int) -> np.ndarray:
+        # [source slots of direction 0, of direction 1, inbox from direction 0's sender, from 1's]
+        return np.zeros(4 * window * CreditRing.PAYLOAD, np.uint8)
+
+    @staticmethod
+    def signal_array() -> np.ndarray:
+        return np.zeros(4, np.uint64)
+
+    def __init__(self, rank: Rank, data, signals, data_h, signal_h, iterations: int, window: int):
+        self.r, self.data, self.signals, self.data_h, self.signal_h = rank, data, signals, data_h, signal_h
+        self.iterations, self.window = iterations, window
+        self.proxy = Proxy(rank)
+        self.sent, self.consumed = [0, 0], [0, 0]
+        self.source_busy = [[None] * window for _ in self.STEPS]  # the request that last read each slot
+
+    @classmethod
+    def size_of(cls, k: int) -> int:  # assorted sizes, 1 byte to a full slot
+        return cls.PAYLOAD if k % 4 else 1 + (k * 37) % cls.PAYLOAD
+
+    @classmethod
+    def pattern(cls, sender: int, d: int, k: int) -> np.ndarray:
+        n = cls.size_of(k)
+        return ((np.arange(n, dtype=np.uint32) * (2 * k + 1) + 131 * sender + 17 * d + k) % 251).astype(np.uint8)
+
+    def _source(self, d: int, k: int) -> int:
+        return (d * self.window + k % self.window) * self.PAYLOAD
+
+    def _inbox(self, d: int, k: int) -> int:
+        return ((2 + d) * self.window + k % self.window) * self.PAYLOAD
+
+    def finished(self) -> bool:
+        return min(self.sent + self.consumed) >= self.iterations
+
+    def state(self) -> str:
+        return (f"rank {self.r.rank}: sent {self.sent}, consumed {self.consumed}, signal words "
+                f"{self.signals.tolist()}, requests in flight {len(self.proxy.pending)}")
+
+    def step(self) -> None:
+        r, i, n, contexts = self.r, self.r.rank, self.r.nranks, self.r.contexts
+        self.proxy.poll()
+        for d, step in enumerate(self.STEPS):
+            to, frm = (i + step) % n, (i - step) % n
+            data_context, credit_context = (i + d) % contexts, (i + d + 1) % contexts
+            # receive the put the data signal counts next, then return its credit
+            k = self.consumed[d] + 1
+            if k <= self.iterations and int(self.signals[d]) >= k:
+                if int(self.signals[d]) > self.iterations:
+                    raise AssertionError(f"{self.state()}: more signals than puts")
+                got = self.data[self._inbox(d, k):self._inbox(d, k) + self.size_of(k)]
+                np.testing.assert_array_equal(got, self.pattern(frm, d, k),
+                                              err_msg=f"rank {i}, direction {d}: put {k} from rank {frm}")
+                self.proxy.post(r.put(None, 0, 0, None, 0, frm, signal=self.signal_h, signal_off=8 * (2 + d),
+                                      op=SIGNAL_INC, context=credit_context))
+                self.consumed[d] = k
+            # send when the receiver's slot is free and so is the source slot
+            k = self.sent[d] + 1
+            busy = self.source_busy[d][k % self.window]
+            if k <= self.iterations and int(self.signals[2 + d]) >= k - self.window and (busy is None or busy[1]):
+                at, size, inbox = self._source(d, k), self.size_of(k), self._inbox(d, k)
+                self.data[at:at + size] = self.pattern(i, d, k)
+                if k % 3:
+                    request = r.put(self.data_h, at, size, self.data_h, inbox, to, signal=self.signal_h,
+                                    signal_off=8 * d, value=1, context=data_context)
+                    self.source_busy[d][k % self.window] = self.proxy.post(request)
+                else:  # the data, then a signal on its own: one context keeps them in order
+                    request = r.put(self.data_h, at, size, self.data_h, inbox, to, context=data_context)
+                    self.source_busy[d][k % self.window] = self.proxy.post(request)
+                    self.proxy.post(r.put(None, 0, 0, None, 0, to, signal=self.signal_h, signal_off=8 * d, value=1,
+                                          context=data_context))
+                self.sent[d] = k
+
+    def drain(self, deadline: float) -> None:
+        """After finished(): completes this rank's last requests and waits for its last credits."""
+        while self.proxy.pending:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.state()}: requests never completed")
+            self.proxy.poll()
+        for word in (2, 3):
+            wait_word(self.signals, word, self.iterations, timeout=max(deadline - time.monotonic(), 1),
+                      progress=self.r)
+
+
 def _exchange_handles(directory: Path, rank: int, nranks: int, handle: bytes) -> list[bytes]:
     (directory / f"handle.{rank}.tmp").write_bytes(handle)
     os.rename(directory / f"handle.{rank}.tmp", directory / f"handle.{rank}")
@@ -197,11 +328,47 @@ def _exchange_handles(directory: Path, rank: int, nranks: int, handle: bytes) ->
     return [(directory / f"handle.{r}").read_bytes() for r in range(nranks)]
 
 
+def _barrier(directory: Path, name: str, rank: int, nranks: int, timeout: float = 60.0) -> None:
+    (directory / f"{name}.{rank}").write_text("")
+    deadline = time.monotonic() + timeout
+    while not all((directory / f"{name}.{r}").exists() for r in range(nranks)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peers did not reach {name}")
+        time.sleep(0.01)
+
+
+def _credit_ring(me: Rank, directory: Path, iterations: int, window: int) -> int:
+    """Scenario credit_ring: this process's rank of CreditRing, with its own proxy thread (this
+    one) as on a GPU host; prints "credit ring ok" when every word ends at exactly its count."""
+    data, signals = CreditRing.data_array(window), CreditRing.signal_array()
+    data_h, signal_h = me.register(data), me.register(signals, NEVER_RESET)
+    ring = CreditRing(me, data, signals, data_h, signal_h, iterations, window)
+    deadline = time.monotonic() + 120
+    while not ring.finished():
+        if time.monotonic() > deadline:
+            print(f"stalled: {ring.state()}", flush=True)
+            return 1
+        ring.step()
+    ring.drain(deadline)
+    _barrier(directory, "drained", me.rank, me.nranks)  # peers' signals to us are all in by now
+    time.sleep(0.05)  # a stray extra signal would land by now
+    words = signals.tolist()
+    error = me.has_error()
+    _barrier(directory, "checked", me.rank, me.nranks)
+    me.close()
+    ok = words == [iterations] * 4 and not error
+    print(f"credit ring {'ok' if ok else 'wrong'}: signal words {words}, error {error}", flush=True)
+    return 0 if ok else 1
+
+
 def main(argv: list[str]) -> int:
     library, directory, rank, nranks, scenario = argv[1], Path(argv[2]), int(argv[3]), int(argv[4]), argv[5]
     table = load(library)
-    me = Rank(table)
+    me = Rank(table, contexts=3 if scenario.startswith("credit_ring") else 2)
     me.connect(_exchange_handles(directory, rank, nranks, me.handle.raw), rank)
+    if scenario.startswith("credit_ring"):  # credit_ring-ITERATIONS-WINDOW
+        _, iterations, window = scenario.split("-")
+        return _credit_ring(me, directory, int(iterations), int(window))
     data = np.zeros(1 << 16, np.uint8)
     signals = np.zeros(nranks, np.uint64)
     data_h, signal_h = me.register(data), me.register(signals, NEVER_RESET)

@@ -383,6 +383,10 @@ bool apply_signal_locked(Comm* c, uint64_t region, uint64_t offset, uint64_t del
   }
   value += delta;
   c->signal_values[key] = value;
+  // The word's new value, as queued: a trace that shows it while the kernel reads less tells a
+  // stream write that never ran from a value that was wrong here.
+  TRACE("rank %d write region %lu +%lu value %lu", c->rank, (unsigned long)region, (unsigned long)offset,
+        (unsigned long)value);
   if (!write_value64(c->apply_stream, word, value, error)) {
     fail(c, error);
     return false;

@@ -1,0 +1,230 @@
+// For CPU tests only: the slice of the CUDA runtime and driver that the host transport calls, with
+// host memory standing in for device memory, so that the transport's device-memory paths (pinned
+// staging, copy events, the receive double buffer, signals written by the apply stream) run without
+// a GPU. jaxgin.transport.build never compiles it; tests/test_transport.py links it in place of
+// cudart.
+//
+// What it keeps of CUDA's semantics, because the transport depends on them: a stream runs its work
+// in order, on a thread of its own, after a random pause (JAXGIN_FAKE_CUDA_DELAY_US, default 30),
+// so nothing completes at the call that queued it; an event completes when its stream reaches it
+// and a query before then says cudaErrorNotReady. A stream atomic add is offered only when
+// JAXGIN_FAKE_CUDA_ADDS=1, so that both ways of applying a signal can be tested.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+
+namespace {
+
+int max_delay_us() {
+  const char* v = std::getenv("JAXGIN_FAKE_CUDA_DELAY_US");
+  return v ? std::atoi(v) : 30;
+}
+
+struct FakeStream {
+  std::mutex lock;
+  std::condition_variable changed;
+  std::deque<std::function<void()>> work;
+  bool busy = false, stop = false;
+  std::thread worker;
+
+  FakeStream() : worker([this] { run(); }) {}
+  ~FakeStream() {
+    {
+      std::lock_guard<std::mutex> g(lock);
+      stop = true;
+    }
+    changed.notify_all();
+    worker.join();
+  }
+  void run() {
+    std::minstd_rand random(static_cast<unsigned>(reinterpret_cast<uintptr_t>(this)));
+    const int delay = max_delay_us();
+    std::unique_lock<std::mutex> g(lock);
+    while (true) {
+      changed.wait(g, [&] { return stop || !work.empty(); });
+      if (work.empty()) return;
+      std::function<void()> next = std::move(work.front());
+      work.pop_front();
+      busy = true;
+      g.unlock();
+      if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(random() % (delay + 1)));
+      next();
+      g.lock();
+      busy = false;
+      changed.notify_all();
+    }
+  }
+  void queue(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> g(lock);
+      work.push_back(std::move(f));
+    }
+    changed.notify_all();
+  }
+  void synchronize() {
+    std::unique_lock<std::mutex> g(lock);
+    changed.wait(g, [&] { return work.empty() && !busy; });
+  }
+};
+
+struct FakeEvent {
+  std::atomic<uint64_t> recorded{0}, reached{0};
+};
+
+FakeStream* as_stream(cudaStream_t s) { return reinterpret_cast<FakeStream*>(s); }  // the same type as CUstream
+FakeEvent* as_event(cudaEvent_t e) { return reinterpret_cast<FakeEvent*>(e); }
+
+// The driver entry points device_memory.cc asks for. Sharing allocations is not offered (so every
+// device region travels staged), writes and adds run on the stream.
+CUresult not_supported() { return CUDA_ERROR_NOT_SUPPORTED; }
+CUresult fake_retain(CUmemGenericAllocationHandle*, void*) { return not_supported(); }
+CUresult fake_release(CUmemGenericAllocationHandle) { return not_supported(); }
+CUresult fake_address_range(CUdeviceptr*, size_t*, CUdeviceptr) { return not_supported(); }
+CUresult fake_export(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long) {
+  return not_supported();
+}
+CUresult fake_import(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) { return not_supported(); }
+CUresult fake_reserve(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) { return not_supported(); }
+CUresult fake_free_address(CUdeviceptr, size_t) { return not_supported(); }
+CUresult fake_map(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) {
+  return not_supported();
+}
+CUresult fake_unmap(CUdeviceptr, size_t) { return not_supported(); }
+CUresult fake_set_access(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) { return not_supported(); }
+CUresult fake_write_value64(CUstream stream, CUdeviceptr address, cuuint64_t value, unsigned int) {
+  auto* word = reinterpret_cast<uint64_t*>(address);
+  as_stream(stream)->queue([word, value] { __atomic_store_n(word, value, __ATOMIC_SEQ_CST); });
+  return CUDA_SUCCESS;
+}
+CUresult fake_error_string(CUresult, const char** text) {
+  *text = "fake CUDA driver error";
+  return CUDA_SUCCESS;
+}
+CUresult fake_batch_mem_op(CUstream stream, unsigned int count, CUstreamBatchMemOpParams* ops, unsigned int) {
+  for (unsigned int i = 0; i < count; i++) {
+    if (ops[i].operation != CU_STREAM_MEM_OP_ATOMIC_REDUCTION ||
+        ops[i].atomicReduction.reductionOp != CU_STREAM_ATOMIC_REDUCTION_OP_ADD)
+      return CUDA_ERROR_NOT_SUPPORTED;
+    auto* word = reinterpret_cast<uint64_t*>(ops[i].atomicReduction.address);
+    const uint64_t value = ops[i].atomicReduction.value;
+    as_stream(stream)->queue([word, value] { __atomic_fetch_add(word, value, __ATOMIC_SEQ_CST); });
+  }
+  return CUDA_SUCCESS;
+}
+CUresult fake_device_attribute(int* value, CUdevice_attribute attribute, CUdevice) {
+  const char* adds = std::getenv("JAXGIN_FAKE_CUDA_ADDS");
+  const bool on = adds && std::strcmp(adds, "1") == 0;
+  *value = 0;
+  if (attribute == CU_DEVICE_ATTRIBUTE_ATOMIC_REDUCTION_SUPPORTED ||
+      attribute == CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
+    *value = on ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
+struct EntryPoint {
+  const char* name;
+  void* function;
+};
+const EntryPoint kEntryPoints[] = {
+    {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&fake_retain)},
+    {"cuMemRelease", reinterpret_cast<void*>(&fake_release)},
+    {"cuMemGetAddressRange", reinterpret_cast<void*>(&fake_address_range)},
+    {"cuMemExportToShareableHandle", reinterpret_cast<void*>(&fake_export)},
+    {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&fake_import)},
+    {"cuMemAddressReserve", reinterpret_cast<void*>(&fake_reserve)},
+    {"cuMemAddressFree", reinterpret_cast<void*>(&fake_free_address)},
+    {"cuMemMap", reinterpret_cast<void*>(&fake_map)},
+    {"cuMemUnmap", reinterpret_cast<void*>(&fake_unmap)},
+    {"cuMemSetAccess", reinterpret_cast<void*>(&fake_set_access)},
+    {"cuStreamWriteValue64", reinterpret_cast<void*>(&fake_write_value64)},
+    {"cuGetErrorString", reinterpret_cast<void*>(&fake_error_string)},
+    {"cuStreamBatchMemOp", reinterpret_cast<void*>(&fake_batch_mem_op)},
+    {"cuDeviceGetAttribute", reinterpret_cast<void*>(&fake_device_attribute)},
+};
+
+}  // namespace
+
+extern "C" {
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+const char* cudaGetErrorString(cudaError_t) { return "fake CUDA runtime error"; }
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode*) { return cudaSuccess; }
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  *stream = reinterpret_cast<cudaStream_t>(new FakeStream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete as_stream(stream);  // runs what was queued first
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  as_stream(stream)->synchronize();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
+  *event = reinterpret_cast<cudaEvent_t>(new FakeEvent);
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  delete as_event(event);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  FakeEvent* e = as_event(event);
+  const uint64_t mark = e->recorded.fetch_add(1) + 1;
+  as_stream(stream)->queue([e, mark] {
+    uint64_t seen = e->reached.load();
+    while (seen < mark && !e->reached.compare_exchange_weak(seen, mark)) {
+    }
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  FakeEvent* e = as_event(event);
+  return e->reached.load() >= e->recorded.load() ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaHostAlloc(void** pointer, size_t size, unsigned int) {
+  *pointer = std::malloc(size);
+  return *pointer ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeHost(void* pointer) {
+  std::free(pointer);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaMemcpyKind, cudaStream_t stream) {
+  as_stream(stream)->queue([to, from, bytes] { std::memcpy(to, from, bytes); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int, unsigned long long,
+                                             enum cudaDriverEntryPointQueryResult* status) {
+  for (const EntryPoint& e : kEntryPoints)
+    if (std::strcmp(e.name, symbol) == 0) {
+      *function = e.function;
+      if (status) *status = cudaDriverEntryPointSuccess;
+      return cudaSuccess;
+    }
+  *function = nullptr;
+  if (status) *status = cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+
+}  // extern "C"
