@@ -16,6 +16,11 @@ job() { local name=$1; shift; echo "--- $name"; timeout 400 python3 tools/emulat
 job memory-model-w2-trace --world 2 --timeout 150 --stacks-after 60 \
   --env JAXGIN_TIMEOUT=120 --env JAXGIN_MEMORY_MODEL_ITERATIONS=300 --env JAXGIN_TRANSPORT_TRACE=1 \
   tests/gpu/reliability_scenarios.py memory_model
+# A false dependency behind the spinning wait kernel (the transport's apply stream sharing a hardware
+# queue with it) would stall the signal write too: the same job with 32 queues instead of 8.
+job memory-model-w2-connections32 --world 2 --timeout 150 --stacks-after 60 \
+  --env JAXGIN_TIMEOUT=120 --env JAXGIN_MEMORY_MODEL_ITERATIONS=300 --env CUDA_DEVICE_MAX_CONNECTIONS=32 \
+  tests/gpu/reliability_scenarios.py memory_model
 for try in 1 2 3; do
   job timeout-w4-$try --world 4 --timeout 90 --stacks-after 50 tests/gpu/ops_scenarios.py timeout
   job timeout-from-w4-$try --world 4 --timeout 90 --stacks-after 50 tests/gpu/ops_scenarios.py timeout_from
