@@ -8,34 +8,7 @@ They are defined, with their thread semantics, memory ordering and faults, in
 name.
 """
 
-from jaxgin.triton.language import (
-    barrier,
-    flush,
-    peer_ptr,
-    put_signal,
-    rank,
-    read_signal,
-    set_flag,
-    signal,
-    wait_arrivals,
-    wait_flag,
-    wait_peer_flag,
-    wait_signal,
-    world_size,
-)
+from jaxgin.triton import language as _language
+from jaxgin.triton.language import *  # noqa: F403  (the names of _language.__all__)
 
-__all__ = [
-    "barrier",
-    "flush",
-    "peer_ptr",
-    "put_signal",
-    "rank",
-    "read_signal",
-    "set_flag",
-    "signal",
-    "wait_arrivals",
-    "wait_flag",
-    "wait_peer_flag",
-    "wait_signal",
-    "world_size",
-]
+__all__ = list(_language.__all__)

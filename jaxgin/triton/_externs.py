@@ -107,16 +107,7 @@ def _stub(name: str, symbol: str, shown: str, params: tuple, ret, pure: bool):
     return core.extern(stub)
 
 
-rank = _stub("rank", *FUNCTIONS["rank"])
-world_size = _stub("world_size", *FUNCTIONS["world_size"])
-peer_delta = _stub("peer_delta", *FUNCTIONS["peer_delta"])
-put_signal = _stub("put_signal", *FUNCTIONS["put_signal"])
-signal = _stub("signal", *FUNCTIONS["signal"])
-read_signal = _stub("read_signal", *FUNCTIONS["read_signal"])
-wait_signal = _stub("wait_signal", *FUNCTIONS["wait_signal"])
-wait_arrivals = _stub("wait_arrivals", *FUNCTIONS["wait_arrivals"])
-set_flag = _stub("set_flag", *FUNCTIONS["set_flag"])
-wait_flag = _stub("wait_flag", *FUNCTIONS["wait_flag"])
-wait_peer_flag = _stub("wait_peer_flag", *FUNCTIONS["wait_peer_flag"])
-flush = _stub("flush", *FUNCTIONS["flush"])
-barrier = _stub("barrier", *FUNCTIONS["barrier"])
+# One module attribute per row (rank, world_size, peer_delta, put_signal, ...): language.py calls
+# them as _externs.<name>, which Triton resolves when it compiles a kernel.
+globals().update({name: _stub(name, *row) for name, row in FUNCTIONS.items()})
+__all__ = list(FUNCTIONS)
