@@ -23,6 +23,7 @@ from jax._src import distributed
 
 from jaxgin import build as build_lib
 from jaxgin import cupti as cupti_lib
+from jaxgin import fault_watch as fault_watch_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import rdma
@@ -120,6 +121,7 @@ class _State:
     runtime_backend_path: str | None = None
     heap: heap_lib.RangeAllocator | None = None  # user area of the symmetric heap
     signals: heap_lib.RangeAllocator | None = None  # user signals
+    fault_watch: Any = None  # fault_watch.FaultWatch on the cuda backend
     placements: dict = dataclasses.field(default_factory=dict)  # op configuration -> its heap buffers (op_support.placed)
     gin_transport: str = "none"  # in use: 'host', 'nic', or 'none' in reference mode
     # What finalize() can return after a device fault: FAULT_CLEANUP_COMPLETE, or why only the heaps.
@@ -296,6 +298,7 @@ def initialize(
     local_devices = [d for d in devices if d.process_index == jax.process_index()]
     state = _State(options, devices, local_devices, _generation)
     if options.backend == "cuda":
+        grace_s = _fault_grace_s()  # a bad setting fails before anything is made
         state.nccl = nccl_lib.load()
 
         arch = build_lib.arch_for(local_devices[0].compute_capability)
@@ -336,6 +339,7 @@ def initialize(
             state.fault_cleanup = f"the heaps only: NCCL's calls were not recorded, {unavailable}"
 
         targets.register(backend_lib)
+        state.fault_watch = fault_watch_lib.FaultWatch(state.runtime.device_faults, grace_s).start()
         atexit.unregister(_report_faults_at_exit)  # once per process, however often initialize() runs
         atexit.register(_report_faults_at_exit)
     user_offset = reserved_bytes(options.signal_count, options.barrier_slots, len(devices), options.channel)
@@ -345,6 +349,19 @@ def initialize(
     state.signals = heap_lib.signal_allocator(options.signal_count)
     _generation += 1
     _state = state
+
+
+def _fault_grace_s() -> float:
+    """JAXGIN_FAULT_GRACE: seconds after a device fault before a process still waiting for device
+    results is ended (see jaxgin.fault_watch); default 30."""
+    raw = os.environ.get("JAXGIN_FAULT_GRACE", "30")
+    try:
+        grace = float(raw)
+    except ValueError:
+        grace = -1.0
+    if not grace > 0:
+        raise JaxginError(f"JAXGIN_FAULT_GRACE must be a positive number of seconds, got {raw!r}")
+    return grace
 
 
 def _report_faults_at_exit() -> None:
@@ -376,6 +393,8 @@ def finalize() -> None:
     memory as well) stay until the process exits. Exit after handling the error."""
     global _state
     state, _state = _state, None
+    if state is not None and state.fault_watch is not None:
+        state.fault_watch.stop()  # it reads the fault records that destroy() frees
     if state is not None and state.runtime is not None:
         faults = [line for line in state.runtime.device_faults().splitlines() if line]
         try:

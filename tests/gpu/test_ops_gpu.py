@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
-                     run_processes, run_scenario, went_through_transport)
+from jaxgin.fault_watch import FAULT_EXIT_CODE
+
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, digest, record, require_emulated_hosts,
+                     result, run_processes, run_scenario, start_processes, went_through_transport)
 
 SCENARIOS = Path(__file__).with_name("ops_scenarios.py")
 # ops_scenarios.py's scenarios, reporting also what jaxgin.info() and the host transport saw.
@@ -143,17 +145,31 @@ def test_faults_name_their_cause_emulated_hosts(world, scenario, expected):
     """Starved waits over GIN fail after the timeout, and traced indices outside the axis at once,
     on every rank, each with a fault line naming the op, the peer or index and the counts."""
     require_emulated_hosts()
-    results = run_processes(SCENARIOS, [scenario], world, emulated=True, timeout=180)
-    record(f"emulated_ops_{scenario}_{world}ranks", {"processes": results})
-    for result in results:
-        assert result["error"] and result["faults"], result
-        fault = result["faults"][0]
+    finished = start_processes(SCENARIOS, [scenario], world, timeout=180, emulated=True,
+                               env={"JAXGIN_FAULT_GRACE": "20"})
+    results, ended = [], []
+    for rank, (code, out, err) in enumerate(finished):
+        if "RESULT:" not in out:
+            # XLA had queued this rank's whole program before its kernel trapped, and waited for a
+            # completion that a CUDA context in error never signals; jaxgin's fault watch ended it,
+            # naming the fault (a peer that then lost its coordination service ends too, after
+            # printing its result).
+            assert code == FAULT_EXIT_CODE and "still waits for device results" in err, (rank, code, digest(err))
+            for text in expected:
+                assert text.format(world=world, bad=world + 3) in err, (rank, digest(err))
+            ended.append(rank)
+            continue
+        results.append(result(out))
+    record(f"emulated_ops_{scenario}_{world}ranks", {"processes": results, "ended_by_the_fault_watch": ended})
+    for out in results:
+        assert out["error"] and out["faults"], out
+        fault = out["faults"][0]
         for text in expected:
             assert text.format(world=world, bad=world + 3) in fault, fault
         # An index out of range fails at once, without waiting for the 2 s timeout; in an emulated
         # world the ranks time-slice the GPU, so the fault line (not a timeout's) is what shows it.
         if not scenario.endswith("out_of_range"):
-            assert 2.0 <= result["seconds"] < 60.0, result
+            assert 2.0 <= out["seconds"] < 60.0, out
             assert "timed out" in fault, fault
         else:
             assert "timed out" not in fault, fault
