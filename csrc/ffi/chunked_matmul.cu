@@ -38,19 +38,34 @@
 
 namespace jaxgin {
 
-std::string release_chunked_matmul(ChunkedMatmulState& c) {
-  std::string first;
-  auto note = [&](bool failed, const char* what) {
-    if (failed && first.empty()) first = what;
-  };
-  if (c.blas) note(blas::api().destroy(c.blas) != 0, "cublasDestroy failed");
-  if (c.workspace) note(cudaFree(c.workspace) != cudaSuccess, "cudaFree(cuBLAS workspace) failed");
-  if (c.fork) note(cudaEventDestroy(c.fork) != cudaSuccess, "cudaEventDestroy failed");
-  if (c.join) note(cudaEventDestroy(c.join) != cudaSuccess, "cudaEventDestroy failed");
-  if (c.side) note(cudaStreamDestroy(c.side) != cudaSuccess, "cudaStreamDestroy(side stream) failed");
-  c = ChunkedMatmulState{};
-  return first;
-}
+// What the chunked matmul ops keep per GPU (an OpState of the runtime), made on their first call: a
+// cuBLAS handle and its workspace, a second stream with the events that fork it from XLA's stream
+// and join it back (for the copies that run beside the matmuls), and the calls made so far of each
+// op configuration (by heap offset of its block).
+struct ChunkedMatmulState : OpState {
+  void* blas = nullptr;
+  void* workspace = nullptr;
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  std::map<int64_t, uint64_t> calls;
+
+  std::string release() override {
+    std::string first;
+    auto note = [&](bool failed, const char* what) {
+      if (failed && first.empty()) first = what;
+    };
+    if (blas) note(blas::api().destroy(blas) != 0, "cublasDestroy failed");
+    if (workspace) note(cudaFree(workspace) != cudaSuccess, "cudaFree(cuBLAS workspace) failed");
+    if (fork) note(cudaEventDestroy(fork) != cudaSuccess, "cudaEventDestroy failed");
+    if (join) note(cudaEventDestroy(join) != cudaSuccess, "cudaEventDestroy failed");
+    if (side) note(cudaStreamDestroy(side) != cudaSuccess, "cudaStreamDestroy(side stream) failed");
+    blas = workspace = nullptr;
+    side = nullptr;
+    fork = join = nullptr;
+    calls.clear();
+    return first;
+  }
+};
 
 namespace ffi_support {
 namespace {
@@ -98,7 +113,7 @@ void stream_set_count(cudaStream_t stream, uint64_t* word, uint64_t value, int d
 
 ChunkedMatmulState& chunked_state(DeviceState& s) {
   std::lock_guard<std::mutex> lock(make_mutex);
-  ChunkedMatmulState& c = s.chunked;
+  ChunkedMatmulState& c = op_state<ChunkedMatmulState>(s, "chunked_matmul");
   if (c.blas != nullptr) return c;
   // XLA does not capture these calls (see the top of this file); should a caller capture the
   // stream anyway, relaxed mode lets this thread allocate while these objects are made.
@@ -117,7 +132,7 @@ ChunkedMatmulState& chunked_state(DeviceState& s) {
     if (api.create(&c.blas) != 0) throw Error("cublasCreate failed on CUDA device " + std::to_string(s.device));
     if (api.set_workspace(c.blas, c.workspace, kBlasWorkspaceBytes) != 0) throw Error("cublasSetWorkspace failed");
   } catch (...) {
-    release_chunked_matmul(c);
+    c.release();
     cudaThreadExchangeStreamCaptureMode(&mode);
     throw;
   }

@@ -281,7 +281,7 @@ std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
   // the fault already.
   const bool broken = cudaDeviceSynchronize() != cudaSuccess && cudaDeviceSynchronize() != cudaSuccess;
   if (!broken) {
-    note(release_chunked_matmul(s.chunked));
+    for (auto& [name, op] : s.op_states) note(op->release());
     if (s.stream && cudaStreamDestroy(s.stream) != cudaSuccess) note("cudaStreamDestroy failed");
     if (s.context && cudaFree(s.context) != cudaSuccess) note("cudaFree(context) failed");
     if (s.consumed && cudaFree(s.consumed) != cudaSuccess) note("cudaFree(consumed) failed");
@@ -396,6 +396,14 @@ std::string signal_name(const jaxgin_context& c, uint32_t signal) {
   return "signal " + std::to_string(signal);
 }
 }  // namespace
+
+OpState& op_state_slot(DeviceState& s, const std::string& name, const std::function<std::unique_ptr<OpState>()>& make) {
+  static std::mutex slots;
+  std::lock_guard<std::mutex> lock(slots);
+  std::unique_ptr<OpState>& slot = s.op_states[name];
+  if (!slot) slot = make();
+  return *slot;
+}
 
 std::string describe_fault(const DeviceState& s) {
   const jaxgin_fault* f = s.fault;
@@ -520,7 +528,7 @@ int jaxgin_runtime_create(const jaxgin_runtime_config* config, jaxgin_runtime** 
       jaxgin::DeviceState s;
       s.device = config->devices[i];
       s.rank = config->ranks[i];
-      rt->devices.push_back(s);
+      rt->devices.push_back(std::move(s));
     }
     ncclUniqueId id;
     std::memcpy(&id, config->unique_id, sizeof(id));

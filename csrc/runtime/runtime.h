@@ -4,6 +4,7 @@
 #include <nccl.h>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 #include "backend_api.h"
@@ -13,16 +14,14 @@
 
 namespace jaxgin {
 
-// What the chunked matmul ops (csrc/ffi/chunked_matmul.cu) keep per GPU, made on their first call:
-// a cuBLAS handle and its workspace, a second stream with the events that fork it from XLA's
-// stream and join it back (for the copies that run beside the matmuls), and the calls made so far
-// of each op configuration (by heap offset of its block).
-struct ChunkedMatmulState {
-  void* blas = nullptr;
-  void* workspace = nullptr;
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-  std::map<int64_t, uint64_t> calls;
+// What an op keeps on one GPU from its first call until the runtime ends (a library handle, a
+// stream, call counts). The runtime knows no op: it holds these in named slots
+// (DeviceState::op_states, through op_state below) and releases them first at teardown, while
+// the CUDA context is still usable.
+struct OpState {
+  virtual ~OpState() = default;
+  // Frees what the op made; "" or the first error.
+  virtual std::string release() = 0;
 };
 
 // Everything jaxgin owns on one GPU, in creation order (destroyed in reverse).
@@ -46,7 +45,7 @@ struct DeviceState {
   std::vector<char*> lsa_heaps;
   heap_mappings heap_mappings;  // unmapped after a fault if the VMM ledger is unavailable (heap_release.h)
   cudaStream_t stream = nullptr;
-  ChunkedMatmulState chunked;
+  std::map<std::string, std::unique_ptr<OpState>> op_states;  // by op name
 };
 
 }  // namespace jaxgin
@@ -69,8 +68,15 @@ void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>
 // A human-readable account of a device-side fault, or "" when none was recorded.
 std::string describe_fault(const DeviceState& state);
 
-// Frees what the chunked matmul ops made on this GPU (nothing if they never ran); "" or the first error.
-std::string release_chunked_matmul(ChunkedMatmulState& state);
+// The slot named `name` on `state`, filled by make() on first use (under one lock for all slots).
+OpState& op_state_slot(DeviceState& state, const std::string& name,
+                       const std::function<std::unique_ptr<OpState>()>& make);
+
+// Op `T`'s state on `state`, default-constructed on first use; the op fills it in itself.
+template <class T>
+T& op_state(DeviceState& state, const std::string& name) {
+  return static_cast<T&>(op_state_slot(state, name, [] { return std::unique_ptr<OpState>(new T()); }));
+}
 
 // The runtime that owns CUDA device `ordinal` in this process, for XLA FFI handlers. Throws an
 // Error that says what to do when there is none (not initialized, or finalized).
