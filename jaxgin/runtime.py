@@ -300,7 +300,6 @@ def initialize(
     if options.backend == "cuda":
         grace_s = _fault_grace_s()  # a bad setting fails before anything is made
         state.nccl = nccl_lib.load()
-
         arch = build_lib.arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
         state.gin_transport = transport_lib.choose(options.gin_transport, options.force_gin, state.nccl.version)
@@ -473,7 +472,6 @@ def call_backend(method, *args):
 def info() -> dict[str, Any]:
     """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices, and on
     GPUs what finalize() can return after a device fault (``fault_cleanup``)."""
-
     state = current()
     o = state.options
     result: dict[str, Any] = {

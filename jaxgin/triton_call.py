@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
+from jaxgin.triton import link
 
 TARGET = "jaxgin_triton_call"
 
@@ -112,8 +113,6 @@ def triton_call(
     **constexprs,
 ):
     """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays."""
-    from jaxgin.triton import link  # needs Triton, which is optional
-
     state = runtime.current()
     if state.runtime is None:
         raise JaxginError(

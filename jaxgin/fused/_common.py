@@ -13,7 +13,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax._src import distributed
 
 from jaxgin import build, op_support
@@ -153,7 +152,6 @@ def _tuning_enabled() -> bool:
 
 
 def _cache_file() -> Path:
-
     return build.default_cache_dir() / "fused-tiles.json"
 
 
@@ -185,7 +183,6 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
 def _agreed(key: str, tune) -> TileConfig:
     if jax.process_count() == 1:
         return tune()
-
     client = distributed.global_state.client
     kv_key = f"jaxgin/fused-tiles/{key}"
     if jax.process_index() == 0:

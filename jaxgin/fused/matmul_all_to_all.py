@@ -85,7 +85,6 @@ def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int 
 
 
 def _backward(plan, x, w, ct):
-
     # The transpose of a tiled all_to_all is the one with split and concat swapped; the
     # communication comes first here, so the fused epilogue does not apply (unfused, on purpose).
     ct_y = all_to_all(ct, plan.names, 1 - plan.concat_rows, 1 - plan.split_rows, tiled=True)

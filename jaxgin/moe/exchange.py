@@ -297,7 +297,6 @@ def _dispatch_bwd(plan, saved, cts):
 
 
 def _exchange_back(a, plan):
-
     p, t, k = plan.size, plan.tokens, plan.top_k
     return all_to_all(a.reshape(p * t, k), plan.names, 0, 0, tiled=True).reshape(p, t, k)
 
