@@ -57,6 +57,7 @@ BACKEND_SOURCES = (
     "kernels/exchange_latency.cu",
     "kernels/mailbox.cu",
     "kernels/chunk_handoff.cu",
+    "ffi/launch_pacing.cu",
     "ffi/collectives.cu",
     "ffi/mailbox.cu",
     "ffi/triton_call.cu",

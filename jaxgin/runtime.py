@@ -297,8 +297,10 @@ def initialize(
     devices = list(jax.devices())
     local_devices = [d for d in devices if d.process_index == jax.process_index()]
     state = _State(options, devices, local_devices, _generation)
+    # Settings the GPU path reads fail before anything is made, in reference mode too.
+    grace_s = _fault_grace_s()
+    _max_queued_calls()
     if options.backend == "cuda":
-        grace_s = _fault_grace_s()  # a bad setting fails before anything is made
         state.nccl = nccl_lib.load()
         arch = build_lib.arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
@@ -361,6 +363,19 @@ def _fault_grace_s() -> float:
     if not grace > 0:
         raise JaxginError(f"JAXGIN_FAULT_GRACE must be a positive number of seconds, got {raw!r}")
     return grace
+
+
+def _max_queued_calls() -> int:
+    """JAXGIN_MAX_QUEUED_CALLS: how many jaxgin calls XLA's thread may queue ahead of the GPU per
+    stream when NCCL's proxy GIN carries the puts (0: no limit); default 8. Read by the backend
+    (csrc/ffi/launch_pacing.cu says why the limit exists); checked here so a bad value fails at
+    initialize() rather than at the first call."""
+    raw = os.environ.get("JAXGIN_MAX_QUEUED_CALLS", "")
+    if raw == "":
+        return 8
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > 1 << 16:
+        raise ValueError(f"JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to 65536, got {raw!r}")
+    return int(raw)
 
 
 def _report_faults_at_exit() -> None:

@@ -313,6 +313,25 @@ def test_timeout_from_environment(monkeypatch):
     assert jaxgin.info()["timeout_s"] == 7.0
 
 
+@pytest.mark.parametrize("value", ["-1", "eight", " 8", "8 ", "1.5", "65537", "\u00b2"])
+def test_bad_max_queued_calls_is_named_at_initialize(monkeypatch, value):
+    """The launch-pacing depth the GPU path reads is checked by initialize() in reference mode too,
+    naming the variable, the allowed range and the value."""
+    monkeypatch.setenv("JAXGIN_MAX_QUEUED_CALLS", value)
+    with pytest.raises(ValueError, match="JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to 65536") as excinfo:
+        jaxgin.initialize()
+    assert repr(value) in str(excinfo.value)
+    assert not jaxgin.is_initialized()
+
+
+@pytest.mark.parametrize("value, expected", [("", 8), ("0", 0), ("1", 1), ("65536", 65536)])
+def test_max_queued_calls_values(monkeypatch, value, expected):
+    monkeypatch.setenv("JAXGIN_MAX_QUEUED_CALLS", value)
+    assert runtime._max_queued_calls() == expected
+    jaxgin.initialize()
+    assert jaxgin.is_initialized()
+
+
 @pytest.mark.parametrize("name", ["signal_count", "barrier_slots"])
 @pytest.mark.parametrize("value", [0, -1, True, 1.0, "8", (1 << 20) + 1])
 def test_bad_signal_and_slot_counts(name, value):

@@ -45,6 +45,7 @@ ffi::Error exchange(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer in, ffi
       add_permute_peers(plan, to >= 0 ? group.ranks[to] : -1, from >= 0 ? group.ranks[from] : -1, src, dst);
     }
     check_launch(launch_exchange(s.context, c, s.lsa_heaps, plan, stream), "launching the exchange kernel", s.device);
+    pace_launches(s, stream, kind == kAllToAll ? "jaxgin.all_to_all" : "jaxgin.ppermute");
   });
 }
 

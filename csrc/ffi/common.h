@@ -87,4 +87,9 @@ inline void check_launch(cudaError_t e, const char* what, int device) {
   if (e != cudaSuccess) throw_cuda(e, what, device);
 }
 
+// Called right after a handler launched a kernel that may wait for peers on `stream`: keeps XLA's
+// thread at most $JAXGIN_MAX_QUEUED_CALLS such calls ahead of the GPU where a CPU thread carries
+// the puts (launch_pacing.cu says why). `op` names the call in the error of a failed earlier call.
+void pace_launches(DeviceState& s, cudaStream_t stream, const char* op);
+
 }  // namespace jaxgin::ffi_support

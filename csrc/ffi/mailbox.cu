@@ -57,6 +57,7 @@ ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buff
                                  x.size_bytes(), /*slot_per_sender=*/false);
     check_launch(launch_put(m.device.context, m.box, x.untyped_data(), peer.typed_data(), token->typed_data(), stream),
                  "launching the put kernel", m.device.device);
+    pace_launches(m.device, stream, "jaxgin.put_signal");
   });
 }
 
@@ -70,6 +71,7 @@ ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::R
                                  out->size_bytes(), /*slot_per_sender=*/true);
     check_launch(launch_wait(m.device.context, m.box, (int32_t)count, out->untyped_data(), stream),
                  "launching the wait kernels", m.device.device);
+    pace_launches(m.device, stream, "jaxgin.wait_signal");
   });
 }
 
@@ -83,6 +85,7 @@ ffi::Error wait_from(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32>
                                  out->size_bytes(), /*slot_per_sender=*/false);
     check_launch(launch_wait_from(m.device.context, m.box, source.typed_data(), out->untyped_data(), stream),
                  "launching the wait_from kernel", m.device.device);
+    pace_launches(m.device, stream, "jaxgin.wait_signal_from");
   });
 }
 

@@ -140,6 +140,7 @@ ffi::Error execute(cudaStream_t stream, int32_t ordinal, TritonKernel* kernel, f
                                 (size_t)kernel->shared_bytes, stream),
                "jaxgin.triton_call: launching Triton kernel " + kernel->name + " on CUDA device " +
                    std::to_string(s.device));
+    pace_launches(s, stream, "jaxgin.triton_call");
   });
 }
 

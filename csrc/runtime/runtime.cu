@@ -247,9 +247,6 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
 // that stops them; jaxgin's host transport (NCCL_RMA_PLUGIN) parks them at their next call into
 // it, which each makes every iteration. With another GIN proxy plugin (or none loaded by that
 // name) the threads cannot be stopped: false.
-// NCCL_GIN_TYPE_PROXY (2.29+), NCCL_NET_DEVICE_GIN_PROXY in 2.28's devComm.ginTypes: the same value.
-constexpr int kGinTypeProxy = 2;
-
 bool gin_proxy_threads_stopped(int device) {
   const char* plugin = std::getenv("NCCL_RMA_PLUGIN");
   if (plugin == nullptr || *plugin == '\0') return false;

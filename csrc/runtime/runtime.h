@@ -14,6 +14,10 @@
 
 namespace jaxgin {
 
+// DeviceState::gin_type of NCCL's proxy GIN backend, where CPU threads carry the GPU's puts:
+// NCCL_GIN_TYPE_PROXY (2.29+), NCCL_NET_DEVICE_GIN_PROXY in 2.28's devComm.ginTypes: the same value.
+constexpr int kGinTypeProxy = 2;
+
 // What an op keeps on one GPU from its first call until the runtime ends (a library handle, a
 // stream, call counts). The runtime knows no op: it holds these in named slots
 // (DeviceState::op_states, through op_state below) and releases them first at teardown, while
