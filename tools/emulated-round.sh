@@ -11,8 +11,9 @@
 #
 # ROUND_SUITE=emulated or one-gpu runs half of the suite (see below); ROUND_EMULATED_K=EXPR narrows
 # the emulated half further (pytest -k, and-ed with it).
-# ROUND_COMMANDS=FILE (a shell script in the repo) runs that instead of pytest, with $RESULTS naming
-# the folder that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output).
+# ROUND_COMMANDS=FILE (a shell script in the repo) runs that first, with $RESULTS naming the folder
+# that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output); then pytest
+# only if ROUND_SUITE is set too.
 #
 # Send the ignored folder .whl along if it holds pytest-xdist and execnet: the tests then run in
 # ROUND_WORKERS (default 2) processes side by side. Crashes print native stacks
@@ -50,6 +51,9 @@ case "${1:-}" in
     if [ -n "${ROUND_COMMANDS:-}" ]; then
       stamp "commands $ROUND_COMMANDS"; RESULTS=$ROUND/results bash "$ROUND_COMMANDS"
       echo "commands exit status $?"
+    fi
+    if [ -n "${ROUND_COMMANDS:-}" ] && [ -z "${ROUND_SUITE:-}" ]; then
+      :  # the commands were the round
     elif [ $# -gt 0 ]; then
       stamp "tests"; python3 -m pytest -v -rA --durations=30 "${parallel[@]}" "$@" 2>&1 | tee "$ROUND/pytest.log"
       echo "pytest exit status $?"

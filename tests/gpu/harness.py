@@ -208,6 +208,26 @@ def run_processes(script: Path, args, world: int, timeout: float = 600, emulated
     return [result(out) for _, out, _ in finished]
 
 
+def results_after_a_fault(finished, must_name: tuple[str, ...]) -> tuple[list[dict], list[int]]:
+    """For jobs whose every rank meets a device fault: the RESULT of each rank that printed one,
+    and the ranks jaxgin's fault watch ended instead. XLA may have queued a rank's whole program
+    before its kernel trapped and then wait for a completion that a CUDA context in error never
+    signals; the fault watch ends such a rank with FAULT_EXIT_CODE after printing the fault. Such a
+    rank counts only if its stderr says so and names the fault (every text in `must_name`)."""
+    from jaxgin.fault_watch import FAULT_EXIT_CODE
+
+    results, ended = [], []
+    for rank, (code, out, err) in enumerate(finished):
+        if "RESULT:" in out:
+            results.append(result(out))
+            continue
+        assert code == FAULT_EXIT_CODE and "still waits for device results" in err, (rank, code, digest(err))
+        for text in must_name:
+            assert text in err, (rank, text, digest(err))
+        ended.append(rank)
+    return results, ended
+
+
 # Lines XLA repeats by the hundred once a context is broken or a peer is gone: they hide the cause.
 _NOISE = ("Failed to unload module", "destroying CUDA event", "Stream not idle on destroy", "Failed to destroy CUDA stream",
           "=== Source Location Trace", "cuda_status.cc", "grpc_util.h", "GRPC error information", "Stream removed",

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxgin.fault_watch import FAULT_EXIT_CODE
-
-from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, digest, record, require_emulated_hosts,
-                     result, run_processes, run_scenario, start_processes, went_through_transport)
+from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+                     result, results_after_a_fault, run_processes, run_scenario, start_processes,
+                     went_through_transport)
 
 SCENARIOS = Path(__file__).with_name("ops_scenarios.py")
 # ops_scenarios.py's scenarios, reporting also what jaxgin.info() and the host transport saw.
@@ -147,19 +146,7 @@ def test_faults_name_their_cause_emulated_hosts(world, scenario, expected):
     require_emulated_hosts()
     finished = start_processes(SCENARIOS, [scenario], world, timeout=180, emulated=True,
                                env={"JAXGIN_FAULT_GRACE": "20"})
-    results, ended = [], []
-    for rank, (code, out, err) in enumerate(finished):
-        if "RESULT:" not in out:
-            # XLA had queued this rank's whole program before its kernel trapped, and waited for a
-            # completion that a CUDA context in error never signals; jaxgin's fault watch ended it,
-            # naming the fault (a peer that then lost its coordination service ends too, after
-            # printing its result).
-            assert code == FAULT_EXIT_CODE and "still waits for device results" in err, (rank, code, digest(err))
-            for text in expected:
-                assert text.format(world=world, bad=world + 3) in err, (rank, digest(err))
-            ended.append(rank)
-            continue
-        results.append(result(out))
+    results, ended = results_after_a_fault(finished, tuple(t.format(world=world, bad=world + 3) for t in expected))
     record(f"emulated_ops_{scenario}_{world}ranks", {"processes": results, "ended_by_the_fault_watch": ended})
     for out in results:
         assert out["error"] and out["faults"], out

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
-from harness import (ANY_GPU, EMULATED_WORLDS, GPUS, TWO_GPUS, record, require_emulated_hosts, result, run_processes,
-                     run_scenario, start_processes)
+from harness import (ANY_GPU, EMULATED_WORLDS, GPUS, TWO_GPUS, digest, record, require_emulated_hosts, result,
+                     results_after_a_fault, run_processes, run_scenario, start_processes)
 
 SCENARIOS = Path(__file__).with_name("reliability_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -157,9 +157,14 @@ def test_starved_wait_then_finalize_emulated_hosts(world):
     that says the GPU was reset, and no context left. (Memory per GPU is the fault cleanup test's;
     here the ranks share GPUs.)"""
     require_emulated_hosts()
-    env = {"JAXGIN_TIMEOUT": "2", "JAXGIN_RECORD_NCCL_MEMORY": "1"}
-    results = run_processes(SCENARIOS, ["starved"], world, timeout=300, env=env, emulated=True)
-    record(f"emulated_fault_starved_{world}ranks", {"processes": results})
+    env = {"JAXGIN_TIMEOUT": "2", "JAXGIN_RECORD_NCCL_MEMORY": "1", "JAXGIN_FAULT_GRACE": "20"}
+    finished = start_processes(SCENARIOS, ["starved"], world, timeout=300, env=env, emulated=True)
+    results, ended = results_after_a_fault(finished, ("timed out", "jaxgin.wait_signal_from"))
+    record(f"emulated_fault_starved_{world}ranks", {"processes": results, "ended_by_the_fault_watch": ended})
+    assert len(ended) < world, "every rank was ended by the fault watch: none reached finalize()"
+    failed = [rank for rank, (code, _, _) in enumerate(finished) if code != 0 and rank not in ended]
+    assert not failed, "\n".join(f"rank {rank} exited {finished[rank][0]} after its result:\n"
+                                 f"{digest(finished[rank][2])}" for rank in failed)
     for r in results:
         assert r["devices"] == world and r["error"], r
         assert len(r["faults"]) == 1, r["faults"]
