@@ -9,8 +9,6 @@ axis peers); ``jaxgin.fused`` has matmuls fused with their all_to_all / all_gath
 expert-parallel MoE dispatch / combine and a MoE layer.
 """
 
-# First: sets CUDA's hardware-queue count before JAX can make a CUDA context (see the module).
-from jaxgin import hardware_queues  # noqa: F401
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, ToolchainError
 from jaxgin.runtime import device_faults, finalize, info, initialize, is_initialized
 from jaxgin.diagnostics import SelftestReport, selftest

@@ -24,7 +24,6 @@ from jax._src import distributed
 from jaxgin import build as build_lib
 from jaxgin import cupti as cupti_lib
 from jaxgin import fault_watch as fault_watch_lib
-from jaxgin import hardware_queues
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import rdma
@@ -308,9 +307,6 @@ def initialize(
         state.gin_transport = transport_lib.choose(options.gin_transport, options.force_gin, state.nccl.version)
         if state.gin_transport == "host":
             transport_lib.enable(transport_lib.build())
-            queues_warning = hardware_queues.low_setting_warning()
-            if queues_warning:
-                warnings.warn(queues_warning, RuntimeWarning, stacklevel=2)
         ext = _extension()
         # The record of NCCL's allocations that lets a fault's cleanup return them (through CUPTI).
         record_vmm_calls = os.environ.get("JAXGIN_RECORD_NCCL_MEMORY", "1") != "0"
