@@ -13,7 +13,7 @@ set -u
 RESULTS=${RESULTS:?}
 job() { local name=$1; shift; timeout 400 python3 tools/emulated_job.py --out "$RESULTS/$name" "$@" > "$RESULTS/$name.summary" 2>&1; echo "--- $name: exit $? $(tail -1 "$RESULTS/$name.summary")"; }
 MM=(--env JAXGIN_TIMEOUT=60 --env JAXGIN_MEMORY_MODEL_ITERATIONS=300 tests/gpu/reliability_scenarios.py memory_model)
-for try in a b c; do job memory-model-w2-$try --world 2 --timeout 200 --stacks-after 100 "${MM[@]}" & done
-for try in a b; do job lifecycle-w2-$try --world 2 --timeout 200 --stacks-after 100 --env JAXGIN_TIMEOUT=60 tests/gpu/scenarios.py lifecycle & done
+for try in a b c; do job memory-model-w2-$try --world 2 --timeout 200 --stacks-after 70 "${MM[@]}" & done
+for try in a b; do job lifecycle-w2-$try --world 2 --timeout 200 --stacks-after 70 --env JAXGIN_TIMEOUT=60 tests/gpu/scenarios.py lifecycle & done
 wait
 exit 0
