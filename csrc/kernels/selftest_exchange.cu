@@ -3,11 +3,8 @@
 // word, acknowledges, and the next round starts. Even rounds use jaxgin_put_signal, odd rounds
 // direct NVLink stores through jaxgin_peer_ptr followed by jaxgin_signal (for LSA peers; peers
 // reached through GIN get put_signal in every round).
-#include <string>
-
 #include "../device/jaxgin_device.h"
-#include "../runtime/errors.h"
-#include "../runtime/runtime.h"
+#include "diagnostics.h"
 
 namespace {
 
@@ -62,54 +59,9 @@ __global__ void exchange_kernel(const jaxgin_context* ctx, int rounds, uint64_t 
 
 }  // namespace
 
-extern "C" int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t rounds, uint64_t block_bytes, uint32_t seed,
-                                        uint64_t heap_offset, uint32_t signal_base, uint64_t* mismatches) {
-  return jaxgin::c_api([&] {
-    const int world = rt->config.world_size;
-    const uint64_t needed = 2ull * world * block_bytes;
-    if (block_bytes == 0 || block_bytes % 16 != 0)
-      throw jaxgin::Error("block_bytes=" + std::to_string(block_bytes) + " must be a positive multiple of 16");
-    if (rounds < 1) throw jaxgin::Error("rounds must be >= 1");
-    for (auto& s : rt->devices) {
-      if (heap_offset < s.host_context.user_offset || heap_offset % 16 != 0 ||
-          heap_offset + needed > s.host_context.heap_bytes)
-        throw jaxgin::Error("selftest heap range [" + std::to_string(heap_offset) + ", +" + std::to_string(needed) +
-                            ") is not 16-byte aligned inside the user heap [" +
-                            std::to_string(s.host_context.user_offset) + ", " + std::to_string(s.host_context.heap_bytes) + ")");
-      if ((uint64_t)signal_base + 2 * world > s.host_context.signal_count)
-        throw jaxgin::Error("selftest signals [" + std::to_string(signal_base) + ", +" + std::to_string(2 * world) +
-                            ") exceed the " + std::to_string(s.host_context.signal_count) + " user signals");
-      if ((uint32_t)world > s.host_context.barrier_slots)
-        throw jaxgin::Error("the selftest runs world_size CTAs that each call the barrier, but only " +
-                            std::to_string(s.host_context.barrier_slots) + " barrier slots exist");
-    }
-    std::vector<unsigned long long*> counts(rt->devices.size(), nullptr);
-    for (size_t i = 0; i < rt->devices.size(); i++) {
-      auto& s = rt->devices[i];
-      JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
-      JAXGIN_CUDA(cudaMalloc(&counts[i], world * sizeof(unsigned long long)), s.device);
-      JAXGIN_CUDA(cudaMemsetAsync(counts[i], 0, world * sizeof(unsigned long long), s.stream), s.device);
-      exchange_kernel<<<world, 256, 0, s.stream>>>(s.context, rounds, block_bytes, seed, heap_offset, signal_base,
-                                                    counts[i]);
-      JAXGIN_CUDA(cudaGetLastError(), s.device);
-    }
-    std::string failure;
-    for (size_t i = 0; i < rt->devices.size(); i++) {
-      auto& s = rt->devices[i];
-      JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
-      cudaError_t e = cudaStreamSynchronize(s.stream);
-      if (e != cudaSuccess) {
-        std::string fault = jaxgin::describe_fault(s);
-        if (failure.empty())
-          failure = fault.empty() ? std::string("selftest kernel failed on CUDA device ") + std::to_string(s.device) +
-                                        ": " + cudaGetErrorString(e)
-                                  : fault;
-        continue;
-      }
-      JAXGIN_CUDA(cudaMemcpy(mismatches + i * world, counts[i], world * sizeof(uint64_t), cudaMemcpyDeviceToHost),
-                  s.device);
-      JAXGIN_CUDA(cudaFree(counts[i]), s.device);
-    }
-    if (!failure.empty()) throw jaxgin::DeviceFaultError(failure);
-  });
+cudaError_t jaxgin::launch_selftest_exchange(const jaxgin_context* ctx, int world, int rounds, uint64_t block_bytes,
+                                             uint32_t seed, uint64_t heap_offset, uint32_t signal_base,
+                                             unsigned long long* mismatches, cudaStream_t stream) {
+  exchange_kernel<<<world, 256, 0, stream>>>(ctx, rounds, block_bytes, seed, heap_offset, signal_base, mismatches);
+  return cudaGetLastError();
 }

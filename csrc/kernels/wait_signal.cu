@@ -1,9 +1,6 @@
-// Host-callable wait on a signal, through the device library's bounded wait.
-#include <string>
-
+// A wait on a signal, through the device library's bounded wait (jaxgin_wait_signal_on_device).
 #include "../device/jaxgin_device.h"
-#include "../runtime/errors.h"
-#include "../runtime/runtime.h"
+#include "diagnostics.h"
 #include "preload.h"
 
 namespace {
@@ -17,22 +14,7 @@ cudaError_t jaxgin::preload_wait_signal_kernel() {
   return cudaFuncGetAttributes(&attributes, wait_signal_kernel);
 }
 
-extern "C" int jaxgin_wait_signal_on_device(jaxgin_runtime* rt, int32_t local_index, uint32_t signal,
-                                            uint64_t value) {
-  return jaxgin::c_api([&] {
-    if (local_index < 0 || local_index >= (int)rt->devices.size())
-      throw jaxgin::Error("local GPU index " + std::to_string(local_index) + " out of range");
-    jaxgin::DeviceState& s = rt->devices[local_index];
-    if (signal >= s.host_context.signal_count)
-      throw jaxgin::Error("signal " + std::to_string(signal) + " is out of range: this runtime has " +
-                          std::to_string(s.host_context.signal_count) + " signals");
-    JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
-    wait_signal_kernel<<<1, 32, 0, s.stream>>>(s.context, signal, value);
-    JAXGIN_CUDA(cudaGetLastError(), s.device);
-    cudaError_t e = cudaStreamSynchronize(s.stream);
-    if (e != cudaSuccess) {
-      std::string fault = jaxgin::describe_fault(s);
-      throw jaxgin::DeviceFaultError(fault.empty() ? std::string("wait kernel failed: ") + cudaGetErrorString(e) : fault);
-    }
-  });
+cudaError_t jaxgin::launch_wait_signal(const jaxgin_context* ctx, uint32_t signal, uint64_t value, cudaStream_t stream) {
+  wait_signal_kernel<<<1, 32, 0, stream>>>(ctx, signal, value);
+  return cudaGetLastError();
 }
