@@ -36,6 +36,10 @@ BACKENDS = ("cuda", "reference")
 GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
 DEFAULT_HEAP_SIZE = "1GiB"
 DEFAULT_TIMEOUT_S = 30.0
+# $JAXGIN_MAX_QUEUED_CALLS's default and largest value (kDefaultMaxQueuedCalls / kMaxQueuedCallsLimit in
+# csrc/runtime/runtime.h; a test holds them equal).
+DEFAULT_MAX_QUEUED_CALLS = 8
+MAX_QUEUED_CALLS_LIMIT = 1 << 16
 MIN_USER_HEAP_BYTES = 1 << 20  # below this no op has room for its buffers
 @dataclasses.dataclass(frozen=True)
 class ChannelShape:
@@ -367,14 +371,16 @@ def _fault_grace_s() -> float:
 
 def _max_queued_calls() -> int:
     """JAXGIN_MAX_QUEUED_CALLS: how many jaxgin calls XLA's thread may queue ahead of the GPU per
-    stream when NCCL's proxy GIN carries the puts (0: no limit); default 8. Read by the backend
+    stream when NCCL's proxy GIN carries the puts (0: no limit). Read by the backend
     (csrc/ffi/launch_pacing.cu says why the limit exists); checked here so a bad value fails at
     initialize() rather than at the first call."""
     raw = os.environ.get("JAXGIN_MAX_QUEUED_CALLS", "")
     if raw == "":
-        return 8
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > 1 << 16:
-        raise ValueError(f"JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to 65536, got {raw!r}")
+        return DEFAULT_MAX_QUEUED_CALLS
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_QUEUED_CALLS_LIMIT:
+        raise ValueError(
+            f"JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to {MAX_QUEUED_CALLS_LIMIT}, got {raw!r}"
+        )
     return int(raw)
 
 

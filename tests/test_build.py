@@ -154,7 +154,8 @@ def test_python_constants_equal_the_backend_ones(built):
     from jaxgin import mailbox, runtime
 
     python = {"mailbox_header_bytes": mailbox.MAILBOX_HEADER_BYTES, "max_exchange_peers": mailbox.MAX_AXIS_SIZE,
-              "line_max_bytes": runtime.LINE_MAX_BYTES}
+              "line_max_bytes": runtime.LINE_MAX_BYTES, "default_max_queued_calls": runtime.DEFAULT_MAX_QUEUED_CALLS,
+              "max_queued_calls_limit": runtime.MAX_QUEUED_CALLS_LIMIT}
     code = (
         "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int64()\n"
         "for name in sys.argv[2:]:\n"

@@ -34,16 +34,17 @@ namespace {
 int queue_depth() {
   static const int depth = [] {
     const char* v = std::getenv("JAXGIN_MAX_QUEUED_CALLS");
-    if (v == nullptr || *v == '\0') return 8;
+    if (v == nullptr || *v == '\0') return kDefaultMaxQueuedCalls;
     long n = 0;
     bool digits = true;
     for (const char* c = v; *c != '\0' && digits; c++) {
       digits = *c >= '0' && *c <= '9';
       n = n * 10 + (*c - '0');
-      if (n > 1 << 16) digits = false;
+      if (n > kMaxQueuedCallsLimit) digits = false;
     }
     if (!digits)
-      throw Error(std::string("$JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to 65536, got '") + v + "'");
+      throw Error("$JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to " + std::to_string(kMaxQueuedCallsLimit) +
+                  ", got '" + v + "'");
     return static_cast<int>(n);
   }();
   return depth;

@@ -7,6 +7,7 @@
 #include "backend_api.h"
 #include "../kernels/exchange.h"
 #include "../kernels/mailbox.h"
+#include "runtime.h"
 
 namespace {
 struct Constant {
@@ -17,6 +18,8 @@ constexpr Constant kConstants[] = {
     {"mailbox_header_bytes", static_cast<int64_t>(jaxgin::kMailboxHeaderBytes)},
     {"max_exchange_peers", jaxgin::kMaxExchangePeers},
     {"line_max_bytes", JAXGIN_LINE_MAX_BYTES},
+    {"default_max_queued_calls", jaxgin::kDefaultMaxQueuedCalls},
+    {"max_queued_calls_limit", jaxgin::kMaxQueuedCallsLimit},
 };
 }  // namespace
 
