@@ -47,7 +47,7 @@ def every_function(ctx, buf, out, sig, nbytes, BLOCK: tl.constexpr):
     tgl.barrier(ctx)
     offs = tl.arange(0, BLOCK)
     tl.store(tgl.peer_ptr(ctx, buf, right) + offs, tl.load(buf + offs))
-    tl.store(out, seen + consumed + tgl.read_signal(ctx, sig))
+    tl.store(out, seen + consumed + tgl.read_signal(ctx, sig) + tgl.gin_peer(ctx, right))
 
 
 EVERY_SIGNATURE = {"ctx": "*u8", "buf": "*fp32", "out": "*i64", "sig": "i32", "nbytes": "i64", "BLOCK": "constexpr"}
@@ -130,7 +130,7 @@ def test_every_device_function_compiles_and_links_for_sm90a(toolchain, fresh_tri
     assert set(link.library_calls(ptx)) == {
         "jaxgin_rank", "jaxgin_world_size", "jaxgin_tt_put_signal", "jaxgin_tt_signal", "jaxgin_tt_wait_signal",
         "jaxgin_tt_wait_arrivals", "jaxgin_tt_flush", "jaxgin_tt_barrier", "jaxgin_tt_peer_delta",
-        "jaxgin_read_signal",
+        "jaxgin_read_signal", "jaxgin_tt_gin_peer",
     }
     assert linked == ["sm_90a"]
     cubin = kernel.asm["cubin"]

@@ -22,6 +22,12 @@ extern "C" {
 // heap's alignment, so pointer alignment carries over. Faults if `peer` is not an LSA peer.
 __device__ int64_t jaxgin_tt_peer_delta(const void* ctx, int peer);
 
+// any thread. 1 when jaxgin_tt_put_signal to `peer` goes through GIN (a GPU of another host, or any
+// other GPU when the runtime forces GIN), 0 when it stores over NVLink; 0 for this rank itself.
+// Kernels pick a data path per peer with it: NVLink stores through jaxgin_tt_peer_delta, or a
+// staged put from the heap. Faults if `peer` is not a rank.
+__device__ int32_t jaxgin_tt_gin_peer(const void* ctx, int peer);
+
 // CTA-collective. jaxgin_put_signal with local heap addresses: `bytes` from `src` go to `dst`'s
 // offset on `peer`. Faults if either range leaves the heap.
 __device__ int32_t jaxgin_tt_put_signal(const void* ctx, const void* dst, const void* src, uint64_t bytes,

@@ -82,6 +82,13 @@ __device__ int64_t jaxgin_tt_peer_delta(const void* ctx, int peer) {
   return static_cast<char*>(ncclGetPeerPointer(c->window, 0, peer)) - c->heap;
 }
 
+__device__ int32_t jaxgin_tt_gin_peer(const void* ctx, int peer) {
+  const jaxgin_context* c = as_context(ctx);
+  if (peer < 0 || peer >= c->world_size)
+    jaxgin::fail(c, JAXGIN_FAULT_BAD_ARGUMENT, JAXGIN_OP_DEVICE_CALL, peer, 0, (uint64_t)c->world_size, (uint64_t)peer);
+  return peer != c->rank && jaxgin::routes_through_gin(c, peer) ? 1 : 0;
+}
+
 __device__ int32_t jaxgin_tt_put_signal(const void* ctx, const void* dst, const void* src, uint64_t bytes,
                                         int peer, uint32_t signal) {
   const jaxgin_context* c = as_context(ctx);

@@ -58,6 +58,7 @@ FUNCTIONS = {
     "rank": ("jaxgin_rank", "rank", (("ctx", "address"),), _I32, True),
     "world_size": ("jaxgin_world_size", "world_size", (("ctx", "address"),), _I32, True),
     "peer_delta": ("jaxgin_tt_peer_delta", "peer_ptr", (("ctx", "address"), ("peer", "i32")), _I64, False),
+    "gin_peer": ("jaxgin_tt_gin_peer", "gin_peer", (("ctx", "address"), ("peer", "i32")), _I32, True),
     "put_signal": ("jaxgin_tt_put_signal", "put_signal",
                    (("ctx", "address"), ("dst", "address"), ("src", "address"), ("nbytes", "i64"), ("peer", "i32"),
                     ("signal", "i32")), _I32, False),

@@ -86,6 +86,16 @@ def peer_ptr(ctx, ptr, peer):
 
 
 @_device_function
+def gin_peer(ctx, peer):
+    """Any thread. 1 (int32) when ``put_signal`` to `peer` goes through GIN (a GPU of another host,
+    or every other GPU when the runtime forces GIN), 0 when it stores over NVLink, and 0 for this
+    rank itself. A kernel picks its data path per peer with it: Triton's own stores through
+    ``peer_ptr`` for NVLink peers; for GIN peers, stores into a heap staging area and one
+    ``put_signal`` per region (a NIC reads only registered memory). Faults if `peer` is not a rank."""
+    return _externs.gin_peer(ctx, peer)
+
+
+@_device_function
 def put_signal(ctx, dst, src, nbytes, peer, signal):
     """CTA-collective. Copies `nbytes` from local heap address `src` to `dst`'s heap offset on
     `peer`, then adds 1 to signal `signal` on `peer`; the payload is visible before the increment.
@@ -170,6 +180,7 @@ def barrier(ctx):
 __all__ = [
     "barrier",
     "flush",
+    "gin_peer",
     "peer_ptr",
     "put_signal",
     "rank",
