@@ -65,6 +65,23 @@ ffi::ErrorOr<std::unique_ptr<TritonKernel>> instantiate(ffi::Span<const int8_t> 
   cudaError_t status = cudaLibraryLoadData(&kernel->library, &cubin.front(), nullptr, nullptr, 0, nullptr,
                                            nullptr, 0);
   if (status == cudaSuccess) status = cudaLibraryGetKernel(&kernel->kernel, kernel->library, kernel->name.c_str());
+  // Load it into every GPU this process drives now, when the program is compiled. CUDA loads
+  // lazily by default, at a kernel's first launch, and that load may wait for the whole context to
+  // go idle: a kernel launched after a communicating one (combine after dispatch) would then wait
+  // for it, while it spins on a put that the host transport cannot copy until that wait ends
+  // (measured: MoE dispatch over GIN, emulated hosts, hung in the first call). See
+  // csrc/kernels/preload.h for the library's own kernels.
+  if (status == cudaSuccess) {
+    int previous = 0;
+    status = cudaGetDevice(&previous);
+    for (int device : driven_devices()) {
+      if (status != cudaSuccess) break;
+      cudaFuncAttributes attributes;
+      status = cudaSetDevice(device);
+      if (status == cudaSuccess) status = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel->kernel));
+    }
+    if (status == cudaSuccess) status = cudaSetDevice(previous);
+  }
   if (status != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, "jaxgin.triton_call: loading Triton kernel " + kernel->name +
                                                      " (" + std::to_string(cubin.size()) +

@@ -356,6 +356,14 @@ DeviceState& device_for_ordinal(int ordinal, int64_t generation) {
               " in this process; jaxgin.initialize() covers the devices of jax.local_devices()");
 }
 
+std::vector<int> driven_devices() {
+  std::lock_guard<std::mutex> lock(current_mutex);
+  std::vector<int> ordinals;
+  if (current_runtime != nullptr)
+    for (const auto& s : current_runtime->devices) ordinals.push_back(s.device);
+  return ordinals;
+}
+
 void for_each_device(jaxgin_runtime* rt, const std::function<void(DeviceState&)>& fn) {
   std::vector<std::exception_ptr> errors(rt->devices.size());
   if (rt->devices.size() == 1) {

@@ -91,4 +91,7 @@ T& op_state(DeviceState& state, const std::string& name) {
 // Error that says what to do when there is none (not initialized, or finalized).
 DeviceState& device_for_ordinal(int ordinal, int64_t generation);
 
+// The CUDA ordinals of the GPUs the live runtime drives in this process; empty when there is none.
+std::vector<int> driven_devices();
+
 }  // namespace jaxgin
