@@ -2,7 +2,8 @@
 ops (collectives, mailbox, route, triton_call, fused, moe) and tritongin's memory helpers.
 
 - Which backend an op lowers to: ``kernel_state`` (None in reference mode), ``lowering_state``
-  (a program traced for kernels that now lowers in reference mode is an error), ``by_backend``.
+  (a program traced for kernels that now lowers in reference mode is an error), ``by_backend``;
+  whether the job has GIN peers at all (``gin_in_job``).
 - JAX typing and autodiff plumbing: ``same_varying``, ``differentiable``.
 - Heap arrays: ``SymmetricArray`` (a buffer at the same offset of every GPU's symmetric heap),
   ``heap_array``, ``release``, and ``placed``, the one cache of what ops keep in the heap.
@@ -56,6 +57,15 @@ def by_backend(reference, kernel):
         return reference(*args) if state is None else kernel(state, *args)
 
     return forward
+
+
+def gin_in_job(state) -> bool:
+    """Whether some GPU of the job reaches some other through GIN (it spans hosts, or GIN is
+    forced). Every process gets the same answer, so what ops place in the heap because of it
+    (staging areas for puts) stays at the same offsets everywhere; which peers of a given GPU go
+    through GIN is decided per peer on the device (``tritongin.language.gin_peer``)."""
+    info = state.runtime.device_info(0)
+    return info["gin_contexts"] > 0 and (state.options.force_gin or info["lsa_size"] < state.world_size)
 
 
 def require_tritongin(op: str) -> None:

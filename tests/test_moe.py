@@ -277,27 +277,40 @@ def test_layer_reports_what_overflows_the_capacity(init):
 # The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
 
 
-def test_moe_kernels_compile_and_link_for_sm90a(toolchain):
-    from jaxgin.moe import _kernels
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
+def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
+    from jaxgin.moe import _kernels  # Triton is optional: imported where the test runs
+    from jaxgin.triton import link
 
     pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
                     send_counts="*i32", route="*i32", stage_x="*bf16", stage_meta="*i32", stage_w="*fp32",
                     stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
+                    send_x="*bf16", send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32",
+                    data_ready="*i64", sig="i32",
                     out_x="*bf16", out_pos="*i32", out_w="*fp32",
                     out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
     dispatch = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
-        T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=1024, NS=33))
+        T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=1024, NS=33,
+        XB=2, GIN=gin))
     pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
-                    back="*bf16", flags="*i64", state="*i64", out="*bf16")
+                    back="*bf16", flags="*i64", state="*i64", send_back="*bf16", sig="i32", out="*bf16")
     combine = compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1,
-                               constexprs=dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4))
+                               constexprs=dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4, XB=2, GIN=gin))
     for kernel in (dispatch, combine):
-        assert kernel.asm["cubin"][:4] == b"\x7fELF"
+        cubin = kernel.asm["cubin"]
+        assert cubin[:4] == b"\x7fELF"
         for symbol in (b"jaxgin_tt_set_flag", b"jaxgin_tt_wait_flag", b"jaxgin_tt_peer_delta"):
-            assert symbol in kernel.asm["cubin"]  # linked with the device library
+            assert symbol in cubin  # linked with the device library
         assert re.search(r"st\.global\.v4", kernel.asm["ptx"])  # 16-byte row stores, to peers included
-    # combine's "all sent" count is system-scope (dispatch raises a flag per block instead)
+        # The GIN paths (per-peer choice, puts, counted arrivals) are compiled in only when the job
+        # has GIN peers: an NVLink-only job runs the kernels it ran before.
+        calls = set(link.library_calls(kernel.asm["ptx"]))
+        gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_signal", "jaxgin_tt_wait_arrivals"}
+        assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
+    # the "all sent" / "all packed" counts are system-scope (they order stores before flags and puts)
     assert re.search(r"atom\.[a-z.]*sys", combine.asm["ptx"])
+    if gin:
+        assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
 
 
 def test_expert_ids_out_of_range_are_reported_not_sent(init):

@@ -27,6 +27,29 @@ combine:
      program's stores precede it);
   3. every token adds up what each GPU returned for it.
 
+Peers on other hosts (GIN). Each peer's path is picked on the device (tgl.gin_peer); NVLink peers
+take the stores above. A NIC reads only the symmetric heap and the network rewards few large
+transfers, so for a GIN peer d the rows above go into this GPU's send area for d instead (send_x,
+send_meta, send_w, laid out as the staging rows d will hold, rows 0 .. n_d - 1), and:
+  - counts: program 0 puts the counts row and the block starts (2 puts, signal `sig + me` there);
+    on the receiver, program 0 waits for those 2 arrivals and raises the same local counts flag an
+    NVLink peer would have raised, so everything after step 1 is shared;
+  - data: the last sender to finish packing puts each GIN peer's rows, codes and weights (3 puts,
+    signal `sig + P + me` there; 3 bare increments when no row goes there); on the receiver one
+    sender program per GIN source waits for those 3 and raises that source's data_ready flag,
+    which the placers wait on instead of the source's per-block flags;
+  - combine: the last program to finish reducing puts each GIN peer's returned rows (1 put, or 1
+    increment when empty; signal `sig + 2P + me` there), then waits for 1 arrival from each GIN
+    source and raises its combine flag locally.
+The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count lives
+on the device: right under CUDA-graph replay). Send areas have two halves like the staging areas:
+a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC read it.
+The next step for many hosts (one RDMA transfer per destination host, then NVLink forwarding inside
+it, as DeepEP's internode kernels do) fits this layout: the send area for a host would hold the
+union of its GPUs' rows, and that host's receiving GPU would place them into its neighbours'
+staging areas with the NVLink stores above, raising their block flags; it needs multi-GPU hosts to
+test, so it is not built yet.
+
 Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/counts areas have two
 halves picked by a device-side call counter (state[0]) that the last program to finish advances; a
 GPU that starts call n + 1 has received a flag of every peer's call n, so every peer finished call
@@ -48,16 +71,26 @@ def _column(tile, index, k):
 
 
 @triton.jit
-def _sent(state, nprog):
-    """Every program calls this after its last store to a peer. Returns whether the caller is the
-    last to arrive; then every program's stores are visible to it (acquire), and the flags it sets
-    afterwards release them to the peers."""
+def _last_to_arrive(counter, arrivals):
+    """Each of `arrivals` programs calls this after its last store to a peer or to a send area.
+    Returns whether the caller is the last to arrive; then every program's stores are visible to it
+    (acquire), and the flags it sets or puts it posts afterwards release them to the peers."""
     tl.debug_barrier()  # the whole program's stores precede the release below
-    arrived = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="sys")
-    last = arrived == nprog - 1
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+    last = arrived == arrivals - 1
     if last:
-        tl.atomic_xchg(state + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     return last
+
+
+@triton.jit
+def _gin(ctx, route, d, me, GIN: tl.constexpr):
+    """1 when axis index d is another GPU reached through GIN (its data goes through a send area and
+    puts), else 0; always 0 when the job has no GIN peers (GIN = 0), without a library call."""
+    gin = me * 0  # a runtime int32 either way, so callers branch on it alike
+    if GIN:
+        gin = tgl.gin_peer(ctx, tl.load(route + 1 + d)) * (d != me).to(tl.int32)
+    return gin
 
 
 @triton.jit
@@ -89,11 +122,13 @@ def _positions(codes, start, es, C: tl.constexpr, EL: tl.constexpr):
 
 
 @triton.jit
-def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags, me, half, epoch,
+def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
+                send_x, send_meta, send_w, me, half, epoch,
                 T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GIN: tl.constexpr):
     """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
-    tokens' experts, then the block's flag there (release)."""
+    tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send area
+    for them instead (put later, whole)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
@@ -108,15 +143,22 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
             sl = _column(slots, ps, d)
             go = sl >= 0
             peer = tl.load(route + 1 + d)
-            row = (half * P + me) * T + sl
             codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & k_ok[None, :], other=-1)
-            tl.store(tgl.peer_ptr(ctx, stage_meta, peer) + row[:, None] * K + ks[None, :], codes,
-                     mask=go[:, None] & k_ok[None, :])
-            tl.store(tgl.peer_ptr(ctx, stage_w, peer) + row[:, None] * K + ks[None, :], w_rows,
-                     mask=go[:, None] & k_ok[None, :])
             # The peer's address once per block and peer: it is a chain of dependent loads in the
             # device library, which the compiler cannot hoist out of the column loop by itself.
-            dst = tgl.peer_ptr(ctx, stage_x, peer) + row.to(tl.int64)[:, None] * H
+            if _gin(ctx, route, d, me, GIN) != 0:
+                row = (half * P + d) * T + sl
+                meta_to = send_meta
+                w_to = send_w
+                x_to = send_x
+            else:
+                row = (half * P + me) * T + sl
+                meta_to = tgl.peer_ptr(ctx, stage_meta, peer)
+                w_to = tgl.peer_ptr(ctx, stage_w, peer)
+                x_to = tgl.peer_ptr(ctx, stage_x, peer)
+            tl.store(meta_to + row[:, None] * K + ks[None, :], codes, mask=go[:, None] & k_ok[None, :])
+            tl.store(w_to + row[:, None] * K + ks[None, :], w_rows, mask=go[:, None] & k_ok[None, :])
+            dst = x_to + row.to(tl.int64)[:, None] * H
             for h0 in range(0, H, BH):
                 h = h0 + hs
                 h_ok = go[:, None] & (h < H)[None, :]
@@ -124,7 +166,8 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
                 tl.store(dst + h[None, :], rows, mask=h_ok)
     for d in tl.static_range(P):
         if d != me:
-            tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, tl.load(route + 1 + d))
+            if _gin(ctx, route, d, me, GIN) == 0:
+                tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, tl.load(route + 1 + d))
 
 
 @triton.jit
@@ -167,12 +210,13 @@ def _no_rows_past(out_pos, out_w, source, blk, rows, T: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_flags, out_x, out_pos, out_w,
-                 me, half, epoch, counts, rows_from,
+def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+                 out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
                  C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-                 BE: tl.constexpr):
-    """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up."""
+                 BE: tl.constexpr, GIN: tl.constexpr):
+    """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up (for a GIN
+    source: once all its rows arrived)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
@@ -181,7 +225,10 @@ def _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_fla
     es = tl.arange(0, BE)
     for other in tl.static_range(P - 1):
         s = other + (other >= me).to(tl.int32)
-        tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
+        if _gin(ctx, route, s, me, GIN) != 0:
+            tgl.wait_flag(ctx, data_ready + s, epoch + 1)
+        else:
+            tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
         starts = stage_starts + (half * P + s) * (T + 1) + blk
         first = tl.load(starts, cache_modifier=".cg")
         r = first + tl.arange(0, BT)
@@ -208,10 +255,11 @@ def _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_fla
 def dispatch_kernel(
     ctx, x, slot, before, meta, weights, send_counts, route,
     stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+    send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
     out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
-    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr,
+    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
 ):
     """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, H],
     stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1], stage_starts [2, P, T + 1]
@@ -220,11 +268,16 @@ def dispatch_kernel(
     out_pos / out_w [P, T, K]: where entry k of the row from source s landed (-1: nowhere) and its
     weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows per source; out_dropped [1].
     BB: a power of two > T / BT, the blocks as one vector. NS: programs that send (0 when P = 1),
-    fewer than the grid; the others place."""
+    fewer than the grid; the others place. XB: bytes per element of x.
+    GIN (1 when the job has GIN peers; else the send areas are not used and may be any buffers):
+    send_x / send_meta / send_w / send_head / send_starts shaped like the staging areas, indexed by
+    destination instead of source; data_ready [P] (by source); signals sig .. sig + 2P - 1."""
     TB: tl.constexpr = (T + BT - 1) // BT
+    SEND_STEP: tl.constexpr = NS if NS > 0 else 1
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tl.load(route)
+    my_rank = tl.load(route + 1 + me)
     epoch = tl.load(state)
     half = epoch % 2
     hs = tl.arange(0, BH)
@@ -237,12 +290,28 @@ def dispatch_kernel(
         for d in tl.static_range(P):
             peer = tl.load(route + 1 + d)
             counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
-            tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
-                     mask=es < EL + 1)
             starts = tl.load(before + tl.minimum(bs * BT, T - 1) * P + d, mask=bs < TB)
             starts = tl.where(bs < TB, starts, tl.sum(tl.where(es == EL, counts, 0)))
-            tl.store(tgl.peer_ptr(ctx, stage_starts, peer) + (half * P + me) * (T + 1) + bs, starts, mask=bs <= TB)
-            tgl.set_flag(ctx, flags + me, epoch + 1, peer)
+            if _gin(ctx, route, d, me, GIN) != 0:
+                out_row = half * P + d
+                there = half * P + me
+                tl.store(send_head + out_row * (EL + 1) + es, counts, mask=es < EL + 1)
+                tl.store(send_starts + out_row * (T + 1) + bs, starts, mask=bs <= TB)
+                tgl.put_signal(ctx, stage_counts + there * (EL + 1), send_head + out_row * (EL + 1), (EL + 1) * 4,
+                               peer, sig + me)
+                tgl.put_signal(ctx, stage_starts + there * (T + 1), send_starts + out_row * (T + 1), (TB + 1) * 4,
+                               peer, sig + me)
+            else:
+                tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
+                         mask=es < EL + 1)
+                tl.store(tgl.peer_ptr(ctx, stage_starts, peer) + (half * P + me) * (T + 1) + bs, starts,
+                         mask=bs <= TB)
+                tgl.set_flag(ctx, flags + me, epoch + 1, peer)
+        if GIN:  # what GIN sources put arrives counted: raise their counts flags here
+            for s in tl.static_range(P):
+                if _gin(ctx, route, s, me, GIN) != 0:
+                    tgl.wait_arrivals(ctx, sig + s, 2)
+                    tgl.set_flag(ctx, flags + s, epoch + 1, my_rank)
     for source in tl.static_range(P):
         tgl.wait_flag(ctx, flags + source, epoch + 1)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
@@ -253,11 +322,32 @@ def dispatch_kernel(
     total = tl.sum(tl.where((es < EL)[None, :], counts, 0), axis=0)  # [BE] entries per local expert
 
     # 2. Senders: every token block to the other GPUs, in block order.
-    SEND_STEP: tl.constexpr = NS if NS > 0 else 1
     if pid < NS:
         for blk in range(pid, TB, SEND_STEP):
             _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
-                        me, half, epoch, T, H, K, P, BT, BH, BK, BP)
+                        send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN)
+        if GIN:
+            # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there.
+            if _last_to_arrive(state + 3, NS):
+                for d in tl.static_range(P):
+                    if _gin(ctx, route, d, me, GIN) != 0:
+                        peer = tl.load(route + 1 + d)
+                        n = tl.load(send_counts + d * (EL + 1) + EL).to(tl.int64)
+                        src = (half * P + d) * T
+                        dst = (half * P + me) * T
+                        if n > 0:
+                            tgl.put_signal(ctx, stage_x + dst.to(tl.int64) * H, send_x + src.to(tl.int64) * H,
+                                           n * H * XB, peer, sig + P + me)
+                            tgl.put_signal(ctx, stage_meta + dst * K, send_meta + src * K, n * K * 4, peer, sig + P + me)
+                            tgl.put_signal(ctx, stage_w + dst * K, send_w + src * K, n * K * 4, peer, sig + P + me)
+                        else:
+                            tgl.signal(ctx, peer, sig + P + me, 3)
+            # One sender per GIN source waits for its 3 arrivals and tells the placers.
+            for s in tl.static_range(P):
+                if s % SEND_STEP == pid:
+                    if _gin(ctx, route, s, me, GIN) != 0:
+                        tgl.wait_arrivals(ctx, sig + P + s, 3)
+                        tgl.set_flag(ctx, data_ready + s, epoch + 1, my_rank)
     else:
         # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
         q = pid - NS
@@ -275,8 +365,9 @@ def dispatch_kernel(
                     tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
                              tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
         for blk in range(q, TB, placers):
-            _place_block(ctx, blk, stage_x, stage_meta, stage_w, stage_starts, block_flags, out_x, out_pos, out_w,
-                         me, half, epoch, counts, rows_from, T, H, K, P, EL, C, BT, BH, BK, BP, BE)
+            _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+                         out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
+                         T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN)
     if pid == 0:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)
@@ -288,16 +379,18 @@ def dispatch_kernel(
 
 @triton.jit
 def combine_kernel(
-    ctx, y, weights, pos, rows, slot, route, back, flags, state, out,
+    ctx, y, weights, pos, rows, slot, route, back, flags, state, send_back, sig, out,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
-    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
 ):
     """y [C, H] expert outputs in dispatch's layout -> out [T, H]: out[t] = sum over t's entries of
-    weight * y[position]. Return area on every GPU: back [2, P, T, H] (half, GPU that reduced, row)."""
+    weight * y[position]. Return area on every GPU: back [2, P, T, H] (half, GPU that reduced, row).
+    GIN: send_back [2, P, T, H] (half, GPU the rows go to, row); signals sig .. sig + P - 1."""
     TB: tl.constexpr = (T + BT - 1) // BT
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tl.load(route)
+    my_rank = tl.load(route + 1 + me)
     epoch = tl.load(state)
     half = epoch % 2
     ks = tl.arange(0, BK)
@@ -305,7 +398,7 @@ def combine_kernel(
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
 
-    # 1. Reduce each received token's entries here; send one row home.
+    # 1. Reduce each received token's entries here; send one row home (GIN: into the send area).
     for item in range(pid, P * TB, nprog):
         s = item % P  # sources alternate, so NVLink stores and local ones interleave on every SM
         r = (item // P) * BT + tl.arange(0, BT)
@@ -314,8 +407,12 @@ def combine_kernel(
         landed = tl.load(pos + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=-1)
         w = tl.load(weights + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=0.0)
         peer = tl.load(route + 1 + s)
-        home = tgl.peer_ptr(ctx, back, peer)
-        row = ((half * P + me) * T + r).to(tl.int64)
+        if _gin(ctx, route, s, me, GIN) != 0:
+            home = send_back
+            row = ((half * P + s) * T + r).to(tl.int64)
+        else:
+            home = tgl.peer_ptr(ctx, back, peer)
+            row = ((half * P + me) * T + r).to(tl.int64)
         for h0 in range(0, H, BH):
             h = h0 + hs
             h_ok = h < H
@@ -329,10 +426,26 @@ def combine_kernel(
             tl.store(home + row[:, None] * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=r_ok[:, None] & h_ok[None, :])
 
-    # 2. The last program raises this GPU's flag on every GPU.
-    if _sent(state, nprog):
+    # 2. The last program raises this GPU's flag on every NVLink GPU and puts the rows of every GIN
+    #    GPU (1 arrival there), then raises the flags of the GIN GPUs whose rows arrived here.
+    if _last_to_arrive(state + 1, nprog):
         for d in tl.static_range(P):
-            tgl.set_flag(ctx, flags + me, epoch + 1, tl.load(route + 1 + d))
+            peer = tl.load(route + 1 + d)
+            if _gin(ctx, route, d, me, GIN) != 0:
+                n = tl.load(rows + d).to(tl.int64)
+                if n > 0:
+                    src = ((half * P + d) * T).to(tl.int64)
+                    dst = ((half * P + me) * T).to(tl.int64)
+                    tgl.put_signal(ctx, back + dst * H, send_back + src * H, n * H * XB, peer, sig + me)
+                else:
+                    tgl.signal(ctx, peer, sig + me, 1)
+            else:
+                tgl.set_flag(ctx, flags + me, epoch + 1, peer)
+        if GIN:
+            for s in tl.static_range(P):
+                if _gin(ctx, route, s, me, GIN) != 0:
+                    tgl.wait_arrivals(ctx, sig + s, 1)
+                    tgl.set_flag(ctx, flags + s, epoch + 1, my_rank)
 
     # 3. Add up what every GPU returned for each token.
     for d in tl.static_range(P):

@@ -77,7 +77,8 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     capacity: rows of the grouped output (default: the worst case, P * T * min(K, E / P)); entries
     that do not fit are dropped and counted in `dropped`, never silently. mode: 'low_latency'
     (small batches, decode), 'high_throughput', or 'auto' (low_latency up to 256 tokens per GPU).
-    On GPUs every peer must be an NVLink (LSA) peer."""
+    On GPUs, peers of this host get NVLink stores and peers on other hosts GIN puts (each token's
+    rows once per destination GPU, a few large puts per peer and call; _kernels.py tells how)."""
     names = axes_lib.axis_names(axis_name, DISPATCH)
     size = axes_lib.axis_size(names, DISPATCH)
     x, topk_ids, topk_weights = _routing.check_inputs(DISPATCH, x, topk_ids, topk_weights)
@@ -186,13 +187,15 @@ def _pow2(n: int) -> int:
 
 def _buffers(state, plan: Plan):
     """The heap buffers of one exchange configuration (op_support.placed): flags and counters start
-    at zero on every GPU, as the kernels need."""
-    key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype)
+    at zero on every GPU, as the kernels need. When the job has GIN peers, also the send areas GIN
+    puts read from (a NIC reads only the heap) and 3 signals per source: counts, data, combine."""
+    gin = op_support.gin_in_job(state)
+    key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype, gin)
 
     def place():
         p, t, h, k, el = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts
         sym = lambda shape, dtype: op_support.heap_array(state, shape, dtype)  # noqa: E731
-        return dict(
+        buffers = dict(
             stage_x=sym((2, p, t, h), plan.dtype), stage_meta=sym((2, p, t, k), np.int32),
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
             stage_starts=sym((2, p, t + 1), np.int32),
@@ -201,8 +204,22 @@ def _buffers(state, plan: Plan):
             back=sym((2, p, t, h), plan.dtype),
             combine_flags=sym((p,), np.int64), combine_state=sym((4,), np.int64),
         )
+        if gin:
+            buffers.update(
+                send_x=sym((2, p, t, h), plan.dtype), send_meta=sym((2, p, t, k), np.int32),
+                send_w=sym((2, p, t, k), np.float32), send_head=sym((2, p, el + 1), np.int32),
+                send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((p,), np.int64),
+                send_back=sym((2, p, t, h), plan.dtype), signals=state.signals.allocate(3 * p),
+            )
+        else:  # the kernels compile without their GIN paths and never touch these
+            buffers.update(
+                send_x=buffers["stage_x"], send_meta=buffers["stage_meta"], send_w=buffers["stage_w"],
+                send_head=buffers["stage_counts"], send_starts=buffers["stage_starts"],
+                data_ready=buffers["dispatch_flags"], send_back=buffers["back"], signals=0,
+            )
+        return buffers
 
-    return op_support.placed(state, key, place)
+    return op_support.placed(state, key, place), gin
 
 
 def _sms(state) -> int:
@@ -230,12 +247,14 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
     bt, bh, warps, senders_per_8 = _blocks(plan)
     bh = min(bh, _pow2(h))
-    buf = _buffers(state, plan)
+    buf, gin = _buffers(state, plan)
     programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8)
     outs = triton_call(
         _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
         axis_route(plan.names), buf["stage_x"], buf["stage_meta"], buf["stage_w"], buf["stage_counts"],
         buf["stage_starts"], buf["dispatch_flags"], buf["block_flags"], buf["dispatch_state"],
+        buf["send_x"], buf["send_meta"], buf["send_w"], buf["send_head"], buf["send_starts"], buf["data_ready"],
+        buf["signals"],
         grid=(programs,),
         out_shape=[
             jax.core.ShapedArray((c, h), x.dtype), jax.core.ShapedArray((p, t, k), jnp.int32),
@@ -244,7 +263,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
         ],
         num_warps=warps, num_stages=1,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
-        BB=_pow2(-(-t // bt) + 1), NS=senders,
+        BB=_pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
     )
     grouped, positions, weights_out, counts, rows, dropped = outs
     return grouped, positions, weights_out, counts, rows, dropped.reshape(())
@@ -257,13 +276,13 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
     p, t, h, k = plan.size, plan.tokens, plan.hidden, plan.top_k
     bt, bh, warps, _ = _blocks(plan)
     bh = min(bh, _pow2(h))
-    buf = _buffers(state, plan)
+    buf, gin = _buffers(state, plan)
     return triton_call(
         _kernels.combine_kernel, y, weights, positions, rows, route.slot, axis_route(plan.names),
-        buf["back"], buf["combine_flags"], buf["combine_state"],
+        buf["back"], buf["combine_flags"], buf["combine_state"], buf["send_back"], buf["signals"] + 2 * p * gin,
         grid=(_grid(state, p * -(-t // bt)),), out_shape=jax.core.ShapedArray((t, h), y.dtype),
         num_warps=warps, num_stages=1,
-        T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p),
+        T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
     )
 
 

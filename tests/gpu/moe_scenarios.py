@@ -14,7 +14,9 @@ masked entries: expert ids -1 and >= E, tokens routed nowhere):
   combine) against the dense computation that skips them, the same values and gradients;
 - a capacity that overflows makes moe_layer (without return_stats) warn, counted over processes;
 - 500 calls in one jit with routing that changes every call, dispatch compared exactly and combine
-  within rounding, every call.
+  within rounding, every call;
+- with emulated hosts (every peer through GIN and jaxgin's host transport), the bytes and puts one
+  dispatch and one combine move, next to the least they could.
 Prints RESULT: {json}.
 """
 
@@ -35,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
 from harness import run_mesh_check
+from jaxgin import transport
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
 
@@ -191,11 +194,15 @@ def check(mesh) -> dict:
                                         out_specs=spec))(logits)
             ids = _host(ids)
             row["masked_entries"] = int(((ids < 0) | (ids >= experts)).sum())
+        # Each jaxgin program is finished before the next program is compiled: over the host
+        # transport (emulated hosts), XLA's compiler (loading and autotuning kernels) and the
+        # transport's copies for a program still running wait for each other (docs/guide.md).
         if capacity is None:  # the dense definition has no capacity
-            row["layer_rel_err"] = _rel(jax.jit(sm(layer))(x, logits, w1, w2), jax.jit(sm(dense))(x, logits, w1, w2))
+            ours = jax.block_until_ready(jax.jit(sm(layer))(x, logits, w1, w2))
+            row["layer_rel_err"] = _rel(ours, jax.jit(sm(dense))(x, logits, w1, w2))
             loss = lambda f: (lambda x, l, a, b, ct: jnp.sum(sm(f)(x, l, a, b).astype(jnp.float32)  # noqa: E731
                                                            * ct.astype(jnp.float32)))
-            g_layer = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
+            g_layer = jax.block_until_ready(jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct))
             g_dense = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(x, logits, w1, w2, ct)
             row["grad_rel_err"] = {k: _rel(a, b) for k, a, b in zip(("x", "logits", "w1", "w2"), g_layer, g_dense)}
             if jax.default_backend() == "gpu" and routing != "masked":  # XLA:CPU has no ragged-all-to-all
@@ -229,7 +236,70 @@ def check(mesh) -> dict:
         row.update(loop_500_dispatch_mismatches=loop_wrong, loop_500_combine_max_diff=loop_err)
         print(json.dumps(row), flush=True)
         report.append(row)
-    return {"devices": n, "processes": jax.process_count(), "cases": report, "rows_only": _rows_only_launches(mesh)}
+    result = {"devices": n, "processes": jax.process_count(), "cases": report, "rows_only": _rows_only_launches(mesh)}
+    if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
+        result["traffic"] = [_traffic(mesh, tokens, mode) for tokens, mode in ((256, "low_latency"),
+                                                                               (512, "high_throughput"))]
+    return result
+
+
+def _transport_totals() -> dict:
+    c = transport.counters()
+    return {"bytes": c["bytes_mapped"] + c["bytes_staged"], "puts": c["puts_mapped"] + c["puts_staged"],
+            "signals": c["signals_applied"]}
+
+
+def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
+    """What one dispatch and one combine put through the host transport from this process's GPU,
+    per call, next to the least they could: for dispatch, each token's row once per destination GPU
+    other than this one (H x item size each) plus the counts row per peer; for combine, one row
+    back per (token, GPU) that reduced it. What travels beyond that is routing metadata (each
+    row's codes and weights, K int32 + K float32, and the block starts per peer), reported apart."""
+    n, hidden, top_k, experts, dtype = mesh.size, 2048, 4, 8 * mesh.size, jnp.bfloat16
+    spec = P("ep")
+    sharding = NamedSharding(mesh, spec)
+    keys = jax.random.split(jax.random.key(tokens), 2)
+    x = jax.device_put(jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(dtype), sharding)
+    logits = jax.device_put(jax.random.normal(keys[1], (n * tokens, experts), jnp.float32), sharding)
+    weights, ids = jax.jit(lambda l: jaxgin.moe.router(l, top_k))(logits)
+    sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))  # noqa: E731
+    go = lambda x, i, w: jaxgin.moe.dispatch(x, i, w, num_experts=experts, axis_name="ep", mode=mode)  # noqa: E731
+    only_dispatch = sm(lambda x, i, w: go(x, i, w).x)
+    round_trip = sm(lambda x, i, w: (lambda d: jaxgin.moe.combine(d.x, d.handle))(go(x, i, w)))
+    rows_back = sm(lambda x, i, w: go(x, i, w).handle.rows)  # [n * n]: rows this GPU got from each source
+
+    def per_call(f):
+        jax.block_until_ready(f(x, ids, weights))  # compiled and placed before counting
+        multihost_utils.sync_global_devices("traffic_before")
+        before = _transport_totals()
+        for _ in range(calls):
+            jax.block_until_ready(f(x, ids, weights))
+        multihost_utils.sync_global_devices("traffic_after")
+        after = _transport_totals()
+        return {k: (after[k] - before[k]) / calls for k in after}
+
+    dispatch, both = per_call(only_dispatch), per_call(round_trip)
+    me = jax.process_index()  # one GPU per process: its rank along the axis
+    itemsize = np.dtype(dtype).itemsize
+    mine = np.asarray(_host(ids)).reshape(n, tokens, top_k)[me]
+    plan_local = experts // n
+    dest = mine // plan_local
+    sent_rows = sum(len(set(row.tolist()) - {me}) for row in dest)
+    counts_bytes = (n - 1) * (plan_local + 1) * 4
+    dispatch_min = sent_rows * hidden * itemsize + counts_bytes
+    received = np.asarray(_host(rows_back(x, ids, weights))).reshape(n, n)[me]  # rows from each source
+    combine_min = int(received.sum() - received[me]) * hidden * itemsize
+    blocks = -(-tokens // exchange._blocks(_routing.Plan(("ep",), n, tokens, hidden, top_k, plan_local, 1,
+                                                         np.dtype(dtype).name, mode))[0])
+    metadata = sent_rows * top_k * 8 + (n - 1) * (blocks + 1) * 4
+    combine = {k: both[k] - dispatch[k] for k in both}
+    return {
+        "tokens": tokens, "hidden": hidden, "top_k": top_k, "experts": experts, "mode": mode, "rank": me,
+        "dispatch": dispatch, "dispatch_minimum_bytes": dispatch_min, "dispatch_metadata_bytes": metadata,
+        "dispatch_ratio": dispatch["bytes"] / max(dispatch_min, 1),
+        "combine": combine, "combine_minimum_bytes": combine_min,
+        "combine_ratio": combine["bytes"] / max(combine_min, 1),
+    }
 
 
 def _rows_only_launches(mesh) -> dict:

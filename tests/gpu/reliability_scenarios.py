@@ -3,7 +3,8 @@
     python tests/gpu/reliability_scenarios.py stress OPS [RANK N ADDR]     # one process, all visible GPUs,
     python tests/gpu/reliability_scenarios.py memory_model [RANK N ADDR]   #   or one of N processes
     python tests/gpu/reliability_scenarios.py starved [RANK N ADDR]
-    python tests/gpu/reliability_scenarios.py fault KIND RANK N ADDR       # one of N processes
+    python tests/gpu/reliability_scenarios.py fault KIND RANK N ADDR       # one of N processes (KIND: lines,
+                                                                           #   ring, or moe)
 
 Each prints one JSON line prefixed with RESULT:.
 """
@@ -90,14 +91,31 @@ KILL_AT = 20  # iterations the victim completes before it dies
 
 # Per-device ppermute payloads of the fault scenario: a line message (line exchange kernel) and a
 # 16 KiB one (two ring chunks, generic exchange kernel).
-FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024)}
+FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024), "moe": (64, 256)}  # per-GPU shapes
+
+
+def _moe_round_trip(jax, jaxgin, mesh):
+    """v -> combine(dispatch(v)) over axis "x", routing from v itself (top 2 of 4 experts per GPU)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    experts = 4 * mesh.size
+
+    def step(v):
+        logits = jnp.tile(v[:, :1], (1, experts)) * jnp.arange(1, experts + 1, dtype=v.dtype)
+        weights, ids = jaxgin.moe.router(logits, 2)
+        sent = jaxgin.moe.dispatch(v, ids, weights, num_experts=experts, axis_name="x")
+        return jaxgin.moe.combine(sent.x, sent.handle) * 0.5 + 1
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
 
 def fault(argv):
     """The last rank dies mid-loop (os._exit, no finalize); the others must fail with jaxgin's
     named wait timeout, not hang. Reports how long after their last good iteration they failed,
     then finalizes and reports the GPU memory in use before and after. argv: the message kind
-    (FAULT_MESSAGES), then rank, world and coordinator address."""
+    (FAULT_MESSAGES: a ppermute of that size each iteration; "moe": a MoE dispatch and combine),
+    then rank, world and coordinator address."""
     message, argv = argv[0], argv[1:]
     used = {}
     gpu = job.physical_gpu(int(argv[0]))
@@ -108,8 +126,12 @@ def fault(argv):
 
     rank, n = int(argv[0]), int(argv[1])
     mesh = ops_scenarios._mesh(jax)
-    ring = [(i, (i + 1) % n) for i in range(n)]
-    f = jax.jit(jax.shard_map(lambda v: jaxgin.ppermute(v, "x", ring) + 1, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    if message == "moe":
+        f = _moe_round_trip(jax, jaxgin, mesh)
+    else:
+        ring = [(i, (i + 1) % n) for i in range(n)]
+        f = jax.jit(jax.shard_map(lambda v: jaxgin.ppermute(v, "x", ring) + 1, mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x")))
     x = ops_scenarios._global(jax, mesh, FAULT_MESSAGES[message], jnp.float32, 5)
     last_good = time.perf_counter()
     completed, error = 0, ""

@@ -123,14 +123,17 @@ def test_payloads_are_complete_when_the_wait_returns_emulated_hosts(world):
 
 
 @pytest.mark.parametrize("world", EMULATED_WORLDS)
-def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world):
-    """The last rank dies mid-loop. Every survivor reports which rank's process ended: in its fault
-    lines, or at the latest on stderr (the transport's line, printed as soon as the connection
-    closed) if JAX's coordination service ends it first. Survivors that report fail within the
-    timeout with a named fault and finalize cleanly. (GPU memory is not compared: ranks share GPUs.)"""
+@pytest.mark.parametrize("kind", ["lines", "moe"], ids=["put_signal", "moe_dispatch"])
+def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world, kind):
+    """The last rank dies mid-loop (of ppermutes, or of MoE dispatch + combine, where GIN carries
+    the counts, rows and returned rows). Every survivor reports which rank's process ended: in its
+    fault lines, or at the latest on stderr (the transport's line, printed as soon as the
+    connection closed) if JAX's coordination service ends it first. Survivors that report fail
+    within the timeout with a named fault and finalize cleanly. (GPU memory is not compared: ranks
+    share GPUs.)"""
     require_emulated_hosts()
     env = {"JAXGIN_TIMEOUT": "10", "JAXGIN_RECORD_NCCL_MEMORY": "1"}
-    finished = start_processes(SCENARIOS, ["fault", "lines"], world, timeout=300, env=env, emulated=True)
+    finished = start_processes(SCENARIOS, ["fault", kind], world, timeout=300, env=env, emulated=True)
     victim = world - 1
     code, _, err = finished[victim]
     assert code == 17, err[-3000:]  # the victim died as planned
@@ -140,7 +143,7 @@ def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world):
         report = result(out) if code == 0 and "RESULT:" in out else {"rank": rank, "exit_code": code}
         report["stderr_names_the_dead_rank"] = gone in err
         reports.append(report)
-    record(f"emulated_fault_dead_peer_{world}ranks", {"survivors": reports})
+    record(f"emulated_fault_dead_peer_{kind}_{world}ranks", {"survivors": reports})
     for report in reports:
         if "faults" in report:
             assert report["error"] and any("timed out" in f for f in report["faults"]), report
