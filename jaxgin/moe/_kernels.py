@@ -22,8 +22,9 @@ dispatch (routing arithmetic: _routing.py):
      weights for combine.
 combine:
   1. every received token's entries are reduced (weighted, float32) into one row that goes back
-     to the GPU it came from, into this GPU's slot of that GPU's return area;
-  2. the last program to finish sending raises this GPU's flag on every GPU (release: every
+     to the GPU it came from, into this GPU's slot of that GPU's return area; programs claim
+     these items from a counter, so the step never waits for a program that is not resident;
+  2. the program that completes the last item raises this GPU's flag on every GPU (release: every
      program's stores precede it);
   3. every token adds up what each GPU returned for it.
 
@@ -54,8 +55,9 @@ Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/count
 halves picked by a device-side call counter (state[0]) that the last program to finish advances; a
 GPU that starts call n + 1 has received a flag of every peer's call n, so every peer finished call
 n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so they need no
-reset. state[1] counts programs done sending, state[2] programs done altogether. Nothing depends
-on host values, so CUDA-graph replay is right.
+reset. dispatch: state[2] counts programs done, state[3] senders done packing (GIN). combine:
+state[1] items completed and state[3] items claimed, over all calls; state[2] programs done.
+Nothing depends on host values, so CUDA-graph replay is right.
 """
 
 import triton
@@ -399,7 +401,16 @@ def combine_kernel(
     ps = tl.arange(0, BP)
 
     # 1. Reduce each received token's entries here; send one row home (GIN: into the send area).
-    for item in range(pid, P * TB, nprog):
+    #    Items are claimed from a counter rather than dealt by program id: programs that are not
+    #    resident (a kernel on another stream holds their SMs, such as an XLA collective that waits
+    #    for peers whose GPUs are full of programs waiting for this one) then do none of this
+    #    step, and the resident ones finish it. Both counters only grow: each call claims exactly
+    #    ITEMS + nprog times (every program's last claim fails) and completes ITEMS items.
+    ITEMS: tl.constexpr = P * TB
+    claim_base = epoch * (ITEMS + nprog)
+    mine = pid * 0
+    item = (tl.atomic_add(state + 3, 1, sem="relaxed", scope="gpu") - claim_base).to(tl.int32)
+    while item < ITEMS:
         s = item % P  # sources alternate, so NVLink stores and local ones interleave on every SM
         r = (item // P) * BT + tl.arange(0, BT)
         r_ok = r < tl.load(rows + s)
@@ -425,10 +436,15 @@ def combine_kernel(
                 acc += wk[:, None] * v.to(tl.float32)
             tl.store(home + row[:, None] * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=r_ok[:, None] & h_ok[None, :])
+        mine += 1
+        item = (tl.atomic_add(state + 3, 1, sem="relaxed", scope="gpu") - claim_base).to(tl.int32)
 
-    # 2. The last program raises this GPU's flag on every NVLink GPU and puts the rows of every GIN
-    #    GPU (1 arrival there), then raises the flags of the GIN GPUs whose rows arrived here.
-    if _last_to_arrive(state + 1, nprog):
+    # 2. The program that completes the last item raises this GPU's flag on every NVLink GPU and
+    #    puts the rows of every GIN GPU (1 arrival there), then raises the flags of the GIN GPUs
+    #    whose rows arrived here.
+    tl.debug_barrier()  # the whole program's stores precede the release below
+    before = tl.atomic_add(state + 1, mine.to(tl.int64), sem="acq_rel", scope="sys") - epoch * ITEMS
+    if (mine > 0) & (before + mine == ITEMS):
         for d in tl.static_range(P):
             peer = tl.load(route + 1 + d)
             if _gin(ctx, route, d, me, GIN) != 0:
