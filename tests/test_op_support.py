@@ -97,3 +97,27 @@ def test_lowering_for_kernels_in_reference_mode_names_the_op():
             op_support.lowering_state("jaxgin.put_signal")
     finally:
         jaxgin.finalize()
+
+
+class _InfoRuntime:
+    def __init__(self, gin_contexts: int, lsa_size: int):
+        self.info = {"gin_contexts": gin_contexts, "lsa_size": lsa_size}
+
+    def device_info(self, index):
+        return dict(self.info)
+
+
+@pytest.mark.parametrize("gin_contexts, lsa_size, world, force_gin, expected", [
+    (4, 2, 2, False, False),  # one host: every peer is an NVLink peer
+    (4, 1, 2, False, True),  # two hosts of one GPU each
+    (4, 4, 8, False, True),  # two hosts of four GPUs
+    (4, 2, 2, True, True),  # one host, GIN forced
+    (0, 1, 2, False, False),  # no GIN at all: nothing to stage puts for
+])
+def test_gin_in_job_says_whether_staging_areas_are_needed(gin_contexts, lsa_size, world, force_gin, expected):
+    """The MoE kernels compile their GIN paths and place send areas only when some GPU of the job
+    reaches another through GIN; every process must agree (heap offsets), so the answer depends on
+    job-wide facts only."""
+    state = types.SimpleNamespace(runtime=_InfoRuntime(gin_contexts, lsa_size), world_size=world,
+                                  options=types.SimpleNamespace(force_gin=force_gin))
+    assert op_support.gin_in_job(state) is expected
