@@ -71,16 +71,18 @@ ffi::ErrorOr<std::unique_ptr<TritonKernel>> instantiate(ffi::Span<const int8_t> 
   // for it, while it spins on a put that the host transport cannot copy until that wait ends
   // (measured: MoE dispatch over GIN, emulated hosts, hung in the first call). See
   // csrc/kernels/preload.h for the library's own kernels.
+  int previous = 0;
+  if (status == cudaSuccess) status = cudaGetDevice(&previous);
   if (status == cudaSuccess) {
-    int previous = 0;
-    status = cudaGetDevice(&previous);
     for (int device : driven_devices()) {
-      if (status != cudaSuccess) break;
       cudaFuncAttributes attributes;
       status = cudaSetDevice(device);
       if (status == cudaSuccess) status = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel->kernel));
+      if (status != cudaSuccess) break;
     }
-    if (status == cudaSuccess) status = cudaSetDevice(previous);
+    // The compiling thread's device is put back on failure too.
+    const cudaError_t restored = cudaSetDevice(previous);
+    if (status == cudaSuccess) status = restored;
   }
   if (status != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, "jaxgin.triton_call: loading Triton kernel " + kernel->name +
