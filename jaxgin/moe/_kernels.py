@@ -28,8 +28,8 @@ combine:
      program's stores precede it);
   3. every token adds up what each GPU returned for it.
 
-Peers on other hosts (GIN). Each peer's path is picked on the device (tgl.gin_peer); NVLink peers
-take the stores above. A NIC reads only the symmetric heap and the network rewards few large
+Peers on other hosts (GIN). Each peer's path is picked on the device (jaxgin.op_kernels.gin_route,
+shared with the fused kernels); NVLink peers take the stores above. A NIC reads only the symmetric heap and the network rewards few large
 transfers, so for a GIN peer d the rows above go into this GPU's send area for d instead (send_x,
 send_meta, send_w, laid out as the staging rows d will hold, rows 0 .. n_d - 1), and:
   - counts: program 0 puts the counts row and the block starts (2 puts, signal `sig + me` there);
@@ -42,7 +42,7 @@ send_meta, send_w, laid out as the staging rows d will hold, rows 0 .. n_d - 1),
   - combine: the last program to finish reducing puts each GIN peer's returned rows (1 put, or 1
     increment when empty; signal `sig + 2P + me` there), then waits for 1 arrival from each GIN
     source and raises its combine flag locally.
-The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count lives
+Each of those waits is jaxgin.op_kernels.arrivals_to_flag. The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count lives
 on the device: right under CUDA-graph replay). Send areas have two halves like the staging areas:
 a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC read it.
 The next step for many hosts (one RDMA transfer per destination host, then NVLink forwarding inside
@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
+from jaxgin.op_kernels import arrivals_to_flag, gin_route
 
 
 @triton.jit
@@ -83,16 +84,6 @@ def _last_to_arrive(counter, arrivals):
     if last:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     return last
-
-
-@triton.jit
-def _gin(ctx, route, d, me, GIN: tl.constexpr):
-    """1 when axis index d is another GPU reached through GIN (its data goes through a send area and
-    puts), else 0; always 0 when the job has no GIN peers (GIN = 0), without a library call."""
-    gin = me * 0  # a runtime int32 either way, so callers branch on it alike
-    if GIN:
-        gin = tgl.gin_peer(ctx, tl.load(route + 1 + d)) * (d != me).to(tl.int32)
-    return gin
 
 
 @triton.jit
@@ -148,7 +139,7 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
             codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & k_ok[None, :], other=-1)
             # The peer's address once per block and peer: it is a chain of dependent loads in the
             # device library, which the compiler cannot hoist out of the column loop by itself.
-            if _gin(ctx, route, d, me, GIN) != 0:
+            if gin_route(ctx, route, d, me, GIN) != 0:
                 row = (half * P + d) * T + sl
                 meta_to = send_meta
                 w_to = send_w
@@ -168,7 +159,7 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
                 tl.store(dst + h[None, :], rows, mask=h_ok)
     for d in tl.static_range(P):
         if d != me:
-            if _gin(ctx, route, d, me, GIN) == 0:
+            if gin_route(ctx, route, d, me, GIN) == 0:
                 tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, tl.load(route + 1 + d))
 
 
@@ -227,7 +218,7 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
     es = tl.arange(0, BE)
     for other in tl.static_range(P - 1):
         s = other + (other >= me).to(tl.int32)
-        if _gin(ctx, route, s, me, GIN) != 0:
+        if gin_route(ctx, route, s, me, GIN) != 0:
             tgl.wait_flag(ctx, data_ready + s, epoch + 1)
         else:
             tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
@@ -294,7 +285,7 @@ def dispatch_kernel(
             counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
             starts = tl.load(before + tl.minimum(bs * BT, T - 1) * P + d, mask=bs < TB)
             starts = tl.where(bs < TB, starts, tl.sum(tl.where(es == EL, counts, 0)))
-            if _gin(ctx, route, d, me, GIN) != 0:
+            if gin_route(ctx, route, d, me, GIN) != 0:
                 out_row = half * P + d
                 there = half * P + me
                 tl.store(send_head + out_row * (EL + 1) + es, counts, mask=es < EL + 1)
@@ -311,9 +302,8 @@ def dispatch_kernel(
                 tgl.set_flag(ctx, flags + me, epoch + 1, peer)
         if GIN:  # what GIN sources put arrives counted: raise their counts flags here
             for s in tl.static_range(P):
-                if _gin(ctx, route, s, me, GIN) != 0:
-                    tgl.wait_arrivals(ctx, sig + s, 2)
-                    tgl.set_flag(ctx, flags + s, epoch + 1, my_rank)
+                if gin_route(ctx, route, s, me, GIN) != 0:
+                    arrivals_to_flag(ctx, sig + s, 2, flags + s, epoch + 1, my_rank)
     for source in tl.static_range(P):
         tgl.wait_flag(ctx, flags + source, epoch + 1)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
@@ -332,7 +322,7 @@ def dispatch_kernel(
             # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there.
             if _last_to_arrive(state + 3, NS):
                 for d in tl.static_range(P):
-                    if _gin(ctx, route, d, me, GIN) != 0:
+                    if gin_route(ctx, route, d, me, GIN) != 0:
                         peer = tl.load(route + 1 + d)
                         n = tl.load(send_counts + d * (EL + 1) + EL).to(tl.int64)
                         src = (half * P + d) * T
@@ -347,9 +337,8 @@ def dispatch_kernel(
             # One sender per GIN source waits for its 3 arrivals and tells the placers.
             for s in tl.static_range(P):
                 if s % SEND_STEP == pid:
-                    if _gin(ctx, route, s, me, GIN) != 0:
-                        tgl.wait_arrivals(ctx, sig + P + s, 3)
-                        tgl.set_flag(ctx, data_ready + s, epoch + 1, my_rank)
+                    if gin_route(ctx, route, s, me, GIN) != 0:
+                        arrivals_to_flag(ctx, sig + P + s, 3, data_ready + s, epoch + 1, my_rank)
     else:
         # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
         q = pid - NS
@@ -418,7 +407,7 @@ def combine_kernel(
         landed = tl.load(pos + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=-1)
         w = tl.load(weights + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=0.0)
         peer = tl.load(route + 1 + s)
-        if _gin(ctx, route, s, me, GIN) != 0:
+        if gin_route(ctx, route, s, me, GIN) != 0:
             home = send_back
             row = ((half * P + s) * T + r).to(tl.int64)
         else:
@@ -447,7 +436,7 @@ def combine_kernel(
     if (mine > 0) & (before + mine == ITEMS):
         for d in tl.static_range(P):
             peer = tl.load(route + 1 + d)
-            if _gin(ctx, route, d, me, GIN) != 0:
+            if gin_route(ctx, route, d, me, GIN) != 0:
                 n = tl.load(rows + d).to(tl.int64)
                 if n > 0:
                     src = ((half * P + d) * T).to(tl.int64)
@@ -459,9 +448,8 @@ def combine_kernel(
                 tgl.set_flag(ctx, flags + me, epoch + 1, peer)
         if GIN:
             for s in tl.static_range(P):
-                if _gin(ctx, route, s, me, GIN) != 0:
-                    tgl.wait_arrivals(ctx, sig + s, 1)
-                    tgl.set_flag(ctx, flags + s, epoch + 1, my_rank)
+                if gin_route(ctx, route, s, me, GIN) != 0:
+                    arrivals_to_flag(ctx, sig + s, 1, flags + s, epoch + 1, my_rank)
 
     # 3. Add up what every GPU returned for each token.
     for d in tl.static_range(P):

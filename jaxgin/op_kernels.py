@@ -1,0 +1,46 @@
+"""What the ops' Triton kernels share on the device: the per-peer choice of data path, and the
+hand-over of GIN arrivals to the programs that wait for them (the device side of op_support).
+
+Every op kernel that moves data between GPUs (jaxgin.fused, jaxgin.moe) has two paths per peer,
+picked on the device because a mesh may mix them:
+
+- an NVLink (LSA) peer is reached with Triton's own loads and stores through ``peer_ptr``, and
+  readiness travels as flags (``set_flag`` / ``wait_flag``: values, so any number of programs can
+  wait for one);
+- a peer on another host (GIN) gets a ``put_signal`` from a heap staging area (a NIC reads only
+  registered memory) into a receive area in its heap, and readiness arrives as signal increments.
+
+Increments are counts, not values, and ``wait_arrivals`` consumes them, so only one program may
+wait on a signal. ``arrivals_to_flag`` bridges the two: one program waits for a source's puts and
+raises the same local flag an NVLink source would have raised, so everything downstream (placement,
+copy-out, the matmul) is shared by both paths.
+
+Import only from kernel modules: it needs Triton, an optional dependency.
+"""
+
+import triton
+import triton.language as tl
+
+import jaxgin.triton.language as tgl
+
+
+@triton.jit
+def gin_route(ctx, route, d, me, GIN: tl.constexpr):
+    """1 when axis index `d` (route: [me, rank of axis index 0, 1, ...], jaxgin.axis_route) is
+    another GPU reached through GIN, else 0. With GIN = 0 (a job whose GPUs are all NVLink peers,
+    op_support.gin_in_job) it is 0 without a library call, and kernels compile their GIN branches
+    away."""
+    gin = me * 0  # a runtime int32 either way, so callers branch on it alike
+    if GIN:
+        gin = tgl.gin_peer(ctx, tl.load(route + 1 + d)) * (d != me).to(tl.int32)
+    return gin
+
+
+@triton.jit
+def arrivals_to_flag(ctx, signal, count, flag, value, my_rank):
+    """CTA-collective. Waits for `count` more puts on this GPU's `signal` (bounded by the runtime's
+    timeout; the fault names the signal and, over the host transport, a peer whose process ended),
+    then sets this GPU's flag word `flag` to `value` (release), so every program waiting on the flag
+    sees the puts' payloads. The one waiter per signal that wait_arrivals allows."""
+    tgl.wait_arrivals(ctx, signal, count)
+    tgl.set_flag(ctx, flag, value, my_rank)
