@@ -151,6 +151,84 @@ def test_bad_arguments_are_named(init, call, error, message):
         _sm(mesh, call)(x, w)
 
 
+class _HeapOnlyState:
+    """What the fused ops' GPU lowering reads of the runtime when it places buffers: heap and
+    signal allocators and the placement cache."""
+
+    def __init__(self):
+        from jaxgin import heap
+
+        self.heap = heap.heap_allocator(0, 1 << 34)
+        self.signals = heap.signal_allocator(1024)
+        self.placements = {}
+        self.generation = 0
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+@pytest.mark.parametrize("method", ["chunked", "triton"])
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "all_gather_matmul"])
+def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
+    """Which implementation a fused op lowers to, and with what: in a job with GIN peers both
+    methods run the Triton kernel with its GIN paths (the copy engine reaches NVLink peers only),
+    with a signal per call parity and source (and row group), the GIN tile area and the copy-out
+    programs; an NVLink-only job keeps the chunked method and a GIN-free Triton kernel."""
+    import importlib
+
+    from jaxgin import op_support
+    from jaxgin.fused import _chunked, _common
+
+    module = importlib.import_module(f"jaxgin.fused.{op}")
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    calls = []
+    monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: calls.append(("triton", args, kw)))
+    monkeypatch.setattr(_chunked, op, lambda x, w, plan: calls.append(("chunked", (), {})))
+    size, dtype = 4, jnp.bfloat16
+    x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
+    state = _HeapOnlyState()
+    if op == "matmul_all_to_all":
+        plan = module._Plan(("x",), size, 512, 384, 256, True, True, None, None, method)
+    else:
+        plan = module._Plan(("x",), size, 512, 384, 256, None, None, method)
+    module._kernel(state, x, w, plan)
+    ((kind, args, kw),) = calls
+    assert kind == ("triton" if gin or method == "triton" else "chunked")
+    if kind == "chunked":
+        assert state.signals.available() == 1024
+        return
+    assert kw["GIN"] == int(gin)
+    (buffers,) = state.placements.values()
+    tiles = _common.FAMILIES["exchange" if op == "matmul_all_to_all" else "matmul"][2][0]
+    if op == "matmul_all_to_all":
+        count = -(-512 // size // tiles.block_m) * -(-384 // tiles.block_n)  # tiles of one chunk
+        assert kw["COPIERS"] == (_common.gin_copiers(size, count) if gin else 0)
+        assert kw["grid"] == (size * count + size * kw["COPIERS"],)
+        assert buffers.flags.shape == (size * count + size * gin,)
+        assert state.signals.available() == 1024 - 2 * size * gin
+        if gin:
+            assert buffers.gin_area.shape == (2, 2, size, count, tiles.block_m * tiles.block_n)
+            assert args[6] is buffers.gin_area and args[7] == buffers.signals
+        else:
+            assert buffers.gin_area is None and args[6] is buffers.exchange
+    else:
+        groups = kw["G"]
+        assert groups <= (module.GIN_GROUPS if gin else 32)
+        assert groups * kw["R"] >= -(-512 // tiles.block_m) > (groups - 1) * kw["R"]  # every row tile, once
+        assert state.signals.available() == 1024 - 2 * size * groups * gin
+        assert args[6] == buffers.signals
+
+
+def test_gin_copiers_fill_the_gpu_without_idle_programs():
+    from jaxgin.fused import _common
+
+    for size in (2, 4, 8, 64, 256):
+        for tiles in (1, 3, 64, 4096):
+            copiers = _common.gin_copiers(size, tiles)
+            assert 1 <= copiers <= tiles  # at least one per source, never one without a tile
+            assert size * copiers <= max(size, _common.GIN_COPY_PROGRAMS)
+
+
 def test_tile_config_is_checked():
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         TileConfig(128, 96, 64)
@@ -200,20 +278,23 @@ def test_axis_route_over_a_vmap_axis(init):
 # The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
 
 
-def test_fused_kernels_compile_and_link_for_sm90a(toolchain):
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
+def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
+    from jaxgin.triton import link
 
     pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
-                "state": "*i64", "out": "*bf16"}
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
-        BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True))
+        BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
+        GIN=gin, COPIERS=32 * gin, XB=2))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     pointers["gather"] = pointers.pop("recv")
-    pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "gather", "flags", "state", "out")}
+    pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "gather", "flags", "state", "sig", "out")}
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, R=1, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
-        SEND_BM=32, SEND_BK=1024))
+        SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2))
     for kernel in (a2a, ag):
         ptx = kernel.asm["ptx"]
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
@@ -221,3 +302,8 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain):
         assert "wgmma" in ptx  # Hopper tensor cores
         assert re.search(r"st\.global\.v4", ptx)  # 16-byte stores
         assert kernel.metadata.shared > 48 * 1024  # multi-stage pipeline (triton_call raises the limit)
+        # The GIN paths (per-peer choice, puts, counted arrivals) are compiled in only when the job
+        # has GIN peers (jaxgin.op_support.gin_in_job): an NVLink-only job runs the kernels it ran before.
+        calls = set(link.library_calls(ptx))
+        gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_wait_arrivals"}
+        assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls

@@ -90,6 +90,23 @@ def check_method(op: str, method, tiles) -> str:
     return method
 
 
+def run_on_triton(method: str, gin_in_job: bool) -> bool:
+    """Whether a fused op runs its Triton kernel: asked for, or the job has GPUs on other hosts.
+    The chunked method hands chunks over with the copy engine, which reaches NVLink peers only; the
+    Triton kernel picks each peer's path on the device (GIN puts or NVLink stores), so a user never
+    gets an error because a peer is on another host."""
+    return method == "triton" or gin_in_job
+
+
+# Programs per source that copy a GIN source's tiles out of the receive area after the matmul (see
+# _kernels.matmul_all_to_all_kernel): enough together to fill the GPU, at least one per source.
+GIN_COPY_PROGRAMS = 128
+
+
+def gin_copiers(size: int, tiles: int) -> int:
+    return max(1, min(tiles, GIN_COPY_PROGRAMS // size))
+
+
 def check_operands(op: str, x, w):
     x, w = jnp.asarray(x), jnp.asarray(w)
     if x.ndim != 2 or w.ndim != 2:
@@ -127,15 +144,21 @@ class OpBuffers:
     exchange: object  # SymmetricArray: two halves of every peer's slot
     flags: object  # int64 readiness flags, zero at first (see _kernels.py)
     state: object  # int64[2]: call counter, finished programs (see _kernels.py)
+    gin_area: object = None  # SymmetricArray: GIN staging / receive area (jobs with GIN peers)
+    signals: int = 0  # first of the op's signals (jobs with GIN peers)
 
 
-def op_buffers(state, key, shape, dtype, flags: int) -> OpBuffers:
+def op_buffers(state, key, shape, dtype, flags: int, gin_area_shape=None, signals: int = 0) -> OpBuffers:
     """One set of heap buffers per op configuration (op_support.placed): the flags and counters
-    start at zero on every GPU, as the kernels need."""
+    start at zero on every GPU, as the kernels need. A job with GIN peers also gets the op's GIN
+    area (`gin_area_shape`, if the op needs one beside the exchange buffer) and `signals` signals,
+    kept like the buffers: the kernels count arrivals on them for the life of the runtime."""
     return op_support.placed(state, ("fused",) + tuple(key), lambda: OpBuffers(
         op_support.heap_array(state, shape, dtype),
         op_support.heap_array(state, (flags,), np.int64),
         op_support.heap_array(state, (2,), np.int64),
+        op_support.heap_array(state, gin_area_shape, dtype) if gin_area_shape is not None else None,
+        state.signals.allocate(signals) if signals else 0,
     ))
 
 

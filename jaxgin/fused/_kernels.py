@@ -17,6 +17,15 @@ One launch per op does everything, so consecutive calls never interleave on a GP
   output tiles, own shard first, then each peer's as its row groups arrive. No copy-out: every
   tile is stored into the XLA output by the program that computed it.
 
+Peers on other hosts (GIN), picked per peer on the device (jaxgin.op_kernels.gin_route, shared
+with the MoE kernels): a NIC reads only the symmetric heap, and XLA's output is not in it, so data
+for such a peer is put from a heap staging area into a receive area in the peer's heap, and the
+receiver copies it out. matmul_all_to_all puts each finished tile (packed, one put per tile) from
+the matmul's epilogue; all_gather_matmul's senders put this GPU's shard row group by row group.
+Arrivals are counted by signals, and one program per signal hands them to the flag waiters
+(jaxgin.op_kernels.arrivals_to_flag), so the rest of each kernel is the same for both paths.
+Kernels compiled for a job without GIN peers (GIN = 0) keep only the NVLink paths.
+
 Readiness is announced with flags (tritongin.language.set_flag / wait_flag) holding the call counter + 1
 rather than with counting signals: any number of programs can wait for the same flag.
 
@@ -32,6 +41,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
+from jaxgin.op_kernels import arrivals_to_flag, gin_route
 
 
 @triton.jit
@@ -95,16 +105,132 @@ def matmul_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def matmul_all_to_all_kernel(
-    ctx, x, w, route, recv, flags, state, out,
+def _store_chunk_tile(out, tile, s, r, c, ok, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr,
+                      OUT_N: tl.constexpr):
+    """Stores a [BM, BN] tile at rows r, columns c of the chunk from axis index s of the output."""
+    if CONCAT_ROWS:
+        tl.store(out + (s * CM + r)[:, None] * OUT_N + c[None, :], tile, mask=ok)
+    else:
+        tl.store(out + r[:, None] * OUT_N + (s * CN + c)[None, :], tile, mask=ok)
+
+
+@triton.jit
+def _gin_tile_slot(gin_tiles, incoming, half, peer_index, t, P: tl.constexpr, TILES: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+    """Where tile t for (outgoing) or from (incoming) axis index peer_index lives in the GIN tile
+    area [2 directions, 2 halves, P, TILES, BM * BN]: packed rows of the tile's valid columns."""
+    index = ((incoming * 2 + half) * P + peer_index) * TILES + t
+    return gin_tiles + index.to(tl.int64) * (BM * BN)
+
+
+@triton.jit
+def _exchange_tile(
+    ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr,
+    PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+):
+    """Program (step, t) of matmul_all_to_all_kernel below a GIN job's copy-out programs."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    if INTERLEAVE:
+        step = pid % P
+        t = pid // P
+    else:
+        step = pid // TILES
+        t = pid % TILES
+    d = (me + 1 + step) % P
+    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+    r = ti * BM + tl.arange(0, BM)  # rows and columns within a chunk
+    c = tj * BN + tl.arange(0, BN)
+    ok = (r < CM)[:, None] & (c < CN)[None, :]
+    if SPLIT_ROWS:
+        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    else:
+        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    tile = acc.to(out.dtype.element_ty)
+    if d == me or (PARTS & 1) == 0:
+        _store_chunk_tile(out, tile, d, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+    elif gin_route(ctx, route, d, me, GIN) != 0:
+        # Another host: the tile's valid rows and columns, packed, into the outgoing tile area,
+        # then one put into d's incoming area (slot me there), +1 on d's signal for this source.
+        rows = tl.minimum(CM - ti * BM, BM)
+        cols = tl.minimum(CN - tj * BN, BN)
+        packed = tl.arange(0, BM)[:, None] * cols + tl.arange(0, BN)[None, :]
+        staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
+        tl.store(staged + packed, tile, mask=ok)
+        there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
+        tgl.put_signal(ctx, there, staged, rows * cols * XB, tl.load(route + 1 + d), sig + half * P + me)
+    elif PULL:
+        tl.store(recv + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
+        if PARTS & 2:
+            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
+    else:
+        peer = tl.load(route + 1 + d)
+        slot = tgl.peer_ptr(ctx, recv, peer) + (half * P + me) * (CM * CN)
+        tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
+        if PARTS & 2:
+            tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
+    s = (me + P - step) % P
+    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
+        if PULL:
+            source = tl.load(route + 1 + s)
+            tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
+            slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
+        else:
+            tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
+            slot = recv + (half * P + s) * (CM * CN)
+        arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
+        _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+
+
+@triton.jit
+def _copy_out_gin_source(
+    ctx, route, flags, gin_tiles, sig, out, q, me, epoch, half,
+    P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, COPIERS: tl.constexpr, GIN: tl.constexpr,
+):
+    """Copy-out program q of a GIN job: copier q % COPIERS of axis index s = q // COPIERS. For a
+    source on another host, copier 0 waits for its TILES puts of this call and raises its ready
+    flag; every copier then moves its share of the arrived tiles into the output."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    s = q // COPIERS
+    k = q % COPIERS
+    if gin_route(ctx, route, s, me, GIN) != 0:
+        ready = flags + P * TILES + s
+        if k == 0:
+            arrivals_to_flag(ctx, sig + half * P + s, TILES, ready, epoch + 1, tl.load(route + 1 + me))
+        else:
+            tgl.wait_flag(ctx, ready, epoch + 1)
+        for t in range(k, TILES, COPIERS):
+            ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+            r = ti * BM + tl.arange(0, BM)
+            c = tj * BN + tl.arange(0, BN)
+            ok = (r < CM)[:, None] & (c < CN)[None, :]
+            cols = tl.minimum(CN - tj * BN, BN)
+            packed = tl.arange(0, BM)[:, None] * cols + tl.arange(0, BN)[None, :]
+            arrived = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok,
+                              cache_modifier=".cg")
+            _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+
+
+@triton.jit
+def matmul_all_to_all_kernel(
+    ctx, x, w, route, recv, flags, state, gin_tiles, sig, out,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
+    CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
+    XB: tl.constexpr,
 ):
     """y = x @ w; chunk [CM, CN] of y for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
     d*CN..) goes to d, whose output holds the chunk from s at rows s*CM.. if CONCAT_ROWS, else at
-    columns s*CN.. (OUT_N columns). Grid: P * TM * TN, program (i, t) = tile t of step i.
+    columns s*CN.. (OUT_N columns). Grid: P * TM * TN (+ P * COPIERS in a GIN job), program
+    (i, t) = tile t of step i.
 
     Step i sends to (me + 1 + i) % P, so step i's arrivals come from (me - 1 - i) % P. Having
     stored its own tile, program (i, t) copies tile t of step i - 1's arrivals into the output:
@@ -119,73 +245,73 @@ def matmul_all_to_all_kernel(
     fetches it over NVLink in its copy-out; without PULL the tile is stored into the destination's
     buffer (slot me there; flags[me * TILES + t] there). PARTS (7 for the op; the breakdown
     benchmark clears bits to see what each costs): 1 sends remote tiles (else they go into this
-    GPU's own output), 2 flags them, 4 copies arrivals out."""
+    GPU's own output), 2 flags them, 4 copies arrivals out.
+
+    GIN (1 when the job has GPUs on other hosts; else gin_tiles and sig are unused): a tile for a
+    destination on another host is packed into gin_tiles and put, one put per tile, into the
+    destination's incoming area, +1 on its signal `sig + half * P + me` (a signal per call parity,
+    so a fast source's next call is never counted for this one). The tile's wait cannot sit in
+    program (i, t): the puts of a source's tiles complete in any order, and a wait for a higher
+    numbered program could deadlock. So P * COPIERS programs after all tiles copy GIN arrivals out
+    (one per source waits for its TILES puts and raises flags[P * TILES + s], the rest wait on that
+    flag). Reuse is safe for the same reason as the exchange buffers: a GPU rewrites half h at call
+    n + 2, after every peer finished call n + 1, so after its puts of call n were read and counted.
+    """
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     pid = tl.program_id(0)
-    if INTERLEAVE:
-        step = pid % P
-        t = pid // P
-    else:
-        step = pid // TILES
-        t = pid % TILES
     me = tl.load(route)
     epoch = tl.load(state)
     half = epoch % 2
-    d = (me + 1 + step) % P
-    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-    r = ti * BM + tl.arange(0, BM)  # rows and columns within a chunk
-    c = tj * BN + tl.arange(0, BN)
-    ok = (r < CM)[:, None] & (c < CN)[None, :]
-    if SPLIT_ROWS:
-        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    if GIN:
+        if pid < P * TILES:
+            _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
+                           M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
+                           PARTS, INTERLEAVE, PULL, GIN, XB)
+        else:
+            _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
+                                 P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
+        _finish_call(state, epoch, P * TILES + P * COPIERS)
     else:
-        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
-    tile = acc.to(out.dtype.element_ty)
-    if d == me or (PARTS & 1) == 0:
-        if CONCAT_ROWS:
-            tl.store(out + (d * CM + r)[:, None] * OUT_N + c[None, :], tile, mask=ok)
-        else:
-            tl.store(out + r[:, None] * OUT_N + (d * CN + c)[None, :], tile, mask=ok)
-    elif PULL:
-        tl.store(recv + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
-        if PARTS & 2:
-            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
-    else:
-        peer = tl.load(route + 1 + d)
-        slot = tgl.peer_ptr(ctx, recv, peer) + (half * P + me) * (CM * CN)
-        tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
-        if PARTS & 2:
-            tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
-    if step > 0 and PARTS & 4:
-        s = (me + P - step) % P
-        if PULL:
-            source = tl.load(route + 1 + s)
-            tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
-            slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
-        else:
-            tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
-            slot = recv + (half * P + s) * (CM * CN)
-        arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
-        if CONCAT_ROWS:
-            tl.store(out + (s * CM + r)[:, None] * OUT_N + c[None, :], arrived, mask=ok)
-        else:
-            tl.store(out + r[:, None] * OUT_N + (s * CN + c)[None, :], arrived, mask=ok)
-    _finish_call(state, epoch, P * TILES)
+        _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
+                       M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
+                       PARTS, INTERLEAVE, PULL, GIN, XB)
+        _finish_call(state, epoch, P * TILES)
+
+
+@triton.jit
+def _copy_rows(dst, x, lo, hi, K: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr):
+    """dst[lo:hi, :] = x[lo:hi, :] for row-major [*, K] arrays, with the whole program."""
+    for r0 in range(lo, hi, SEND_BM):
+        r = r0 + tl.arange(0, SEND_BM)
+        for k0 in range(0, K, SEND_BK):
+            k = k0 + tl.arange(0, SEND_BK)
+            ok = (r < hi)[:, None] & (k < K)[None, :]
+            block = tl.load(x + r[:, None] * K + k[None, :], mask=ok)
+            tl.store(dst + r[:, None] * K + k[None, :], block, mask=ok)
 
 
 @triton.jit
 def all_gather_matmul_kernel(
-    ctx, x, w, route, gather, flags, state, out,
+    ctx, x, w, route, gather, flags, state, sig, out,
     ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr,
+    PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
 ):
     """out [P*ML, N] = all_gather(x [ML, K]) @ w. The shard from s lands in gather half
     `epoch % 2`, slot s, on every other GPU, row group by row group (R tile rows each);
     flags[s * G + g] there = the call counter + 1 once group g has landed.
-    Grid: SENDERS + P * TM * TN."""
+    Grid: SENDERS + P * TM * TN.
+
+    GIN (1 when the job has GPUs on other hosts; else sig is unused): senders go group by group,
+    and a group with a destination on another host is first copied into this GPU's own gather slot
+    (which nothing else uses: the own shard is read from x), then put from there into the same
+    place of each such destination, +1 on its signal `sig + (half * P + me) * G + g` (a signal
+    per call parity, group and source, because puts complete in any order). Having sent, the
+    senders wait for the groups from GIN sources (arrivals_to_flag: one waiter per signal) and
+    raise the same flags an NVLink source would have set, so the computing programs are shared.
+    Senders wait only on other GPUs' senders, which post every put before they wait."""
     TM: tl.constexpr = (ML + BM - 1) // BM
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -194,19 +320,40 @@ def all_gather_matmul_kernel(
     epoch = tl.load(state)
     half = epoch % 2
     if pid < SENDERS:
-        for item in range(pid, (P - 1) * G, SENDERS):
-            d = (me + 1 + item // G) % P
-            g = item % G
-            peer = tl.load(route + 1 + d)
-            slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
-            for r0 in range(g * R * BM, tl.minimum(ML, (g + 1) * R * BM), SEND_BM):
-                r = r0 + tl.arange(0, SEND_BM)
-                for k0 in range(0, K, SEND_BK):
-                    k = k0 + tl.arange(0, SEND_BK)
-                    ok = (r < ML)[:, None] & (k < K)[None, :]
-                    block = tl.load(x + r[:, None] * K + k[None, :], mask=ok)
-                    tl.store(slot + r[:, None] * K + k[None, :], block, mask=ok)
-            tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
+        if GIN:
+            own = gather + (half * P + me) * (ML * K)
+            for g in range(pid, G, SENDERS):
+                lo = g * R * BM
+                hi = tl.minimum(ML, (g + 1) * R * BM)
+                remote = 0
+                for j in tl.static_range(1, P):
+                    remote += gin_route(ctx, route, (me + j) % P, me, GIN)
+                if remote > 0:
+                    _copy_rows(own, x, lo, hi, K, SEND_BM, SEND_BK)
+                for j in tl.static_range(1, P):
+                    d = (me + j) % P
+                    peer = tl.load(route + 1 + d)
+                    if gin_route(ctx, route, d, me, GIN) != 0:
+                        # the same heap offset on d: its slot for this GPU's shard
+                        tgl.put_signal(ctx, own + lo * K, own + lo * K, (hi - lo) * K * XB, peer,
+                                       sig + (half * P + me) * G + g)
+                    else:
+                        _copy_rows(tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K), x, lo, hi, K,
+                                   SEND_BM, SEND_BK)
+                        tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
+            my_rank = tl.load(route + 1 + me)
+            for item in range(pid, P * G, SENDERS):
+                s = item // G
+                if gin_route(ctx, route, s, me, GIN) != 0:
+                    arrivals_to_flag(ctx, sig + (half * P + s) * G + item % G, 1, flags + item, epoch + 1, my_rank)
+        else:
+            for item in range(pid, (P - 1) * G, SENDERS):
+                d = (me + 1 + item // G) % P
+                g = item % G
+                peer = tl.load(route + 1 + d)
+                slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
+                _copy_rows(slot, x, g * R * BM, tl.minimum(ML, (g + 1) * R * BM), K, SEND_BM, SEND_BK)
+                tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
     else:
         q = pid - SENDERS
         s = (me + P - q // TILES) % P  # own shard first, then the nearest sender's

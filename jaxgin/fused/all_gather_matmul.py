@@ -21,6 +21,9 @@ OP = "jaxgin.fused.all_gather_matmul"
 # Programs that push this GPU's shard to its peers; the rest of the grid computes. Enough CTAs to
 # keep NVLink busy (a CTA's stores reach ~20-30 GB/s) while leaving the SMs to the matmul.
 SENDERS = 16
+# Row groups per shard in a job with GIN peers: each is one put and one signal per source and call
+# parity, so 2 * axis size * GIN_GROUPS signals per op configuration.
+GIN_GROUPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,8 @@ def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: st
     On GPUs, method="chunked" (default) pushes this GPU's shard into every peer's heap with the copy
     engine while cuBLAS multiplies the own shard, then each peer's shard as it arrives.
     method="triton" is one Triton kernel: a few programs push the shard (NVLink stores, flagged per
-    row group) while the others compute. Peers must be NVLink (LSA) peers. `precision`, `tiles`
+    row group) while the others compute; peers on other hosts get the shard by GIN puts, row group
+    by row group (a job with such peers runs the Triton kernel for either method). `precision`, `tiles`
     and `method` as in matmul_all_to_all. Differentiable: the backward pass is XLA's (all_gather of x for dw,
     reduce-scatter of the x cotangent).
     """
@@ -75,7 +79,8 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan):
-    if plan.method == "chunked":
+    gin = op_support.gin_in_job(state)
+    if not _common.run_on_triton(plan.method, gin):
         return _chunked.all_gather_matmul(x, w, plan)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
@@ -84,19 +89,20 @@ def _kernel(state, x, w, plan: _Plan):
     precision = _common.dot_precision(dtype, plan.precision)
     tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles)
     tm, tn = -(-plan.m // tiles.block_m), -(-plan.n // tiles.block_n)
-    groups, per_group = _common.row_groups(tm)
+    # GIN: fewer, larger row groups (each a put and a signal per source and call parity)
+    groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
     buffers = _common.op_buffers(
-        state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles),
-        (2, size, plan.m, plan.k), dtype, size * groups,
+        state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin),
+        (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
     )
     return triton_call(
         _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
-        buffers.state,
+        buffers.state, buffers.signals,
         grid=(SENDERS + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=SENDERS,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        SEND_BM=32, SEND_BK=1024,
+        SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize,
     )
 
 

@@ -61,7 +61,9 @@ def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int 
     the peer's copy engine fetches it over NVLink into its result while the next chunk is computed;
     the own chunk is written into the result directly. method="triton" is one Triton kernel that
     stores each output tile for its destination and flags it; destinations fetch tiles during the
-    kernel. Peers must be NVLink (LSA) peers (a GIN-only peer is an error naming it). `precision` is
+    kernel. Peers on other hosts are reached by GIN puts of each finished tile from the kernel; a job
+    with such peers runs the Triton kernel for either method (the copy engine reaches NVLink peers
+    only). `precision` is
     jax's (None follows jax_default_matmul_precision); `tiles` fixes the Triton kernel's TileConfig
     instead of tuning (method="triton" only).
     Differentiable: the backward pass is the swapped all_to_all (jaxgin.all_to_all) then two
@@ -112,8 +114,11 @@ def reference(x, w, plan: _Plan):
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True):
     """The op on GPUs: the chunked custom call, or the fused Triton kernel, whose `parts`, `interleave`
     and `pull` select variants for benchmarks/fused.py (the defaults are the op: see
-    _kernels.matmul_all_to_all_kernel)."""
-    if plan.method == "chunked":
+    _kernels.matmul_all_to_all_kernel). A job with GPUs on other hosts runs the Triton kernel for
+    either method: its tiles go to such GPUs by GIN puts from the matmul's epilogue, while the
+    chunked method's copy engine reaches NVLink peers only (_common.run_on_triton)."""
+    gin = op_support.gin_in_job(state)
+    if not _common.run_on_triton(plan.method, gin):
         return _chunked.matmul_all_to_all(x, w, plan)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
@@ -124,19 +129,25 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles,
                                  "exchange")
     tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
+    copiers = _common.gin_copiers(size, tm * tn) if gin else 0
     buffers = _common.op_buffers(
-        state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles),
-        (2, size, cm, cn), dtype, size * tm * tn,
+        state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
+        (2, size, cm, cn), dtype, size * tm * tn + size * gin,
+        # GIN: [outgoing, incoming] x 2 halves x peers x tiles, one whole tile each; a signal per
+        # (call parity, source)
+        gin_area_shape=(2, 2, size, tm * tn, tiles.block_m * tiles.block_n) if gin else None,
+        signals=2 * size * gin,
     )
     return triton_call(
         _kernels.matmul_all_to_all_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
-        buffers.state,
-        grid=(size * tm * tn,), out_shape=jax.core.ShapedArray(plan.out_shape, dtype),
+        buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
+        grid=(size * tm * tn + size * copiers,), out_shape=jax.core.ShapedArray(plan.out_shape, dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        PARTS=parts, INTERLEAVE=interleave, PULL=pull,
+        PARTS=parts, INTERLEAVE=interleave, PULL=pull, GIN=int(gin), COPIERS=copiers,
+        XB=np.dtype(dtype).itemsize,
     )
 
 

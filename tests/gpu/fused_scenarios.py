@@ -15,7 +15,9 @@ exchange; method="triton": one Triton kernel). Comparisons per case:
   misplaced, lost or left from an earlier call differs by the data's own magnitude.
 Then gradients against jax.grad of the unfused composition, and 200 back-to-back calls inside one
 jit with data that changes every call, each checked (exactly against the same tile code for
-triton, within rounding against XLA for chunked). Prints RESULT: {json}.
+triton, within rounding against XLA for chunked). Where every peer is on another (emulated)
+host, both methods run the Triton kernel's GIN paths; then the bytes and puts each op sends through
+the host transport per call are measured too (`traffic`). Prints RESULT: {json}.
 """
 
 import json
@@ -28,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
 from harness import run_mesh_check
+from jaxgin import transport
 from jaxgin.fused import TileConfig, _common
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
@@ -96,7 +99,11 @@ def check(mesh) -> dict:
         keys = jax.random.split(jax.random.key(m * 7 + k), 3)
         x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
         w = _global(mesh, keys[1], (k, nn), dtype, P())
-        got, exact_ref, xla_ref = fused(x, w), same_tiles(x, w), xla(x, w)
+        # Each jaxgin program is finished before the next program is compiled: over the host
+        # transport (emulated hosts), XLA's compiler and the transport's copies for a program still
+        # running wait for each other (docs/guide.md).
+        got = jax.block_until_ready(fused(x, w))
+        exact_ref, xla_ref = same_tiles(x, w), xla(x, w)
         exact = bool(np.array_equal(_host(got), _host(exact_ref))) if method == "triton" else None
         close = _rel(got, xla_ref)
 
@@ -104,7 +111,7 @@ def check(mesh) -> dict:
         ct = _global(mesh, keys[2], got.shape, dtype, P("x"))
         # (the cotangent is an argument: a multi-process program cannot close over a global array)
         loss = lambda f: (lambda x, w, ct: jnp.sum(f(x, w).astype(jnp.float32) * ct.astype(jnp.float32)))
-        g_fused = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w, ct)
+        g_fused = jax.block_until_ready(jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w, ct))
         g_xla = jax.jit(jax.grad(loss(xla), argnums=(0, 1)))(x, w, ct)
         grad_err = max(_rel(a, b) for a, b in zip(g_fused, g_xla))
 
@@ -125,7 +132,71 @@ def check(mesh) -> dict:
                    exact=exact, rel_err_vs_xla=close, grad_rel_err=grad_err, loop_200_max_rel_diff=loop_err)
         print(json.dumps(row), flush=True)
         report.append(row)
-    return {"devices": n, "processes": jax.process_count(), "cases": report}
+    result = {"devices": n, "processes": jax.process_count(), "cases": report}
+    if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
+        result["traffic"] = [_traffic(mesh, *c) for c in TRAFFIC_CASES]
+    return result
+
+
+# (op, method, M per device, K, N (split_axis=1: per chunk), dtype, split_axis, concat_axis): an
+# even a2a, a2a with ragged
+# columns (tiles packed to their valid columns), all_gather_matmul; "chunked" runs the Triton
+# kernel on GIN jobs too (its tiles are tuned, so only its bytes are predicted).
+TRAFFIC_CASES = [
+    ("a2a", "triton", 512, 256, 384, jnp.bfloat16, 0, 0),
+    ("a2a", "triton", 96, 64, 48, jnp.float32, 1, 0),
+    ("a2a", "chunked", 512, 256, 384, jnp.bfloat16, 0, 0),
+    ("ag", "triton", 256, 192, 320, jnp.bfloat16, None, None),
+    ("ag", "chunked", 256, 192, 320, jnp.bfloat16, None, None),
+]
+
+
+def _transport_totals() -> dict:
+    c = transport.counters()
+    return {"bytes": c["bytes_mapped"] + c["bytes_staged"], "puts": c["puts_mapped"] + c["puts_staged"]}
+
+
+def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -> dict:
+    """What one call puts through the host transport from this process's GPU, next to what it must
+    move: matmul_all_to_all, each other GPU's chunk of x @ w once ((n - 1) * CM * CN items);
+    all_gather_matmul, this GPU's shard once to every other GPU ((n - 1) * M * K items). Puts:
+    one per tile for matmul_all_to_all, one per row group for all_gather_matmul (Triton method,
+    whose tiles are fixed here)."""
+    n = mesh.size
+    if split == 1:
+        nn *= n  # N = the columns of one chunk times the axis size
+    tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
+    how = {"method": method, "tiles": tiles if method == "triton" else None}
+    if op == "a2a":
+        body = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split,  # noqa: E731
+                                                           concat_axis=concat, **how)
+    else:
+        body = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", **how)  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    keys = jax.random.split(jax.random.key(m + nn), 2)
+    x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
+    w = _global(mesh, keys[1], (k, nn), dtype, P())
+    jax.block_until_ready(f(x, w))  # compiled and placed before counting
+    multihost_utils.sync_global_devices("fused_traffic_before")
+    before = _transport_totals()
+    for _ in range(calls):
+        jax.block_until_ready(f(x, w))
+    multihost_utils.sync_global_devices("fused_traffic_after")
+    after = _transport_totals()
+    per_call = {key: (after[key] - before[key]) / calls for key in after}
+    itemsize = np.dtype(dtype).itemsize
+    if op == "a2a":
+        cm, cn = (m // n, nn) if split == 0 else (m, nn // n)
+        minimum = (n - 1) * cm * cn * itemsize
+        puts = (n - 1) * -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
+    else:
+        minimum = (n - 1) * m * k * itemsize
+        tm = -(-m // tiles.block_m)
+        per = -(-tm // 8)  # row groups of a GIN job: at most 8 (all_gather_matmul.GIN_GROUPS)
+        puts = (n - 1) * -(-tm // per)
+    return {"op": op, "method": method, "m": m, "k": k, "n": nn, "dtype": np.dtype(dtype).name, "rank": jax.process_index(),
+            "bytes": per_call["bytes"], "minimum_bytes": minimum, "ratio": per_call["bytes"] / minimum,
+            "puts": per_call["puts"], "expected_puts": puts if method == "triton" else None}
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python tests/gpu/reliability_scenarios.py memory_model [RANK N ADDR]   #   or one of N processes
     python tests/gpu/reliability_scenarios.py starved [RANK N ADDR]
     python tests/gpu/reliability_scenarios.py fault KIND RANK N ADDR       # one of N processes (KIND: lines,
-                                                                           #   ring, or moe)
+                                                                           #   ring, moe or matmul_all_to_all)
 
 Each prints one JSON line prefixed with RESULT:.
 """
@@ -91,7 +91,7 @@ KILL_AT = 20  # iterations the victim completes before it dies
 
 # Per-device ppermute payloads of the fault scenario: a line message (line exchange kernel) and a
 # 16 KiB one (two ring chunks, generic exchange kernel).
-FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024), "moe": (64, 256)}  # per-GPU shapes
+FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024), "moe": (64, 256), "matmul_all_to_all": (128, 64)}  # per GPU
 
 
 def _moe_round_trip(jax, jaxgin, mesh):
@@ -110,11 +110,25 @@ def _moe_round_trip(jax, jaxgin, mesh):
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
 
+def _matmul_all_to_all(jax, jaxgin, mesh):
+    """v -> matmul_all_to_all(v, identity) over axis "x" (method="chunked", which runs the Triton
+    kernel's GIN paths when peers are on other hosts): v's row blocks trade places each call."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def step(v):
+        eye = jnp.eye(v.shape[1], dtype=v.dtype)
+        return jaxgin.fused.matmul_all_to_all(v, eye, axis_name="x") + 1
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
 def fault(argv):
     """The last rank dies mid-loop (os._exit, no finalize); the others must fail with jaxgin's
     named wait timeout, not hang. Reports how long after their last good iteration they failed,
     then finalizes and reports the GPU memory in use before and after. argv: the message kind
-    (FAULT_MESSAGES: a ppermute of that size each iteration; "moe": a MoE dispatch and combine),
+    (FAULT_MESSAGES: a ppermute of that size each iteration; "moe": a MoE dispatch and combine;
+    "matmul_all_to_all": the fused op),
     then rank, world and coordinator address."""
     message, argv = argv[0], argv[1:]
     used = {}
@@ -128,6 +142,8 @@ def fault(argv):
     mesh = ops_scenarios._mesh(jax)
     if message == "moe":
         f = _moe_round_trip(jax, jaxgin, mesh)
+    elif message == "matmul_all_to_all":
+        f = _matmul_all_to_all(jax, jaxgin, mesh)
     else:
         ring = [(i, (i + 1) % n) for i in range(n)]
         f = jax.jit(jax.shard_map(lambda v: jaxgin.ppermute(v, "x", ring) + 1, mesh=mesh, in_specs=P("x"),

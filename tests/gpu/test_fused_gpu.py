@@ -63,11 +63,24 @@ def test_peer_that_never_calls_fails_naming_it(op):
 
 
 @pytest.mark.parametrize("world", EMULATED_WORLDS)
-def test_fused_ops_refuse_gin_peers_emulated_hosts(world):
-    """Until the fused kernels get their GIN data path, a mesh whose peers are on other hosts is
-    refused up front with an error that names the GIN peer (never a hang or wrong values)."""
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_fused_ops_emulated_hosts(world, command_buffers):
+    """Every peer on another (emulated) host: both methods run the Triton kernel's GIN paths (tiles
+    put from the matmul's epilogue; the shard put row group by row group), with the same checks as
+    over NVLink, and each call moves exactly what it must through the host transport: every other
+    GPU's chunk (matmul_all_to_all) or this GPU's shard (all_gather_matmul) once per destination,
+    in one put per tile or per row group."""
     require_emulated_hosts()
-    results = run_processes(SCENARIOS, ["check"], world, emulated=True, env={"JAXGIN_TEST_REPORT_ERROR": "1"})
-    record(f"emulated_fused_check_{world}ranks", {"processes": results})
+    results = run_processes(SCENARIOS, ["check"], world, emulated=True, timeout=1800,
+                            xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"emulated_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
-        assert "NVLink (LSA) peer" in result["error"] and "reached through GIN" in result["error"], result
+        assert result["processes"] == world
+        _assert_cases(result)
+        assert len(result["traffic"]) == 5, result
+        for t in result["traffic"]:
+            assert t["bytes"] == t["minimum_bytes"], t  # nothing resent, nothing padded, nothing dropped
+            if t["expected_puts"] is not None:
+                assert t["puts"] == t["expected_puts"], t
+            else:
+                assert t["puts"] > 0, t

@@ -123,10 +123,11 @@ def test_payloads_are_complete_when_the_wait_returns_emulated_hosts(world):
 
 
 @pytest.mark.parametrize("world", EMULATED_WORLDS)
-@pytest.mark.parametrize("kind", ["lines", "moe"], ids=["put_signal", "moe_dispatch"])
+@pytest.mark.parametrize("kind", ["lines", "moe", "matmul_all_to_all"],
+                         ids=["put_signal", "moe_dispatch", "matmul_all_to_all"])
 def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world, kind):
-    """The last rank dies mid-loop (of ppermutes, or of MoE dispatch + combine, where GIN carries
-    the counts, rows and returned rows). Every survivor reports which rank's process ended: in its
+    """The last rank dies mid-loop (of ppermutes; of MoE dispatch + combine, where GIN carries
+    the counts, rows and returned rows; or of matmul_all_to_all, where it carries the tiles). Every survivor reports which rank's process ended: in its
     fault lines, or at the latest on stderr (the transport's line, printed as soon as the
     connection closed) if JAX's coordination service ends it first. Survivors that report fail
     within the timeout with a named fault and finalize cleanly. (GPU memory is not compared: ranks
