@@ -76,7 +76,7 @@ void wait_for(const DeviceState& s, cudaEvent_t event, const char* op) {
     if (e != cudaErrorNotReady) {
       const std::string fault = describe_fault(s);
       throw Error(std::string(op) + ": an earlier jaxgin call on this stream failed on CUDA device " +
-                  std::to_string(s.device) + " (" + cudaGetErrorName(e) + ")" +
+                  std::to_string(s.device) + " (" + cuda_error_text(e) + ")" +
                   (fault.empty() ? std::string() : ": " + fault));
     }
     // Spin briefly (a call near its end), then sleep: this thread holds nothing the GPU needs.

@@ -52,10 +52,6 @@ struct TritonKernel {
 
 ffi::TypeId TritonKernel::id = {};
 
-void check_cuda(cudaError_t status, const std::string& what) {
-  if (status != cudaSuccess) throw Error(what + ": " + cudaGetErrorString(status));
-}
-
 ffi::ErrorOr<std::unique_ptr<TritonKernel>> instantiate(ffi::Span<const int8_t> cubin, std::string_view name,
                                                        ffi::Span<const int64_t>, int64_t, int64_t shared_bytes,
                                                        ffi::Span<const int64_t>, int64_t) {
@@ -87,7 +83,7 @@ ffi::ErrorOr<std::unique_ptr<TritonKernel>> instantiate(ffi::Span<const int8_t> 
   if (status != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, "jaxgin.triton_call: loading Triton kernel " + kernel->name +
                                                      " (" + std::to_string(cubin.size()) +
-                                                     "-byte cubin) failed: " + cudaGetErrorString(status));
+                                                     "-byte cubin) failed: " + cuda_error_text(status));
   return ffi::ErrorOr<std::unique_ptr<TritonKernel>>(std::move(kernel));
 }
 
@@ -99,7 +95,8 @@ void configure_shared(TritonKernel& k, int device) {
   check_cuda(cudaKernelSetAttributeForDevice(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)k.shared_bytes, device),
              "jaxgin.triton_call: allowing " + std::to_string(k.shared_bytes) + " bytes of shared memory for " +
-                 k.name);
+                 k.name,
+             device);
   k.shared_configured.push_back(device);
 }
 
@@ -157,8 +154,7 @@ ffi::Error execute(cudaStream_t stream, int32_t ordinal, TritonKernel* kernel, f
     const dim3 threads((unsigned)(num_warps * 32));
     check_cuda(cudaLaunchKernel(reinterpret_cast<const void*>(kernel->kernel), blocks, threads, pointers.data(),
                                 (size_t)kernel->shared_bytes, stream),
-               "jaxgin.triton_call: launching Triton kernel " + kernel->name + " on CUDA device " +
-                   std::to_string(s.device));
+               "jaxgin.triton_call: launching Triton kernel " + kernel->name, s.device);
     pace_launches(s, stream, "jaxgin.triton_call");
   });
 }

@@ -65,7 +65,7 @@ extern "C" int jaxgin_selftest_exchange(jaxgin_runtime* rt, int32_t rounds, uint
         std::string fault = jaxgin::describe_fault(s);
         if (failure.empty())
           failure = fault.empty() ? std::string("selftest kernel failed on CUDA device ") + std::to_string(s.device) +
-                                        ": " + cudaGetErrorString(e)
+                                        ": " + jaxgin::cuda_error_text(e)
                                   : fault;
         continue;
       }
@@ -133,7 +133,7 @@ extern "C" JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t b
         cudaError_t e = cudaStreamSynchronize(s.stream);
         if (e != cudaSuccess) {
           std::string fault = jaxgin::describe_fault(s);
-          throw jaxgin::DeviceFaultError(fault.empty() ? std::string("exchange failed: ") + cudaGetErrorString(e) : fault);
+          throw jaxgin::DeviceFaultError(fault.empty() ? std::string("exchange failed: ") + jaxgin::cuda_error_text(e) : fault);
         }
         float ms = 0;
         JAXGIN_CUDA(cudaEventElapsedTime(&ms, start[i], stop[i]), s.device);
@@ -165,7 +165,7 @@ extern "C" int jaxgin_wait_signal_on_device(jaxgin_runtime* rt, int32_t local_in
     cudaError_t e = cudaStreamSynchronize(s.stream);
     if (e != cudaSuccess) {
       std::string fault = jaxgin::describe_fault(s);
-      throw jaxgin::DeviceFaultError(fault.empty() ? std::string("wait kernel failed: ") + cudaGetErrorString(e) : fault);
+      throw jaxgin::DeviceFaultError(fault.empty() ? std::string("wait kernel failed: ") + jaxgin::cuda_error_text(e) : fault);
     }
   });
 }

@@ -24,9 +24,18 @@ constexpr int kStatusDeviceFault = 2;
 
 void set_last_error(const std::string& message);
 
-[[noreturn]] inline void throw_cuda(cudaError_t e, const char* what, int device) {
-  throw Error(std::string(what) + " failed on CUDA device " + std::to_string(device) + ": " +
-              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+// How a CUDA runtime error reads in every jaxgin message: its name, then CUDA's description.
+inline std::string cuda_error_text(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+}
+
+[[noreturn]] inline void throw_cuda(cudaError_t e, const std::string& what, int device) {
+  throw Error(what + " failed on CUDA device " + std::to_string(device) + ": " + cuda_error_text(e));
+}
+
+// The one CUDA error check: `what` says what was being done (JAXGIN_CUDA passes the call's text).
+inline void check_cuda(cudaError_t e, const std::string& what, int device) {
+  if (e != cudaSuccess) throw_cuda(e, what, device);
 }
 
 [[noreturn]] inline void throw_nccl(ncclResult_t r, const char* what, ncclComm_t comm, int device) {
@@ -54,11 +63,7 @@ int c_api(F&& body) {
 
 }  // namespace jaxgin
 
-#define JAXGIN_CUDA(call, device)                                    \
-  do {                                                               \
-    cudaError_t jaxgin_e_ = (call);                                  \
-    if (jaxgin_e_ != cudaSuccess) jaxgin::throw_cuda(jaxgin_e_, #call, device); \
-  } while (0)
+#define JAXGIN_CUDA(call, device) jaxgin::check_cuda((call), #call, device)
 
 #define JAXGIN_NCCL(call, comm, device)                              \
   do {                                                               \
