@@ -24,7 +24,7 @@ from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
 
 _EXCHANGE_TARGET = "jaxgin_exchange"
-_PPERMUTE, _ALL_TO_ALL = 0, 1
+_PPERMUTE, _ALL_TO_ALL = 0, 1  # ExchangeKind (csrc/ffi/attribute_codes.h; a test holds them equal)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from jaxgin.triton import link
 
 TARGET = "jaxgin_triton_call"
 
-# Parameter kinds of the handler (csrc/ffi/triton_call.cu).
+# Parameter kinds of the handler (ParamKind, csrc/ffi/attribute_codes.h; a test holds them equal).
 _CONTEXT, _OPERAND, _RESULT, _HEAP, _INT32, _INT64, _FLOAT32, _NULL_POINTER = range(8)
 
 _TRITON_TYPES = {

@@ -8,6 +8,7 @@ Each (NCCL, arch) is built once per module and shared by the tests.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -151,11 +152,19 @@ def test_python_constants_equal_the_backend_ones(built):
     install, artifacts, _ = built
     if install.library is None:
         pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
-    from jaxgin import mailbox, runtime
+    from jaxgin import collectives, mailbox, runtime
+
+    tc = importlib.import_module("jaxgin.triton_call")  # the package's name triton_call is the function
 
     python = {"mailbox_header_bytes": mailbox.MAILBOX_HEADER_BYTES, "max_exchange_peers": mailbox.MAX_AXIS_SIZE,
               "line_max_bytes": runtime.LINE_MAX_BYTES, "default_max_queued_calls": runtime.DEFAULT_MAX_QUEUED_CALLS,
-              "max_queued_calls_limit": runtime.MAX_QUEUED_CALLS_LIMIT}
+              "max_queued_calls_limit": runtime.MAX_QUEUED_CALLS_LIMIT,
+              # the custom calls' attribute codes (csrc/ffi/attribute_codes.h)
+              "exchange_kind_ppermute": collectives._PPERMUTE, "exchange_kind_all_to_all": collectives._ALL_TO_ALL,
+              "triton_param_context": tc._CONTEXT, "triton_param_operand": tc._OPERAND,
+              "triton_param_result": tc._RESULT, "triton_param_heap": tc._HEAP, "triton_param_int32": tc._INT32,
+              "triton_param_int64": tc._INT64, "triton_param_float32": tc._FLOAT32,
+              "triton_param_null_pointer": tc._NULL_POINTER}
     code = (
         "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int64()\n"
         "for name in sys.argv[2:]:\n"
@@ -168,6 +177,33 @@ def test_python_constants_equal_the_backend_ones(built):
     assert result.returncode == 0, result.stderr
     exported = {name: int(value) for name, value in (line.split() for line in result.stdout.splitlines())}
     assert exported == python
+
+
+def test_python_reserved_heap_bytes_equal_the_backend_ones(built):
+    """The heap layout jaxgin reserves for itself is computed on both sides (Python checks heap sizes
+    before a backend exists); the backend's jaxgin_reserved_heap_bytes is the definition."""
+    install, artifacts, _ = built
+    if install.library is None:
+        pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
+    from jaxgin import runtime
+
+    configs = [(signals, slots, world, lanes, ring_slots, slot_bytes)
+               for signals, slots in ((1, 1), (511, 0), (1024, 256), (1 << 20, 1 << 20))
+               for world in (1, 2, 8, 64)
+               for lanes, ring_slots, slot_bytes in ((1, 2, 4096), (4, 2, 256 << 10), (64, 3, 1 << 20))]
+    code = (
+        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); f = lib.jaxgin_reserved_heap_bytes\n"
+        "f.restype = ctypes.c_uint64\n"
+        "f.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64]\n"
+        "for line in sys.stdin: print(f(*map(int, line.split())))"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(artifacts.backend)], capture_output=True, text=True,
+                            timeout=120, input="".join(" ".join(map(str, c)) + "\n" for c in configs))
+    assert result.returncode == 0, result.stderr
+    backend = [int(v) for v in result.stdout.split()]
+    python = [runtime.reserved_bytes(s, b, w, runtime.ChannelShape(lanes, slots, slot_bytes))
+              for s, b, w, lanes, slots, slot_bytes in configs]
+    assert backend == python
 
 
 def test_artifacts_layout(built):

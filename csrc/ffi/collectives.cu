@@ -1,6 +1,7 @@
 // XLA FFI handler behind jaxgin.ppermute and jaxgin.all_to_all: turns the op's attributes into an
 // exchange plan for this rank and enqueues the exchange kernel on XLA's stream.
 #include "../kernels/exchange.h"
+#include "attribute_codes.h"
 #include "common.h"
 
 namespace jaxgin::ffi_support {
@@ -8,8 +9,6 @@ namespace jaxgin::ffi_support {
 std::atomic<uint64_t> exchange_calls{0}, put_calls{0}, wait_calls{0};
 
 namespace {
-
-enum ExchangeKind : int64_t { kPpermute = 0, kAllToAll = 1 };
 
 // in/out: for all_to_all, [axis_size][chunk] (row i goes to / comes from axis index i); for
 // ppermute, the whole buffer goes to perm's destination and comes from its source.

@@ -6,34 +6,19 @@
 // context-independent CUDA library (usable on every GPU of the process, no reload per device);
 // the execute stage only fills the parameters and launches, which CUDA graphs can record.
 //
-// Parameters are described by the `params` attribute, pairs (kind, value) in the kernel's order:
-//   kContext      the jaxgin context of the GPU this runs on
-//   kOperand/kResult  the address of XLA operand / result number `value`
-//   kHeap         this GPU's address of symmetric-heap offset `value`
-//   kInt32 / kInt64 / kFloat32  a scalar (float as its bit pattern)
-//   kNullPointer  a pointer parameter Triton appends (global / profile scratch) that the kernel
-//                 was compiled not to use
+// Parameters are described by the `params` attribute, pairs (kind, value) in the kernel's order
+// (ParamKind, attribute_codes.h).
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "attribute_codes.h"
 #include "common.h"
 
 namespace jaxgin::ffi_support {
 namespace {
-
-enum ParamKind : int64_t {
-  kContext = 0,
-  kOperand = 1,
-  kResult = 2,
-  kHeap = 3,
-  kInt32 = 4,
-  kInt64 = 5,
-  kFloat32 = 6,
-  kNullPointer = 7,
-};
 
 // A kernel's code, loaded once per executable; the launch configuration comes with each call.
 struct TritonKernel {

@@ -59,6 +59,10 @@ typedef struct {
 JAXGIN_API int jaxgin_backend_abi(void);
 // A size Python computes with too, by name (csrc/runtime/constants.cu): 0, or -1 for an unknown name.
 JAXGIN_API int jaxgin_constant(const char* name, int64_t* value);
+// The heap bytes jaxgin reserves for itself (csrc/runtime/constants.cu), for the test that holds
+// Python's runtime.reserved_bytes equal.
+JAXGIN_API uint64_t jaxgin_reserved_heap_bytes(uint32_t signal_count, uint32_t barrier_slots, int32_t world,
+                                               uint32_t lanes, uint32_t slots, uint64_t slot_bytes);
 JAXGIN_API int jaxgin_nccl_versions(int32_t* loaded, int32_t* compiled_against);
 JAXGIN_API const char* jaxgin_last_error(void);
 JAXGIN_API int jaxgin_unique_id(char* out);
