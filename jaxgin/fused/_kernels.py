@@ -82,6 +82,14 @@ def _matmul_tile(a, a_rows, w, col0, cols, K: tl.constexpr, N: tl.constexpr, BN:
 
 
 @triton.jit
+def _this_call(route, state):
+    """(this GPU's axis index, the call counter, the half of the two-halved buffers this call uses)."""
+    me = tl.load(route)
+    epoch = tl.load(state)
+    return me, epoch, epoch % 2
+
+
+@triton.jit
 def _finish_call(state, epoch, PROGRAMS: tl.constexpr):
     """Every program calls this last; the last one to arrive advances the call counter."""
     finished = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
@@ -261,9 +269,7 @@ def matmul_all_to_all_kernel(
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     pid = tl.program_id(0)
-    me = tl.load(route)
-    epoch = tl.load(state)
-    half = epoch % 2
+    me, epoch, half = _this_call(route, state)
     if GIN:
         if pid < P * TILES:
             _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
@@ -316,9 +322,7 @@ def all_gather_matmul_kernel(
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     pid = tl.program_id(0)
-    me = tl.load(route)
-    epoch = tl.load(state)
-    half = epoch % 2
+    me, epoch, half = _this_call(route, state)
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
