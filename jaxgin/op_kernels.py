@@ -15,6 +15,10 @@ wait on a signal. ``arrivals_to_flag`` bridges the two: one program waits for a 
 raises the same local flag an NVLink source would have raised, so everything downstream (placement,
 copy-out, the matmul) is shared by both paths.
 
+Every op kernel also follows one call protocol, so that replays need no host values: a call
+counter on the device picks the half of each two-halved buffer (``call_position``), and the last
+program to finish advances it (``finish_call``).
+
 Import only from kernel modules: it needs Triton, an optional dependency.
 """
 
@@ -32,7 +36,7 @@ def gin_route(ctx, route, d, me, GIN: tl.constexpr):
     away."""
     gin = me * 0  # a runtime int32 either way, so callers branch on it alike
     if GIN:
-        gin = tgl.gin_peer(ctx, tl.load(route + 1 + d)) * (d != me).to(tl.int32)
+        gin = tgl.gin_peer(ctx, tl.load(route + 1 + d))  # 0 for this GPU itself
     return gin
 
 
@@ -44,3 +48,23 @@ def arrivals_to_flag(ctx, signal, count, flag, value, my_rank):
     sees the puts' payloads. The one waiter per signal that wait_arrivals allows."""
     tgl.wait_arrivals(ctx, signal, count)
     tgl.set_flag(ctx, flag, value, my_rank)
+
+
+@triton.jit
+def call_position(route, state):
+    """(this GPU's axis index, the call counter state[0], the half of the two-halved buffers this
+    call uses)."""
+    me = tl.load(route)
+    epoch = tl.load(state)
+    return me, epoch, epoch % 2
+
+
+@triton.jit
+def finish_call(state, finished, epoch, programs):
+    """Every program of the grid calls this last, with `finished` a counter word of the op's state
+    (zero between calls); the last of `programs` to arrive resets it and advances the call counter
+    state[0] (release: every program's work precedes the next call)."""
+    done = tl.atomic_add(finished, 1, sem="acq_rel", scope="gpu")
+    if done == programs - 1:
+        tl.atomic_xchg(finished, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(state, epoch + 1, sem="release", scope="gpu")

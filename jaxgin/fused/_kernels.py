@@ -31,9 +31,9 @@ rather than with counting signals: any number of programs can wait for the same 
 
 Buffer reuse across calls: the exchange/gather buffers have two halves, picked by the parity of a
 call counter kept on the device (state[0], advanced by the last program to finish; state[1] counts
-finished programs). A GPU that starts call n has received every peer's data of call n - 1, so every
-peer has started n - 1 and finished n - 2: the half that call n writes (its own when pulling, the
-peers' when pushing) is no longer read. Nothing depends on host values, so CUDA-graph replay is
+finished programs: jaxgin.op_kernels.call_position / finish_call). A GPU that starts call n has
+received every peer's data of call n - 1, so every peer has started n - 1 and finished n - 2: the
+half that call n writes (its own when pulling, the peers' when pushing) is no longer read. Nothing depends on host values, so CUDA-graph replay is
 right.
 """
 
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
-from jaxgin.op_kernels import arrivals_to_flag, gin_route
+from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route
 
 
 @triton.jit
@@ -82,23 +82,6 @@ def _matmul_tile(a, a_rows, w, col0, cols, K: tl.constexpr, N: tl.constexpr, BN:
 
 
 @triton.jit
-def _this_call(route, state):
-    """(this GPU's axis index, the call counter, the half of the two-halved buffers this call uses)."""
-    me = tl.load(route)
-    epoch = tl.load(state)
-    return me, epoch, epoch % 2
-
-
-@triton.jit
-def _finish_call(state, epoch, PROGRAMS: tl.constexpr):
-    """Every program calls this last; the last one to arrive advances the call counter."""
-    finished = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
-    if finished == PROGRAMS - 1:
-        tl.atomic_xchg(state + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state, epoch + 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def matmul_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """The fused kernels' matmul alone (out = x @ w): the reference for their compute speed and
@@ -129,6 +112,16 @@ def _gin_tile_slot(gin_tiles, incoming, half, peer_index, t, P: tl.constexpr, TI
     area [2 directions, 2 halves, P, TILES, BM * BN]: packed rows of the tile's valid columns."""
     index = ((incoming * 2 + half) * P + peer_index) * TILES + t
     return gin_tiles + index.to(tl.int64) * (BM * BN)
+
+
+@triton.jit
+def _packed_tile(ti, tj, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The layout of tile (ti, tj) of a [CM, CN] chunk in the GIN tile area, the same on both
+    sides of the put: its valid rows of its valid columns, packed. Returns (offsets of the
+    [BM, BN] tile's elements there, valid rows, valid columns)."""
+    rows = tl.minimum(CM - ti * BM, BM)
+    cols = tl.minimum(CN - tj * BN, BN)
+    return tl.arange(0, BM)[:, None] * cols + tl.arange(0, BN)[None, :], rows, cols
 
 
 @triton.jit
@@ -164,9 +157,7 @@ def _exchange_tile(
     elif gin_route(ctx, route, d, me, GIN) != 0:
         # Another host: the tile's valid rows and columns, packed, into the outgoing tile area,
         # then one put into d's incoming area (slot me there), +1 on d's signal for this source.
-        rows = tl.minimum(CM - ti * BM, BM)
-        cols = tl.minimum(CN - tj * BN, BN)
-        packed = tl.arange(0, BM)[:, None] * cols + tl.arange(0, BN)[None, :]
+        packed, rows, cols = _packed_tile(ti, tj, CM, CN, BM, BN)
         staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
         tl.store(staged + packed, tile, mask=ok)
         there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
@@ -219,8 +210,7 @@ def _copy_out_gin_source(
             r = ti * BM + tl.arange(0, BM)
             c = tj * BN + tl.arange(0, BN)
             ok = (r < CM)[:, None] & (c < CN)[None, :]
-            cols = tl.minimum(CN - tj * BN, BN)
-            packed = tl.arange(0, BM)[:, None] * cols + tl.arange(0, BN)[None, :]
+            packed, _, _ = _packed_tile(ti, tj, CM, CN, BM, BN)
             arrived = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok,
                               cache_modifier=".cg")
             _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
@@ -269,7 +259,7 @@ def matmul_all_to_all_kernel(
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     pid = tl.program_id(0)
-    me, epoch, half = _this_call(route, state)
+    me, epoch, half = call_position(route, state)
     if GIN:
         if pid < P * TILES:
             _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
@@ -278,12 +268,12 @@ def matmul_all_to_all_kernel(
         else:
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
                                  P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
-        _finish_call(state, epoch, P * TILES + P * COPIERS)
+        finish_call(state, state + 1, epoch, P * TILES + P * COPIERS)
     else:
         _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
                        PARTS, INTERLEAVE, PULL, GIN, XB)
-        _finish_call(state, epoch, P * TILES)
+        finish_call(state, state + 1, epoch, P * TILES)
 
 
 @triton.jit
@@ -322,16 +312,16 @@ def all_gather_matmul_kernel(
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     pid = tl.program_id(0)
-    me, epoch, half = _this_call(route, state)
+    me, epoch, half = call_position(route, state)
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
+            remote = 0  # destinations on other hosts: a group is staged only for them
+            for j in tl.static_range(1, P):
+                remote += gin_route(ctx, route, (me + j) % P, me, GIN)
             for g in range(pid, G, SENDERS):
                 lo = g * R * BM
                 hi = tl.minimum(ML, (g + 1) * R * BM)
-                remote = 0
-                for j in tl.static_range(1, P):
-                    remote += gin_route(ctx, route, (me + j) % P, me, GIN)
                 if remote > 0:
                     _copy_rows(own, x, lo, hi, K, SEND_BM, SEND_BK)
                 for j in tl.static_range(1, P):
@@ -372,4 +362,4 @@ def all_gather_matmul_kernel(
         c = tj * BN + tl.arange(0, BN)
         ok = (r < ML)[:, None] & (c < N)[None, :]
         tl.store(out + (s * ML + r)[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=ok)
-    _finish_call(state, epoch, SENDERS + P * TILES)
+    finish_call(state, state + 1, epoch, SENDERS + P * TILES)

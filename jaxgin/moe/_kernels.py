@@ -29,9 +29,10 @@ combine:
   3. every token adds up what each GPU returned for it.
 
 Peers on other hosts (GIN). Each peer's path is picked on the device (jaxgin.op_kernels.gin_route,
-shared with the fused kernels); NVLink peers take the stores above. A NIC reads only the symmetric heap and the network rewards few large
-transfers, so for a GIN peer d the rows above go into this GPU's send area for d instead (send_x,
-send_meta, send_w, laid out as the staging rows d will hold, rows 0 .. n_d - 1), and:
+shared with the fused kernels); NVLink peers take the stores above. A NIC reads only the symmetric
+heap and the network rewards few large transfers, so for a GIN peer d the rows above go into this
+GPU's send area for d instead (send_x, send_meta, send_w, laid out as the staging rows d will
+hold, rows 0 .. n_d - 1), and:
   - counts: program 0 puts the counts row and the block starts (2 puts, signal `sig + me` there);
     on the receiver, program 0 waits for those 2 arrivals and raises the same local counts flag an
     NVLink peer would have raised, so everything after step 1 is shared;
@@ -42,8 +43,9 @@ send_meta, send_w, laid out as the staging rows d will hold, rows 0 .. n_d - 1),
   - combine: the last program to finish reducing puts each GIN peer's returned rows (1 put, or 1
     increment when empty; signal `sig + 2P + me` there), then waits for 1 arrival from each GIN
     source and raises its combine flag locally.
-Each of those waits is jaxgin.op_kernels.arrivals_to_flag. The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count lives
-on the device: right under CUDA-graph replay). Send areas have two halves like the staging areas:
+Each of those waits is jaxgin.op_kernels.arrivals_to_flag. The counts of arrivals per call are
+fixed, so waits use tgl.wait_arrivals (the consumed count lives on the device: right under
+CUDA-graph replay). Send areas have two halves like the staging areas:
 a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC read it.
 The next step for many hosts (one RDMA transfer per destination host, then NVLink forwarding inside
 it, as DeepEP's internode kernels do) fits this layout: the send area for a host would hold the
@@ -64,7 +66,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
-from jaxgin.op_kernels import arrivals_to_flag, gin_route
+from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route
 
 
 @triton.jit
@@ -84,15 +86,6 @@ def _last_to_arrive(counter, arrivals):
     if last:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     return last
-
-
-@triton.jit
-def _finished(state, epoch, nprog):
-    """Every program calls this last; the last one to arrive advances the call counter."""
-    done = tl.atomic_add(state + 2, 1, sem="acq_rel", scope="gpu")
-    if done == nprog - 1:
-        tl.atomic_xchg(state + 2, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state, epoch + 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -269,10 +262,8 @@ def dispatch_kernel(
     SEND_STEP: tl.constexpr = NS if NS > 0 else 1
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    me = tl.load(route)
+    me, epoch, half = call_position(route, state)
     my_rank = tl.load(route + 1 + me)
-    epoch = tl.load(state)
-    half = epoch % 2
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
     es = tl.arange(0, BE)
@@ -365,7 +356,7 @@ def dispatch_kernel(
         tl.store(out_expert_counts + es, kept, mask=es < EL)
         tl.store(out_rows + ps, rows_from, mask=ps < P)
         tl.store(out_dropped, tl.sum(total) - tl.sum(kept))
-    _finished(state, epoch, nprog)
+    finish_call(state, state + 2, epoch, nprog)
 
 
 @triton.jit
@@ -380,10 +371,8 @@ def combine_kernel(
     TB: tl.constexpr = (T + BT - 1) // BT
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    me = tl.load(route)
+    me, epoch, half = call_position(route, state)
     my_rank = tl.load(route + 1 + me)
-    epoch = tl.load(state)
-    half = epoch % 2
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
@@ -470,4 +459,4 @@ def combine_kernel(
                 acc += v.to(tl.float32)
             tl.store(out + t[:, None].to(tl.int64) * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=t_ok[:, None] & h_ok[None, :])
-    _finished(state, epoch, nprog)
+    finish_call(state, state + 2, epoch, nprog)

@@ -194,8 +194,8 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
         tm = -(-m // tiles.block_m)
         per = -(-tm // 8)  # row groups of a GIN job: at most 8 (all_gather_matmul.GIN_GROUPS)
         puts = (n - 1) * -(-tm // per)
-    return {"op": op, "method": method, "m": m, "k": k, "n": nn, "dtype": np.dtype(dtype).name, "rank": jax.process_index(),
-            "bytes": per_call["bytes"], "minimum_bytes": minimum, "ratio": per_call["bytes"] / minimum,
+    return {"op": op, "method": method, "m": m, "k": k, "n": nn, "dtype": np.dtype(dtype).name,
+            "rank": jax.process_index(), "bytes": per_call["bytes"], "minimum_bytes": minimum, "ratio": per_call["bytes"] / minimum,
             "puts": per_call["puts"], "expected_puts": puts if method == "triton" else None}
 
 

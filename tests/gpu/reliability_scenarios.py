@@ -128,8 +128,7 @@ def fault(argv):
     named wait timeout, not hang. Reports how long after their last good iteration they failed,
     then finalizes and reports the GPU memory in use before and after. argv: the message kind
     (FAULT_MESSAGES: a ppermute of that size each iteration; "moe": a MoE dispatch and combine;
-    "matmul_all_to_all": the fused op),
-    then rank, world and coordinator address."""
+    "matmul_all_to_all": the fused op), then rank, world and coordinator address."""
     message, argv = argv[0], argv[1:]
     used = {}
     gpu = job.physical_gpu(int(argv[0]))

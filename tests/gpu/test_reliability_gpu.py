@@ -127,11 +127,11 @@ def test_payloads_are_complete_when_the_wait_returns_emulated_hosts(world):
                          ids=["put_signal", "moe_dispatch", "matmul_all_to_all"])
 def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world, kind):
     """The last rank dies mid-loop (of ppermutes; of MoE dispatch + combine, where GIN carries
-    the counts, rows and returned rows; or of matmul_all_to_all, where it carries the tiles). Every survivor reports which rank's process ended: in its
-    fault lines, or at the latest on stderr (the transport's line, printed as soon as the
-    connection closed) if JAX's coordination service ends it first. Survivors that report fail
-    within the timeout with a named fault and finalize cleanly. (GPU memory is not compared: ranks
-    share GPUs.)"""
+    the counts, rows and returned rows; or of matmul_all_to_all, where it carries the tiles).
+    Every survivor reports which rank's process ended: in its fault lines, or at the latest on
+    stderr (the transport's line, printed as soon as the connection closed) if JAX's coordination
+    service ends it first. Survivors that report fail within the timeout with a named fault and
+    finalize cleanly. (GPU memory is not compared: ranks share GPUs.)"""
     require_emulated_hosts()
     env = {"JAXGIN_TIMEOUT": "10", "JAXGIN_RECORD_NCCL_MEMORY": "1"}
     finished = start_processes(SCENARIOS, ["fault", kind], world, timeout=300, env=env, emulated=True)
