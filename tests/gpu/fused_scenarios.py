@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import run_mesh_check
+from harness import PhaseClock, run_mesh_check
 from jaxgin import transport
 from jaxgin.fused import TileConfig, _common
 
@@ -94,6 +94,7 @@ def check(mesh) -> dict:
     n = mesh.size
     report = []
     for (op, m, k, nn, dtype, split, concat), method in ((c, meth) for meth in METHODS for c in cases(n)):
+        clock = PhaseClock()
         tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
         fused, same_tiles, xla, fused_body, same_body = _programs(mesh, op, dtype, split, concat, tiles, method)
         keys = jax.random.split(jax.random.key(m * 7 + k), 3)
@@ -106,6 +107,7 @@ def check(mesh) -> dict:
         exact_ref, xla_ref = same_tiles(x, w), xla(x, w)
         exact = bool(np.array_equal(_host(got), _host(exact_ref))) if method == "triton" else None
         close = _rel(got, xla_ref)
+        clock.lap("values")
 
         # Gradients against the unfused composition (XLA), same cotangent.
         ct = _global(mesh, keys[2], got.shape, dtype, P("x"))
@@ -114,6 +116,7 @@ def check(mesh) -> dict:
         g_fused = jax.block_until_ready(jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w, ct))
         g_xla = jax.jit(jax.grad(loss(xla), argnums=(0, 1)))(x, w, ct)
         grad_err = max(_rel(a, b) for a, b in zip(g_fused, g_xla))
+        clock.lap("gradients")
 
         # 200 calls back to back in one jit, data changing every call, each compared (the largest
         # difference relative to the call's largest value).
@@ -127,14 +130,21 @@ def check(mesh) -> dict:
             return jax.lax.fori_loop(0, 200, body, jnp.float32(0))
 
         looped = jax.jit(jax.shard_map(loop_body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
+        looped = looped.lower(x, w).compile()
+        clock.lap("loop_compile")
         loop_err = float(looped(x, w))
+        clock.lap("loop_run")
         row = dict(op=op, method=method, m=m, k=k, n=nn, dtype=np.dtype(dtype).name, split=split, concat=concat,
-                   exact=exact, rel_err_vs_xla=close, grad_rel_err=grad_err, loop_200_max_rel_diff=loop_err)
+                   exact=exact, rel_err_vs_xla=close, grad_rel_err=grad_err, loop_200_max_rel_diff=loop_err,
+                   seconds=clock.seconds)
         print(json.dumps(row), flush=True)
         report.append(row)
     result = {"devices": n, "processes": jax.process_count(), "cases": report}
     if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
+        clock = PhaseClock()
         result["traffic"] = [_traffic(mesh, *c) for c in TRAFFIC_CASES]
+        clock.lap("traffic")
+        result["seconds"] = clock.seconds
     return result
 
 

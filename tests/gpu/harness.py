@@ -43,6 +43,11 @@ TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {
 EMULATED_WORLDS = [2, 4, 8]
 # The JAXGIN_TEST_HEAP of an emulated rank: eight of them share one GPU with their JAX runtimes.
 EMULATED_HEAP = "1GiB"
+# XLA flags of every emulated rank. No autotuning: each rank would time candidate kernels on a GPU
+# that the other ranks time-slice, which makes its compiles slow and its choices noise. What the
+# tests compare does not depend on which GEMM kernel XLA picks: jaxgin's own kernels are compared
+# exactly, XLA's matmuls within a tolerance that covers any of them.
+EMULATED_XLA_FLAGS = "--xla_gpu_autotune_level=0"
 
 
 def require_emulated_hosts() -> None:
@@ -130,6 +135,8 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
     Returns [(returncode, stdout, stderr)] per rank; ranks still running at `timeout` print their
     stacks (_print_stacks) and are killed, and the others are still collected."""
     port = free_port()
+    if emulated:
+        xla_flags = f"{xla_flags or ''} {EMULATED_XLA_FLAGS}".strip()
     base = scenario_env(world, xla_flags)  # an emulated rank's own CUDA_VISIBLE_DEVICES replaces it
     procs = []
     for r in range(world):
@@ -255,6 +262,22 @@ def went_through_transport(result: dict, *, mapped: bool) -> None:
         assert counters["bytes_staged"] > 0 and counters["bytes_mapped"] == 0, counters  # TCP carried it
 
 
+class PhaseClock:
+    """Wall seconds per phase of a scenario, recorded with its results so that a round's time can be
+    planned and cut where it goes (compiling, or running). Test durations only: ranks that share a
+    GPU time-slice it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        """Charges the time since the previous lap (or the start) to `phase`."""
+        now = time.monotonic()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self._mark, 2)
+        self._mark = now
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -273,9 +296,11 @@ def run_mesh_check(check, axis_name: str) -> None:
 
     import jaxgin
 
+    clock = PhaseClock()
     job.join(sys.argv[2:])
     heap = os.environ.get("JAXGIN_TEST_HEAP")
     jaxgin.initialize(**({"heap_size": heap} if heap else {}))
+    clock.lap("join_and_initialize")
     if os.environ.get("JAXGIN_TEST_REPORT_ERROR") == "1":
         # The test expects the check to fail (a refusal, or a device fault): report how.
         try:
@@ -287,5 +312,8 @@ def run_mesh_check(check, axis_name: str) -> None:
         job.exit_together("report_error")
         os._exit(0)  # after a device fault the CUDA context is unusable: skip teardown
     report = check(Mesh(np.array(jax.devices()), (axis_name,)))
+    clock.lap("check")
     jaxgin.finalize()
+    clock.lap("finalize")
+    report["phase_seconds"] = clock.seconds
     print("RESULT:" + json.dumps(report))

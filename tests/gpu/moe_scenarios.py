@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import run_mesh_check
+from harness import PhaseClock, run_mesh_check
 from jaxgin import transport
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
@@ -141,6 +141,7 @@ def check(mesh) -> dict:
     spec = P("ep")
     report = []
     for name, tokens, hidden, ffn, experts, top_k, dtype, capacity, mode, routing in cases(n):
+        clock = PhaseClock()
         keys = jax.random.split(jax.random.key(tokens * 31 + hidden), 6)
         sharding = NamedSharding(mesh, spec)
         put = lambda a: jax.device_put(np.asarray(a), sharding)  # noqa: E731
@@ -172,6 +173,7 @@ def check(mesh) -> dict:
         launches = _launches_per_call(lambda: exact_fn(x, logits))  # each kernel once per call
         same = _host(same).all(axis=0).tolist()
         combine_err = _rel(got, ref)
+        clock.lap("exact")
 
         layer = lambda x, l, a, b: jaxgin.moe.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep",  # noqa: E731
                                                         capacity=capacity, mode=mode)
@@ -219,6 +221,8 @@ def check(mesh) -> dict:
                        for w in caught)
             row["layer_drop_warnings"] = int(_host(np.array([mine])).sum())
 
+        clock.lap("layer_and_gradients")
+
         # 500 calls back to back, routing changing every call, each compared with the reference.
         def loop(x, logits):
             def body(i, worst):
@@ -232,14 +236,21 @@ def check(mesh) -> dict:
             return jax.lax.fori_loop(0, 500, body, jnp.zeros((2,), jnp.float32))
 
         looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=P()))
+        looped = looped.lower(x, logits).compile()
+        clock.lap("loop_compile")
         loop_wrong, loop_err = (float(v) for v in looped(x, logits))
-        row.update(loop_500_dispatch_mismatches=loop_wrong, loop_500_combine_max_diff=loop_err)
+        clock.lap("loop_run")
+        row.update(loop_500_dispatch_mismatches=loop_wrong, loop_500_combine_max_diff=loop_err, seconds=clock.seconds)
         print(json.dumps(row), flush=True)
         report.append(row)
+    clock = PhaseClock()
     result = {"devices": n, "processes": jax.process_count(), "cases": report, "rows_only": _rows_only_launches(mesh)}
+    clock.lap("rows_only")
     if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
         result["traffic"] = [_traffic(mesh, tokens, mode) for tokens, mode in ((256, "low_latency"),
                                                                                (512, "high_throughput"))]
+        clock.lap("traffic")
+    result["seconds"] = clock.seconds
     return result
 
 
