@@ -13,11 +13,14 @@ picked on the device because a mesh may mix them:
 Increments are counts, not values, and ``wait_arrivals`` consumes them, so only one program may
 wait on a signal. ``arrivals_to_flag`` bridges the two: one program waits for a source's puts and
 raises the same local flag an NVLink source would have raised, so everything downstream (placement,
-copy-out, the matmul) is shared by both paths.
+copy-out, the matmul) is shared by both paths. Where many programs need the same arrivals,
+``wait_gin_source`` makes the first of them that one waiter.
 
 Every op kernel also follows one call protocol, so that replays need no host values: a call
 counter on the device picks the half of each two-halved buffer (``call_position``), and the last
-program to finish advances it (``finish_call``).
+program to finish advances it (``finish_call``). Programs take their roles and their work by the
+order in which they started (``start_order``), never by ``tl.program_id``: waits then point only
+at programs that have started, whatever order the hardware starts a grid's programs in.
 
 Import only from kernel modules: it needs Triton, an optional dependency.
 """
@@ -51,12 +54,40 @@ def arrivals_to_flag(ctx, signal, count, flag, value, my_rank):
 
 
 @triton.jit
+def wait_gin_source(ctx, claim, signal, count, flag, value, my_rank):
+    """CTA-collective. Every program that needs a GIN source's `count` puts on `signal` calls this,
+    and returns once they have arrived. The first caller of the call claims `claim` (a word of the
+    op's state, zero at first, holding the last call that claimed it: `value` = call counter + 1
+    moves it on by compare-and-swap) and hands the arrivals to `flag` (arrivals_to_flag); every
+    caller then waits on the flag. The waiter is thus a program that has started, whichever it
+    is, and no program waits for one that may not have (see start_order). Exactly one claim per
+    call: some program must call this in every call, or the next call's arrivals would be counted
+    against this one."""
+    first = tl.atomic_cas(claim, value - 1, value, sem="relaxed", scope="gpu") == value - 1
+    if first:
+        arrivals_to_flag(ctx, signal, count, flag, value, my_rank)
+    tgl.wait_flag(ctx, flag, value)
+
+
+@triton.jit
 def call_position(route, state):
     """(this GPU's axis index, the call counter state[0], the half of the two-halved buffers this
     call uses)."""
     me = tl.load(route)
     epoch = tl.load(state)
     return me, epoch, epoch % 2
+
+
+@triton.jit
+def start_order(counter, epoch, programs):
+    """This program's place (0 .. programs - 1) in the order the grid's programs started, taken
+    from `counter`, a word of the op's state that only grows (`programs` claims per call; epoch:
+    the call counter). CUDA does not promise to start a grid's programs in program-id order, so
+    a kernel whose programs wait for other programs (on this GPU or on peers) numbers them by
+    this instead: every program at a lower place has started and holds an SM, so if programs only
+    wait for lower places, and the lowest never wait, every wait ends (by induction over places,
+    on every GPU at once), even while another kernel holds some of the SMs."""
+    return (tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") - epoch * programs).to(tl.int32)
 
 
 @triton.jit

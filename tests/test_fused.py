@@ -216,7 +216,9 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
         assert groups <= (module.GIN_GROUPS if gin else 32)
         assert groups * kw["R"] >= -(-512 // tiles.block_m) > (groups - 1) * kw["R"]  # every row tile, once
         assert state.signals.available() == 1024 - 2 * size * groups * gin
+        assert buffers.flags.shape == (size * groups * (1 + gin),)  # GIN: a waiter's claim word per flag
         assert args[6] == buffers.signals
+    assert buffers.state.shape == (3,)  # call counter, finished programs, start order
 
 
 def test_gin_copiers_fill_the_gpu_without_idle_programs():

@@ -143,7 +143,7 @@ def lax_precision(precision):
 class OpBuffers:
     exchange: object  # SymmetricArray: two halves of every peer's slot
     flags: object  # int64 readiness flags, zero at first (see _kernels.py)
-    state: object  # int64[2]: call counter, finished programs (see _kernels.py)
+    state: object  # int64[3]: call counter, finished programs, start order (see _kernels.py)
     gin_area: object = None  # SymmetricArray: GIN staging / receive area (jobs with GIN peers)
     signals: int = 0  # first of the op's signals (jobs with GIN peers)
 
@@ -156,7 +156,7 @@ def op_buffers(state, key, shape, dtype, flags: int, gin_area_shape=None, signal
     return op_support.placed(state, ("fused",) + tuple(key), lambda: OpBuffers(
         op_support.heap_array(state, shape, dtype),
         op_support.heap_array(state, (flags,), np.int64),
-        op_support.heap_array(state, (2,), np.int64),
+        op_support.heap_array(state, (3,), np.int64),
         op_support.heap_array(state, gin_area_shape, dtype) if gin_area_shape is not None else None,
         state.signals.allocate(signals) if signals else 0,
     ))

@@ -23,7 +23,11 @@ for such a peer is put from a heap staging area into a receive area in the peer'
 receiver copies it out. matmul_all_to_all puts each finished tile (packed, one put per tile) from
 the matmul's epilogue; all_gather_matmul's senders put this GPU's shard row group by row group.
 Arrivals are counted by signals, and one program per signal hands them to the flag waiters
-(jaxgin.op_kernels.arrivals_to_flag), so the rest of each kernel is the same for both paths.
+(jaxgin.op_kernels.arrivals_to_flag, wait_gin_source), so the rest of each kernel is the same for
+both paths.
+
+Program numbers below are places in the order the programs started (jaxgin.op_kernels.start_order),
+not tl.program_id: the deadlock-freedom arguments rest on lower numbers having started.
 Kernels compiled for a job without GIN peers (GIN = 0) keep only the NVLink paths.
 
 Readiness is announced with flags (tritongin.language.set_flag / wait_flag) holding the call counter + 1
@@ -31,7 +35,8 @@ rather than with counting signals: any number of programs can wait for the same 
 
 Buffer reuse across calls: the exchange/gather buffers have two halves, picked by the parity of a
 call counter kept on the device (state[0], advanced by the last program to finish; state[1] counts
-finished programs: jaxgin.op_kernels.call_position / finish_call). A GPU that starts call n has
+finished programs; state[2] hands out places in the start order: jaxgin.op_kernels.call_position,
+finish_call, start_order). A GPU that starts call n has
 received every peer's data of call n - 1, so every peer has started n - 1 and finished n - 2: the
 half that call n writes (its own when pulling, the peers' when pushing) is no longer read. Nothing depends on host values, so CUDA-graph replay is
 right.
@@ -41,7 +46,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
-from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route
+from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route, start_order, wait_gin_source
 
 
 @triton.jit
@@ -258,8 +263,9 @@ def matmul_all_to_all_kernel(
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
-    pid = tl.program_id(0)
+    PROGRAMS: tl.constexpr = P * TILES + P * COPIERS  # COPIERS = 0 without GIN
     me, epoch, half = call_position(route, state)
+    pid = start_order(state + 2, epoch, PROGRAMS)  # the program numbers that waits rely on
     if GIN:
         if pid < P * TILES:
             _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
@@ -268,12 +274,11 @@ def matmul_all_to_all_kernel(
         else:
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
                                  P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
-        finish_call(state, state + 1, epoch, P * TILES + P * COPIERS)
     else:
         _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
                        PARTS, INTERLEAVE, PULL, GIN, XB)
-        finish_call(state, state + 1, epoch, P * TILES)
+    finish_call(state, state + 1, epoch, PROGRAMS)
 
 
 @triton.jit
@@ -304,15 +309,16 @@ def all_gather_matmul_kernel(
     and a group with a destination on another host is first copied into this GPU's own gather slot
     (which nothing else uses: the own shard is read from x), then put from there into the same
     place of each such destination, +1 on its signal `sig + (half * P + me) * G + g` (a signal
-    per call parity, group and source, because puts complete in any order). Having sent, the
-    senders wait for the groups from GIN sources (arrivals_to_flag: one waiter per signal) and
-    raise the same flags an NVLink source would have set, so the computing programs are shared.
-    Senders wait only on other GPUs' senders, which post every put before they wait."""
+    per call parity, group and source, because puts complete in any order). The first computing
+    program to need a group from a GIN source waits for its put (wait_gin_source, claim word
+    flags[P * G + s * G + g]) and raises the flag an NVLink source would have set, which the
+    others wait on. Senders never wait, and computing programs wait only for senders (which start
+    first) or for a program that has claimed the wait, so the kernels cannot deadlock."""
     TM: tl.constexpr = (ML + BM - 1) // BM
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
-    pid = tl.program_id(0)
     me, epoch, half = call_position(route, state)
+    pid = start_order(state + 2, epoch, SENDERS + P * TILES)  # senders start first
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
@@ -335,11 +341,6 @@ def all_gather_matmul_kernel(
                         _copy_rows(tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K), x, lo, hi, K,
                                    SEND_BM, SEND_BK)
                         tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
-            my_rank = tl.load(route + 1 + me)
-            for item in range(pid, P * G, SENDERS):
-                s = item // G
-                if gin_route(ctx, route, s, me, GIN) != 0:
-                    arrivals_to_flag(ctx, sig + (half * P + s) * G + item % G, 1, flags + item, epoch + 1, my_rank)
         else:
             for item in range(pid, (P - 1) * G, SENDERS):
                 d = (me + 1 + item // G) % P
@@ -356,7 +357,12 @@ def all_gather_matmul_kernel(
         if s == me:
             a = x
         else:
-            tgl.wait_flag(ctx, flags + s * G + ti // R, epoch + 1)
+            item = s * G + ti // R
+            if gin_route(ctx, route, s, me, GIN) != 0:  # the first program to need the group waits for its put
+                wait_gin_source(ctx, flags + P * G + item, sig + half * P * G + item, 1, flags + item, epoch + 1,
+                                tl.load(route + 1 + me))
+            else:
+                tgl.wait_flag(ctx, flags + item, epoch + 1)
             a = gather + (half * P + s) * (ML * K)
         acc = _matmul_tile(a, r % ML, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
         c = tj * BN + tl.arange(0, BN)

@@ -93,7 +93,8 @@ def _kernel(state, x, w, plan: _Plan):
     groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
     buffers = _common.op_buffers(
         state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin),
-        (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
+        # GIN: a claim word per (source, group) beside its flag: who waits for the put
+        (2, size, plan.m, plan.k), dtype, size * groups * (1 + gin), signals=2 * size * groups * gin,
     )
     return triton_call(
         _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,

@@ -2,9 +2,12 @@
 
 One launch per op, so consecutive calls never interleave on a GPU. Both kernels are persistent:
 the grid is at most one program per SM and programs loop over work items, because programs wait
-for what other programs (of this GPU or of others) sent. All programs of every GPU must be resident
-for those waits to end; a grid larger than the GPU could leave waiting programs occupying the SMs
-that the unsent work needs.
+for what other programs (of this GPU or of others) sent. No wait may depend on a program that has
+not started: another kernel (an XLA collective on another stream, waiting for peers) can hold SMs,
+and CUDA starts a grid's programs in no promised order. So dispatch gives out its roles by start
+order (senders first: jaxgin.op_kernels.start_order), and senders never wait on placers; combine's
+programs claim their work items from a counter, and the one that completes the last raises the
+flags. Whatever subset of programs holds SMs, the work that others wait for gets done.
 
 dispatch (routing arithmetic: _routing.py):
   1. counts first: program 0 writes this GPU's send counts, and where each of its token blocks'
@@ -37,15 +40,15 @@ hold, rows 0 .. n_d - 1), and:
     on the receiver, program 0 waits for those 2 arrivals and raises the same local counts flag an
     NVLink peer would have raised, so everything after step 1 is shared;
   - data: the last sender to finish packing puts each GIN peer's rows, codes and weights (3 puts,
-    signal `sig + P + me` there; 3 bare increments when no row goes there); on the receiver one
-    sender program per GIN source waits for those 3 and raises that source's data_ready flag,
-    which the placers wait on instead of the source's per-block flags;
+    signal `sig + P + me` there; 3 bare increments when no row goes there); on the receiver the
+    first placer to need a GIN source's rows waits for those 3 and raises that source's data_ready
+    flag, which the other placers wait on instead of the source's per-block flags;
   - combine: the last program to finish reducing puts each GIN peer's returned rows (1 put, or 1
     increment when empty; signal `sig + 2P + me` there), then waits for 1 arrival from each GIN
     source and raises its combine flag locally.
-Each of those waits is jaxgin.op_kernels.arrivals_to_flag. The counts of arrivals per call are
-fixed, so waits use tgl.wait_arrivals (the consumed count lives on the device: right under
-CUDA-graph replay). Send areas have two halves like the staging areas:
+Each of those waits is jaxgin.op_kernels.arrivals_to_flag (wait_gin_source for the placers').
+The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count
+lives on the device: right under CUDA-graph replay). Send areas have two halves like the staging areas:
 a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC read it.
 The next step for many hosts (one RDMA transfer per destination host, then NVLink forwarding inside
 it, as DeepEP's internode kernels do) fits this layout: the send area for a host would hold the
@@ -57,7 +60,8 @@ Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/count
 halves picked by a device-side call counter (state[0]) that the last program to finish advances; a
 GPU that starts call n + 1 has received a flag of every peer's call n, so every peer finished call
 n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so they need no
-reset. dispatch: state[2] counts programs done, state[3] senders done packing (GIN). combine:
+reset. dispatch: state[1] hands out places in the start order, state[2] counts programs done,
+state[3] senders done packing (GIN). combine:
 state[1] items completed and state[3] items claimed, over all calls; state[2] programs done.
 Nothing depends on host values, so CUDA-graph replay is right.
 """
@@ -66,7 +70,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
-from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route
+from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route, start_order, wait_gin_source
 
 
 @triton.jit
@@ -196,13 +200,13 @@ def _no_rows_past(out_pos, out_w, source, blk, rows, T: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready, sig,
                  out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
                  C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                  BE: tl.constexpr, GIN: tl.constexpr):
     """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up (for a GIN
-    source: once all its rows arrived)."""
+    source: once all its rows arrived; the first placer to need them waits for their puts)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
@@ -212,7 +216,8 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
     for other in tl.static_range(P - 1):
         s = other + (other >= me).to(tl.int32)
         if gin_route(ctx, route, s, me, GIN) != 0:
-            tgl.wait_flag(ctx, data_ready + s, epoch + 1)
+            wait_gin_source(ctx, data_ready + P + s, sig + P + s, 3, data_ready + s, epoch + 1,
+                            tl.load(route + 1 + me))
         else:
             tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
         starts = stage_starts + (half * P + s) * (T + 1) + blk
@@ -257,12 +262,15 @@ def dispatch_kernel(
     fewer than the grid; the others place. XB: bytes per element of x.
     GIN (1 when the job has GIN peers; else the send areas are not used and may be any buffers):
     send_x / send_meta / send_w / send_head / send_starts shaped like the staging areas, indexed by
-    destination instead of source; data_ready [P] (by source); signals sig .. sig + 2P - 1."""
+    destination instead of source; data_ready [2P] (flags by source, then the claim words of
+    their waiters); signals sig .. sig + 2P - 1."""
     TB: tl.constexpr = (T + BT - 1) // BT
     SEND_STEP: tl.constexpr = NS if NS > 0 else 1
-    pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me, epoch, half = call_position(route, state)
+    # Roles by the order programs started (senders first), so that a placer's waits point only
+    # at programs that have started, here and on the peers (jaxgin.op_kernels.start_order).
+    pid = start_order(state + 1, epoch, nprog)
     my_rank = tl.load(route + 1 + me)
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
@@ -310,7 +318,8 @@ def dispatch_kernel(
             _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
                         send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN)
         if GIN:
-            # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there.
+            # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there
+            # (the first placer to need them waits for them: _place_block).
             if _last_to_arrive(state + 3, NS):
                 for d in tl.static_range(P):
                     if gin_route(ctx, route, d, me, GIN) != 0:
@@ -325,11 +334,6 @@ def dispatch_kernel(
                             tgl.put_signal(ctx, stage_w + dst * K, send_w + src * K, n * K * 4, peer, sig + P + me)
                         else:
                             tgl.signal(ctx, peer, sig + P + me, 3)
-            # One sender per GIN source waits for its 3 arrivals and tells the placers.
-            for s in tl.static_range(P):
-                if s % SEND_STEP == pid:
-                    if gin_route(ctx, route, s, me, GIN) != 0:
-                        arrivals_to_flag(ctx, sig + P + s, 3, data_ready + s, epoch + 1, my_rank)
     else:
         # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
         q = pid - NS
@@ -347,7 +351,7 @@ def dispatch_kernel(
                     tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
                              tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
         for blk in range(q, TB, placers):
-            _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+            _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready, sig,
                          out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                          T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN)
     if pid == 0:

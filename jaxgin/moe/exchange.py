@@ -188,7 +188,8 @@ def _pow2(n: int) -> int:
 def _buffers(state, plan: Plan):
     """The heap buffers of one exchange configuration (op_support.placed): flags and counters start
     at zero on every GPU, as the kernels need. When the job has GIN peers, also the send areas GIN
-    puts read from (a NIC reads only the heap) and 3 signals per source: counts, data, combine."""
+    puts read from (a NIC reads only the heap), a data flag and a waiter's claim word per source,
+    and 3 signals per source: counts, data, combine."""
     gin = op_support.gin_in_job(state)
     key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype, gin)
 
@@ -208,7 +209,7 @@ def _buffers(state, plan: Plan):
             buffers.update(
                 send_x=sym((2, p, t, h), plan.dtype), send_meta=sym((2, p, t, k), np.int32),
                 send_w=sym((2, p, t, k), np.float32), send_head=sym((2, p, el + 1), np.int32),
-                send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((p,), np.int64),
+                send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((2 * p,), np.int64),
                 send_back=sym((2, p, t, h), plan.dtype), signals=state.signals.allocate(3 * p),
             )
         else:  # the kernels compile without their GIN paths and never touch these
@@ -227,7 +228,8 @@ def _sms(state) -> int:
 
 
 def _grid(state, items: int) -> int:
-    """At most one program per SM: the kernels need every program resident (see _kernels.py)."""
+    """At most one program per SM: programs loop over their work items, so more would only wait
+    for an SM (see _kernels.py)."""
     return max(1, min(_sms(state), items))
 
 
