@@ -79,23 +79,28 @@ def call_position(route, state):
 
 
 @triton.jit
-def start_order(counter, epoch, programs):
+def start_order(counter):
     """This program's place (0 .. programs - 1) in the order the grid's programs started, taken
-    from `counter`, a word of the op's state that only grows (`programs` claims per call; epoch:
-    the call counter). CUDA does not promise to start a grid's programs in program-id order, so
-    a kernel whose programs wait for other programs (on this GPU or on peers) numbers them by
-    this instead: every program at a lower place has started and holds an SM, so if programs only
-    wait for lower places, and the lowest never wait, every wait ends (by induction over places,
-    on every GPU at once), even while another kernel holds some of the SMs."""
-    return (tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") - epoch * programs).to(tl.int32)
+    from `counter`, a word of the op's state that is zero when a call starts (finish_call zeroes
+    it). CUDA does not promise to start a grid's programs in program-id order, so a kernel whose
+    programs wait for other programs (on this GPU or on peers) numbers them by this instead: every
+    program at a lower place has started (and holds an SM, or is done), so if programs only wait
+    for lower places, and the lowest never wait, every wait ends (by induction over places, on
+    every GPU at once), even while another kernel holds some of the SMs."""
+    return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
 
 @triton.jit
-def finish_call(state, finished, epoch, programs):
+def finish_call(state, finished, epoch, programs, counters, COUNTERS: tl.constexpr):
     """Every program of the grid calls this last, with `finished` a counter word of the op's state
-    (zero between calls); the last of `programs` to arrive resets it and advances the call counter
-    state[0] (release: every program's work precedes the next call)."""
+    (zero between calls). The last of `programs` to arrive zeroes it and the op's other per-call
+    counters (COUNTERS words from `counters`: every program has made its last claim on them by
+    then), and advances the call counter state[0] (release: every program's work precedes the next
+    call). Zeroed rather than offset by the call number, the counters stay right when calls of one
+    configuration run with different grids."""
     done = tl.atomic_add(finished, 1, sem="acq_rel", scope="gpu")
     if done == programs - 1:
         tl.atomic_xchg(finished, 0, sem="relaxed", scope="gpu")
+        for i in tl.static_range(COUNTERS):
+            tl.atomic_xchg(counters + i, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(state, epoch + 1, sem="release", scope="gpu")

@@ -265,7 +265,7 @@ def matmul_all_to_all_kernel(
     TILES: tl.constexpr = TM * TN
     PROGRAMS: tl.constexpr = P * TILES + P * COPIERS  # COPIERS = 0 without GIN
     me, epoch, half = call_position(route, state)
-    pid = start_order(state + 2, epoch, PROGRAMS)  # the program numbers that waits rely on
+    pid = start_order(state + 2)  # the program numbers that waits rely on
     if GIN:
         if pid < P * TILES:
             _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
@@ -278,7 +278,7 @@ def matmul_all_to_all_kernel(
         _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
                        PARTS, INTERLEAVE, PULL, GIN, XB)
-    finish_call(state, state + 1, epoch, PROGRAMS)
+    finish_call(state, state + 1, epoch, PROGRAMS, state + 2, 1)
 
 
 @triton.jit
@@ -318,7 +318,7 @@ def all_gather_matmul_kernel(
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
-    pid = start_order(state + 2, epoch, SENDERS + P * TILES)  # senders start first
+    pid = start_order(state + 2)  # senders start first
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
@@ -368,4 +368,4 @@ def all_gather_matmul_kernel(
         c = tj * BN + tl.arange(0, BN)
         ok = (r < ML)[:, None] & (c < N)[None, :]
         tl.store(out + (s * ML + r)[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=ok)
-    finish_call(state, state + 1, epoch, SENDERS + P * TILES)
+    finish_call(state, state + 1, epoch, SENDERS + P * TILES, state + 2, 1)

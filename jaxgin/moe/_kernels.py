@@ -61,8 +61,9 @@ halves picked by a device-side call counter (state[0]) that the last program to 
 GPU that starts call n + 1 has received a flag of every peer's call n, so every peer finished call
 n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so they need no
 reset. dispatch: state[1] hands out places in the start order, state[2] counts programs done,
-state[3] senders done packing (GIN). combine:
-state[1] items completed and state[3] items claimed, over all calls; state[2] programs done.
+state[3] senders done packing (GIN). combine: state[1] items completed, state[2] items claimed,
+state[3] programs done. Every counter is zero when a call starts (the last program to finish
+zeroes them), so calls of one configuration may run with different grids (modes, capacities).
 Nothing depends on host values, so CUDA-graph replay is right.
 """
 
@@ -270,7 +271,7 @@ def dispatch_kernel(
     me, epoch, half = call_position(route, state)
     # Roles by the order programs started (senders first), so that a placer's waits point only
     # at programs that have started, here and on the peers (jaxgin.op_kernels.start_order).
-    pid = start_order(state + 1, epoch, nprog)
+    pid = start_order(state + 1)
     my_rank = tl.load(route + 1 + me)
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
@@ -360,7 +361,7 @@ def dispatch_kernel(
         tl.store(out_expert_counts + es, kept, mask=es < EL)
         tl.store(out_rows + ps, rows_from, mask=ps < P)
         tl.store(out_dropped, tl.sum(total) - tl.sum(kept))
-    finish_call(state, state + 2, epoch, nprog)
+    finish_call(state, state + 2, epoch, nprog, state + 1, 1)
 
 
 @triton.jit
@@ -386,12 +387,12 @@ def combine_kernel(
     #    Items are claimed from a counter rather than dealt by program id: programs that are not
     #    resident (a kernel on another stream holds their SMs, such as an XLA collective that waits
     #    for peers whose GPUs are full of programs waiting for this one) then do none of this
-    #    step, and the resident ones finish it. Both counters only grow: each call claims exactly
-    #    ITEMS + nprog times (every program's last claim fails) and completes ITEMS items.
+    #    step, and the resident ones finish it. Both counters start each call at zero (the last
+    #    program to finish zeroes them): a call claims ITEMS + nprog times (every program's last
+    #    claim fails) and completes ITEMS items.
     ITEMS: tl.constexpr = P * TB
-    claim_base = epoch * (ITEMS + nprog)
     mine = pid * 0
-    item = (tl.atomic_add(state + 3, 1, sem="relaxed", scope="gpu") - claim_base).to(tl.int32)
+    item = tl.atomic_add(state + 2, 1, sem="relaxed", scope="gpu").to(tl.int32)
     while item < ITEMS:
         s = item % P  # sources alternate, so NVLink stores and local ones interleave on every SM
         r = (item // P) * BT + tl.arange(0, BT)
@@ -419,13 +420,13 @@ def combine_kernel(
             tl.store(home + row[:, None] * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=r_ok[:, None] & h_ok[None, :])
         mine += 1
-        item = (tl.atomic_add(state + 3, 1, sem="relaxed", scope="gpu") - claim_base).to(tl.int32)
+        item = tl.atomic_add(state + 2, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
     # 2. The program that completes the last item raises this GPU's flag on every NVLink GPU and
     #    puts the rows of every GIN GPU (1 arrival there), then raises the flags of the GIN GPUs
     #    whose rows arrived here.
     tl.debug_barrier()  # the whole program's stores precede the release below
-    before = tl.atomic_add(state + 1, mine.to(tl.int64), sem="acq_rel", scope="sys") - epoch * ITEMS
+    before = tl.atomic_add(state + 1, mine.to(tl.int64), sem="acq_rel", scope="sys")
     if (mine > 0) & (before + mine == ITEMS):
         for d in tl.static_range(P):
             peer = tl.load(route + 1 + d)
@@ -463,4 +464,4 @@ def combine_kernel(
                 acc += v.to(tl.float32)
             tl.store(out + t[:, None].to(tl.int64) * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=t_ok[:, None] & h_ok[None, :])
-    finish_call(state, state + 2, epoch, nprog)
+    finish_call(state, state + 3, epoch, nprog, state + 1, 2)
