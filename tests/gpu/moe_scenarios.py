@@ -20,6 +20,7 @@ masked entries: expert ids -1 and >= E, tokens routed nowhere):
 Prints RESULT: {json}.
 """
 
+import functools
 import json
 import os
 import sys
@@ -136,6 +137,55 @@ def _launches_per_call(run, calls: int = 3) -> dict:
     return {op: sorted({(a - b) / calls for a, b in zip(after[op], before[op])}) for op in after}
 
 
+def _against_reference(x, logits, *, top_k, experts, routing, capacity, mode):
+    """One dispatch and combine (inside shard_map over "ep") next to the reference placement:
+    ([1, 6] whether grouped rows, positions, weights, expert counts, rows per source and dropped
+    entries are equal; combine's result; the reference combine; [1] dropped entries)."""
+    weights, ids = _routed(logits, top_k, experts, routing)
+    sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", capacity=capacity, mode=mode)
+    plan = sent.handle.plan
+    (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped), route = _reference_dispatch(x, ids, weights, plan)
+    # combine the (distinct per row) grouped rows themselves: any misplaced row shows
+    y = (sent.x.astype(jnp.float32) * 1.5 + 0.25).astype(x.dtype)
+    got = jaxgin.moe.combine(y, sent.handle)
+    ref = exchange.combine_reference(y, ref_w, ref_pos, ref_rows, route, plan)
+    same = jnp.array([
+        jnp.array_equal(sent.x, ref_x), jnp.array_equal(sent.handle.positions, ref_pos),
+        jnp.array_equal(sent.handle.weights, ref_w), jnp.array_equal(sent.expert_counts, ref_counts),
+        jnp.array_equal(sent.handle.rows, ref_rows), sent.dropped == ref_dropped,
+    ])
+    return same[None], got, ref, sent.dropped[None]
+
+
+def _grids_in_turn(mesh) -> dict:
+    """One configuration (the same shapes, so the same heap buffers and device counters) called
+    with different grids in turn, three rounds: low_latency, high_throughput (other token blocks,
+    other senders), and a capacity that drops entries (other placers). Each call compared with the
+    reference, as in the loop. Counters kept per call number would go wrong at the first switch."""
+    n, tokens, hidden, experts, top_k = mesh.size, 64, 256, 4 * mesh.size, 2
+    spec = P("ep")
+    sharding = NamedSharding(mesh, spec)
+    keys = jax.random.split(jax.random.key(11), 2)
+    x = jax.device_put(jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(jnp.bfloat16), sharding)
+    logits = jax.device_put(jax.random.normal(keys[1], (n * tokens, experts), jnp.float32), sharding)
+
+    def program(mode, capacity):
+        def compared(x, logits):
+            same, got, ref, _ = _against_reference(x, logits, top_k=top_k, experts=experts, routing="random",
+                                                   capacity=capacity, mode=mode)
+            wrong = jnp.logical_not(jnp.all(same)).astype(jnp.float32)
+            return jnp.stack([wrong, jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))])[None]
+
+        return jax.jit(jax.shard_map(compared, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+
+    programs = [program("low_latency", None), program("high_throughput", None), program("low_latency", tokens // 2)]
+    worst = np.zeros(2)
+    for _ in range(3):
+        for run in programs:
+            worst = np.maximum(worst, _host(jax.block_until_ready(run(x, logits))).max(axis=0))
+    return {"calls": 3 * len(programs), "mismatches": float(worst[0]), "combine_max_diff": float(worst[1])}
+
+
 def check(mesh) -> dict:
     n = mesh.size
     spec = P("ep")
@@ -151,22 +201,8 @@ def check(mesh) -> dict:
         w2 = put((jax.random.normal(keys[3], (experts, ffn, hidden), jnp.float32) / np.sqrt(ffn)).astype(dtype))
         ct = put(jax.random.normal(keys[4], (n * tokens, hidden), jnp.float32).astype(dtype))
 
-        def both(x, logits):
-            weights, ids = _routed(logits, top_k, experts, routing)
-            sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", capacity=capacity,
-                                       mode=mode)
-            plan = sent.handle.plan
-            (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped), route = _reference_dispatch(x, ids, weights, plan)
-            # combine the (distinct per row) grouped rows themselves: any misplaced row shows
-            y = (sent.x.astype(jnp.float32) * 1.5 + 0.25).astype(x.dtype)
-            got = jaxgin.moe.combine(y, sent.handle)
-            ref = exchange.combine_reference(y, ref_w, ref_pos, ref_rows, route, plan)
-            same = jnp.array([
-                jnp.array_equal(sent.x, ref_x), jnp.array_equal(sent.handle.positions, ref_pos),
-                jnp.array_equal(sent.handle.weights, ref_w), jnp.array_equal(sent.expert_counts, ref_counts),
-                jnp.array_equal(sent.handle.rows, ref_rows), sent.dropped == ref_dropped,
-            ])
-            return same[None], got, ref, sent.dropped[None]
+        both = functools.partial(_against_reference, top_k=top_k, experts=experts, routing=routing,
+                                 capacity=capacity, mode=mode)
 
         exact_fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec, spec, spec)))
         same, got, ref, dropped = exact_fn(x, logits)
@@ -244,8 +280,9 @@ def check(mesh) -> dict:
         print(json.dumps(row), flush=True)
         report.append(row)
     clock = PhaseClock()
-    result = {"devices": n, "processes": jax.process_count(), "cases": report, "rows_only": _rows_only_launches(mesh)}
-    clock.lap("rows_only")
+    result = {"devices": n, "processes": jax.process_count(), "cases": report, "rows_only": _rows_only_launches(mesh),
+              "grids_in_turn": _grids_in_turn(mesh)}
+    clock.lap("rows_only_and_grids")
     if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
         result["traffic"] = [_traffic(mesh, tokens, mode) for tokens, mode in ((256, "low_latency"),
                                                                                (512, "high_throughput"))]

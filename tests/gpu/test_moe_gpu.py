@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.gpu, ANY_GPU, NEEDS_TORCH]
 def _assert_cases(result):
     assert len(result["cases"]) == 7, result
     assert result["rows_only"] == {"dispatch": [1.0], "combine": [0.0]}, result  # one kernel per call
+    turns = result["grids_in_turn"]  # one configuration, other modes and capacities in turn
+    assert turns["calls"] == 9 and turns["mismatches"] == 0.0 and turns["combine_max_diff"] <= 0.125, turns
     for case in result["cases"]:
         f32 = case["dtype"] == "float32"
         assert all(case["dispatch_exact"]), case
