@@ -9,8 +9,9 @@
 #   bash tools/emulated-round.sh start [PYTEST ARGS]   # install, build, then pytest (default: tests/gpu)
 #   bash tools/emulated-round.sh wait SECONDS          # up to SECONDS; copies the results into $OUT
 #
-# ROUND_SUITE=emulated or one-gpu runs half of the suite (see below); ROUND_EMULATED_K=EXPR narrows
-# the emulated half further (pytest -k, and-ed with it).
+# ROUND_SUITE=emulated or one-gpu runs half of the suite, a comma-separated list runs halves in
+# that order (one-gpu,emulated: the quick check first), and ROUND_STOP_ON_FAILURE=1 ends the round
+# at a failed half; ROUND_EMULATED_K=EXPR narrows the emulated half further (pytest -k, and-ed).
 # ROUND_COMMANDS=FILE (a shell script in the repo) runs that first, with $RESULTS naming the folder
 # that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output); then pytest
 # only if ROUND_SUITE is set too.
@@ -58,23 +59,32 @@ case "${1:-}" in
       stamp "tests"; python3 -m pytest -v -rA --durations=30 "${parallel[@]}" "$@" 2>&1 | tee "$ROUND/pytest.log"
       echo "pytest exit status $?"
     else
-      # The emulated-hosts tests first, side by side; then the rest one at a time: the one-GPU
-      # tests read the GPU's memory and take XLA's memory pool, so nothing may run beside them.
-      # ROUND_SUITE=emulated or one-gpu runs one half (a machine goes back after 30 minutes held;
-      # the one-GPU half needs no staged NCCL).
-      if [ "${ROUND_SUITE:-all}" != one-gpu ]; then
-        stamp "emulated-hosts tests"
-        JAXGIN_TIMEOUT=${JAXGIN_EMULATED_TIMEOUT:-30} python3 -m pytest -v -rA --durations=40 "${parallel[@]}" tests/gpu \
-          -k "(emulated_hosts or launches_importing)${ROUND_EMULATED_K:+ and ($ROUND_EMULATED_K)}" 2>&1 \
-          | tee "$ROUND/pytest-emulated.log"
-        echo "pytest exit status $? (emulated hosts)"
-      fi
-      if [ "${ROUND_SUITE:-all}" != emulated ]; then
-        stamp "one-GPU tests"
-        python3 -m pytest -v -rA --durations=20 tests/gpu -k "not emulated_hosts and not launches_importing" 2>&1 \
-          | tee "$ROUND/pytest-one-gpu.log"
-        echo "pytest exit status $? (one GPU)"
-      fi
+      # ROUND_SUITE names the halves to run, in order (default: emulated,one-gpu; "all" is that).
+      # The emulated-hosts tests run side by side; the one-GPU tests one at a time: they read the
+      # GPU's memory and take XLA's memory pool, so nothing may run beside them. One-GPU first is
+      # a quick check of the kernels before the long emulated half; with ROUND_STOP_ON_FAILURE=1 a
+      # failed half ends the round (a machine goes back after 30 minutes held).
+      suite=${ROUND_SUITE:-all}
+      [ "$suite" = all ] && suite=emulated,one-gpu
+      for half in ${suite//,/ }; do
+        case "$half" in
+          emulated)
+            stamp "emulated-hosts tests"
+            JAXGIN_TIMEOUT=${JAXGIN_EMULATED_TIMEOUT:-30} python3 -m pytest -v -rA --durations=40 "${parallel[@]}" tests/gpu \
+              -k "(emulated_hosts or launches_importing)${ROUND_EMULATED_K:+ and ($ROUND_EMULATED_K)}" 2>&1 \
+              | tee "$ROUND/pytest-emulated.log"
+            status=$?; echo "pytest exit status $status (emulated hosts)";;
+          one-gpu)
+            stamp "one-GPU tests"
+            python3 -m pytest -v -rA --durations=20 tests/gpu -k "not emulated_hosts and not launches_importing" 2>&1 \
+              | tee "$ROUND/pytest-one-gpu.log"
+            status=$?; echo "pytest exit status $status (one GPU)";;
+          *) echo "ROUND_SUITE: unknown half '$half' (expected emulated, one-gpu or all)"; status=2;;
+        esac
+        if [ "$status" != 0 ] && [ "${ROUND_STOP_ON_FAILURE:-0}" = 1 ]; then
+          echo "stopping: the $half half failed (ROUND_STOP_ON_FAILURE=1)"; break
+        fi
+      done
     fi
     stamp "done"
     touch "$ROUND/done"
@@ -86,7 +96,7 @@ case "${1:-}" in
     OUT=${OUT:-/tmp}
     cp "$ROUND/round.log" "$OUT/round.log" 2>/dev/null
     tar -C "$ROUND" -czf "$OUT/results.tar.gz" results 2>/dev/null
-    grep -E "^(=== |FAILED|ERROR)|(PASSED|FAILED|ERROR) tests|[0-9]+ (passed|failed)|pytest exit" "$ROUND/round.log" \
+    grep -E "^(=== |FAILED|ERROR|stopping|ROUND_SUITE)|(PASSED|FAILED|ERROR) tests|[0-9]+ (passed|failed)|pytest exit" "$ROUND/round.log" \
       | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | tail -80
     ;;
   *) sed -n 2,16p "$0"; exit 2;;
