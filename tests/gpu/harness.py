@@ -46,8 +46,9 @@ EMULATED_HEAP = "1GiB"
 # XLA flags of every emulated rank. No autotuning: each rank would time candidate kernels on a GPU
 # that the other ranks time-slice, which makes its compiles slow and its choices noise. What the
 # tests compare does not depend on which GEMM kernel XLA picks: jaxgin's own kernels are compared
-# exactly, XLA's matmuls within a tolerance that covers any of them.
-EMULATED_XLA_FLAGS = "--xla_gpu_autotune_level=0"
+# exactly, XLA's matmuls within a tolerance that covers any of them. JAXGIN_TEST_EMULATED_XLA_FLAGS
+# replaces them (set it empty to compare a round with autotuning).
+EMULATED_XLA_FLAGS = os.environ.get("JAXGIN_TEST_EMULATED_XLA_FLAGS", "--xla_gpu_autotune_level=0")
 
 
 def require_emulated_hosts() -> None:
