@@ -18,9 +18,10 @@ copy-out, the matmul) is shared by both paths. Where many programs need the same
 
 Every op kernel also follows one call protocol, so that replays need no host values: a call
 counter on the device picks the half of each two-halved buffer (``call_position``), and the last
-program to finish advances it (``finish_call``). Programs take their roles and their work by the
-order in which they started (``start_order``), never by ``tl.program_id``: waits then point only
-at programs that have started, whatever order the hardware starts a grid's programs in.
+program to finish advances it (``finish_call``). Work that other programs wait for is handed out
+by the order in which programs started (``start_order``) or claimed from a counter, never dealt
+by ``tl.program_id``: waits then point only at programs that have started, whatever order the
+hardware starts a grid's programs in.
 
 Import only from kernel modules: it needs Triton, an optional dependency.
 """
