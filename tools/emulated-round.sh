@@ -49,6 +49,13 @@ case "${1:-}" in
     stamp "build"; python3 -m jaxgin.build && python3 -m jaxgin.transport || { echo "build failed"; touch "$ROUND/done"; exit 1; }
     gcc -shared -fPIC -O1 -o /tmp/native_backtrace.so tools/native_backtrace.c -ldl && export LD_PRELOAD=/tmp/native_backtrace.so
     stamp "info"; python3 -m jaxgin.info
+    # The machine's load and the GPU's use every 30 s, beside the results: whether ranks that share
+    # a GPU wait for CPU cores (busy-polling proxy threads) or for the GPU.
+    ( while sleep 30; do
+        echo "$(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used \
+          --format=csv,noheader 2>/dev/null | head -1)"
+      done ) > "$ROUND/results/load.log" 2>&1 &
+    sampler=$!
     if [ -n "${ROUND_COMMANDS:-}" ]; then
       stamp "commands $ROUND_COMMANDS"; RESULTS=$ROUND/results bash "$ROUND_COMMANDS"
       echo "commands exit status $?"
@@ -87,6 +94,7 @@ case "${1:-}" in
       done
     fi
     stamp "done"
+    kill "$sampler" 2>/dev/null
     touch "$ROUND/done"
     ;;
   wait)
