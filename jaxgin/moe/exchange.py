@@ -121,17 +121,30 @@ def _all_to_all(a, plan: Plan):
 
 
 def dispatch_reference(x, weights, route: SourceRoute, plan: Plan):
+    staged_x, staged_meta, staged_w = reference_staging(x, weights, route, plan)
+    received = [_all_to_all(a, plan) for a in (staged_x, staged_meta, staged_w, route.send_counts)]
+    return reference_placement(*received, plan)
+
+
+def reference_staging(x, weights, route: SourceRoute, plan: Plan):
+    """The sending half of the reference dispatch, on one GPU: [P * T] rows per array, block d
+    holding what goes to axis index d (this GPU's staging row there; zero / -1 rows unused)."""
     p, t, k, h = plan.size, plan.tokens, plan.top_k, plan.hidden
     rows = jnp.where(route.slot >= 0, jnp.arange(p, dtype=jnp.int32) * t + route.slot, p * t).reshape(-1)  # [T*P]
     staged_x = jnp.zeros((p * t, h), x.dtype).at[rows].set(jnp.repeat(x, p, axis=0), mode="drop")
     staged_meta = jnp.full((p * t, k), -1, jnp.int32).at[rows].set(route.meta.reshape(t * p, k), mode="drop")
     staged_w = jnp.zeros((p * t, k), jnp.float32).at[rows].set(jnp.repeat(weights, p, axis=0), mode="drop")
-    got_x = _all_to_all(staged_x, plan).reshape(p, t, h)
-    codes = _all_to_all(staged_meta, plan).reshape(p, t, k)
-    got_w = _all_to_all(staged_w, plan).reshape(p, t, k)
-    counts = _all_to_all(route.send_counts, plan)  # [P sources, EL + 1]
+    return staged_x, staged_meta, staged_w
+
+
+def reference_placement(got_x, got_meta, got_w, counts, plan: Plan):
+    """The receiving half of the reference dispatch, on one GPU, from block s of every source's
+    staging (concatenated in source order, [P * T] rows) and every source's send_counts row for
+    this GPU ([P, EL + 1])."""
+    p, t, k, h = plan.size, plan.tokens, plan.top_k, plan.hidden
+    got_x, codes, got_w = got_x.reshape(p, t, h), got_meta.reshape(p, t, k), got_w.reshape(p, t, k)
     positions, kept, dropped = _routing.placement(counts, codes, plan.capacity, plan.local_experts)
-    grouped = jnp.zeros((plan.capacity, h), x.dtype)
+    grouped = jnp.zeros((plan.capacity, h), got_x.dtype)
     for j in range(k):
         target = jnp.where(positions[:, :, j] >= 0, positions[:, :, j], plan.capacity).reshape(-1)
         grouped = grouped.at[target].set(got_x.reshape(p * t, h), mode="drop")
@@ -141,15 +154,27 @@ def dispatch_reference(x, weights, route: SourceRoute, plan: Plan):
 
 def combine_reference(y, weights, positions, rows, route: SourceRoute, plan: Plan):
     del rows  # rows past a source's count have no positions
+    back = _all_to_all(reference_partial_rows(y, weights, positions, plan), plan)
+    return reference_sum_at_home(back, route, plan)
+
+
+def reference_partial_rows(y, weights, positions, plan: Plan):
+    """The reducing half of the reference combine, on one GPU: [P * T, H], block s holding one
+    row per token of source s (its entries here, weighted, rounded like the kernel's rows)."""
     safe = jnp.maximum(positions, 0)
     picked = y[safe].astype(jnp.float32) * jnp.where(positions >= 0, weights, 0.0)[..., None]  # [P, T, K, H]
-    partial = jnp.sum(picked, axis=2).astype(y.dtype)  # rounded like the kernel's return rows
-    back = _all_to_all(partial.reshape(plan.size * plan.tokens, plan.hidden), plan)
+    partial = jnp.sum(picked, axis=2).astype(y.dtype)
+    return partial.reshape(plan.size * plan.tokens, plan.hidden)
+
+
+def reference_sum_at_home(back, route: SourceRoute, plan: Plan):
+    """The home half of the reference combine: each token's rows from the GPUs it went to
+    (block d of `back` from axis index d), summed in float32."""
     back = back.reshape(plan.size, plan.tokens, plan.hidden)
     slot = route.slot
     mine = back[jnp.arange(plan.size)[None, :], jnp.maximum(slot, 0)]  # [T, P, H]
     mine = jnp.where((slot >= 0)[..., None], mine.astype(jnp.float32), 0.0)
-    return jnp.sum(mine, axis=1).astype(y.dtype)
+    return jnp.sum(mine, axis=1).astype(back.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
