@@ -543,3 +543,56 @@ def test_layer_without_drops_stays_quiet_and_checks_only_when_it_could_drop(init
         assert messages == [], capacity
         # nothing can drop (capacity None or >= the worst case): no check at all in the program
         assert ("callback" in f.lower(x, logits, w1, w2).as_text()) == (capacity == rows), capacity
+
+
+def _gpu_moe_scenarios():
+    """tests/gpu/moe_scenarios.py, whose 500-call loop checks each call against a reference it
+    computes without collectives (whole_view_reference); the tests below check that oracle here."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    gpu_tests = str(Path(__file__).with_name("gpu"))
+    if gpu_tests not in sys.path:
+        sys.path.insert(0, gpu_tests)
+    return importlib.import_module("moe_scenarios")
+
+
+def _loop(scenarios, n, case, calls=2):
+    """The GPU scenario's loop for `case` on n devices: [calls that differed, combine difference]."""
+    name, tokens, hidden, ffn, experts, top_k, dtype, capacity, mode, routing = case
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(tokens), 2)
+    x = jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(dtype)
+    logits = scenarios._logits(keys[1], n * tokens, experts, routing)
+    loop = lambda x, logits: scenarios._loop_against_whole_view(  # noqa: E731
+        x, logits, calls=calls, top_k=top_k, experts=experts, routing=routing, capacity=capacity, mode=mode)
+    f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(SPEC, SPEC), out_specs=P()))
+    return [float(v) for v in f(x, logits)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_gpu_loop_oracle_equals_the_collective_reference(init, n):
+    """Where dispatch and combine are the collective reference itself (reference mode), the GPU
+    loop's collective-free reference agrees with them exactly, in every case of the scenario
+    (masked ids, a capacity that drops, experts nobody picks, top_k 1 to 8)."""
+    scenarios = _gpu_moe_scenarios()
+    for case in scenarios.cases(n):
+        assert _loop(scenarios, n, case) == [0.0, 0.0], case[0]
+
+
+def test_gpu_loop_oracle_catches_a_misplaced_row_and_a_wrong_sum(init, monkeypatch):
+    """The oracle is not blind: grouped rows shifted by one count as a differing dispatch, and a
+    combine that is off by 1 shows as a difference of 1."""
+    import dataclasses
+
+    scenarios = _gpu_moe_scenarios()
+    case = scenarios.cases(4)[0]
+    dispatch, combine = jaxgin.moe.dispatch, jaxgin.moe.combine
+    monkeypatch.setattr(jaxgin.moe, "dispatch",
+                        lambda *a, **k: (lambda d: dataclasses.replace(d, x=jnp.roll(d.x, 1, axis=0)))(dispatch(*a, **k)))
+    assert _loop(scenarios, 4, case)[0] == 1.0
+    monkeypatch.setattr(jaxgin.moe, "dispatch", dispatch)
+    monkeypatch.setattr(jaxgin.moe, "combine", lambda *a, **k: combine(*a, **k) + 1)
+    wrong, difference = _loop(scenarios, 4, case)
+    assert wrong == 0.0 and difference == 1.0
