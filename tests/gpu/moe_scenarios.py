@@ -150,12 +150,19 @@ def _against_reference(x, logits, *, top_k, experts, routing, capacity, mode):
     y = (sent.x.astype(jnp.float32) * 1.5 + 0.25).astype(x.dtype)
     got = jaxgin.moe.combine(y, sent.handle)
     ref = exchange.combine_reference(y, ref_w, ref_pos, ref_rows, route, plan)
-    same = jnp.array([
+    same = _same_dispatch(sent, (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped))
+    return same[None], got, ref, sent.dropped[None]
+
+
+def _same_dispatch(sent, reference):
+    """[6] whether dispatch's grouped rows, positions, weights, expert counts, rows per source and
+    dropped entries equal the reference's (in that order)."""
+    ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped = reference
+    return jnp.array([
         jnp.array_equal(sent.x, ref_x), jnp.array_equal(sent.handle.positions, ref_pos),
         jnp.array_equal(sent.handle.weights, ref_w), jnp.array_equal(sent.expert_counts, ref_counts),
         jnp.array_equal(sent.handle.rows, ref_rows), sent.dropped == ref_dropped,
     ])
-    return same[None], got, ref, sent.dropped[None]
 
 
 def _rows_for(stacked, d: int | jax.Array):
@@ -205,14 +212,8 @@ def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capac
         sent = jaxgin.moe.dispatch(xi[me], ids_all[me], weights_all[me], num_experts=experts, axis_name="ep",
                                    capacity=capacity, mode=mode)
         got = jaxgin.moe.combine(expert_fn(sent.x), sent.handle)
-        (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped), ref = whole_view_reference(
-            xi, ids_all, weights_all, sent.handle.plan, me, expert_fn)
-        same = jnp.array([
-            jnp.array_equal(sent.x, ref_x), jnp.array_equal(sent.handle.positions, ref_pos),
-            jnp.array_equal(sent.handle.weights, ref_w), jnp.array_equal(sent.expert_counts, ref_counts),
-            jnp.array_equal(sent.handle.rows, ref_rows), sent.dropped == ref_dropped,
-        ])
-        wrong = jnp.logical_not(jnp.all(same)).astype(jnp.float32)
+        reference, ref = whole_view_reference(xi, ids_all, weights_all, sent.handle.plan, me, expert_fn)
+        wrong = jnp.logical_not(jnp.all(_same_dispatch(sent, reference))).astype(jnp.float32)
         err = jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))
         return jnp.maximum(worst, jax.lax.pmax(jnp.stack([wrong, err]), "ep"))
 
