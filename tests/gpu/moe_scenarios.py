@@ -14,7 +14,8 @@ masked entries: expert ids -1 and >= E, tokens routed nowhere):
   combine) against the dense computation that skips them, the same values and gradients;
 - a capacity that overflows makes moe_layer (without return_stats) warn, counted over processes;
 - 500 calls in one jit with routing that changes every call, dispatch compared exactly and combine
-  within rounding, every call;
+  within rounding, every call (against whole_view_reference: no collectives of its own);
+- one configuration called with other modes and capacities in turn (other grids, same buffers);
 - with emulated hosts (every peer through GIN and jaxgin's host transport), the bytes and puts one
   dispatch and one combine move, next to the least they could.
 Prints RESULT: {json}.
