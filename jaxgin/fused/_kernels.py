@@ -266,18 +266,14 @@ def matmul_all_to_all_kernel(
     PROGRAMS: tl.constexpr = P * TILES + P * COPIERS  # COPIERS = 0 without GIN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + 2)  # the program numbers that waits rely on
-    if GIN:
-        if pid < P * TILES:
-            _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
-                           M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                           PARTS, INTERLEAVE, PULL, GIN, XB)
-        else:
-            _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
-                                 P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
-    else:
+    if pid < P * TILES:
         _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
                        PARTS, INTERLEAVE, PULL, GIN, XB)
+    else:
+        if GIN:  # the copy-out programs exist only in a GIN job (compiled away otherwise: COPIERS = 0)
+            _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
+                                 P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
     finish_call(state, state + 1, epoch, PROGRAMS, state + 2, 1)
 
 
