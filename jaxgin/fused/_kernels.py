@@ -24,11 +24,10 @@ receiver copies it out. matmul_all_to_all puts each finished tile (packed, one p
 the matmul's epilogue; all_gather_matmul's senders put this GPU's shard row group by row group.
 Arrivals are counted by signals, and one program per signal hands them to the flag waiters
 (jaxgin.op_kernels.arrivals_to_flag, wait_gin_source), so the rest of each kernel is the same for
-both paths.
+both paths. Kernels compiled for a job without GIN peers (GIN = 0) keep only the NVLink paths.
 
 Program numbers below are places in the order the programs started (jaxgin.op_kernels.start_order),
 not tl.program_id: the deadlock-freedom arguments rest on lower numbers having started.
-Kernels compiled for a job without GIN peers (GIN = 0) keep only the NVLink paths.
 
 Readiness is announced with flags (tritongin.language.set_flag / wait_flag) holding the call counter + 1
 rather than with counting signals: any number of programs can wait for the same flag.
@@ -36,10 +35,10 @@ rather than with counting signals: any number of programs can wait for the same 
 Buffer reuse across calls: the exchange/gather buffers have two halves, picked by the parity of a
 call counter kept on the device (state[0], advanced by the last program to finish; state[1] counts
 finished programs; state[2] hands out places in the start order: jaxgin.op_kernels.call_position,
-finish_call, start_order). A GPU that starts call n has
-received every peer's data of call n - 1, so every peer has started n - 1 and finished n - 2: the
-half that call n writes (its own when pulling, the peers' when pushing) is no longer read. Nothing depends on host values, so CUDA-graph replay is
-right.
+finish_call, start_order). A GPU that starts call n has received every peer's data of call n - 1,
+so every peer has started n - 1 and finished n - 2: the half that call n writes (its own when
+pulling, the peers' when pushing) is no longer read. Nothing depends on host values, so
+CUDA-graph replay is right.
 """
 
 import triton

@@ -48,8 +48,9 @@ hold, rows 0 .. n_d - 1), and:
     source and raises its combine flag locally.
 Each of those waits is jaxgin.op_kernels.arrivals_to_flag (wait_gin_source for the placers').
 The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count
-lives on the device: right under CUDA-graph replay). Send areas have two halves like the staging areas:
-a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC read it.
+lives on the device: right under CUDA-graph replay). Send areas have two halves like the staging
+areas: a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC
+read it.
 The next step for many hosts (one RDMA transfer per destination host, then NVLink forwarding inside
 it, as DeepEP's internode kernels do) fits this layout: the send area for a host would hold the
 union of its GPUs' rows, and that host's receiving GPU would place them into its neighbours'

@@ -149,9 +149,9 @@ def check(mesh) -> dict:
 
 
 # (op, method, M per device, K, N (split_axis=1: per chunk), dtype, split_axis, concat_axis): an
-# even a2a, a2a with ragged
-# columns (tiles packed to their valid columns), all_gather_matmul; "chunked" runs the Triton
-# kernel on GIN jobs too (its tiles are tuned, so only its bytes are predicted).
+# even a2a, a2a with ragged columns (tiles packed to their valid columns), all_gather_matmul;
+# "chunked" runs the Triton kernel on GIN jobs too (its tiles are tuned, so only its bytes are
+# predicted).
 TRAFFIC_CASES = [
     ("a2a", "triton", 512, 256, 384, jnp.bfloat16, 0, 0),
     ("a2a", "triton", 96, 64, 48, jnp.float32, 1, 0),
