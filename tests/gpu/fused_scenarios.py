@@ -29,9 +29,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, run_mesh_check
-from jaxgin import transport
+from harness import PhaseClock, run_mesh_check, transport_per_call
 from jaxgin.fused import TileConfig, _common
+from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
 
@@ -161,11 +161,6 @@ TRAFFIC_CASES = [
 ]
 
 
-def _transport_totals() -> dict:
-    c = transport.counters()
-    return {"bytes": c["bytes_mapped"] + c["bytes_staged"], "puts": c["puts_mapped"] + c["puts_staged"]}
-
-
 def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -> dict:
     """What one call puts through the host transport from this process's GPU, next to what it must
     move: matmul_all_to_all, each other GPU's chunk of x @ w once ((n - 1) * CM * CN items);
@@ -186,14 +181,7 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
     keys = jax.random.split(jax.random.key(m + nn), 2)
     x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
     w = _global(mesh, keys[1], (k, nn), dtype, P())
-    jax.block_until_ready(f(x, w))  # compiled and placed before counting
-    multihost_utils.sync_global_devices("fused_traffic_before")
-    before = _transport_totals()
-    for _ in range(calls):
-        jax.block_until_ready(f(x, w))
-    multihost_utils.sync_global_devices("fused_traffic_after")
-    after = _transport_totals()
-    per_call = {key: (after[key] - before[key]) / calls for key in after}
+    per_call = transport_per_call(lambda: f(x, w), calls)
     itemsize = np.dtype(dtype).itemsize
     if op == "a2a":
         cm, cn = (m // n, nn) if split == 0 else (m, nn // n)
@@ -202,11 +190,12 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
     else:
         minimum = (n - 1) * m * k * itemsize
         tm = -(-m // tiles.block_m)
-        per = -(-tm // 8)  # row groups of a GIN job: at most 8 (all_gather_matmul.GIN_GROUPS)
+        per = -(-tm // GIN_GROUPS)  # tile rows per row group of a GIN job (at most GIN_GROUPS groups)
         puts = (n - 1) * -(-tm // per)
     return {"op": op, "method": method, "m": m, "k": k, "n": nn, "dtype": np.dtype(dtype).name,
-            "rank": jax.process_index(), "bytes": per_call["bytes"], "minimum_bytes": minimum, "ratio": per_call["bytes"] / minimum,
-            "puts": per_call["puts"], "expected_puts": puts if method == "triton" else None}
+            "rank": jax.process_index(), "bytes": per_call["bytes"], "minimum_bytes": minimum,
+            "ratio": per_call["bytes"] / minimum, "puts": per_call["puts"],
+            "expected_puts": puts if method == "triton" else None}
 
 
 if __name__ == "__main__":

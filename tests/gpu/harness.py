@@ -279,6 +279,30 @@ class PhaseClock:
         self._mark = now
 
 
+def transport_per_call(run, calls: int) -> dict:
+    """What one call of run() puts through jaxgin's host transport from this process: the counters'
+    growth over `calls` calls after a warm one (compiled and placed before counting), divided by
+    `calls`, every process counting between the same two barriers. {"bytes", "puts", "signals"}."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from jaxgin import transport
+
+    def totals() -> dict:
+        c = transport.counters()
+        return {"bytes": c["bytes_mapped"] + c["bytes_staged"], "puts": c["puts_mapped"] + c["puts_staged"],
+                "signals": c["signals_applied"]}
+
+    jax.block_until_ready(run())
+    multihost_utils.sync_global_devices("transport_per_call_before")
+    before = totals()
+    for _ in range(calls):
+        jax.block_until_ready(run())
+    multihost_utils.sync_global_devices("transport_per_call_after")
+    after = totals()
+    return {key: (after[key] - before[key]) / calls for key in after}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

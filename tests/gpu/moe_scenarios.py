@@ -39,8 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, run_mesh_check
-from jaxgin import transport
+from harness import PhaseClock, run_mesh_check, transport_per_call
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
 
@@ -139,6 +138,19 @@ def _launches_per_call(run, calls: int = 3) -> dict:
     return {op: sorted({(a - b) / calls for a, b in zip(after[op], before[op])}) for op in after}
 
 
+def _expert_stand_in(rows):
+    """What the checks put between dispatch and combine: the grouped rows themselves, scaled and
+    shifted (distinct per row, so any misplaced row shows in the combine)."""
+    return (rows.astype(jnp.float32) * 1.5 + 0.25).astype(rows.dtype)
+
+
+def _wrong_and_difference(same, got, ref):
+    """[2]: 1 if any of the dispatch comparisons `same` failed, and the largest difference between
+    the combine `got` and the reference's `ref`."""
+    wrong = jnp.logical_not(jnp.all(same)).astype(jnp.float32)
+    return jnp.stack([wrong, jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))])
+
+
 def _against_reference(x, logits, *, top_k, experts, routing, capacity, mode):
     """One dispatch and combine (inside shard_map over "ep") next to the reference placement:
     ([1, 6] whether grouped rows, positions, weights, expert counts, rows per source and dropped
@@ -147,8 +159,7 @@ def _against_reference(x, logits, *, top_k, experts, routing, capacity, mode):
     sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", capacity=capacity, mode=mode)
     plan = sent.handle.plan
     (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped), route = _reference_dispatch(x, ids, weights, plan)
-    # combine the (distinct per row) grouped rows themselves: any misplaced row shows
-    y = (sent.x.astype(jnp.float32) * 1.5 + 0.25).astype(x.dtype)
+    y = _expert_stand_in(sent.x)
     got = jaxgin.moe.combine(y, sent.handle)
     ref = exchange.combine_reference(y, ref_w, ref_pos, ref_rows, route, plan)
     same = _same_dispatch(sent, (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped))
@@ -204,7 +215,6 @@ def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capac
     xs = jax.lax.all_gather(x, "ep")  # [P, T, H]
     ls = jax.lax.all_gather(logits, "ep")
     me = jax.lax.axis_index("ep")
-    expert_fn = lambda rows: (rows.astype(jnp.float32) * 1.5 + 0.25).astype(rows.dtype)  # noqa: E731
 
     def body(i, worst):
         li = ls * jnp.cos(i * 0.3) + jnp.sin(i * 0.7 + jnp.arange(experts, dtype=jnp.float32))
@@ -212,11 +222,9 @@ def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capac
         weights_all, ids_all = jax.vmap(lambda l: _routed(l, top_k, experts, routing))(li)
         sent = jaxgin.moe.dispatch(xi[me], ids_all[me], weights_all[me], num_experts=experts, axis_name="ep",
                                    capacity=capacity, mode=mode)
-        got = jaxgin.moe.combine(expert_fn(sent.x), sent.handle)
-        reference, ref = whole_view_reference(xi, ids_all, weights_all, sent.handle.plan, me, expert_fn)
-        wrong = jnp.logical_not(jnp.all(_same_dispatch(sent, reference))).astype(jnp.float32)
-        err = jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))
-        return jnp.maximum(worst, jax.lax.pmax(jnp.stack([wrong, err]), "ep"))
+        got = jaxgin.moe.combine(_expert_stand_in(sent.x), sent.handle)
+        reference, ref = whole_view_reference(xi, ids_all, weights_all, sent.handle.plan, me, _expert_stand_in)
+        return jnp.maximum(worst, jax.lax.pmax(_wrong_and_difference(_same_dispatch(sent, reference), got, ref), "ep"))
 
     return jax.lax.fori_loop(0, calls, body, jnp.zeros((2,), jnp.float32))
 
@@ -237,8 +245,7 @@ def _grids_in_turn(mesh) -> dict:
         def compared(x, logits):
             same, got, ref, _ = _against_reference(x, logits, top_k=top_k, experts=experts, routing="random",
                                                    capacity=capacity, mode=mode)
-            wrong = jnp.logical_not(jnp.all(same)).astype(jnp.float32)
-            return jnp.stack([wrong, jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))])[None]
+            return _wrong_and_difference(same, got, ref)[None]
 
         return jax.jit(jax.shard_map(compared, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
 
@@ -346,12 +353,6 @@ def check(mesh) -> dict:
     return result
 
 
-def _transport_totals() -> dict:
-    c = transport.counters()
-    return {"bytes": c["bytes_mapped"] + c["bytes_staged"], "puts": c["puts_mapped"] + c["puts_staged"],
-            "signals": c["signals_applied"]}
-
-
 def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     """What one dispatch and one combine put through the host transport from this process's GPU,
     per call, next to the least they could: for dispatch, each token's row once per destination GPU
@@ -371,17 +372,8 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     round_trip = sm(lambda x, i, w: (lambda d: jaxgin.moe.combine(d.x, d.handle))(go(x, i, w)))
     rows_back = sm(lambda x, i, w: go(x, i, w).handle.rows)  # [n * n]: rows this GPU got from each source
 
-    def per_call(f):
-        jax.block_until_ready(f(x, ids, weights))  # compiled and placed before counting
-        multihost_utils.sync_global_devices("traffic_before")
-        before = _transport_totals()
-        for _ in range(calls):
-            jax.block_until_ready(f(x, ids, weights))
-        multihost_utils.sync_global_devices("traffic_after")
-        after = _transport_totals()
-        return {k: (after[k] - before[k]) / calls for k in after}
-
-    dispatch, both = per_call(only_dispatch), per_call(round_trip)
+    dispatch = transport_per_call(lambda: only_dispatch(x, ids, weights), calls)
+    both = transport_per_call(lambda: round_trip(x, ids, weights), calls)
     me = jax.process_index()  # one GPU per process: its rank along the axis
     itemsize = np.dtype(dtype).itemsize
     mine = np.asarray(_host(ids)).reshape(n, tokens, top_k)[me]
