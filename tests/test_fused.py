@@ -309,3 +309,70 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         calls = set(link.library_calls(ptx))
         gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_wait_arrivals"}
         assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
+
+
+def _gpu_fused_scenarios():
+    """tests/gpu/fused_scenarios.py, whose 200-call loop checks each call against a reference it
+    computes without collectives (written_out_reference); the tests below check that oracle here."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    gpu_tests = str(Path(__file__).with_name("gpu"))
+    if gpu_tests not in sys.path:
+        sys.path.insert(0, gpu_tests)
+    return importlib.import_module("fused_scenarios")
+
+
+def _oracle(scenarios, op, split, concat):
+    import functools
+
+    return functools.partial(scenarios.written_out_reference, op=op, split=split, concat=concat, product=jnp.matmul)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_gpu_loop_oracle_equals_the_collective_composition(init, n):
+    """The GPU loop's collective-free reference, with XLA's matmul as the product, equals the
+    unfused composition through XLA's collective bit for bit, in every case of the scenario (every
+    split/concat pair, ragged chunks, all_gather_matmul)."""
+    scenarios = _gpu_fused_scenarios()
+    mesh = _mesh(n)
+    for op, m, k, nn, dtype, split, concat in scenarios.cases(n):
+        x, w = _data(n, m, k, nn, dtype)
+        oracle = _oracle(scenarios, op, split, concat)
+
+        def both(x, w):
+            written_out = oracle(jax.lax.all_gather(x, "x"), w, jax.lax.axis_index("x"))
+            if op == "a2a":
+                return written_out, jax.lax.all_to_all(jnp.matmul(x, w), "x", split, concat, tiled=True)
+            return written_out, jnp.matmul(jax.lax.all_gather(x, "x", tiled=True), w)
+
+        ours, collective = _sm(mesh, both, (P("x"), P("x")))(x, w)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(collective), err_msg=str((op, m, split, concat)))
+
+
+def _oracle_loop(scenarios, n, case, body=None):
+    op, m, k, nn, dtype, split, concat = case
+    if body is None:
+        if op == "a2a":
+            body = lambda x, w: jaxgin.fused.matmul_all_to_all(  # noqa: E731
+                x, w, axis_name="x", split_axis=split, concat_axis=concat, method="chunked")
+        else:
+            body = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", method="chunked")  # noqa: E731
+    loop = lambda x, w: scenarios.loop_against_written_out(  # noqa: E731
+        x, w, fused_body=body, reference=_oracle(scenarios, op, split, concat), calls=4, fold_every=2)
+    return float(_sm(_mesh(n), loop, P())(*_data(n, m, k, nn, dtype)))
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_gpu_loop_agrees_with_the_ops_and_catches_a_misplaced_row(init, n):
+    """The GPU scenario's loop over the reference-mode ops reports differences within rounding in
+    every case; an op whose output rows are shifted by one shows as a difference of the data's own
+    magnitude."""
+    scenarios = _gpu_fused_scenarios()
+    for case in scenarios.cases(n):
+        assert _oracle_loop(scenarios, n, case) <= (1e-5 if case[4] == jnp.float32 else 1e-2), case
+    op, m, k, nn, dtype, split, concat = case = scenarios.cases(n)[0]
+    shifted = lambda x, w: jnp.roll(  # noqa: E731
+        jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split, concat_axis=concat), 1, axis=0)
+    assert _oracle_loop(scenarios, n, case, shifted) > 0.1

@@ -566,7 +566,8 @@ def _loop(scenarios, n, case, calls=2):
     x = jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32).astype(dtype)
     logits = scenarios._logits(keys[1], n * tokens, experts, routing)
     loop = lambda x, logits: scenarios._loop_against_whole_view(  # noqa: E731
-        x, logits, calls=calls, top_k=top_k, experts=experts, routing=routing, capacity=capacity, mode=mode)
+        x, logits, calls=calls, top_k=top_k, experts=experts, routing=routing, capacity=capacity, mode=mode,
+        fold_every=1)
     f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(SPEC, SPEC), out_specs=P()))
     return [float(v) for v in f(x, logits)]
 

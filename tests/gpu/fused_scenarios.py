@@ -15,11 +15,13 @@ exchange; method="triton": one Triton kernel). Comparisons per case:
   misplaced, lost or left from an earlier call differs by the data's own magnitude.
 Then gradients against jax.grad of the unfused composition, and 200 back-to-back calls inside one
 jit with data that changes every call, each checked (exactly against the same tile code for
-triton, within rounding against XLA for chunked). Where every peer is on another (emulated)
+triton, within rounding against XLA's matmul for chunked) against a reference every GPU computes
+without a collective (`written_out_reference`). Where every peer is on another (emulated)
 host, both methods run the Triton kernel's GIN paths; then the bytes and puts each op sends through
 the host transport per call are measured too (`traffic`). Prints RESULT: {json}.
 """
 
+import functools
 import json
 
 import jax
@@ -34,6 +36,7 @@ from jaxgin.fused import TileConfig, _common
 from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
+LOOP_CALLS, FOLD_EVERY = 200, 20
 
 
 def _host(a) -> np.ndarray:
@@ -76,13 +79,54 @@ def _programs(mesh, op, dtype, split, concat, tiles, method):
         fused = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", precision=prec, **how)
         same_tiles = lambda x, w: _common.matmul(jax.lax.all_gather(x, "x", tiled=True), w, tiles, tile_prec)
         xla = lambda x, w: jnp.matmul(jax.lax.all_gather(x, "x", tiled=True), w, precision=prec)
-    if method == "chunked":
-        same_tiles = xla  # the loop below compares within rounding then
+    if method == "triton":
+        product = lambda a, b: _common.matmul(a, b, tiles, tile_prec)  # noqa: E731
+    else:  # the loop below compares within rounding then
+        product = lambda a, b: jnp.matmul(a, b, precision=prec)  # noqa: E731
+    reference = functools.partial(written_out_reference, op=op, split=split, concat=concat, product=product)
 
     def sm(f):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
-    return sm(fused), sm(same_tiles), sm(xla), fused, same_tiles
+    return sm(fused), sm(same_tiles), sm(xla), fused, reference
+
+
+def written_out_reference(xs, w, me, *, op, split, concat, product):
+    """What GPU `me` gets from the op, computed on it without a collective from every GPU's x
+    [n, m, k]: each source's product(x, w), then the all_to_all (or all_gather) written out. For
+    the loop below: its calls then add no collectives of the reference's own, which in emulated
+    worlds each cost a round of the ranks' GPU time slices. Each source's product has the shape
+    the op computes it in, so the tile code gives the same bits."""
+    n = xs.shape[0]
+    if op == "ag":
+        return product(xs.reshape(n * xs.shape[1], xs.shape[2]), w)
+    ys = [product(xs[j], w) for j in range(n)]
+    size = ys[0].shape[split] // n  # the chunk each source sends to each GPU
+    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(y, me * size, size, axis=split) for y in ys], axis=concat)
+
+
+def loop_against_written_out(x, w, *, fused_body, reference, calls=LOOP_CALLS, fold_every=FOLD_EVERY):
+    """`calls` fused calls back to back in one program (inside shard_map over "x"), data changing
+    every call, each compared with written_out_reference: the largest difference relative to the
+    call's largest value, over every GPU. Every `fold_every` calls the running worst is folded over
+    the GPUs by one XLA collective (pmax), so XLA's collectives still interleave with the op's
+    kernels as in a model, without one per call."""
+    xs = jax.lax.all_gather(x, "x")  # [n, m, k]: every GPU's shard, once
+    me = jax.lax.axis_index("x")
+
+    def call(i, worst):
+        xi = (xs.astype(jnp.float32) * jnp.cos(i * 0.1) + jnp.sin(i * 0.37)).astype(x.dtype)
+        want = reference(xi, w, me).astype(jnp.float32)
+        diff = jnp.abs(fused_body(xi[me], w).astype(jnp.float32) - want).max() / jnp.abs(want).max()
+        return jnp.maximum(worst, diff)
+
+    def stretch(s, worst):
+        local = jax.lax.pcast(worst, "x", to="varying")  # each GPU's own worst until the fold
+        return jax.lax.pmax(jax.lax.fori_loop(s * fold_every, (s + 1) * fold_every, call, local), "x")
+
+    if calls % fold_every:
+        raise ValueError(f"calls ({calls}) must be a multiple of fold_every ({fold_every})")
+    return jax.lax.fori_loop(0, calls // fold_every, stretch, jnp.float32(0))
 
 
 def _global(mesh, key, shape, dtype, spec):
@@ -96,7 +140,7 @@ def check(mesh) -> dict:
     for (op, m, k, nn, dtype, split, concat), method in ((c, meth) for meth in METHODS for c in cases(n)):
         clock = PhaseClock()
         tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
-        fused, same_tiles, xla, fused_body, same_body = _programs(mesh, op, dtype, split, concat, tiles, method)
+        fused, same_tiles, xla, fused_body, reference = _programs(mesh, op, dtype, split, concat, tiles, method)
         keys = jax.random.split(jax.random.key(m * 7 + k), 3)
         x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
         w = _global(mesh, keys[1], (k, nn), dtype, P())
@@ -118,18 +162,9 @@ def check(mesh) -> dict:
         grad_err = max(_rel(a, b) for a, b in zip(g_fused, g_xla))
         clock.lap("gradients")
 
-        # 200 calls back to back in one jit, data changing every call, each compared (the largest
-        # difference relative to the call's largest value).
-        def loop_body(x, w):
-            def body(i, worst):
-                xi = (x.astype(jnp.float32) * jnp.cos(i * 0.1) + jnp.sin(i * 0.37)).astype(x.dtype)
-                want = same_body(xi, w).astype(jnp.float32)
-                diff = jnp.abs(fused_body(xi, w).astype(jnp.float32) - want).max() / jnp.abs(want).max()
-                return jnp.maximum(worst, jax.lax.pmax(diff, "x"))
-
-            return jax.lax.fori_loop(0, 200, body, jnp.float32(0))
-
-        looped = jax.jit(jax.shard_map(loop_body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
+        # 200 calls back to back in one jit, data changing every call, each compared.
+        loop = functools.partial(loop_against_written_out, fused_body=fused_body, reference=reference)
+        looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
         looped = looped.lower(x, w).compile()
         clock.lap("loop_compile")
         loop_err = float(looped(x, w))

@@ -66,7 +66,10 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
     """The environment of rank `rank` of an emulated-hosts job: a host id of its own (shared by
     `ranks_per_host` consecutive ranks, which then reach each other over NVLink when they sit on
     different GPUs), one GPU (ranks spread round-robin over the GPUs present), jaxgin forced onto
-    GIN through the host transport, and no XLA memory pool taken up front (ranks share GPUs)."""
+    GIN through the host transport, no XLA memory pool taken up front (ranks share GPUs), and
+    CUDA's blocking sync for XLA's waits on the GPU. (With one CUDA context per process and more
+    cores than contexts, CUDA spins in those waits; eight to 24 ranks on 16 cores, each with NCCL's
+    GIN and RMA progress threads yield-spinning too, left compiles and the proxies starved.)"""
     gpu = rank % max(GPUS, 1)
     host = f"emuhost{rank // ranks_per_host}"
     return {
@@ -78,6 +81,7 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_TRANSPORT_HOST_ID": host,
         "NCCL_SOCKET_IFNAME": "lo",
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE": "blocking_sync",
         "JAXGIN_FORCE_GIN": "1",
         "JAXGIN_GIN_TRANSPORT": "host",
         "JAXGIN_TRANSPORT_QUIET": "1",
@@ -98,15 +102,36 @@ def keep_outputs(finished) -> None:
     """The whole output of every rank of a job in which some rank exited non-zero, under
     JAXGIN_RESULTS_DIR/nonzero-exit/<test>/ (expected in the fault tests): pytest shows only a
     digest, and only once the session ends, which a GPU round may not reach."""
-    directory = os.environ.get("JAXGIN_RESULTS_DIR")
-    if not directory:
+    folder = _results_path("nonzero-exit")
+    if folder is None:
         return
-    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0]
-    folder = Path(directory, "nonzero-exit", "".join(c if c.isalnum() or c in "-_.[]" else "_" for c in test))
     folder.mkdir(parents=True, exist_ok=True)
     for rank, (code, out, err) in enumerate(finished):
         Path(folder, f"rank{rank}.out").write_text(f"exit code {code}\n{out}")
         Path(folder, f"rank{rank}.err").write_text(err)
+
+
+def _results_path(kind: str) -> Path | None:
+    """JAXGIN_RESULTS_DIR/<kind>/<the running test, as a file name>, or None outside a GPU round."""
+    directory = os.environ.get("JAXGIN_RESULTS_DIR")
+    if not directory:
+        return None
+    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0]
+    return Path(directory, kind, "".join(c if c.isalnum() or c in "-_.[]" else "_" for c in test))
+
+
+def _drain(pipe, sink: list, copy: Path | None = None) -> None:
+    """Reads `pipe` to its end into `sink`; with `copy`, each line also goes to that file as it comes."""
+    out = open(copy, "a") if copy else None
+    try:
+        for line in iter(pipe.readline, ""):
+            sink.append(line)
+            if out:
+                out.write(line)
+                out.flush()
+    finally:
+        if out:
+            out.close()
 
 
 def record(name: str, result: dict) -> None:
@@ -145,9 +170,15 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
         procs.append(subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
                                       env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     # Every pipe is drained by a thread of its own from the start: a rank whose pipe filled up
-    # would block in its write and look hung (XLA logs a lot once a context is broken).
+    # would block in its write and look hung (XLA logs a lot once a context is broken). Rank 0's
+    # output also goes, line by line, to JAXGIN_RESULTS_DIR/progress/: the scenarios print each
+    # case's row as it finishes, which is all that is left of a job that a round's end cuts off.
+    progress = _results_path("progress")
+    if progress is not None:
+        progress.parent.mkdir(parents=True, exist_ok=True)
+        progress = progress.with_name(progress.name + ".log")
     outputs = [{"out": [], "err": []} for _ in procs]
-    readers = [threading.Thread(target=lambda f, sink: sink.extend(iter(f.readline, "")), args=(f, outputs[r][key]),
+    readers = [threading.Thread(target=_drain, args=(f, outputs[r][key], progress if (r, key) == (0, "out") else None),
                                 daemon=True)
                for r, p in enumerate(procs) for key, f in (("out", p.stdout), ("err", p.stderr))]
     for t in readers:

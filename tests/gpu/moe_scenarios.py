@@ -205,18 +205,21 @@ def whole_view_reference(xs, ids_all, weights_all, plan, me, expert_fn):
     return (*dispatched, dropped + masked[me]), combined  # masked entries count as dropped, as in dispatch
 
 
-def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capacity, mode):
+def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capacity, mode, fold_every=50):
     """`calls` dispatches and combines back to back in one program (inside shard_map over "ep"),
     data and routing changing every call, each compared with whole_view_reference: [dispatch
     calls that differed (0 or 1), largest combine difference], over every GPU. Every GPU routes
     every GPU's tokens, so that the op and the reference get the very same weights (a batched
-    router may round differently); each call still ends in one XLA collective (pmax), so XLA's
-    collectives keep interleaving with the op's kernels as in a model."""
+    router may round differently). Every `fold_every` calls the running worst is folded over the
+    GPUs by one XLA collective (pmax), so XLA's collectives keep interleaving with the op's kernels
+    as in a model, without one per call."""
+    if calls % fold_every:
+        raise ValueError(f"calls ({calls}) must be a multiple of fold_every ({fold_every})")
     xs = jax.lax.all_gather(x, "ep")  # [P, T, H]
     ls = jax.lax.all_gather(logits, "ep")
     me = jax.lax.axis_index("ep")
 
-    def body(i, worst):
+    def call(i, worst):
         li = ls * jnp.cos(i * 0.3) + jnp.sin(i * 0.7 + jnp.arange(experts, dtype=jnp.float32))
         xi = (xs.astype(jnp.float32) + jnp.sin(i * 0.11)).astype(x.dtype)
         weights_all, ids_all = jax.vmap(lambda l: _routed(l, top_k, experts, routing))(li)
@@ -224,9 +227,13 @@ def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capac
                                    capacity=capacity, mode=mode)
         got = jaxgin.moe.combine(_expert_stand_in(sent.x), sent.handle)
         reference, ref = whole_view_reference(xi, ids_all, weights_all, sent.handle.plan, me, _expert_stand_in)
-        return jnp.maximum(worst, jax.lax.pmax(_wrong_and_difference(_same_dispatch(sent, reference), got, ref), "ep"))
+        return jnp.maximum(worst, _wrong_and_difference(_same_dispatch(sent, reference), got, ref))
 
-    return jax.lax.fori_loop(0, calls, body, jnp.zeros((2,), jnp.float32))
+    def stretch(s, worst):
+        local = jax.lax.pcast(worst, "ep", to="varying")  # each GPU's own worst until the fold
+        return jax.lax.pmax(jax.lax.fori_loop(s * fold_every, (s + 1) * fold_every, call, local), "ep")
+
+    return jax.lax.fori_loop(0, calls // fold_every, stretch, jnp.zeros((2,), jnp.float32))
 
 
 def _grids_in_turn(mesh) -> dict:
