@@ -66,10 +66,7 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
     """The environment of rank `rank` of an emulated-hosts job: a host id of its own (shared by
     `ranks_per_host` consecutive ranks, which then reach each other over NVLink when they sit on
     different GPUs), one GPU (ranks spread round-robin over the GPUs present), jaxgin forced onto
-    GIN through the host transport, no XLA memory pool taken up front (ranks share GPUs), and
-    CUDA's blocking sync for XLA's waits on the GPU. (With one CUDA context per process and more
-    cores than contexts, CUDA spins in those waits; eight to 24 ranks on 16 cores, each with NCCL's
-    GIN and RMA progress threads yield-spinning too, left compiles and the proxies starved.)"""
+    GIN through the host transport, and no XLA memory pool taken up front (ranks share GPUs)."""
     gpu = rank % max(GPUS, 1)
     host = f"emuhost{rank // ranks_per_host}"
     return {
@@ -81,7 +78,6 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_TRANSPORT_HOST_ID": host,
         "NCCL_SOCKET_IFNAME": "lo",
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE": "blocking_sync",
         "JAXGIN_FORCE_GIN": "1",
         "JAXGIN_GIN_TRANSPORT": "host",
         "JAXGIN_TRANSPORT_QUIET": "1",
