@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, run_mesh_check, transport_per_call
+from harness import PhaseClock, run_mesh_check, selected, transport_per_call
 from jaxgin.fused import TileConfig, _common
 from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 
@@ -137,7 +137,7 @@ def _global(mesh, key, shape, dtype, spec):
 def check(mesh) -> dict:
     n = mesh.size
     report = []
-    for (op, m, k, nn, dtype, split, concat), method in ((c, meth) for meth in METHODS for c in cases(n)):
+    for (op, m, k, nn, dtype, split, concat), method in selected([(c, meth) for meth in METHODS for c in cases(n)]):
         clock = PhaseClock()
         tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
         fused, same_tiles, xla, fused_body, reference = _programs(mesh, op, dtype, split, concat, tiles, method)

@@ -290,6 +290,13 @@ def went_through_transport(result: dict, *, mapped: bool) -> None:
         assert counters["bytes_staged"] > 0 and counters["bytes_mapped"] == 0, counters  # TCP carried it
 
 
+def selected(items: list) -> list:
+    """`items` (a scenario's cases), or only those at the indices in $JAXGIN_TEST_CASES
+    (comma-separated), for diagnosing one case outside the tests (tools/emulated_job.py)."""
+    chosen = os.environ.get("JAXGIN_TEST_CASES", "")
+    return [items[int(i)] for i in chosen.split(",")] if chosen else items
+
+
 class PhaseClock:
     """Wall seconds per phase of a scenario, recorded with its results so that a round's time can be
     planned and cut where it goes (compiling, or running). Test durations only: ranks that share a
