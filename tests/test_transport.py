@@ -444,3 +444,32 @@ def test_credit_ring_through_device_paths(fake_device_table, nranks, window, sig
     iterations = 400
     words = credit_ring(fake_device_table, nranks, iterations, window, contexts=3, kind=PTR_CUDA)
     assert words == [[iterations] * 4] * nranks
+
+
+def test_a_put_held_up_in_its_copy_out_of_the_gpu_is_reported(fake_device_table, monkeypatch, capfd):
+    """A put whose copy out of GPU memory does not finish holds back every later put to that rank,
+    and the receiver's wait then times out naming only a signal. So the sender's transport says so
+    on stderr once the copy has waited JAXGIN_TRANSPORT_STALL_REPORT_S, naming the rank and the
+    bytes; the put still delivers when the copy ends."""
+    import re
+
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.setenv("JAXGIN_FAKE_CUDA_COPY_MS", "400")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_STALL_REPORT_S", "0.1")
+    words = credit_ring(fake_device_table, 2, 2, 1, contexts=1, kind=PTR_CUDA)
+    assert words == [[2] * 4] * 2
+    err = capfd.readouterr().err
+    reports = re.findall(r"rank (\d): a put of (\d+) bytes to rank (\d) has waited (\d+\.\d) s for its copy out of "
+                         r"this GPU's memory", err)
+    assert reports, err
+    for rank, size, peer, waited in reports:
+        assert rank != peer and int(size) > 0 and float(waited) >= 0.1, reports
+
+
+def test_copies_that_finish_in_time_are_not_reported(fake_device_table, monkeypatch, capfd):
+    """The default report time (10 s) stays quiet for copies that take a few hundred microseconds."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.delenv("JAXGIN_TRANSPORT_STALL_REPORT_S", raising=False)
+    monkeypatch.setenv("JAXGIN_FAKE_CUDA_DELAY_US", "300")
+    credit_ring(fake_device_table, 2, 50, 2, contexts=2, kind=PTR_CUDA)
+    assert "for its copy out of this GPU's memory" not in capfd.readouterr().err

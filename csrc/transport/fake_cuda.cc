@@ -9,6 +9,7 @@
 // so nothing completes at the call that queued it; an event completes when its stream reaches it
 // and a query before then says cudaErrorNotReady. A stream atomic add is offered only when
 // JAXGIN_FAKE_CUDA_ADDS=1, so that both ways of applying a signal can be tested.
+// JAXGIN_FAKE_CUDA_COPY_MS makes every copy take that long (a copy held up on the GPU).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +29,11 @@ namespace {
 int max_delay_us() {
   const char* v = std::getenv("JAXGIN_FAKE_CUDA_DELAY_US");
   return v ? std::atoi(v) : 30;
+}
+
+int copy_pause_ms() {
+  const char* v = std::getenv("JAXGIN_FAKE_CUDA_COPY_MS");
+  return v ? std::atoi(v) : 0;
 }
 
 struct FakeStream {
@@ -210,7 +216,11 @@ cudaError_t cudaFreeHost(void* pointer) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaMemcpyKind, cudaStream_t stream) {
-  as_stream(stream)->queue([to, from, bytes] { std::memcpy(to, from, bytes); });
+  const int pause_ms = copy_pause_ms();  // read per copy: tests set it for one run
+  as_stream(stream)->queue([to, from, bytes, pause_ms] {
+    if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    std::memcpy(to, from, bytes);
+  });
   return cudaSuccess;
 }
 

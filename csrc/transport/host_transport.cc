@@ -220,6 +220,9 @@ struct Op {
   char* local_destination = nullptr;  // kLocal from host to host: copied at delivery
   const char* local_source = nullptr;
   cudaEvent_t event = nullptr;
+  // When progress() first found the copy unfinished, and whether report_stalled_copy spoke of it.
+  std::chrono::steady_clock::time_point copy_waiting_since{};
+  bool copy_stall_reported = false;
   uint64_t region = 0, offset = 0;
   bool has_signal = false;
   uint64_t signal_region = 0, signal_offset = 0, signal_delta = 0;
@@ -227,9 +230,18 @@ struct Op {
   std::atomic<int> state{0};  // 0 in flight, 1 delivered, -1 failed
 };
 
+// $JAXGIN_TRANSPORT_STALL_REPORT_S (default 10): how long a put may wait for its copy out of GPU
+// memory before report_stalled_copy says so. Read when a communicator is made.
+std::chrono::milliseconds read_stall_report_after() {
+  const char* v = std::getenv("JAXGIN_TRANSPORT_STALL_REPORT_S");
+  const double seconds = v && *v ? std::atof(v) : 10.0;
+  return std::chrono::milliseconds(static_cast<int64_t>((seconds > 0 ? seconds : 10.0) * 1000));
+}
+
 struct Comm {
   // NCCL's logger, copied: the plugin context it came from may be finalized before this closes.
   rmaLogger_t log = nullptr;
+  std::chrono::milliseconds stall_report_after = read_stall_report_after();
   int rank = 0, nranks = 0, device = -1;
   std::vector<Address> addresses;
   std::vector<bool> same_host;
@@ -561,6 +573,18 @@ bool deliver(Comm* c, Op* op) {
   return false;
 }
 
+// A put whose copy out of GPU memory has not finished holds back every later put to that rank (a
+// context's queue delivers in order, and every context copies on the one stream per rank), and the
+// receiver's wait then times out naming a signal, not this. Said once per put, on stderr, with what is known here: seen on emulated hosts at world
+// 8, where the copies of a few puts to one rank never finished while every other rank's flowed.
+void report_stalled_copy(Comm* c, Op* op, std::chrono::steady_clock::time_point now, size_t behind) {
+  op->copy_stall_reported = true;
+  const double waited = std::chrono::duration<double>(now - op->copy_waiting_since).count();
+  WARN(c, "rank %d: a put of %zu bytes to rank %d has waited %.1f s for its copy out of this GPU's memory "
+       "(a CUDA copy on the transport's stream for that rank, not finished); later puts to rank %d wait behind "
+       "it (%zu on this context)", c->rank, op->size, op->peer, waited, op->peer, behind);
+}
+
 void progress(Context* x) {
   Comm* c = x->comm;
   std::lock_guard<std::mutex> g(x->lock);
@@ -570,7 +594,14 @@ void progress(Context* x) {
       bool ok = true;
       if (op->event) {
         cudaError_t e = cudaEventQuery(op->event);
-        if (e == cudaErrorNotReady) break;
+        if (e == cudaErrorNotReady) {
+          const auto now = std::chrono::steady_clock::now();
+          if (op->copy_waiting_since == std::chrono::steady_clock::time_point{})
+            op->copy_waiting_since = now;
+          else if (!op->copy_stall_reported && now - op->copy_waiting_since > c->stall_report_after)
+            report_stalled_copy(c, op, now, queue.size() - 1);
+          break;
+        }
         ok = cuda_ok(c, e, "a transport copy");
         x->events.push_back(op->event);
         op->event = nullptr;
