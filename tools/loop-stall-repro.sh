@@ -1,14 +1,33 @@
-# ROUND_COMMANDS script (tools/emulated-round.sh): the fused and MoE loops' stall at world 8, both
-# jobs side by side as in the round that found it, one case each, with the host transport's trace
-# (every request and delivery) so that a missing arrival shows where it was lost. REPRO_ENV (space-
-# separated NAME=VALUE) adds to every rank's environment, e.g. CUDA_DEVICE_MAX_CONNECTIONS=32.
+# ROUND_COMMANDS script (tools/emulated-round.sh): the stall that the collective-free fused and MoE
+# loops met at world 8 (docs/measurements.md, 2026-11-25 afternoon). Case 0 of each job, the jobs
+# side by side as in the rounds that found it, with the host transport's trace (every request and
+# delivery) so that a missing arrival shows where it was lost.
+#
+#   REPRO_JOBS      jobs to run side by side (default "fused moe")
+#   REPRO_VARIANTS  space-separated NAME:ENV,ENV... run one after another, each rank's environment
+#                   extended by ENV (default "baseline:"), e.g.
+#                   "baseline: conn16:CUDA_DEVICE_MAX_CONNECTIONS=16 conn32:CUDA_DEVICE_MAX_CONNECTIONS=32"
+#   REPRO_TIMEOUT   seconds per job (default 330)
+# Writes $RESULTS/<variant>/<job>/ (tools/emulated_job.py's files, the trace gzipped) and prints
+# each job's exit codes and the ranks' timed-out waits.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-common=(--world 8 --timeout ${REPRO_TIMEOUT:-330} --env JAXGIN_TRANSPORT_TRACE=1 --env JAXGIN_TIMEOUT=60 --env JAXGIN_TEST_CASES=0)
-for item in ${REPRO_ENV:-}; do common+=(--env "$item"); done
-python3 tools/emulated_job.py "${common[@]}" --out "$RESULTS/moe" tests/gpu/moe_scenarios.py check &
-python3 tools/emulated_job.py "${common[@]}" --out "$RESULTS/fused" tests/gpu/fused_scenarios.py check &
-wait
-for job in moe fused; do
-  gzip -f "$RESULTS/$job"/rank*.err  # the trace
-  grep -h -A1 "device fault recorded" <(zcat "$RESULTS/$job"/rank*.err.gz) | grep "timed out" | cut -c1-260 | head -8
+common=(--world 8 --timeout "${REPRO_TIMEOUT:-330}" --env JAXGIN_TRANSPORT_TRACE=1 --env JAXGIN_TIMEOUT=60
+        --env JAXGIN_TEST_CASES=0)
+for variant in ${REPRO_VARIANTS:-baseline:}; do
+  name=${variant%%:*}
+  extra=()
+  IFS=, read -ra items <<< "${variant#*:}"
+  for item in "${items[@]}"; do [ -n "$item" ] && extra+=(--env "$item"); done
+  echo "=== variant $name: ${variant#*:}"
+  for job in ${REPRO_JOBS:-fused moe}; do
+    python3 tools/emulated_job.py "${common[@]}" "${extra[@]}" --out "$RESULTS/$name/$job" \
+      "tests/gpu/${job}_scenarios.py" check > "$RESULTS/$name-$job.summary" 2>&1 &
+  done
+  wait
+  for job in ${REPRO_JOBS:-fused moe}; do
+    echo "--- $name $job: $(tail -1 "$RESULTS/$name-$job.summary")"
+    gzip -f "$RESULTS/$name/$job"/rank*.err  # the trace
+    zcat "$RESULTS/$name/$job"/rank*.err.gz | grep -A1 "device fault recorded" | grep "timed out" | cut -c1-240 | head -8
+    zcat "$RESULTS/$name/$job"/rank*.err.gz | grep "for its copy out of this GPU's memory" | cut -c1-240 | head -4
+  done
 done
