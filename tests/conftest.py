@@ -113,3 +113,16 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, nu
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def gpu_scenario(name: str):
+    """tests/gpu/<name>.py as a module: the GPU scenarios' collective-free loop oracles are checked
+    on CPU against the collective references (tests/test_fused.py, tests/test_moe.py)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    gpu_tests = str(Path(__file__).with_name("gpu"))
+    if gpu_tests not in sys.path:
+        sys.path.insert(0, gpu_tests)
+    return importlib.import_module(name)

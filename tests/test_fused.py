@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
-from conftest import compile_for_sm90
+from conftest import compile_for_sm90, gpu_scenario
 
 
 @pytest.fixture
@@ -314,14 +314,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
 def _gpu_fused_scenarios():
     """tests/gpu/fused_scenarios.py, whose 200-call loop checks each call against a reference it
     computes without collectives (written_out_reference); the tests below check that oracle here."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    gpu_tests = str(Path(__file__).with_name("gpu"))
-    if gpu_tests not in sys.path:
-        sys.path.insert(0, gpu_tests)
-    return importlib.import_module("fused_scenarios")
+    return gpu_scenario("fused_scenarios")
 
 
 def _oracle(scenarios, op, split, concat):

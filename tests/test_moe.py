@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
-from conftest import compile_for_sm90
+from conftest import compile_for_sm90, gpu_scenario
 
 SPEC = P("ep")
 
@@ -548,14 +548,7 @@ def test_layer_without_drops_stays_quiet_and_checks_only_when_it_could_drop(init
 def _gpu_moe_scenarios():
     """tests/gpu/moe_scenarios.py, whose 500-call loop checks each call against a reference it
     computes without collectives (whole_view_reference); the tests below check that oracle here."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    gpu_tests = str(Path(__file__).with_name("gpu"))
-    if gpu_tests not in sys.path:
-        sys.path.insert(0, gpu_tests)
-    return importlib.import_module("moe_scenarios")
+    return gpu_scenario("moe_scenarios")
 
 
 def _loop(scenarios, n, case, calls=2):
