@@ -6,7 +6,8 @@
 #   REPRO_JOBS      jobs to run side by side (default "fused moe")
 #   REPRO_VARIANTS  space-separated NAME:ENV,ENV... run one after another, each rank's environment
 #                   extended by ENV (default "baseline:"), e.g.
-#                   "baseline: conn16:CUDA_DEVICE_MAX_CONNECTIONS=16 conn32:CUDA_DEVICE_MAX_CONNECTIONS=32"
+#                   "baseline: conn16:CUDA_DEVICE_MAX_CONNECTIONS=16 paced1:JAXGIN_MAX_QUEUED_CALLS=1
+#                   fold1:JAXGIN_TEST_LOOP_FOLD=1" (fold1: a collective after every call, as before)
 #   REPRO_TIMEOUT   seconds per job (default 330)
 # Writes $RESULTS/<variant>/<job>/ (tools/emulated_job.py's files, the trace gzipped) and prints
 # each job's exit codes and the ranks' timed-out waits.

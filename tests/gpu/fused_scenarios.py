@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, run_mesh_check, selected, transport_per_call
+from harness import PhaseClock, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.fused import TileConfig, _common
 from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 
@@ -163,7 +163,8 @@ def check(mesh) -> dict:
         clock.lap("gradients")
 
         # 200 calls back to back in one jit, data changing every call, each compared.
-        loop = functools.partial(loop_against_written_out, fused_body=fused_body, reference=reference)
+        loop = functools.partial(loop_against_written_out, fused_body=fused_body, reference=reference,
+                                 fold_every=loop_fold(FOLD_EVERY))
         looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
         looped = looped.lower(x, w).compile()
         clock.lap("loop_compile")

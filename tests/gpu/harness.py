@@ -297,6 +297,13 @@ def selected(items: list) -> list:
     return [items[int(i)] for i in chosen.split(",")] if chosen else items
 
 
+def loop_fold(default: int) -> int:
+    """How many loop calls run between the folds of the worst difference over the GPUs (each
+    fold one XLA collective): `default`, or $JAXGIN_TEST_LOOP_FOLD for diagnosis (1: a collective
+    after every call, which keeps the ranks in step)."""
+    return int(os.environ.get("JAXGIN_TEST_LOOP_FOLD", default))
+
+
 class PhaseClock:
     """Wall seconds per phase of a scenario, recorded with its results so that a round's time can be
     planned and cut where it goes (compiling, or running). Test durations only: ranks that share a

@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, run_mesh_check, selected, transport_per_call
+from harness import PhaseClock, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
 
@@ -339,7 +339,7 @@ def check(mesh) -> dict:
 
         # 500 calls back to back, routing changing every call, each compared with the reference.
         loop = functools.partial(_loop_against_whole_view, calls=500, top_k=top_k, experts=experts, routing=routing,
-                                 capacity=capacity, mode=mode)
+                                 capacity=capacity, mode=mode, fold_every=loop_fold(50))
         looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=P()))
         looped = looped.lower(x, logits).compile()
         clock.lap("loop_compile")
