@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, loop_fold, run_mesh_check, selected, transport_per_call
+from harness import PhaseClock, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.fused import TileConfig, _common
 from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 
@@ -108,9 +108,7 @@ def written_out_reference(xs, w, me, *, op, split, concat, product):
 def loop_against_written_out(x, w, *, fused_body, reference, calls=LOOP_CALLS, fold_every=FOLD_EVERY):
     """`calls` fused calls back to back in one program (inside shard_map over "x"), data changing
     every call, each compared with written_out_reference: the largest difference relative to the
-    call's largest value, over every GPU. Every `fold_every` calls the running worst is folded over
-    the GPUs by one XLA collective (pmax), so XLA's collectives still interleave with the op's
-    kernels as in a model, without one per call."""
+    call's largest value, over every GPU (folded every `fold_every` calls: harness.folded_worst)."""
     xs = jax.lax.all_gather(x, "x")  # [n, m, k]: every GPU's shard, once
     me = jax.lax.axis_index("x")
 
@@ -120,13 +118,7 @@ def loop_against_written_out(x, w, *, fused_body, reference, calls=LOOP_CALLS, f
         diff = jnp.abs(fused_body(xi[me], w).astype(jnp.float32) - want).max() / jnp.abs(want).max()
         return jnp.maximum(worst, diff)
 
-    def stretch(s, worst):
-        local = jax.lax.pcast(worst, "x", to="varying")  # each GPU's own worst until the fold
-        return jax.lax.pmax(jax.lax.fori_loop(s * fold_every, (s + 1) * fold_every, call, local), "x")
-
-    if calls % fold_every:
-        raise ValueError(f"calls ({calls}) must be a multiple of fold_every ({fold_every})")
-    return jax.lax.fori_loop(0, calls // fold_every, stretch, jnp.float32(0))
+    return folded_worst(call, jnp.float32(0), calls=calls, fold_every=fold_every, axis_name="x")
 
 
 def _global(mesh, key, shape, dtype, spec):

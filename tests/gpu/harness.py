@@ -297,6 +297,23 @@ def selected(items: list) -> list:
     return [items[int(i)] for i in chosen.split(",")] if chosen else items
 
 
+def folded_worst(call, init, *, calls: int, fold_every: int, axis_name: str):
+    """jax.lax.fori_loop of `calls` steps worst = call(i, worst) inside shard_map over `axis_name`:
+    each GPU keeps its own worst for `fold_every` calls, then one XLA collective (pmax) folds it
+    over the GPUs. The scenario loops compare every call this way, so that XLA's collectives still
+    interleave with the ops' kernels as in a model, without one per call."""
+    import jax
+
+    if calls % fold_every:
+        raise ValueError(f"calls ({calls}) must be a multiple of fold_every ({fold_every})")
+
+    def stretch(s, worst):
+        local = jax.lax.pcast(worst, axis_name, to="varying")  # each GPU's own worst until the fold
+        return jax.lax.pmax(jax.lax.fori_loop(s * fold_every, (s + 1) * fold_every, call, local), axis_name)
+
+    return jax.lax.fori_loop(0, calls // fold_every, stretch, init)
+
+
 def loop_fold(default: int) -> int:
     """How many loop calls run between the folds of the worst difference over the GPUs (each
     fold one XLA collective): `default`, or $JAXGIN_TEST_LOOP_FOLD for diagnosis (1: a collective

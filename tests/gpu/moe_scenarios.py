@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, loop_fold, run_mesh_check, selected, transport_per_call
+from harness import PhaseClock, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
 
@@ -210,11 +210,8 @@ def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capac
     data and routing changing every call, each compared with whole_view_reference: [dispatch
     calls that differed (0 or 1), largest combine difference], over every GPU. Every GPU routes
     every GPU's tokens, so that the op and the reference get the very same weights (a batched
-    router may round differently). Every `fold_every` calls the running worst is folded over the
-    GPUs by one XLA collective (pmax), so XLA's collectives keep interleaving with the op's kernels
-    as in a model, without one per call."""
-    if calls % fold_every:
-        raise ValueError(f"calls ({calls}) must be a multiple of fold_every ({fold_every})")
+    router may round differently). The worst is folded over the GPUs every `fold_every` calls
+    (harness.folded_worst)."""
     xs = jax.lax.all_gather(x, "ep")  # [P, T, H]
     ls = jax.lax.all_gather(logits, "ep")
     me = jax.lax.axis_index("ep")
@@ -229,11 +226,7 @@ def _loop_against_whole_view(x, logits, *, calls, top_k, experts, routing, capac
         reference, ref = whole_view_reference(xi, ids_all, weights_all, sent.handle.plan, me, _expert_stand_in)
         return jnp.maximum(worst, _wrong_and_difference(_same_dispatch(sent, reference), got, ref))
 
-    def stretch(s, worst):
-        local = jax.lax.pcast(worst, "ep", to="varying")  # each GPU's own worst until the fold
-        return jax.lax.pmax(jax.lax.fori_loop(s * fold_every, (s + 1) * fold_every, call, local), "ep")
-
-    return jax.lax.fori_loop(0, calls // fold_every, stretch, jnp.zeros((2,), jnp.float32))
+    return folded_worst(call, jnp.zeros((2,), jnp.float32), calls=calls, fold_every=fold_every, axis_name="ep")
 
 
 def _grids_in_turn(mesh) -> dict:
