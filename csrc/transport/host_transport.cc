@@ -220,8 +220,8 @@ struct Op {
   char* local_destination = nullptr;  // kLocal from host to host: copied at delivery
   const char* local_source = nullptr;
   cudaEvent_t event = nullptr;
-  // When progress() first found the copy unfinished, and whether report_stalled_copy spoke of it.
-  std::chrono::steady_clock::time_point copy_waiting_since{};
+  // When the copy out of GPU memory was queued (start_copy), and whether report_stalled_copy spoke of it.
+  std::chrono::steady_clock::time_point copy_started{};
   bool copy_stall_reported = false;
   uint64_t region = 0, offset = 0;
   bool has_signal = false;
@@ -575,11 +575,12 @@ bool deliver(Comm* c, Op* op) {
 
 // A put whose copy out of GPU memory has not finished holds back every later put to that rank (a
 // context's queue delivers in order, and every context copies on the one stream per rank), and the
-// receiver's wait then times out naming a signal, not this. Said once per put, on stderr, with what is known here: seen on emulated hosts at world
-// 8, where the copies of a few puts to one rank never finished while every other rank's flowed.
+// receiver's wait then times out naming a signal, not this. Said once per put, on stderr, with
+// what is known here: seen on emulated hosts at world 8, where the copies of a few puts to one
+// rank never finished while every other rank's flowed.
 void report_stalled_copy(Comm* c, Op* op, std::chrono::steady_clock::time_point now, size_t behind) {
   op->copy_stall_reported = true;
-  const double waited = std::chrono::duration<double>(now - op->copy_waiting_since).count();
+  const double waited = std::chrono::duration<double>(now - op->copy_started).count();
   WARN(c, "rank %d: a put of %zu bytes to rank %d has waited %.1f s for its copy out of this GPU's memory "
        "(a CUDA copy on the transport's stream for that rank, not finished); later puts to rank %d wait behind "
        "it (%zu on this context)", c->rank, op->size, op->peer, waited, op->peer, behind);
@@ -596,9 +597,7 @@ void progress(Context* x) {
         cudaError_t e = cudaEventQuery(op->event);
         if (e == cudaErrorNotReady) {
           const auto now = std::chrono::steady_clock::now();
-          if (op->copy_waiting_since == std::chrono::steady_clock::time_point{})
-            op->copy_waiting_since = now;
-          else if (!op->copy_stall_reported && now - op->copy_waiting_since > c->stall_report_after)
+          if (!op->copy_stall_reported && now - op->copy_started > c->stall_report_after)
             report_stalled_copy(c, op, now, queue.size() - 1);
           break;
         }
@@ -646,6 +645,7 @@ bool start_copy(Context* x, Op* op, void* to, const void* from, size_t bytes, cu
     x->events.pop_back();
     return true;
   });
+  op->copy_started = std::chrono::steady_clock::now();
   return got && cuda_ok(c, cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync") &&
          cuda_ok(c, cudaEventRecord(op->event, stream), "cudaEventRecord");
 }
