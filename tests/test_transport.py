@@ -99,7 +99,7 @@ def test_counters_count_what_moved(table, library):
     signal_h = register_all(ranks, signals, NEVER_RESET)
     before = transport.counters(library)
     assert set(before) == {"puts_mapped", "puts_staged", "puts_local", "bytes_mapped", "bytes_staged",
-                           "signals_applied", "regions"}
+                           "signals_applied", "regions", "copies_requeued"}
     data[0][:1000] = 7
     # handles name the symmetric registration as seen from the rank that puts
     ranks[0].wait(ranks[0].put(data_h[0], 0, 1000, data_h[0], 2000, 1, signal=signal_h[0], signal_off=8, value=1))
@@ -109,7 +109,7 @@ def test_counters_count_what_moved(table, library):
     delta = {k: after[k] - before[k] for k in after}
     # Host memory cannot be mapped across processes: the put travels in a message (staged).
     assert delta == {"puts_mapped": 0, "puts_staged": 1, "puts_local": 0, "bytes_mapped": 0, "bytes_staged": 1000,
-                     "signals_applied": 1, "regions": 0}, delta
+                     "signals_applied": 1, "regions": 0, "copies_requeued": 0}, delta
     assert (data[1][2000:3000] == 7).all()
 
 
@@ -355,34 +355,37 @@ def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
 # --- the proxy's way: many requests in flight, tested in order ----------------------------------
 
 
-def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST):
+def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, seconds=120):
     """Runs transport_plugin.CreditRing on `nranks` ranks of this process (every rank its own
     communicator, agent thread and connections; one thread drives all their proxies in turn).
-    `kind` is the memory type every region is registered as. Returns the ranks' signal words."""
+    `kind` is the memory type every region is registered as. Returns the ranks' signal words;
+    raises AssertionError when the ring has not finished within `seconds`."""
     ranks = connect_all(table, nranks, contexts=contexts)
-    data = [CreditRing.data_array(window) for _ in ranks]
-    signals = [CreditRing.signal_array() for _ in ranks]
-    data_h = register_all(ranks, data, kind=kind)
-    signal_h = register_all(ranks, signals, NEVER_RESET, kind=kind)
-    rings = [CreditRing(r, data[i], signals[i], data_h[i], signal_h[i], iterations, window)
-             for i, r in enumerate(ranks)]
-    deadline = time.monotonic() + 120
-    while not all(ring.finished() for ring in rings):
-        if time.monotonic() > deadline:
-            raise AssertionError("stalled: " + "; ".join(ring.state() for ring in rings))
+    try:
+        data = [CreditRing.data_array(window) for _ in ranks]
+        signals = [CreditRing.signal_array() for _ in ranks]
+        data_h = register_all(ranks, data, kind=kind)
+        signal_h = register_all(ranks, signals, NEVER_RESET, kind=kind)
+        rings = [CreditRing(r, data[i], signals[i], data_h[i], signal_h[i], iterations, window)
+                 for i, r in enumerate(ranks)]
+        deadline = time.monotonic() + seconds
+        while not all(ring.finished() for ring in rings):
+            if time.monotonic() > deadline:
+                raise AssertionError("stalled: " + "; ".join(ring.state() for ring in rings))
+            for ring in rings:
+                ring.step()
+        while any(ring.proxy.pending for ring in rings):  # every rank's last requests, before any waits
+            if time.monotonic() > deadline:
+                raise AssertionError("requests never completed: " + "; ".join(ring.state() for ring in rings))
+            for ring in rings:
+                ring.proxy.poll()
         for ring in rings:
-            ring.step()
-    while any(ring.proxy.pending for ring in rings):  # every rank's last requests, before any waits
-        if time.monotonic() > deadline:
-            raise AssertionError("requests never completed: " + "; ".join(ring.state() for ring in rings))
-        for ring in rings:
-            ring.proxy.poll()
-    for ring in rings:
-        ring.drain(deadline)
-    time.sleep(0.05)  # a stray extra signal would land by now
-    words = [s.tolist() for s in signals]
-    errors = [r.has_error() for r in ranks]
-    close_all(ranks)
+            ring.drain(deadline)
+        time.sleep(0.05)  # a stray extra signal would land by now
+        words = [s.tolist() for s in signals]
+        errors = [r.has_error() for r in ranks]
+    finally:
+        close_all(ranks)
     assert not any(errors), errors
     return words
 
@@ -411,7 +414,7 @@ def test_credit_ring_process_per_rank_on_emulated_hosts(library, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fake_device_table(nvcc, tmp_path_factory):
+def fake_cuda_library(nvcc, tmp_path_factory):
     """The plugin linked against csrc/transport/fake_cuda.cc instead of CUDA: regions registered
     as device memory (host memory here) take the device paths, pinned staging, copy events, the
     receive double buffer and signals written in stream order, all completing asynchronously."""
@@ -428,7 +431,20 @@ def fake_device_table(nvcc, tmp_path_factory):
     subprocess.run([compiler, "-std=c++17", "-O2", "-g", "-shared", "-fPIC", "-fvisibility=hidden",
                     "-Wl,-Bsymbolic", f"-I{include}", *map(str, sources), "-lpthread", "-o", str(library)],
                    check=True, capture_output=True, text=True)
-    return load(library)
+    return library
+
+
+@pytest.fixture(scope="module")
+def fake_device_table(fake_cuda_library):
+    return load(fake_cuda_library)
+
+
+def hold_copy(fake_cuda_library, n: int, ms: int) -> None:
+    """The fake CUDA holds the stream of the n-th copy out of device memory from now on at that
+    copy, for `ms` milliseconds (negative: until the stream is destroyed)."""
+    import ctypes
+
+    ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_hold_copy(ctypes.c_int(n), ctypes.c_int(ms))
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
@@ -456,6 +472,7 @@ def test_a_put_held_up_in_its_copy_out_of_the_gpu_is_reported(fake_device_table,
     monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
     monkeypatch.setenv("JAXGIN_FAKE_CUDA_COPY_MS", "400")
     monkeypatch.setenv("JAXGIN_TRANSPORT_STALL_REPORT_S", "0.1")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_REQUEUE_MS", "0")  # every copy is slow here: queuing again would not help
     words = credit_ring(fake_device_table, 2, 2, 1, contexts=1, kind=PTR_CUDA)
     assert words == [[2] * 4] * 2
     err = capfd.readouterr().err
@@ -466,10 +483,76 @@ def test_a_put_held_up_in_its_copy_out_of_the_gpu_is_reported(fake_device_table,
         assert rank != peer and int(size) > 0 and float(waited) >= 0.1, reports
 
 
-def test_copies_that_finish_in_time_are_not_reported(fake_device_table, monkeypatch, capfd):
-    """The default report time (10 s) stays quiet for copies that take a few hundred microseconds."""
+def test_copies_that_finish_in_time_are_not_reported(fake_cuda_library, fake_device_table, monkeypatch, capfd):
+    """The default report time (10 s) stays quiet for copies that take a few hundred microseconds,
+    and the default requeue time (200 ms) queues none of them again."""
     monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
     monkeypatch.delenv("JAXGIN_TRANSPORT_STALL_REPORT_S", raising=False)
+    monkeypatch.delenv("JAXGIN_TRANSPORT_REQUEUE_MS", raising=False)
     monkeypatch.setenv("JAXGIN_FAKE_CUDA_DELAY_US", "300")
+    before = transport.counters(fake_cuda_library)["copies_requeued"]
     credit_ring(fake_device_table, 2, 50, 2, contexts=2, kind=PTR_CUDA)
     assert "for its copy out of this GPU's memory" not in capfd.readouterr().err
+    assert transport.counters(fake_cuda_library)["copies_requeued"] == before
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_a_copy_whose_stream_is_held_is_queued_again_on_another(fake_cuda_library, fake_device_table, nranks,
+                                                                  monkeypatch):
+    """A stream that runs nothing more from one copy on (on a GPU: a stream in the hardware queue
+    of XLA's stream, behind jaxgin calls that wait for the kernel spinning on this very put; seen
+    on emulated hosts at world 8). The copy and the later ones to that rank are queued again on a
+    spare stream, and the ring finishes with every payload right."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_REQUEUE_MS", "50")
+    before = transport.counters(fake_cuda_library)["copies_requeued"]
+    hold_copy(fake_cuda_library, 7, -1)
+    iterations = 200
+    words = credit_ring(fake_device_table, nranks, iterations, 2, contexts=2, kind=PTR_CUDA, seconds=60)
+    assert words == [[iterations] * 4] * nranks
+    assert transport.counters(fake_cuda_library)["copies_requeued"] > before
+
+
+def test_without_requeuing_a_held_stream_stalls_the_ring(fake_cuda_library, fake_device_table, monkeypatch):
+    """The same held stream with requeuing off (JAXGIN_TRANSPORT_REQUEUE_MS=0): no put behind the
+    held copy delivers while the hold lasts, which is what the test above would see without it."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_REQUEUE_MS", "0")
+    hold_copy(fake_cuda_library, 7, 4000)  # released while the ranks close, so they close cleanly
+    with pytest.raises(AssertionError, match="stalled"):
+        credit_ring(fake_device_table, 2, 200, 2, contexts=2, kind=PTR_CUDA, seconds=2)
+
+
+def test_a_chunk_is_reused_only_after_its_abandoned_copy_ran(fake_cuda_library, fake_device_table, monkeypatch):
+    """The copy abandoned for a requeue still runs once its stream is let go, writing whatever its
+    source then holds into its staging chunk. So the chunk must not stage another put before
+    that: put A's copy is held for 0.5 s and requeued, A delivers, A's source is rewritten, put B
+    is staged and its copy finishes, the abandoned copy runs, and only then is B sent. B arrives
+    as it was written (had B been staged in A's chunk, it would arrive as A's new source)."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_REQUEUE_MS", "20")
+    ranks = connect_all(fake_device_table, 2, contexts=1)
+    try:
+        size = 4096
+        data = [np.zeros(4 * size, np.uint8) for _ in ranks]  # [source A, source B, inbox A, inbox B]
+        signals = [np.zeros(2, np.uint64) for _ in ranks]
+        data_h = register_all(ranks, data, kind=PTR_CUDA)
+        signal_h = register_all(ranks, signals, NEVER_RESET, kind=PTR_CUDA)
+        sender, receiver = ranks[0], data[1]
+        data[0][:size] = 1
+        data[0][size:2 * size] = 2
+        start = time.monotonic()
+        hold_copy(fake_cuda_library, 1, 500)
+        sender.wait(sender.put(data_h[0], 0, size, data_h[0], 2 * size, 1, signal=signal_h[0], signal_off=0))
+        wait_word(signals[1], 0, 1)
+        assert time.monotonic() - start < 0.4, "put A waited for its held copy instead of a requeued one"
+        assert (receiver[2 * size:3 * size] == 1).all()
+        data[0][:size] = 3  # A completed: its source may change
+        b = sender.put(data_h[0], size, size, data_h[0], 3 * size, 1, signal=signal_h[0], signal_off=8)
+        time.sleep(max(0.0, start + 0.8 - time.monotonic()))  # B's copy is done; the held one has run
+        sender.wait(b)
+        wait_word(signals[1], 1, 1)
+        assert (receiver[3 * size:4 * size] == 2).all(), np.unique(receiver[3 * size:4 * size])
+        assert transport.counters(fake_cuda_library)["copies_requeued"] >= 1
+    finally:
+        close_all(ranks)

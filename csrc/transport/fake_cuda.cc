@@ -10,6 +10,10 @@
 // and a query before then says cudaErrorNotReady. A stream atomic add is offered only when
 // JAXGIN_FAKE_CUDA_ADDS=1, so that both ways of applying a signal can be tested.
 // JAXGIN_FAKE_CUDA_COPY_MS makes every copy take that long (a copy held up on the GPU).
+// jaxgin_fake_cuda_hold_copy(n, ms) holds the stream of the n-th copy out of device memory queued
+// after the call (the transport queues those with cudaMemcpyDefault) at that copy: it and what
+// follows on that stream run only after `ms` milliseconds (negative: once the stream is
+// destroyed). That is a stream in a hardware queue held by work that waits for a spinning kernel.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -35,6 +39,10 @@ int copy_pause_ms() {
   const char* v = std::getenv("JAXGIN_FAKE_CUDA_COPY_MS");
   return v ? std::atoi(v) : 0;
 }
+
+// Copies out of device memory still to come before the held one (0: none is held), and for how long.
+std::atomic<int> copies_before_hold{0};
+std::atomic<int> hold_ms{-1};
 
 struct FakeStream {
   std::mutex lock;
@@ -80,6 +88,17 @@ struct FakeStream {
   void synchronize() {
     std::unique_lock<std::mutex> g(lock);
     changed.wait(g, [&] { return work.empty() && !busy; });
+  }
+  // Queues a step that holds the stream for `ms` milliseconds, or until the stream is destroyed
+  // when `ms` is negative.
+  void hold(int ms) {
+    queue([this, ms] {
+      std::unique_lock<std::mutex> g(lock);
+      if (ms < 0)
+        changed.wait(g, [&] { return stop; });
+      else
+        changed.wait_for(g, std::chrono::milliseconds(ms), [&] { return stop; });
+    });
   }
 };
 
@@ -215,8 +234,14 @@ cudaError_t cudaFreeHost(void* pointer) {
   std::free(pointer);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaMemcpyKind, cudaStream_t stream) {
+cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t stream) {
   const int pause_ms = copy_pause_ms();  // read per copy: tests set it for one run
+  if (kind == cudaMemcpyDefault) {
+    int left = copies_before_hold.load();
+    while (left > 0 && !copies_before_hold.compare_exchange_weak(left, left - 1)) {
+    }
+    if (left == 1) as_stream(stream)->hold(hold_ms.load());
+  }
   as_stream(stream)->queue([to, from, bytes, pause_ms] {
     if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
     std::memcpy(to, from, bytes);
@@ -235,6 +260,11 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** function
   *function = nullptr;
   if (status) *status = cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
+}
+
+__attribute__((visibility("default"))) void jaxgin_fake_cuda_hold_copy(int n, int ms) {
+  hold_ms = ms;
+  copies_before_hold = n;
 }
 
 }  // extern "C"

@@ -50,10 +50,10 @@ constexpr int kCopyEvents = 1024;         // per RMA context
 
 // What moved, for tests and diagnostics: read through jaxgin_transport_counters().
 enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
-               kCounterCount };
+               kCopiesRequeued, kCounterCount };
 // Their names, the keys of jaxgin.transport.counters() (read through jaxgin_transport_counter_names).
 constexpr const char* kCounterNames[] = {"puts_mapped",  "puts_staged",     "puts_local", "bytes_mapped",
-                                         "bytes_staged", "signals_applied", "regions"};
+                                         "bytes_staged", "signals_applied", "regions",    "copies_requeued"};
 static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kCounterCount, "a name per counter");
 std::atomic<uint64_t> counters[kCounterCount];
 
@@ -220,9 +220,15 @@ struct Op {
   char* local_destination = nullptr;  // kLocal from host to host: copied at delivery
   const char* local_source = nullptr;
   cudaEvent_t event = nullptr;
-  // When the copy out of GPU memory was queued (start_copy), and whether report_stalled_copy spoke of it.
-  std::chrono::steady_clock::time_point copy_started{};
+  // The copy out of GPU memory: where from, on which stream, when it was first queued (start_copy;
+  // report_stalled_copy measures from there) and when last (requeue_copy measures from there).
+  const char* copy_source = nullptr;
+  cudaStream_t stream = nullptr;
+  std::chrono::steady_clock::time_point copy_started{}, copy_queued{};
   bool copy_stall_reported = false;
+  // Events of earlier copies of this op into `staging` that were queued again elsewhere: the chunk
+  // goes back to the pool only once they have run too (park_staging).
+  std::vector<cudaEvent_t> abandoned;
   uint64_t region = 0, offset = 0;
   bool has_signal = false;
   uint64_t signal_region = 0, signal_offset = 0, signal_delta = 0;
@@ -238,10 +244,29 @@ std::chrono::milliseconds read_stall_report_after() {
   return std::chrono::milliseconds(static_cast<int64_t>((seconds > 0 ? seconds : 10.0) * 1000));
 }
 
+// $JAXGIN_TRANSPORT_REQUEUE_MS (default 200; 0: never): how long a staged put's copy out of GPU
+// memory may sit on its stream before requeue_copy queues it again on another one. A copy that
+// finishes normally takes well under a millisecond, or a few time slices where many processes
+// share the GPU. Read when a communicator is made.
+std::chrono::milliseconds read_requeue_after() {
+  const char* v = std::getenv("JAXGIN_TRANSPORT_REQUEUE_MS");
+  const long ms = v && *v ? std::atol(v) : 200;
+  return std::chrono::milliseconds(ms > 0 ? ms : 0);
+}
+
+// CUDA spreads a context's streams over this many hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,
+// default 8): the spare streams a context rotates through, so that one of them sits in each.
+int hardware_queues() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int n = v && *v ? std::atoi(v) : 8;
+  return std::min(std::max(n, 1), 32);
+}
+
 struct Comm {
   // NCCL's logger, copied: the plugin context it came from may be finalized before this closes.
   rmaLogger_t log = nullptr;
   std::chrono::milliseconds stall_report_after = read_stall_report_after();
+  std::chrono::milliseconds requeue_after = read_requeue_after();
   int rank = 0, nranks = 0, device = -1;
   std::vector<Address> addresses;
   std::vector<bool> same_host;
@@ -285,10 +310,17 @@ struct Context {
   std::vector<std::deque<Op*>> queues;  // [context * nranks + peer]
   std::vector<cudaEvent_t> events;      // free copy events (under lock); all of them in all_events
   std::vector<cudaEvent_t> all_events;
-  // Copies towards each peer, made in createContext. One stream per peer keeps every queue's
-  // copies in order, and few streams make it less likely that CUDA places one of them in the same
-  // hardware queue as a kernel that spins (work in one hardware queue runs in order).
-  std::vector<cudaStream_t> streams;  // [peer]
+  // Copies out of GPU memory, on streams made in createContext: the first nranks one per peer,
+  // then hardware_queues() spares. CUDA places streams in a few hardware queues, and work in one
+  // queue runs in order: a copy in the queue of XLA's stream waits behind the jaxgin calls XLA has
+  // launched after the one that spins for this very put (measured on emulated hosts at world 8: a
+  // few puts to one rank never left while every other rank's flowed). requeue_copy then queues such
+  // a copy again on a spare, and peer_stream moves that peer's later copies there too.
+  std::vector<cudaStream_t> streams;
+  std::vector<int> peer_stream;  // [peer]: index into streams of where its copies go now
+  int next_spare = 0;
+  // Staging chunks of delivered puts whose abandoned copies have not run yet, with their events.
+  std::vector<std::pair<char*, std::vector<cudaEvent_t>>> parked;
 };
 
 void fail(Comm* c, const std::string& why) {
@@ -564,31 +596,107 @@ bool deliver(Comm* c, Op* op) {
       m.offset = op->offset;
       m.size = op->size;
       if (!op->has_signal) m.signal_region = kNoRegion;
-      bool ok = send_to(c, op->peer, m, op->host_source ? op->host_source : op->staging, op->size);
-      pool_put(c, op->staging);
-      op->staging = nullptr;
-      return ok;
+      return send_to(c, op->peer, m, op->host_source ? op->host_source : op->staging, op->size);
     }
   }
   return false;
 }
 
 // A put whose copy out of GPU memory has not finished holds back every later put to that rank (a
-// context's queue delivers in order, and every context copies on the one stream per rank), and the
-// receiver's wait then times out naming a signal, not this. Said once per put, on stderr, with
-// what is known here: seen on emulated hosts at world 8, where the copies of a few puts to one
-// rank never finished while every other rank's flowed.
+// context's queue delivers in order), and the receiver's wait then times out naming a signal, not
+// this. Said once per put, on stderr, with what is known here: seen on emulated hosts at world 8,
+// where the copies of a few puts to one rank never finished while every other rank's flowed.
 void report_stalled_copy(Comm* c, Op* op, std::chrono::steady_clock::time_point now, size_t behind) {
   op->copy_stall_reported = true;
   const double waited = std::chrono::duration<double>(now - op->copy_started).count();
   WARN(c, "rank %d: a put of %zu bytes to rank %d has waited %.1f s for its copy out of this GPU's memory "
-       "(a CUDA copy on the transport's stream for that rank, not finished); later puts to rank %d wait behind "
-       "it (%zu on this context)", c->rank, op->size, op->peer, waited, op->peer, behind);
+       "(a CUDA copy, queued on %zu stream(s) of the transport, not finished); later puts to rank %d wait behind "
+       "it (%zu on this context)", c->rank, op->size, op->peer, waited, op->abandoned.size() + 1, op->peer, behind);
+}
+
+// The op's staging chunk goes back to the pool, or, while copies of it queued earlier have yet to
+// run (they would write into it after its next owner filled it), waits in `parked` for them.
+// Called with x->lock held.
+void release_staging(Context* x, Op* op) {
+  if (!op->staging) return;
+  if (op->abandoned.empty())
+    pool_put(x->comm, op->staging);
+  else
+    x->parked.emplace_back(op->staging, std::move(op->abandoned));
+  op->staging = nullptr;
+  op->abandoned.clear();
+}
+
+// Parked chunks and events whose copies have all run (or failed) come free. Called with x->lock held.
+void reclaim_parked(Context* x) {
+  for (auto it = x->parked.begin(); it != x->parked.end();) {
+    bool ran = true;
+    for (cudaEvent_t e : it->second) ran = ran && cudaEventQuery(e) != cudaErrorNotReady;
+    if (!ran) {
+      ++it;
+      continue;
+    }
+    for (cudaEvent_t e : it->second) x->events.push_back(e);
+    pool_put(x->comm, it->first);
+    it = x->parked.erase(it);
+  }
+}
+
+// Whether a copy straight into peer memory (mapped or local, not staged) towards `peer` is still
+// pending on `stream`. Called with x->lock held.
+bool direct_copy_pending(Context* x, int peer, cudaStream_t stream) {
+  const size_t nranks = static_cast<size_t>(x->comm->nranks);
+  for (size_t q = static_cast<size_t>(peer); q < x->queues.size(); q += nranks)
+    for (const Op* o : x->queues[q])
+      if (o->event && !o->staging && o->stream == stream) return true;
+  return false;
+}
+
+// Queues a staged op's copy out of GPU memory again, on a spare stream: its own has not run it
+// within requeue_after, as happens when the stream sits in the hardware queue of a stream that
+// waits for a kernel spinning on this very put (see Context::streams). The copy writes the same
+// bytes into the same chunk (the source stays as it is until the put completes), so the first to
+// finish delivers the put; the chunk is reused only after both ran (release_staging). The peer's
+// later copies move to that spare too, unless a copy straight into the peer's memory is pending
+// on the old stream: a later one landing first would then be overwritten by older bytes.
+// Called with x->lock held; does nothing when no copy event is free (the next progress retries).
+void requeue_copy(Context* x, Op* op, std::chrono::steady_clock::time_point now) {
+  Comm* c = x->comm;
+  const int spares = static_cast<int>(x->streams.size()) - c->nranks;
+  if (x->events.empty() || spares < 1) return;
+  int index = -1;
+  for (int tries = 0; tries < spares && index < 0; tries++) {
+    const int candidate = c->nranks + x->next_spare++ % spares;
+    if (x->streams[candidate] != op->stream) index = candidate;
+  }
+  if (index < 0) return;
+  cudaEvent_t event = x->events.back();
+  cudaStream_t stream = x->streams[index];
+  if (!cuda_ok(c, cudaMemcpyAsync(op->staging, op->copy_source, op->size, cudaMemcpyDefault, stream),
+               "cudaMemcpyAsync(a requeued copy)") ||
+      !cuda_ok(c, cudaEventRecord(event, stream), "cudaEventRecord"))
+    return;
+  x->events.pop_back();
+  const cudaStream_t stuck = op->stream;
+  const double waited_ms = std::chrono::duration<double, std::milli>(now - op->copy_queued).count();
+  op->abandoned.push_back(op->event);
+  op->event = event;
+  op->stream = stream;
+  op->copy_queued = now;
+  counters[kCopiesRequeued]++;
+  const bool moved = x->streams[x->peer_stream[op->peer]] == stuck && !direct_copy_pending(x, op->peer, stuck);
+  if (moved) x->peer_stream[op->peer] = index;
+  TRACE("rank %d requeue peer %d size %zu after %.0f ms spare %d moved %d", c->rank, op->peer, op->size, waited_ms,
+        index - c->nranks, moved);
+  INFO(c, "rank %d: a copy of %zu bytes towards rank %d had not run after %.0f ms on its stream; queued again on "
+       "spare stream %d%s", c->rank, op->size, op->peer, waited_ms, index - c->nranks,
+       moved ? ", where that rank's later copies go too" : "");
 }
 
 void progress(Context* x) {
   Comm* c = x->comm;
   std::lock_guard<std::mutex> g(x->lock);
+  if (!x->parked.empty()) reclaim_parked(x);
   for (auto& queue : x->queues) {
     while (!queue.empty()) {
       Op* op = queue.front();
@@ -597,6 +705,8 @@ void progress(Context* x) {
         cudaError_t e = cudaEventQuery(op->event);
         if (e == cudaErrorNotReady) {
           const auto now = std::chrono::steady_clock::now();
+          if (op->staging && c->requeue_after.count() > 0 && now - op->copy_queued > c->requeue_after)
+            requeue_copy(x, op, now);
           if (!op->copy_stall_reported && now - op->copy_started > c->stall_report_after)
             report_stalled_copy(c, op, now, queue.size() - 1);
           break;
@@ -608,7 +718,7 @@ void progress(Context* x) {
       ok = ok && deliver(c, op);
       TRACE("rank %d deliver peer %d size %zu ok %d req %p", c->rank, op->peer, op->size, ok, static_cast<void*>(op));
       queue.pop_front();
-      if (!ok) pool_put(c, op->staging);
+      release_staging(x, op);
       if (op->returned) {
         op->state = ok ? 1 : -1;
       } else {
@@ -635,19 +745,22 @@ bool wait_to_take(Context* x, const char* what, Take take) {
   return false;
 }
 
-// Queues the op's copy on `stream` with an event from the context's pool for progress() to wait on.
-bool start_copy(Context* x, Op* op, void* to, const void* from, size_t bytes, cudaStream_t stream) {
+// Queues the op's copy on its peer's stream with an event from the context's pool for progress()
+// to wait on.
+bool start_copy(Context* x, Op* op, void* to, const void* from, size_t bytes) {
   Comm* c = x->comm;
   bool got = wait_to_take(x, "copy event", [&] {
     std::lock_guard<std::mutex> g(x->lock);
     if (x->events.empty()) return false;
     op->event = x->events.back();
     x->events.pop_back();
+    op->stream = x->streams[x->peer_stream[op->peer]];
     return true;
   });
-  op->copy_started = std::chrono::steady_clock::now();
-  return got && cuda_ok(c, cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync") &&
-         cuda_ok(c, cudaEventRecord(op->event, stream), "cudaEventRecord");
+  op->copy_source = static_cast<const char*>(from);
+  op->copy_started = op->copy_queued = std::chrono::steady_clock::now();
+  return got && cuda_ok(c, cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, op->stream), "cudaMemcpyAsync") &&
+         cuda_ok(c, cudaEventRecord(op->event, op->stream), "cudaEventRecord");
 }
 
 // The calling thread's current device, set once per thread (NCCL's proxy thread serves one device).
@@ -722,7 +835,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
         op->host_source = from;
       } else {
         ok = wait_to_take(x, "staging chunk", [&] { return (op->staging = pool_get(c)) != nullptr; }) &&
-             start_copy(x, op, op->staging, from, bytes, x->streams[peer]);
+             start_copy(x, op, op->staging, from, bytes);
       }
       counters[kPutsStaged]++;
       counters[kBytesStaged] += bytes;
@@ -732,7 +845,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
         op->local_destination = to;
         op->local_source = from;
       } else {
-        ok = start_copy(x, op, to, from, size, x->streams[peer]);
+        ok = start_copy(x, op, to, from, size);
       }
       counters[route == Route::kLocal ? kPutsLocal : kPutsMapped]++;
       if (route == Route::kMapped) counters[kBytesMapped] += size;
@@ -1050,11 +1163,14 @@ rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** r
   x->contexts = config->nContexts;
   x->queues.resize(static_cast<size_t>(config->nContexts) * c->nranks);
   x->streams.assign(c->nranks, nullptr);
+  for (int p = 0; p < c->nranks; p++) x->peer_stream.push_back(p);
   if (c->device >= 0) {
     cudaSetDevice(c->device);
+    // Made one after another, the spares land in every hardware queue CUDA deals streams to.
+    x->streams.resize(c->nranks + hardware_queues(), nullptr);
     bool ok = true;
-    for (int p = 0; ok && p < c->nranks; p++)
-      ok = cuda_ok(c, cudaStreamCreateWithFlags(&x->streams[p], cudaStreamNonBlocking), "cudaStreamCreate");
+    for (size_t i = 0; ok && i < x->streams.size(); i++)
+      ok = cuda_ok(c, cudaStreamCreateWithFlags(&x->streams[i], cudaStreamNonBlocking), "cudaStreamCreate");
     for (int i = 0; ok && i < kCopyEvents; i++) {
       cudaEvent_t event = nullptr;
       ok = cuda_ok(c, cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
