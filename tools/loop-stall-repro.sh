@@ -7,7 +7,8 @@
 #   REPRO_VARIANTS  space-separated NAME:ENV,ENV... run one after another, each rank's environment
 #                   extended by ENV (default "baseline:"), e.g.
 #                   "baseline: conn16:CUDA_DEVICE_MAX_CONNECTIONS=16 paced1:JAXGIN_MAX_QUEUED_CALLS=1
-#                   fold1:JAXGIN_TEST_LOOP_FOLD=1" (fold1: a collective after every call, as before)
+#                   fold1:JAXGIN_TEST_LOOP_FOLD=1 requeue0:JAXGIN_TRANSPORT_REQUEUE_MS=0" (fold1: a
+#                   collective after every call, as before; requeue0: no stalled copy queued again)
 #   REPRO_TIMEOUT   seconds per job (default 330)
 # Writes $RESULTS/<variant>/<job>/ (tools/emulated_job.py's files, the trace gzipped) and prints
 # each job's exit codes and the ranks' timed-out waits.
@@ -30,5 +31,6 @@ for variant in ${REPRO_VARIANTS:-baseline:}; do
     gzip -f "$RESULTS/$name/$job"/rank*.err  # the trace
     zcat "$RESULTS/$name/$job"/rank*.err.gz | grep -A1 "device fault recorded" | grep "timed out" | cut -c1-240 | head -8
     zcat "$RESULTS/$name/$job"/rank*.err.gz | grep "for its copy out of this GPU's memory" | cut -c1-240 | head -4
+    echo "copies queued again: $(zcat "$RESULTS/$name/$job"/rank*.err.gz | grep -c "transport trace: rank [0-9]* requeue")"
   done
 done
