@@ -227,7 +227,7 @@ struct Op {
   std::chrono::steady_clock::time_point copy_started{}, copy_queued{};
   bool copy_stall_reported = false;
   // Events of earlier copies of this op into `staging` that were queued again elsewhere: the chunk
-  // goes back to the pool only once they have run too (park_staging).
+  // goes back to the pool only once they have run too (release_staging).
   std::vector<cudaEvent_t> abandoned;
   uint64_t region = 0, offset = 0;
   bool has_signal = false;
