@@ -92,8 +92,18 @@ def choose(request: str, force_gin: bool, nccl_version: int) -> str:
     return "host" if force_gin and not too_old and not rdma.devices() else "nic"
 
 
+# Where the plugin's copies out of GPU memory run (JAXGIN_TRANSPORT_COPY_CONTEXT): "own", a CUDA
+# context of the plugin's own, whose hardware queues hold nothing of XLA's; "shared", the
+# application's context. See docs/guide.md ("The host transport").
+COPY_CONTEXTS = ("own", "shared")
+
+
 def enable(library: Path) -> None:
     """Points NCCL at the plugin. Refuses what would silently not work."""
+    copy_context = os.environ.get("JAXGIN_TRANSPORT_COPY_CONTEXT")
+    if copy_context and copy_context not in COPY_CONTEXTS:
+        raise ValueError(f"JAXGIN_TRANSPORT_COPY_CONTEXT={copy_context!r}: expected one of {COPY_CONTEXTS} "
+                         "(own, the default: the host transport copies in a CUDA context of its own)")
     current = os.environ.get("NCCL_RMA_PLUGIN")
     if current and Path(current).resolve() != library.resolve():
         raise JaxginError(

@@ -5,6 +5,7 @@ of this process (one process for all GPUs) or separate processes (one process pe
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import subprocess
 import sys
 import time
@@ -311,6 +312,16 @@ def test_auto_uses_the_host_transport_only_for_forced_gin_without_a_nic(monkeypa
     assert transport.choose("auto", force_gin, 23203) == expected
 
 
+def test_enable_refuses_an_unknown_copy_context_naming_the_setting(monkeypatch, library):
+    """Checked in Python before NCCL loads the plugin, which would refuse it only inside
+    jaxgin.initialize(), behind NCCL's own error."""
+    monkeypatch.delenv("NCCL_RMA_PLUGIN", raising=False)
+    monkeypatch.setenv("JAXGIN_TRANSPORT_COPY_CONTEXT", "private")
+    with pytest.raises(ValueError, match=r"JAXGIN_TRANSPORT_COPY_CONTEXT='private': expected one of \('own', 'shared'\)"):
+        transport.enable(library)
+    assert "NCCL_RMA_PLUGIN" not in os.environ
+
+
 def test_enable_refuses_another_plugin(monkeypatch, library):
     from jaxgin.errors import JaxginError
 
@@ -355,11 +366,12 @@ def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
 # --- the proxy's way: many requests in flight, tested in order ----------------------------------
 
 
-def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, seconds=120):
+def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, seconds=120, before_close=None):
     """Runs transport_plugin.CreditRing on `nranks` ranks of this process (every rank its own
     communicator, agent thread and connections; one thread drives all their proxies in turn).
     `kind` is the memory type every region is registered as. Returns the ranks' signal words;
-    raises AssertionError when the ring has not finished within `seconds`."""
+    raises AssertionError when the ring has not finished within `seconds`. `before_close` runs
+    before the ranks close, whether the ring finished or not."""
     ranks = connect_all(table, nranks, contexts=contexts)
     try:
         data = [CreditRing.data_array(window) for _ in ranks]
@@ -385,6 +397,8 @@ def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, se
         words = [s.tolist() for s in signals]
         errors = [r.has_error() for r in ranks]
     finally:
+        if before_close:
+            before_close()
         close_all(ranks)
     assert not any(errors), errors
     return words
@@ -521,6 +535,76 @@ def test_without_requeuing_a_held_stream_stalls_the_ring(fake_cuda_library, fake
     hold_copy(fake_cuda_library, 7, 4000)  # released while the ranks close, so they close cleanly
     with pytest.raises(AssertionError, match="stalled"):
         credit_ring(fake_device_table, 2, 200, 2, contexts=2, kind=PTR_CUDA, seconds=2)
+
+
+def hold_application_copies(fake_cuda_library, ms: int) -> None:
+    """The fake CUDA holds every stream of the application's context at each copy out of device
+    memory queued there from now on, for `ms` milliseconds (negative: until released; 0 releases)."""
+    import ctypes
+
+    ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_hold_application_copies(ctypes.c_int(ms))
+
+
+def live_contexts(fake_cuda_library) -> int:
+    import ctypes
+
+    return ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_live_contexts()
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_copies_run_in_a_context_of_their_own_beside_held_application_queues(fake_cuda_library, fake_device_table,
+                                                                             nranks, monkeypatch):
+    """Every hardware queue of the application's context held (on a GPU: XLA's queued work waiting
+    for the kernel that spins on these very puts; under command buffers at world 8 it held a copy
+    on fifty streams in turn). The copies out of GPU memory run in the transport's own context
+    (the default), so the ring finishes with every payload right and nothing needs requeuing; the
+    fake refuses any stream or event used outside the context it was made in, so a transport call
+    that forgot to make its context current fails the ring. One context per rank, gone at close."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.delenv("JAXGIN_TRANSPORT_COPY_CONTEXT", raising=False)
+    before = transport.counters(fake_cuda_library)["copies_requeued"]
+    contexts_before = live_contexts(fake_cuda_library)
+    hold_application_copies(fake_cuda_library, -1)
+    try:
+        ranks = connect_all(fake_device_table, nranks)
+        assert live_contexts(fake_cuda_library) == contexts_before + nranks
+        close_all(ranks)
+        assert live_contexts(fake_cuda_library) == contexts_before
+        iterations = 200
+        words = credit_ring(fake_device_table, nranks, iterations, 2, contexts=2, kind=PTR_CUDA, seconds=60)
+    finally:
+        hold_application_copies(fake_cuda_library, 0)
+    assert words == [[iterations] * 4] * nranks
+    assert transport.counters(fake_cuda_library)["copies_requeued"] == before
+
+
+def test_copies_in_the_shared_context_stall_behind_held_application_queues(fake_cuda_library, fake_device_table,
+                                                                           monkeypatch):
+    """The same held queues with JAXGIN_TRANSPORT_COPY_CONTEXT=shared: the copies run in the
+    application's context, every spare stream is held too, and the ring stalls although copies
+    are requeued. What the test above would see without a context of the transport's own."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_COPY_CONTEXT", "shared")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_REQUEUE_MS", "50")
+    before = transport.counters(fake_cuda_library)["copies_requeued"]
+    contexts_before = live_contexts(fake_cuda_library)
+    hold_application_copies(fake_cuda_library, -1)
+    try:
+        with pytest.raises(AssertionError, match="stalled"):
+            credit_ring(fake_device_table, 2, 200, 2, contexts=2, kind=PTR_CUDA, seconds=2,
+                        before_close=lambda: hold_application_copies(fake_cuda_library, 0))
+    finally:
+        hold_application_copies(fake_cuda_library, 0)
+    assert transport.counters(fake_cuda_library)["copies_requeued"] > before
+    assert live_contexts(fake_cuda_library) == contexts_before
+
+
+def test_an_unknown_copy_context_is_refused_naming_the_setting(fake_device_table, monkeypatch, capfd):
+    monkeypatch.setenv("JAXGIN_TRANSPORT_COPY_CONTEXT", "private")
+    with pytest.raises(TransportError, match="connect"):
+        connect_all(fake_device_table, 2)
+    err = capfd.readouterr().err
+    assert "JAXGIN_TRANSPORT_COPY_CONTEXT=private: expected own (the default) or shared" in err
 
 
 def test_a_chunk_is_reused_only_after_its_abandoned_copy_ran(fake_cuda_library, fake_device_table, monkeypatch):

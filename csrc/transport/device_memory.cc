@@ -26,14 +26,21 @@ struct Driver {
   // Optional: older drivers lack the stream atomic reduction, and the library works without it.
   CUresult (*batch_mem_op)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int) = nullptr;
   CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
-  std::string missing;
+  // The transport's own context (create_own_context). cuCtxCreate changed its arguments twice:
+  // this is its CUDA 12.5 form (12.0 gives the 11.4 one, with execution-affinity parameters).
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*context_create)(CUcontext*, CUctxCreateParams*, unsigned int, CUdevice) = nullptr;
+  CUresult (*context_destroy)(CUcontext) = nullptr;
+  CUresult (*context_push)(CUcontext) = nullptr;
+  CUresult (*context_pop)(CUcontext*) = nullptr;
+  std::string missing, missing_for_contexts;
 };
 
 template <typename F>
-void resolve(const char* symbol, F& fn, std::string& missing) {
+void resolve(const char* symbol, F& fn, std::string& missing, unsigned int version = 12000) {
   void* p = nullptr;
   cudaDriverEntryPointQueryResult status;
-  if (cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+  if (cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &status) != cudaSuccess ||
       status != cudaDriverEntryPointSuccess || p == nullptr) {
     cudaGetLastError();
     if (!missing.empty()) missing += ", ";
@@ -62,6 +69,11 @@ const Driver& driver() {
     std::string optional;
     resolve("cuStreamBatchMemOp", d.batch_mem_op, optional);
     resolve("cuDeviceGetAttribute", d.device_attribute, optional);
+    resolve("cuDeviceGet", d.device_get, d.missing_for_contexts);
+    resolve("cuCtxCreate", d.context_create, d.missing_for_contexts, 12050);
+    resolve("cuCtxDestroy", d.context_destroy, d.missing_for_contexts);
+    resolve("cuCtxPushCurrent", d.context_push, d.missing_for_contexts);
+    resolve("cuCtxPopCurrent", d.context_pop, d.missing_for_contexts);
   });
   return d;
 }
@@ -136,6 +148,42 @@ void unmap_allocation(void* mapped, uint64_t allocation_bytes) {
   if (!mapped || !driver().unmap) return;
   driver().unmap(reinterpret_cast<CUdeviceptr>(mapped), allocation_bytes);
   driver().free_address(reinterpret_cast<CUdeviceptr>(mapped), allocation_bytes);
+}
+
+bool create_own_context(int device, void*& context, std::string& error) {
+  context = nullptr;
+  const Driver& d = driver();
+  if (!d.missing_for_contexts.empty()) {
+    error = "the CUDA driver lacks " + d.missing_for_contexts;
+    return false;
+  }
+  CUdevice handle = 0;
+  CUcontext made = nullptr;
+  if (!check(d.device_get(&handle, device), "cuDeviceGet", error) ||
+      !check(d.context_create(&made, nullptr, 0, handle), "cuCtxCreate", error))
+    return false;
+  // cuCtxCreate leaves the new context current on this thread, which is the caller's (NCCL's):
+  // take it off again, so that the caller's own CUDA calls keep their context.
+  CUcontext popped = nullptr;
+  if (!check(d.context_pop(&popped), "cuCtxPopCurrent", error)) {
+    d.context_destroy(made);
+    return false;
+  }
+  context = made;
+  return true;
+}
+
+void destroy_own_context(void* context) {
+  if (context && driver().context_destroy) driver().context_destroy(static_cast<CUcontext>(context));
+}
+
+bool push_context(void* context, std::string& error) {
+  return check(driver().context_push(static_cast<CUcontext>(context)), "cuCtxPushCurrent", error);
+}
+
+void pop_context() {
+  CUcontext popped = nullptr;
+  driver().context_pop(&popped);
 }
 
 bool write_value64(cudaStream_t stream, void* address, uint64_t value, std::string& error) {

@@ -18,6 +18,14 @@ bool export_allocation(const void* ptr, int& fd, uint64_t& allocation_bytes, uin
 // Maps an exported allocation into this process for `device`; `mapped` is its base.
 bool import_allocation(int fd, uint64_t allocation_bytes, int device, void*& mapped, std::string& error);
 void unmap_allocation(void* mapped, uint64_t allocation_bytes);
+// A CUDA context of the transport's own on `device`, beside the application's (the primary context,
+// where XLA's streams live). Work on its streams sits in hardware queues of its own: never behind
+// work the application queued. Not current on return.
+bool create_own_context(int device, void*& context, std::string& error);
+void destroy_own_context(void* context);
+// Makes `context` current on the calling thread over whatever was; pop_context restores that.
+bool push_context(void* context, std::string& error);
+void pop_context();
 // Writes `value` to the 64-bit word at `address` in stream order, after all earlier work of
 // `stream` is visible (a stream memory operation: no kernel, no SM needed).
 bool write_value64(cudaStream_t stream, void* address, uint64_t value, std::string& error);

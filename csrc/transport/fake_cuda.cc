@@ -14,6 +14,14 @@
 // after the call (the transport queues those with cudaMemcpyDefault) at that copy: it and what
 // follows on that stream run only after `ms` milliseconds (negative: once the stream is
 // destroyed). That is a stream in a hardware queue held by work that waits for a spinning kernel.
+//
+// Contexts: the application's (primary) context is current unless a thread pushed one made by
+// cuCtxCreate. Streams and events belong to the context current where they were made, and queueing
+// on a stream or recording an event of another context than the current one fails (as a handle
+// from another context does on a GPU), so that a transport call made outside its context shows.
+// jaxgin_fake_cuda_hold_application_copies(ms) holds every stream of the application's context at
+// each copy out of device memory queued there after the call: every hardware queue of that context
+// held by work that waits for a spinning kernel (what XLA's queued work did under command buffers).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +35,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -43,8 +52,19 @@ int copy_pause_ms() {
 // Copies out of device memory still to come before the held one (0: none is held), and for how long.
 std::atomic<int> copies_before_hold{0};
 std::atomic<int> hold_ms{-1};
+// Whether copies out of device memory on the application's context's streams hold them, how long.
+std::atomic<bool> hold_application{false};
+std::atomic<int> hold_application_ms{-1};
+
+// A context made by cuCtxCreate; null stands for the application's (primary) one.
+struct FakeContext {
+  int device = 0;
+};
+thread_local std::vector<FakeContext*> pushed_contexts;
+FakeContext* current_context() { return pushed_contexts.empty() ? nullptr : pushed_contexts.back(); }
 
 struct FakeStream {
+  FakeContext* context = current_context();
   std::mutex lock;
   std::condition_variable changed;
   std::deque<std::function<void()>> work;
@@ -100,9 +120,20 @@ struct FakeStream {
         changed.wait_for(g, std::chrono::milliseconds(ms), [&] { return stop; });
     });
   }
+  // Queues a step that holds the stream while the application's copies are held (see
+  // jaxgin_fake_cuda_hold_application_copies), at most `ms` milliseconds when not negative.
+  void hold_while_application_held(int ms) {
+    queue([this, ms] {
+      const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+      std::unique_lock<std::mutex> g(lock);
+      while (!stop && hold_application && (ms < 0 || std::chrono::steady_clock::now() < end))
+        changed.wait_for(g, std::chrono::milliseconds(5));
+    });
+  }
 };
 
 struct FakeEvent {
+  FakeContext* context = current_context();
   std::atomic<uint64_t> recorded{0}, reached{0};
 };
 
@@ -127,6 +158,7 @@ CUresult fake_map(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, uns
 CUresult fake_unmap(CUdeviceptr, size_t) { return not_supported(); }
 CUresult fake_set_access(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) { return not_supported(); }
 CUresult fake_write_value64(CUstream stream, CUdeviceptr address, cuuint64_t value, unsigned int) {
+  if (as_stream(stream)->context != current_context()) return CUDA_ERROR_INVALID_CONTEXT;
   auto* word = reinterpret_cast<uint64_t*>(address);
   as_stream(stream)->queue([word, value] { __atomic_store_n(word, value, __ATOMIC_SEQ_CST); });
   return CUDA_SUCCESS;
@@ -136,6 +168,7 @@ CUresult fake_error_string(CUresult, const char** text) {
   return CUDA_SUCCESS;
 }
 CUresult fake_batch_mem_op(CUstream stream, unsigned int count, CUstreamBatchMemOpParams* ops, unsigned int) {
+  if (as_stream(stream)->context != current_context()) return CUDA_ERROR_INVALID_CONTEXT;
   for (unsigned int i = 0; i < count; i++) {
     if (ops[i].operation != CU_STREAM_MEM_OP_ATOMIC_REDUCTION ||
         ops[i].atomicReduction.reductionOp != CU_STREAM_ATOMIC_REDUCTION_OP_ADD)
@@ -153,6 +186,38 @@ CUresult fake_device_attribute(int* value, CUdevice_attribute attribute, CUdevic
   if (attribute == CU_DEVICE_ATTRIBUTE_ATOMIC_REDUCTION_SUPPORTED ||
       attribute == CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
     *value = on ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_device_get(CUdevice* device, int ordinal) {
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+std::atomic<int> live_contexts{0};
+CUresult fake_context_create(CUcontext* context, CUctxCreateParams*, unsigned int, CUdevice device) {
+  auto* made = new FakeContext;
+  made->device = device;
+  pushed_contexts.push_back(made);  // as CUDA does: the new context is current on return
+  live_contexts++;
+  *context = reinterpret_cast<CUcontext>(made);
+  return CUDA_SUCCESS;
+}
+CUresult fake_context_destroy(CUcontext context) {
+  auto* gone = reinterpret_cast<FakeContext*>(context);
+  for (auto it = pushed_contexts.begin(); it != pushed_contexts.end();)
+    it = *it == gone ? pushed_contexts.erase(it) : it + 1;
+  delete gone;
+  live_contexts--;
+  return CUDA_SUCCESS;
+}
+CUresult fake_context_push(CUcontext context) {
+  pushed_contexts.push_back(reinterpret_cast<FakeContext*>(context));
+  return CUDA_SUCCESS;
+}
+CUresult fake_context_pop(CUcontext* context) {
+  if (pushed_contexts.empty()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (context) *context = reinterpret_cast<CUcontext>(pushed_contexts.back());
+  pushed_contexts.pop_back();
   return CUDA_SUCCESS;
 }
 
@@ -175,7 +240,14 @@ const EntryPoint kEntryPoints[] = {
     {"cuGetErrorString", reinterpret_cast<void*>(&fake_error_string)},
     {"cuStreamBatchMemOp", reinterpret_cast<void*>(&fake_batch_mem_op)},
     {"cuDeviceGetAttribute", reinterpret_cast<void*>(&fake_device_attribute)},
+    {"cuDeviceGet", reinterpret_cast<void*>(&fake_device_get)},
+    {"cuCtxCreate", reinterpret_cast<void*>(&fake_context_create)},
+    {"cuCtxDestroy", reinterpret_cast<void*>(&fake_context_destroy)},
+    {"cuCtxPushCurrent", reinterpret_cast<void*>(&fake_context_push)},
+    {"cuCtxPopCurrent", reinterpret_cast<void*>(&fake_context_pop)},
 };
+
+bool in_current_context(cudaStream_t stream) { return as_stream(stream)->context == current_context(); }
 
 }  // namespace
 
@@ -195,6 +267,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  if (!in_current_context(stream)) return cudaErrorInvalidResourceHandle;
   delete as_stream(stream);  // runs what was queued first
   return cudaSuccess;
 }
@@ -213,6 +286,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   FakeEvent* e = as_event(event);
+  if (!in_current_context(stream) || e->context != current_context()) return cudaErrorInvalidResourceHandle;
   const uint64_t mark = e->recorded.fetch_add(1) + 1;
   as_stream(stream)->queue([e, mark] {
     uint64_t seen = e->reached.load();
@@ -223,6 +297,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   FakeEvent* e = as_event(event);
+  if (e->context != current_context()) return cudaErrorInvalidResourceHandle;
   return e->reached.load() >= e->recorded.load() ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -234,8 +309,15 @@ cudaError_t cudaFreeHost(void* pointer) {
   std::free(pointer);
   return cudaSuccess;
 }
+cudaError_t cudaMemcpy(void* to, const void* from, size_t bytes, enum cudaMemcpyKind) {
+  std::memcpy(to, from, bytes);
+  return cudaSuccess;
+}
 cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t stream) {
+  if (!in_current_context(stream)) return cudaErrorInvalidResourceHandle;
   const int pause_ms = copy_pause_ms();  // read per copy: tests set it for one run
+  if (kind == cudaMemcpyDefault && hold_application && as_stream(stream)->context == nullptr)
+    as_stream(stream)->hold_while_application_held(hold_application_ms.load());
   if (kind == cudaMemcpyDefault) {
     int left = copies_before_hold.load();
     while (left > 0 && !copies_before_hold.compare_exchange_weak(left, left - 1)) {
@@ -249,10 +331,11 @@ cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaM
   return cudaSuccess;
 }
 
-cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int, unsigned long long,
-                                             enum cudaDriverEntryPointQueryResult* status) {
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int version,
+                                             unsigned long long, enum cudaDriverEntryPointQueryResult* status) {
   for (const EntryPoint& e : kEntryPoints)
-    if (std::strcmp(e.name, symbol) == 0) {
+    // cuCtxCreate's form depends on the version asked for: the fake has only the CUDA 12.5 one.
+    if (std::strcmp(e.name, symbol) == 0 && (std::strcmp(symbol, "cuCtxCreate") != 0 || version >= 12050)) {
       *function = e.function;
       if (status) *status = cudaDriverEntryPointSuccess;
       return cudaSuccess;
@@ -266,5 +349,15 @@ __attribute__((visibility("default"))) void jaxgin_fake_cuda_hold_copy(int n, in
   hold_ms = ms;
   copies_before_hold = n;
 }
+
+// From now on each copy out of device memory queued on a stream of the application's context holds
+// that stream at the copy for `ms` milliseconds (negative: until released); 0 releases every hold.
+__attribute__((visibility("default"))) void jaxgin_fake_cuda_hold_application_copies(int ms) {
+  hold_application_ms = ms;
+  hold_application = ms != 0;
+}
+
+// Contexts made by cuCtxCreate and not destroyed yet.
+__attribute__((visibility("default"))) int jaxgin_fake_cuda_live_contexts() { return live_contexts.load(); }
 
 }  // extern "C"

@@ -196,6 +196,9 @@ struct Region {
   size_t size;
   bool on_device;
   bool never_reset;  // NCCL_NET_MR_FLAG_SIGNAL_NEVER_RESET: only this transport writes its signals
+  // Device memory that the transport's own context failed to read at registration (memory bound to
+  // the application's context, not a cuMem mapping): copying from or into it fails its put.
+  std::string unreachable;
   std::vector<char*> peer_base;         // per rank: where that rank's region is mapped here, or null
   std::vector<void*> peer_mapping;      // what to unmap
   std::vector<uint64_t> peer_mapping_bytes;
@@ -254,6 +257,19 @@ std::chrono::milliseconds read_requeue_after() {
   return std::chrono::milliseconds(ms > 0 ? ms : 0);
 }
 
+// Where the copies out of GPU memory run (JAXGIN_TRANSPORT_COPY_CONTEXT): "own" (the default), a
+// CUDA context of this transport's own; "shared", the application's context (CUDA's primary
+// context, where XLA's streams live). A context's streams share its few hardware queues, and XLA
+// queues work that waits for a kernel spinning on a put: under XLA command buffers at world 8 that
+// held a staged copy on every stream of the shared context, fifty spares included (measured on
+// emulated hosts, 2026-11-26). A NIC reads GPU memory outside the application's queues; the own
+// context is the closest a copy engine gets. Empty when the value is unknown.
+std::string copy_context_mode() {
+  const char* v = std::getenv("JAXGIN_TRANSPORT_COPY_CONTEXT");
+  const std::string mode = v && *v ? v : "own";
+  return mode == "own" || mode == "shared" ? mode : std::string();
+}
+
 // CUDA spreads a context's streams over this many hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,
 // default 8): the spare streams a context rotates through, so that one of them sits in each.
 int hardware_queues() {
@@ -268,6 +284,10 @@ struct Comm {
   std::chrono::milliseconds stall_report_after = read_stall_report_after();
   std::chrono::milliseconds requeue_after = read_requeue_after();
   int rank = 0, nranks = 0, device = -1;
+  // The CUDA context the copies out of GPU memory run in (see copy_context_mode); null: the
+  // application's. The receiving side (apply stream) stays in the application's context: it
+  // writes NCCL's signal words, which another context may not be able to address.
+  void* own_context = nullptr;
   std::vector<Address> addresses;
   std::vector<bool> same_host;
   std::vector<int> out, in;
@@ -310,12 +330,15 @@ struct Context {
   std::vector<std::deque<Op*>> queues;  // [context * nranks + peer]
   std::vector<cudaEvent_t> events;      // free copy events (under lock); all of them in all_events
   std::vector<cudaEvent_t> all_events;
-  // Copies out of GPU memory, on streams made in createContext: the first nranks one per peer,
-  // then hardware_queues() spares. CUDA places streams in a few hardware queues, and work in one
-  // queue runs in order: a copy in the queue of XLA's stream waits behind the jaxgin calls XLA has
-  // launched after the one that spins for this very put (measured on emulated hosts at world 8: a
-  // few puts to one rank never left while every other rank's flowed). requeue_copy then queues such
-  // a copy again on a spare, and peer_stream moves that peer's later copies there too.
+  // Copies out of GPU memory, on streams made in createContext (in the transport's own context
+  // unless JAXGIN_TRANSPORT_COPY_CONTEXT=shared): the first nranks one per peer, then
+  // hardware_queues() spares. CUDA places a context's streams in a few hardware queues, and work in
+  // one queue runs in order: in the application's context a copy in the queue of XLA's stream waits
+  // behind the jaxgin calls XLA has launched after the one that spins for this very put (measured
+  // on emulated hosts at world 8: a few puts to one rank never left while every other rank's
+  // flowed). requeue_copy then queues such a copy again on a spare, and peer_stream moves that
+  // peer's later copies there too. That helps only while some queue is free: under XLA command
+  // buffers every queue was held (fifty spares tried in turn), which the own context avoids.
   std::vector<cudaStream_t> streams;
   std::vector<int> peer_stream;  // [peer]: index into streams of where its copies go now
   int next_spare = 0;
@@ -338,6 +361,37 @@ bool cuda_ok(Comm* c, cudaError_t e, const char* what) {
   fail(c, std::string(what) + " failed: " + cudaGetErrorString(e));
   return false;
 }
+
+// The calling thread's current device, set once per thread (NCCL's proxy thread serves one device).
+void use_device(int device) {
+  thread_local int current = -1;
+  if (device < 0 || device == current) return;
+  cudaSetDevice(device);
+  current = device;
+}
+
+// Makes the context of the sending side's streams and events current for a scope: the transport's
+// own (pushed, then popped, so that NCCL's thread keeps its context) or the application's.
+class CopyContextScope {
+ public:
+  explicit CopyContextScope(Comm* c) {
+    std::string error;
+    if (c->own_context) {
+      pushed_ = push_context(c->own_context, error);
+      if (!pushed_) fail(c, "making the transport's CUDA context current: " + error);
+    } else {
+      use_device(c->device);
+    }
+  }
+  ~CopyContextScope() {
+    if (pushed_) pop_context();
+  }
+  CopyContextScope(const CopyContextScope&) = delete;
+  CopyContextScope& operator=(const CopyContextScope&) = delete;
+
+ private:
+  bool pushed_ = false;
+};
 
 Region* find_region(Comm* c, uint64_t seq) {
   std::lock_guard<std::mutex> g(c->lock);
@@ -694,6 +748,7 @@ void requeue_copy(Context* x, Op* op, std::chrono::steady_clock::time_point now)
 }
 
 void progress(Context* x) {
+  CopyContextScope scope(x->comm);
   Comm* c = x->comm;
   std::lock_guard<std::mutex> g(x->lock);
   if (!x->parked.empty()) reclaim_parked(x);
@@ -763,14 +818,6 @@ bool start_copy(Context* x, Op* op, void* to, const void* from, size_t bytes) {
          cuda_ok(c, cudaEventRecord(op->event, op->stream), "cudaEventRecord");
 }
 
-// The calling thread's current device, set once per thread (NCCL's proxy thread serves one device).
-void use_device(int device) {
-  thread_local int current = -1;
-  if (device < 0 || device == current) return;
-  cudaSetDevice(device);
-  current = device;
-}
-
 rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size_t size, uint64_t dst_off,
                     Region* dst, uint32_t peer, Region* signal, uint64_t signal_off, uint64_t signal_delta,
                     void** request) {
@@ -797,8 +844,15 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
       return rmaRemoteError;
     }
   }
+  for (Region* r : {size > 0 ? src : nullptr, size > 0 && static_cast<int>(peer) == c->rank ? dst : nullptr})
+    if (r && !r->unreachable.empty()) {
+      WARN(c, "rank %d: a put of %zu bytes to rank %u copies %s region %lu, which the transport's own CUDA context "
+           "cannot reach (%s); set JAXGIN_TRANSPORT_COPY_CONTEXT=shared to copy in the application's context",
+           c->rank, size, peer, r == src ? "from" : "into", (unsigned long)r->seq, r->unreachable.c_str());
+      return rmaInvalidUsage;
+    }
   TRACE("rank %d request ctx %d peer %u size %zu", c->rank, context, peer, size);
-  use_device(c->device);
+  CopyContextScope scope(c);
   relax_capture_mode();
   const int index = context * c->nranks + static_cast<int>(peer);
   Route route = static_cast<int>(peer) == c->rank ? Route::kLocal
@@ -947,6 +1001,13 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
   c->log = l->plugin->log;
   c->rank = rank;
   c->nranks = nranks;
+  const std::string copy_context = copy_context_mode();
+  if (copy_context.empty()) {
+    WARN(c, "rank %d: JAXGIN_TRANSPORT_COPY_CONTEXT=%s: expected own (the default) or shared", rank,
+         std::getenv("JAXGIN_TRANSPORT_COPY_CONTEXT"));
+    delete c;
+    return rmaInvalidArgument;
+  }
   if (cudaGetDevice(&c->device) != cudaSuccess) {
     cudaGetLastError();
     c->device = -1;  // host memory only (the CPU tests)
@@ -1016,8 +1077,16 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
     delete c;
     return rmaUnhandledCudaError;
   }
+  if (c->device >= 0 && copy_context == "own" && !create_own_context(c->device, c->own_context, error)) {
+    WARN(c, "rank %d: the transport's own CUDA context on device %d: %s (JAXGIN_TRANSPORT_COPY_CONTEXT=shared "
+         "copies in the application's context instead)", rank, c->device, error.c_str());
+    close_comm_fds(c);
+    delete c;
+    return rmaUnhandledCudaError;
+  }
   if (pipe2(c->wake, O_CLOEXEC) != 0) {
     close_comm_fds(c);
+    destroy_own_context(c->own_context);
     delete c;
     return rmaSystemError;
   }
@@ -1040,6 +1109,29 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
   return rmaSuccess;
 }
 
+// Reads a word of a new device region from the transport's own context, synchronously (nothing of
+// the application's runs there, so nothing can hold it up), and records in the region why that
+// failed. NCCL registers memory that the sending side never copies (its signal words) too, so a
+// failure is reported only when a put copies from or into the region.
+void probe_from_own_context(Comm* c, Region* r) {
+  if (r->size == 0) return;
+  std::string error;
+  if (!push_context(c->own_context, error)) {
+    r->unreachable = error;
+    return;
+  }
+  uint64_t word = 0;
+  const cudaError_t e = cudaMemcpy(&word, r->base, std::min<size_t>(r->size, sizeof(word)), cudaMemcpyDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    r->unreachable = std::string("cudaMemcpy from it in the transport's own CUDA context failed: ") +
+                     cudaGetErrorString(e);
+    INFO(c, "rank %d: region %lu (%zu bytes at %p): %s", c->rank, (unsigned long)r->seq, r->size,
+         static_cast<void*>(r->base), r->unreachable.c_str());
+  }
+  pop_context();
+}
+
 rmaResult_t plugin_reg_mr(void* coll_comm, void* data, size_t size, int type, uint64_t flags, void** mhandle) {
   auto* c = static_cast<Comm*>(coll_comm);
   auto* r = new Region;
@@ -1056,6 +1148,7 @@ rmaResult_t plugin_reg_mr(void* coll_comm, void* data, size_t size, int type, ui
     c->regions.push_back(r);
   }
   counters[kRegions]++;
+  if (r->on_device && c->own_context) probe_from_own_context(c, r);
   if (c->device >= 0) cudaSetDevice(c->device);
   bool any_same_host = false;
   for (int p = 0; p < c->nranks; p++) any_same_host |= p != c->rank && c->same_host[p];
@@ -1165,7 +1258,7 @@ rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** r
   x->streams.assign(c->nranks, nullptr);
   for (int p = 0; p < c->nranks; p++) x->peer_stream.push_back(p);
   if (c->device >= 0) {
-    cudaSetDevice(c->device);
+    CopyContextScope scope(c);
     // Made one after another, the spares land in every hardware queue CUDA deals streams to.
     x->streams.resize(c->nranks + hardware_queues(), nullptr);
     bool ok = true;
@@ -1191,6 +1284,7 @@ rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** r
 
 rmaResult_t plugin_destroy_context(void* rma_ctx) {
   auto* x = static_cast<Context*>(rma_ctx);
+  CopyContextScope scope(x->comm);
   // Deliver what is still in flight, boundedly: a peer that is gone fails its operations.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (std::chrono::steady_clock::now() < deadline) {
@@ -1241,6 +1335,8 @@ rmaResult_t plugin_close_coll(void* coll_comm) {
   for (auto& per_peer : c->peer_registrations)
     for (auto& entry : per_peer)
       if (entry.second.fd >= 0) close(entry.second.fd);
+  // After destroy_context destroyed its streams: nothing of the transport's is queued there.
+  destroy_own_context(c->own_context);
   delete c;
   return rmaSuccess;
 }
