@@ -16,9 +16,10 @@
 # that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output); then pytest
 # only if ROUND_SUITE is set too.
 #
-# Send the ignored folder .whl along if it holds pytest-xdist and execnet: the tests then run in
-# ROUND_WORKERS (default 2) processes side by side. Crashes print native stacks
-# (tools/native_backtrace.c, preloaded) and Python's (PYTHONFAULTHANDLER).
+# Where pytest-xdist is installed (the machines' image has it), or the ignored folder .whl sent
+# along holds its wheels, the tests run in ROUND_WORKERS (default 2) processes side by side.
+# Crashes print native stacks (tools/native_backtrace.c, preloaded) and Python's
+# (PYTHONFAULTHANDLER).
 set -o pipefail
 cd "$(dirname "$0")/.."
 ROUND=${ROUND_DIR:-/root/jaxgin-round}
@@ -41,7 +42,9 @@ case "${1:-}" in
     stamp() { echo "=== $1 ($(( $(date +%s) - start )) s)"; }
     stamp "machine"; nvidia-smi -L
     parallel=()
-    if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
+    if python3 -c "import xdist, execnet" 2>/dev/null; then
+      parallel=(-n "${ROUND_WORKERS:-2}")  # the machines' image has pytest-xdist since 2026-11
+    elif ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/xdist .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
         && export PYTHONPATH=/tmp/xdist${PYTHONPATH:+:$PYTHONPATH} && parallel=(-n "${ROUND_WORKERS:-2}")
     fi

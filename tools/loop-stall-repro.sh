@@ -10,11 +10,15 @@
 #                   fold1:JAXGIN_TEST_LOOP_FOLD=1 requeue0:JAXGIN_TRANSPORT_REQUEUE_MS=0" (fold1: a
 #                   collective after every call, as before; requeue0: no stalled copy queued again)
 #   REPRO_TIMEOUT   seconds per job (default 330)
+#   REPRO_CASES     the cases each job runs (JAXGIN_TEST_CASES, default 0)
+#   REPRO_GRAPHS=1  under XLA command buffers (tools/emulated_job.py --graphs)
+#   REPRO_TRACE=0   without the transport's trace
 # Writes $RESULTS/<variant>/<job>/ (tools/emulated_job.py's files, the trace gzipped) and prints
 # each job's exit codes and the ranks' timed-out waits.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-common=(--world 8 --timeout "${REPRO_TIMEOUT:-330}" --env JAXGIN_TRANSPORT_TRACE=1 --env JAXGIN_TIMEOUT=60
-        --env JAXGIN_TEST_CASES=0)
+common=(--world 8 --timeout "${REPRO_TIMEOUT:-330}" --env JAXGIN_TIMEOUT=60 --env JAXGIN_TEST_CASES="${REPRO_CASES:-0}")
+[ "${REPRO_TRACE:-1}" = 1 ] && common+=(--env JAXGIN_TRANSPORT_TRACE=1)  # any value turns it on
+[ "${REPRO_GRAPHS:-0}" = 1 ] && common+=(--graphs)
 for variant in ${REPRO_VARIANTS:-baseline:}; do
   name=${variant%%:*}
   extra=()
