@@ -41,6 +41,10 @@ ANY_GPU = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU, found none")
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")
 # Worlds of the emulated-hosts tests, whatever the number of GPUs.
 EMULATED_WORLDS = [2, 4, 8]
+# Mixed meshes: emulated hosts of MIXED_RANKS_PER_HOST ranks on different GPUs (NVLink, LSA, inside
+# a host; GIN across), two such ranks per GPU: a world of twice the GPUs, at most 8.
+MIXED_RANKS_PER_HOST = 2
+MIXED_WORLD = min(2 * GPUS, 8)
 # The JAXGIN_TEST_HEAP of an emulated rank: eight of them share one GPU with their JAX runtimes.
 EMULATED_HEAP = "1GiB"
 # XLA flags of every emulated rank. No autotuning: each rank would time candidate kernels on a GPU
@@ -64,11 +68,14 @@ def require_emulated_hosts() -> None:
 
 def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
     """The environment of rank `rank` of an emulated-hosts job: a host id of its own (shared by
-    `ranks_per_host` consecutive ranks, which then reach each other over NVLink when they sit on
-    different GPUs), one GPU (ranks spread round-robin over the GPUs present), jaxgin forced onto
-    GIN through the host transport, and no XLA memory pool taken up front (ranks share GPUs)."""
+    `ranks_per_host` consecutive ranks, which then reach each other over NVLink: they sit on
+    different GPUs), one GPU (ranks spread round-robin over the GPUs present), GIN through the host
+    transport (forced for every peer when each rank is a host of its own), and no XLA memory pool
+    taken up front (ranks share GPUs)."""
     gpu = rank % max(GPUS, 1)
     host = f"emuhost{rank // ranks_per_host}"
+    if ranks_per_host > max(GPUS, 1):
+        raise ValueError(f"ranks_per_host={ranks_per_host}: a host's ranks need a GPU each, and there are {GPUS}")
     return {
         "CUDA_VISIBLE_DEVICES": str(gpu),
         "JAXGIN_TEST_LOCAL_DEVICE": "0",
@@ -78,7 +85,7 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_TRANSPORT_HOST_ID": host,
         "NCCL_SOCKET_IFNAME": "lo",
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "JAXGIN_FORCE_GIN": "1",
+        "JAXGIN_FORCE_GIN": "1" if ranks_per_host == 1 else "0",
         "JAXGIN_GIN_TRANSPORT": "host",
         "JAXGIN_TRANSPORT_QUIET": "1",
         "JAXGIN_TEST_HEAP": os.environ.get("JAXGIN_TEST_HEAP", EMULATED_HEAP),
@@ -151,9 +158,10 @@ def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags:
 
 
 def start_processes(script: Path, args, world: int, timeout: float = 600, env: dict | None = None,
-                    emulated: bool = False, xla_flags: str | None = None):
+                    emulated: bool = False, xla_flags: str | None = None, ranks_per_host: int = 1):
     """The scenario in `world` processes (jax.distributed on localhost), each given `RANK WORLD
-    ADDR` after `args`: one GPU each, or with `emulated`, each its own host (emulated_env).
+    ADDR` after `args`: one GPU each, or with `emulated`, emulated hosts of `ranks_per_host` ranks
+    (emulated_env).
     Returns [(returncode, stdout, stderr)] per rank; ranks still running at `timeout` print their
     stacks (_print_stacks) and are killed, and the others are still collected."""
     port = free_port()
@@ -162,7 +170,7 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
     base = scenario_env(world, xla_flags)  # an emulated rank's own CUDA_VISIBLE_DEVICES replaces it
     procs = []
     for r in range(world):
-        rank_env = {**base, **(emulated_env(r) if emulated else {}), **(env or {})}
+        rank_env = {**base, **(emulated_env(r, ranks_per_host) if emulated else {}), **(env or {})}
         procs.append(subprocess.Popen([sys.executable, str(script), *args, str(r), str(world), f"127.0.0.1:{port}"],
                                       env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     # Every pipe is drained by a thread of its own from the start: a rank whose pipe filled up
@@ -234,9 +242,10 @@ def _thread_count(pid: int) -> int:
 
 
 def run_processes(script: Path, args, world: int, timeout: float = 600, emulated: bool = False,
-                  xla_flags: str | None = None, env: dict | None = None) -> list[dict]:
+                  xla_flags: str | None = None, env: dict | None = None, ranks_per_host: int = 1) -> list[dict]:
     """start_processes, every process expected to succeed; their RESULT lines."""
-    finished = start_processes(script, args, world, timeout, env=env, emulated=emulated, xla_flags=xla_flags)
+    finished = start_processes(script, args, world, timeout, env=env, emulated=emulated, xla_flags=xla_flags,
+                               ranks_per_host=ranks_per_host)
     failed = [rank for rank, (code, _, _) in enumerate(finished) if code != 0]
     assert not failed, "\n".join(f"process {rank} of {world} failed ({finished[rank][0]}):\n{finished[rank][1][-2000:]}\n"
                                  f"{digest(finished[rank][2])}" for rank in failed)

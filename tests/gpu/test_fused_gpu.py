@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
+                     record, require_emulated_hosts,
                      run_processes, run_scenario)
 
 SCENARIOS = Path(__file__).with_name("fused_scenarios.py")
@@ -84,3 +85,25 @@ def test_fused_ops_emulated_hosts(world, command_buffers):
                 assert t["puts"] == t["expected_puts"], t
             else:
                 assert t["puts"] > 0, t
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_fused_ops_mixed_mesh_emulated_hosts(command_buffers):
+    """Emulated hosts of two GPUs each (NVLink inside a host, GIN across), so that one call takes
+    both paths: the same checks as everywhere else, and through the host transport goes exactly
+    what the GIN peers must get (the minimum for every peer, scaled to the peers on other hosts):
+    the LSA peer's chunk never, the GIN peers' once."""
+    require_emulated_hosts()
+    world = MIXED_WORLD
+    results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
+                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"mixed_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
+    gin_peers = world - MIXED_RANKS_PER_HOST
+    for result in results:
+        assert result["processes"] == world
+        _assert_cases(result)
+        assert len(result["traffic"]) == 5, result
+        for t in result["traffic"]:
+            assert t["bytes"] * (world - 1) == t["minimum_bytes"] * gin_peers, t
+            assert t["puts"] > 0, t

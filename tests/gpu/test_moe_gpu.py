@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from jaxgin import cli
-from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
+                     record, require_emulated_hosts,
                      run_processes, run_scenario)
 
 SCENARIOS = Path(__file__).with_name("moe_scenarios.py")
@@ -92,3 +93,23 @@ def test_moe_emulated_hosts(world, command_buffers):
             # (each below the transport's 4 MiB piece size, so one transport put each)
             assert 0 < d["puts"] <= 5 * (world - 1), t
             assert 0 < c["puts"] <= world - 1, t
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_moe_mixed_mesh_emulated_hosts(command_buffers):
+    """Emulated hosts of two GPUs each (NVLink inside a host, GIN across): dispatch and combine take
+    both paths in one call, with the same checks as everywhere else. The host transport carries
+    some of each call's rows (those for GIN peers) but not all (never the LSA peer's)."""
+    require_emulated_hosts()
+    world = MIXED_WORLD
+    results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
+                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"mixed_moe_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
+    for result in results:
+        assert result["processes"] == world
+        _assert_cases(result)
+        for t in result["traffic"]:
+            d, c = t["dispatch"], t["combine"]
+            assert 0 < d["bytes"] < t["dispatch_minimum_bytes"] + t["dispatch_metadata_bytes"], t
+            assert 0 < c["bytes"] < t["combine_minimum_bytes"], t
