@@ -56,10 +56,8 @@ std::atomic<int> hold_ms{-1};
 std::atomic<bool> hold_application{false};
 std::atomic<int> hold_application_ms{-1};
 
-// A context made by cuCtxCreate; null stands for the application's (primary) one.
-struct FakeContext {
-  int device = 0;
-};
+// A context made by cuCtxCreate (only its identity matters); null stands for the application's.
+struct FakeContext {};
 thread_local std::vector<FakeContext*> pushed_contexts;
 FakeContext* current_context() { return pushed_contexts.empty() ? nullptr : pushed_contexts.back(); }
 
@@ -194,9 +192,8 @@ CUresult fake_device_get(CUdevice* device, int ordinal) {
   return CUDA_SUCCESS;
 }
 std::atomic<int> live_contexts{0};
-CUresult fake_context_create(CUcontext* context, CUctxCreateParams*, unsigned int, CUdevice device) {
+CUresult fake_context_create(CUcontext* context, CUctxCreateParams*, unsigned int, CUdevice) {
   auto* made = new FakeContext;
-  made->device = device;
   pushed_contexts.push_back(made);  // as CUDA does: the new context is current on return
   live_contexts++;
   *context = reinterpret_cast<CUcontext>(made);
