@@ -337,7 +337,7 @@ def initialize(
                 record_vmm_calls=record_vmm_calls,
             )
         except RuntimeError as e:
-            raise JaxginError(f"jaxgin.initialize() failed: {e}{transport_lib.not_loaded_hint(state.gin_transport)}") from None
+            raise JaxginError(f"jaxgin.initialize() failed: {e}{transport_lib.not_loaded_hint(state.gin_transport, str(e))}") from None
         state.backend_lib = backend_lib
         unavailable = state.runtime.device_info(0)["vmm_ledger_unavailable"]
         if unavailable:

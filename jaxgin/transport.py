@@ -143,12 +143,20 @@ def counters(library: Path | str | None = None) -> dict[str, int]:
     return {name.decode(): int(value) for name, value in zip(names, values)}
 
 
-def not_loaded_hint(gin_transport: str) -> str:
+# How every line the plugin logs begins (csrc/transport/host_transport.cc, log_message); NCCL
+# passes its warnings on in the error it returns.
+MESSAGE_PREFIX = "jaxgin transport: "
+
+
+def not_loaded_hint(gin_transport: str, error: str = "") -> str:
     """Why GIN may be missing although the host transport was asked for: NCCL reads NCCL_RMA_PLUGIN
     once, when the process creates its first communicator, which may have been XLA's (a jax.lax
-    collective run before jaxgin.initialize()). '' when the plugin is loaded or was not asked for."""
+    collective run before jaxgin.initialize()). '' when the plugin is loaded, was not asked for, or
+    speaks in `error` itself: then it ran, and NCCL may have unloaded it since (NCCL counts the
+    communicators that hold its GIN plugin, and a failed initialize() has freed its own), so its
+    absence now says nothing."""
     path = os.environ.get("NCCL_RMA_PLUGIN")
-    if gin_transport != "host" or not path:
+    if gin_transport != "host" or not path or MESSAGE_PREFIX in error:
         return ""
     try:
         ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)

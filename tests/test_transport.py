@@ -353,6 +353,22 @@ def test_initialize_failure_says_when_nccl_never_loaded_the_plugin(monkeypatch, 
     assert transport.not_loaded_hint("nic") == ""
 
 
+def test_initialize_failure_gives_no_load_hint_when_the_plugin_spoke(monkeypatch, tmp_path):
+    """A failure that carries the plugin's own words (its connect could not make a CUDA context, a
+    peer died during registration) shows it ran; NCCL may have unloaded it since, and the advice to
+    initialize before the first collective would mislead. The plugin's lines, as it logs them,
+    begin with MESSAGE_PREFIX."""
+    from jaxgin import transport
+
+    monkeypatch.setenv("NCCL_RMA_PLUGIN", str(tmp_path / transport.LIBRARY_NAME))  # not in the process
+    error = ("ncclCommWindowRegister(...) failed on CUDA device 0: unhandled cuda error (jaxgin transport: rank 0: the "
+             "transport's own CUDA context on device 0: cuCtxCreate failed: out of memory)")
+    assert transport.not_loaded_hint("host", error) == ""
+    assert "first communicator" in transport.not_loaded_hint("host", "unhandled cuda error")
+    source = (Path(__file__).parents[1] / "csrc" / "transport" / "host_transport.cc").read_text()
+    assert f'"{transport.MESSAGE_PREFIX}%s' in source  # the prefix the plugin logs with
+
+
 def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
     from jaxgin import transport
 
