@@ -17,7 +17,10 @@
 # only if ROUND_SUITE is set too.
 #
 # Where pytest-xdist is installed (the machines' image has it), or the ignored folder .whl sent
-# along holds its wheels, the tests run in ROUND_WORKERS (default 2) processes side by side.
+# along holds its wheels, the tests run in ROUND_WORKERS (default 2) processes side by side. On one
+# 80 GB GPU keep to 16 ranks at a time (2 workers at world 8, 4 at worlds 2 and 4): 4 world-8 tests
+# side by side (32 ranks, each with XLA's memory, NCCL's and the transport's own CUDA context)
+# failed in initialize() with "cuCtxCreate failed: out of memory" (2026-11-27).
 # Crashes print native stacks (tools/native_backtrace.c, preloaded) and Python's
 # (PYTHONFAULTHANDLER).
 set -o pipefail
