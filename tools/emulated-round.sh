@@ -12,6 +12,10 @@
 # ROUND_SUITE=emulated or one-gpu runs half of the suite, a comma-separated list runs halves in
 # that order (one-gpu,emulated: the quick check first), and ROUND_STOP_ON_FAILURE=1 ends the round
 # at a failed half; ROUND_EMULATED_K=EXPR narrows the emulated half further (pytest -k, and-ed).
+# ROUND_EMULATED_PATHS names the test files of that half, in the order they start (default tests/gpu).
+# ROUND_SIDE_BY_SIDE=1 on a machine of several GPUs runs both halves at once, whatever ROUND_SUITE
+# says: the one-GPU half on the last GPU, the emulated half on the others, each test's ranks all on
+# one GPU (2 workers per GPU unless ROUND_WORKERS says otherwise).
 # ROUND_COMMANDS=FILE (a shell script in the repo) runs that first, with $RESULTS naming the folder
 # that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output); then pytest
 # only if ROUND_SUITE is set too.
@@ -59,7 +63,7 @@ case "${1:-}" in
     # a GPU wait for CPU cores (busy-polling proxy threads) or for the GPU.
     ( while sleep 30; do
         echo "$(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used \
-          --format=csv,noheader 2>/dev/null | head -1)"
+          --format=csv,noheader 2>/dev/null | paste -sd'|')"
       done ) > "$ROUND/results/load.log" 2>&1 &
     sampler=$!
     if [ -n "${ROUND_COMMANDS:-}" ]; then
@@ -77,27 +81,46 @@ case "${1:-}" in
       # GPU's memory and take XLA's memory pool, so nothing may run beside them. One-GPU first is
       # a quick check of the kernels before the long emulated half; with ROUND_STOP_ON_FAILURE=1 a
       # failed half ends the round (a machine goes back after 30 minutes held).
+      emulated_half() {
+        stamp "emulated-hosts tests"
+        JAXGIN_TIMEOUT=${JAXGIN_EMULATED_TIMEOUT:-30} python3 -m pytest -v -rA --durations=40 "${parallel[@]}" \
+          ${ROUND_EMULATED_PATHS:-tests/gpu} -k "(emulated_hosts or launches_importing)${ROUND_EMULATED_K:+ and ($ROUND_EMULATED_K)}" 2>&1 \
+          | tee "$ROUND/pytest-emulated.log"
+        status=$?; echo "pytest exit status $status (emulated hosts)"; return $status
+      }
+      one_gpu_half() {
+        stamp "one-GPU tests"
+        python3 -m pytest -v -rA --durations=20 tests/gpu -k "not emulated_hosts and not launches_importing" 2>&1 \
+          | tee "$ROUND/pytest-one-gpu.log"
+        status=$?; echo "pytest exit status $status (one GPU)"; return $status
+      }
       suite=${ROUND_SUITE:-all}
       [ "$suite" = all ] && suite=emulated,one-gpu
-      for half in ${suite//,/ }; do
-        case "$half" in
-          emulated)
-            stamp "emulated-hosts tests"
-            JAXGIN_TIMEOUT=${JAXGIN_EMULATED_TIMEOUT:-30} python3 -m pytest -v -rA --durations=40 "${parallel[@]}" tests/gpu \
-              -k "(emulated_hosts or launches_importing)${ROUND_EMULATED_K:+ and ($ROUND_EMULATED_K)}" 2>&1 \
-              | tee "$ROUND/pytest-emulated.log"
-            status=$?; echo "pytest exit status $status (emulated hosts)";;
-          one-gpu)
-            stamp "one-GPU tests"
-            python3 -m pytest -v -rA --durations=20 tests/gpu -k "not emulated_hosts and not launches_importing" 2>&1 \
-              | tee "$ROUND/pytest-one-gpu.log"
-            status=$?; echo "pytest exit status $status (one GPU)";;
-          *) echo "ROUND_SUITE: unknown half '$half' (expected emulated, one-gpu or all)"; status=2;;
-        esac
-        if [ "$status" != 0 ] && [ "${ROUND_STOP_ON_FAILURE:-0}" = 1 ]; then
-          echo "stopping: the $half half failed (ROUND_STOP_ON_FAILURE=1)"; break
-        fi
-      done
+      gpus=$(nvidia-smi -L | grep -c '^GPU ')
+      if [ "${ROUND_SIDE_BY_SIDE:-0}" = 1 ] && [ "$gpus" -ge 2 ]; then
+        # A machine of several GPUs as several one-GPU machines: the one-GPU half alone on the
+        # last GPU, and beside it the emulated half on the others, each xdist worker's jobs whole
+        # on one GPU (JAXGIN_TEST_EMULATED_ONE_GPU), as on a one-GPU machine; the mixed-mesh
+        # tests spread their hosts over those GPUs. ROUND_WORKERS then defaults to 2 per GPU.
+        last=$((gpus - 1)); others=$(seq -s, 0 $((last - 1)))
+        [ -z "${ROUND_WORKERS:-}" ] && [ ${#parallel[@]} -gt 0 ] && parallel=(-n $((2 * last)))
+        echo "side by side: one-GPU half on GPU $last, emulated half on GPUs $others (${parallel[*]})"
+        ( export CUDA_VISIBLE_DEVICES=$last; one_gpu_half > "$ROUND/one-gpu.out" 2>&1 ) &
+        one_gpu=$!
+        ( export CUDA_VISIBLE_DEVICES=$others JAXGIN_TEST_EMULATED_ONE_GPU=1; emulated_half )
+        wait "$one_gpu"; cat "$ROUND/one-gpu.out"
+      else
+        for half in ${suite//,/ }; do
+          case "$half" in
+            emulated) emulated_half;;
+            one-gpu) one_gpu_half;;
+            *) echo "ROUND_SUITE: unknown half '$half' (expected emulated, one-gpu or all)"; status=2;;
+          esac
+          if [ "$status" != 0 ] && [ "${ROUND_STOP_ON_FAILURE:-0}" = 1 ]; then
+            echo "stopping: the $half half failed (ROUND_STOP_ON_FAILURE=1)"; break
+          fi
+        done
+      fi
     fi
     stamp "done"
     kill "$sampler" 2>/dev/null
@@ -109,6 +132,7 @@ case "${1:-}" in
     [ -e "$ROUND/done" ] && echo "round finished" || echo "round still running"
     OUT=${OUT:-/tmp}
     cp "$ROUND/round.log" "$OUT/round.log" 2>/dev/null
+    cp "$ROUND"/pytest-*.log "$OUT/" 2>/dev/null  # a half still running (side by side) writes only there
     tar -C "$ROUND" -czf "$OUT/results.tar.gz" results 2>/dev/null
     grep -E "^(=== |FAILED|ERROR|stopping|ROUND_SUITE)|(PASSED|FAILED|ERROR) tests|[0-9]+ (passed|failed)|pytest exit" "$ROUND/round.log" \
       | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | tail -80

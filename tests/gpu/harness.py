@@ -26,14 +26,26 @@ import pytest
 import job
 
 
-def _gpu_count() -> int:
+def _visible_gpus() -> list[int]:
+    """The nvidia-smi indices of the GPUs the tests may use: every GPU, or those CUDA_VISIBLE_DEVICES
+    names (as indices), so that a machine's GPUs can be split between test sessions running side
+    by side (tools/emulated-round.sh runs the one-GPU suite on a GPU of its own that way)."""
     if shutil.which("nvidia-smi") is None:
-        return 0
+        return []
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    present = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is None:
+        return list(range(present))
+    chosen = [g.strip() for g in named.split(",") if g.strip()]
+    if not all(g.isdigit() and int(g) < present for g in chosen):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={named!r}: the GPU tests need GPU indices below {present} "
+                         f"(this machine's nvidia-smi -L), comma-separated, not UUIDs")
+    return [int(g) for g in chosen]
 
 
-GPUS = _gpu_count()
+VISIBLE_GPUS = _visible_gpus()
+GPUS = len(VISIBLE_GPUS)
 # Worlds of the tests parametrized by one: 2 and every visible GPU; on a machine with one GPU, that
 # one (an axis of size 1: every op's peer is the device itself, through the same kernels).
 WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [GPUS] if GPUS == 1 else [2]
@@ -66,13 +78,24 @@ def require_emulated_hosts() -> None:
                     f"{install.version_string}: pip install \"nvidia-nccl-cu13>=2.30\"")
 
 
+def _worker_gpu() -> int | None:
+    """With JAXGIN_TEST_EMULATED_ONE_GPU=1 under pytest-xdist: the GPU of this worker (workers
+    take the GPUs round-robin), on which each of its emulated-hosts jobs of one rank per host
+    runs whole, as it would on a machine with one GPU. None otherwise."""
+    if os.environ.get("JAXGIN_TEST_EMULATED_ONE_GPU") != "1" or not VISIBLE_GPUS:
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return VISIBLE_GPUS[int(worker.removeprefix("gw")) % len(VISIBLE_GPUS)]
+
+
 def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
     """The environment of rank `rank` of an emulated-hosts job: a host id of its own (shared by
     `ranks_per_host` consecutive ranks, which then reach each other over NVLink: they sit on
-    different GPUs), one GPU (ranks spread round-robin over the GPUs present), GIN through the host
-    transport (forced for every peer when each rank is a host of its own), and no XLA memory pool
-    taken up front (ranks share GPUs)."""
-    gpu = rank % max(GPUS, 1)
+    different GPUs), one GPU (ranks spread round-robin over the visible GPUs, or all on the
+    worker's GPU: _worker_gpu), GIN through the host transport (forced for every peer when each
+    rank is a host of its own), and no XLA memory pool taken up front (ranks share GPUs)."""
+    pinned = _worker_gpu() if ranks_per_host == 1 else None
+    gpu = pinned if pinned is not None else VISIBLE_GPUS[rank % GPUS] if GPUS else 0
     host = f"emuhost{rank // ranks_per_host}"
     if ranks_per_host > max(GPUS, 1):
         raise ValueError(f"ranks_per_host={ranks_per_host}: a host's ranks need a GPU each, and there are {GPUS}")
@@ -94,7 +117,7 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, VISIBLE_GPUS[:gpus] or range(gpus)))
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared machines
     if xla_flags:
         env["XLA_FLAGS"] = xla_flags

@@ -17,8 +17,12 @@ def local_device(rank: int) -> int:
 
 
 def physical_gpu(rank: int) -> int:
-    """The nvidia-smi index of the GPU this process drives."""
-    return int(os.environ.get("JAXGIN_TEST_PHYSICAL_GPU", rank))
+    """The nvidia-smi index of the GPU this process drives (or, in a one-process job, of its
+    visible GPU `rank`): the harness names physical GPUs, by index, in CUDA_VISIBLE_DEVICES."""
+    if "JAXGIN_TEST_PHYSICAL_GPU" in os.environ:
+        return int(os.environ["JAXGIN_TEST_PHYSICAL_GPU"])
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return int(visible[rank]) if rank < len(visible) else rank
 
 
 def emulated() -> bool:

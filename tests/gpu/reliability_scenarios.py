@@ -174,7 +174,7 @@ def fault(argv):
     report["gpu_used_mib_after_finalize"] = _gpu_used_mib(gpu)
     report["primary_context_active_after_finalize"] = _primary_context_active(job.local_device(rank))
     # Every GPU's, the dead peer's included: nothing of it may outlive it on its GPU.
-    report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in range(n)]
+    report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(job.physical_gpu(i)) for i in range(n)]
     print("RESULT:" + json.dumps(report), flush=True)
     os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
 
@@ -193,7 +193,7 @@ def starved(argv):
         used["before"] = [_gpu_used_mib(i) for i in gpus(jax)]
 
     def gpus(jax):  # the nvidia-smi index of each GPU this process drives
-        return [job.physical_gpu(int(argv[0]))] if argv else list(range(len(jax.local_devices())))
+        return [job.physical_gpu(int(argv[0]))] if argv else [job.physical_gpu(i) for i in range(len(jax.local_devices()))]
 
     jax, jaxgin = ops_scenarios._setup(argv, before_initialize)
     import jax.numpy as jnp
