@@ -15,7 +15,7 @@
 # ROUND_EMULATED_PATHS names the test files of that half, in the order they start (default tests/gpu).
 # ROUND_SIDE_BY_SIDE=1 on a machine of several GPUs runs both halves at once, whatever ROUND_SUITE
 # says: the one-GPU half on the last GPU, the emulated half on the others, each test's ranks all on
-# one GPU (2 workers per GPU unless ROUND_WORKERS says otherwise).
+# one GPU (1 worker per GPU unless ROUND_WORKERS says otherwise).
 # ROUND_COMMANDS=FILE (a shell script in the repo) runs that first, with $RESULTS naming the folder
 # that comes back (diagnosis: tools/emulated_job.py keeps every rank's whole output); then pytest
 # only if ROUND_SUITE is set too.
@@ -101,9 +101,11 @@ case "${1:-}" in
         # A machine of several GPUs as several one-GPU machines: the one-GPU half alone on the
         # last GPU, and beside it the emulated half on the others, each xdist worker's jobs whole
         # on one GPU (JAXGIN_TEST_EMULATED_ONE_GPU), as on a one-GPU machine; the mixed-mesh
-        # tests spread their hosts over those GPUs. ROUND_WORKERS then defaults to 2 per GPU.
+        # tests spread their hosts over those GPUs. ROUND_WORKERS then defaults to 1 per GPU: with
+        # 2 per GPU (4 H100s, 2026-11-27) a GPU held two world-8 jobs and mixed-mesh ranks, reached
+        # 78.4 GB, and a rank's cuCtxCreate ran out of memory; the load average on 64 cores was 170.
         last=$((gpus - 1)); others=$(seq -s, 0 $((last - 1)))
-        [ -z "${ROUND_WORKERS:-}" ] && [ ${#parallel[@]} -gt 0 ] && parallel=(-n $((2 * last)))
+        [ -z "${ROUND_WORKERS:-}" ] && [ ${#parallel[@]} -gt 0 ] && parallel=(-n "$last")
         echo "side by side: one-GPU half on GPU $last, emulated half on GPUs $others (${parallel[*]})"
         ( export CUDA_VISIBLE_DEVICES=$last; one_gpu_half > "$ROUND/one-gpu.out" 2>&1 ) &
         one_gpu=$!

@@ -54,9 +54,11 @@ TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {
 # Worlds of the emulated-hosts tests, whatever the number of GPUs.
 EMULATED_WORLDS = [2, 4, 8]
 # Mixed meshes: emulated hosts of MIXED_RANKS_PER_HOST ranks on different GPUs (NVLink, LSA, inside
-# a host; GIN across), two such ranks per GPU: a world of twice the GPUs, at most 8.
+# a host; GIN across), up to two such ranks per GPU: a world of one of EMULATED_WORLDS (the
+# scenarios' shapes divide by those), the largest of at most twice the GPUs (3 GPUs: world 4, not
+# 6, whose chunks of 512 rows the fused scenarios cannot split).
 MIXED_RANKS_PER_HOST = 2
-MIXED_WORLD = min(2 * GPUS, 8)
+MIXED_WORLD = max([w for w in EMULATED_WORLDS if w <= 2 * GPUS] or [2])
 # The JAXGIN_TEST_HEAP of an emulated rank: eight of them share one GPU with their JAX runtimes.
 EMULATED_HEAP = "1GiB"
 # XLA flags of every emulated rank. No autotuning: each rank would time candidate kernels on a GPU

@@ -1,0 +1,81 @@
+"""How the GPU tests' harness (tests/gpu/harness.py) places ranks on GPUs, checked without a GPU:
+nvidia-smi's answer is faked, and the harness is loaded afresh for each machine it describes."""
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU_TESTS = Path(__file__).with_name("gpu")
+
+
+def load_harness(monkeypatch, gpus: int, visible: str | None):
+    """tests/gpu/harness.py as it loads on a machine of `gpus` GPUs with CUDA_VISIBLE_DEVICES=`visible`."""
+    listing = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})\n" for i in range(gpus))
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, listing, ""))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.syspath_prepend(str(GPU_TESTS))
+    spec = importlib.util.spec_from_file_location("harness_under_test", GPU_TESTS / "harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_gpu_without_cuda_visible_devices(monkeypatch):
+    h = load_harness(monkeypatch, 4, None)
+    assert h.VISIBLE_GPUS == [0, 1, 2, 3] and h.GPUS == 4
+    assert h.MIXED_WORLD == 8
+    assert [h.emulated_env(r)["CUDA_VISIBLE_DEVICES"] for r in range(8)] == ["0", "1", "2", "3"] * 2
+
+
+def test_cuda_visible_devices_narrows_the_gpus_to_physical_indices(monkeypatch):
+    h = load_harness(monkeypatch, 4, "3")
+    assert h.VISIBLE_GPUS == [3] and h.GPUS == 1
+    assert h.scenario_env(1)["CUDA_VISIBLE_DEVICES"] == "3"  # a scenario drives GPU 3, not GPU 0
+    env = h.emulated_env(5)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["JAXGIN_TEST_PHYSICAL_GPU"] == "3"
+
+
+def test_mixed_world_is_one_the_scenarios_can_split(monkeypatch):
+    """Three GPUs allow six ranks two to a host, but the fused scenarios' 512 rows do not split
+    into 6 chunks (seen on a GPU): the mixed mesh takes the largest emulated world that fits."""
+    for gpus, world in [(2, 4), (3, 4), (4, 8), (8, 8)]:
+        h = load_harness(monkeypatch, gpus, None)
+        assert h.MIXED_WORLD == world, gpus
+        assert h.MIXED_WORLD in h.EMULATED_WORLDS
+
+
+def test_one_gpu_per_worker_keeps_each_job_whole_on_one_gpu(monkeypatch):
+    h = load_harness(monkeypatch, 4, "0,1,2")
+    monkeypatch.setenv("JAXGIN_TEST_EMULATED_ONE_GPU", "1")
+    for worker, gpu in [("gw0", "0"), ("gw1", "1"), ("gw4", "1"), ("gw5", "2")]:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        assert {h.emulated_env(r)["CUDA_VISIBLE_DEVICES"] for r in range(8)} == {gpu}, worker
+        # hosts of two ranks still span two GPUs: their ranks reach each other over NVLink
+        mixed = [h.emulated_env(r, ranks_per_host=2)["CUDA_VISIBLE_DEVICES"] for r in range(h.MIXED_WORLD)]
+        assert all(mixed[2 * i] != mixed[2 * i + 1] for i in range(h.MIXED_WORLD // 2)), mixed
+
+
+def test_gpu_uuids_are_refused_naming_the_setting(monkeypatch):
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='GPU-1'.*indices below 2"):
+        load_harness(monkeypatch, 2, "GPU-1")
+
+
+def test_a_scenario_reads_its_physical_gpu_from_cuda_visible_devices(monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU_TESTS))
+    spec = importlib.util.spec_from_file_location("job_under_test", GPU_TESTS / "job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    monkeypatch.delenv("JAXGIN_TEST_PHYSICAL_GPU", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert [job.physical_gpu(r) for r in range(2)] == [2, 3]
+    monkeypatch.setenv("JAXGIN_TEST_PHYSICAL_GPU", "1")  # an emulated rank is told outright
+    assert job.physical_gpu(0) == 1
+    assert "job_under_test" not in sys.modules
