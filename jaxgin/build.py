@@ -51,6 +51,7 @@ BACKEND_SOURCES = (
     "runtime/cublas_loader.cu",
     "runtime/constants.cu",
     "runtime/diagnostics.cu",
+    "runtime/thread_settle.cu",
     "kernels/selftest_exchange.cu",
     "kernels/wait_signal.cu",
     "kernels/exchange.cu",

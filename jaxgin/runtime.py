@@ -410,7 +410,13 @@ def finalize() -> None:
     (``jaxgin.info()["fault_cleanup"]`` says why), only the heaps come back and NCCL's buffers (about
     200 MiB measured on H200) stay until the process exits. It warns (RuntimeWarning): JAX cannot
     use that GPU again in this process, and JAX's own arrays on it (XLA allocates them as virtual
-    memory as well) stay until the process exits. Exit after handling the error."""
+    memory as well) stay until the process exits. Exit after handling the error.
+
+    The reset destroys the context under every library in the process, so it waits (up to 10 s)
+    until no other thread of the process still runs: XLA may be finishing the faulted program on a
+    thread of its own, and a reset under it crashed the process (SIGSEGV) where ranks shared CPU
+    cores. If some thread keeps running, the GPU is not reset and finalize() raises JaxginError
+    naming those threads: that GPU's memory then stays allocated until the process exits."""
     global _state
     state, _state = _state, None
     if state is not None and state.fault_watch is not None:

@@ -146,6 +146,46 @@ def test_backend_reports_nccl_versions(built):
     assert (loaded, compiled) == (install.version, install.version)
 
 
+_SETTLE_PROBE = """
+import ctypes, sys, threading
+from jaxgin import _jaxgin_ext as ext
+ext.Backend(sys.argv[1])  # loads the backend with the NCCL it was built against
+backend = ctypes.CDLL(sys.argv[1])
+settled = backend.jaxgin_other_threads_settled
+settled.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_uint64]
+stop, ids = threading.Event(), []
+def spin():
+    ids.append(threading.get_native_id())
+    while not stop.is_set():
+        pass
+worker = threading.Thread(target=spin)
+worker.start()
+while not ids:
+    pass
+out = ctypes.create_string_buffer(4096)
+busy = settled(300, out, len(out)), out.value.decode()
+stop.set()
+worker.join()
+print(ids[0], busy[0], settled(2000, out, len(out)), repr(busy[1]))
+"""
+
+
+def test_a_broken_gpu_is_reset_only_once_the_other_threads_sleep(built):
+    """The wait before finalize() resets a GPU after a fault (csrc/runtime/thread_settle.h): a
+    thread that still runs (as XLA's did, finishing the faulted program, when a reset under it
+    crashed the process) holds it back until the timeout and is named; once it ended, the wait
+    returns at once. Needs no GPU."""
+    install, artifacts, _ = built
+    if install.library is None:
+        pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
+    result = subprocess.run([sys.executable, "-c", _SETTLE_PROBE, str(artifacts.backend)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    tid, while_spinning, after, busy = result.stdout.split(maxsplit=3)
+    assert while_spinning == "0" and f"({tid})" in busy, result.stdout
+    assert after == "1", result.stdout
+
+
 def test_python_constants_equal_the_backend_ones(built):
     """Sizes both sides compute with are defined in C and exported (jaxgin_constant); Python's
     copies (which the reference path needs without a backend) must equal them."""

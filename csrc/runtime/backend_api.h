@@ -99,6 +99,10 @@ JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t bytes, int32
 // mailbox is placed, for its local bookkeeping header).
 JAXGIN_API int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes);
 JAXGIN_API int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity);
+// The wait before a broken GPU is reset (thread_settle.h), for tests through ctypes; the extension
+// does not call it. 1: every other thread of the process was seen asleep; 0: the timeout came,
+// with the threads last seen running in `out`.
+JAXGIN_API int jaxgin_other_threads_settled(int32_t timeout_ms, char* out, uint64_t capacity);
 
 #ifdef __cplusplus
 }

@@ -16,6 +16,7 @@
 
 #include "errors.h"
 #include "heap_release.h"
+#include "thread_settle.h"
 #include "../kernels/chunk_handoff.h"
 #include "../kernels/preload.h"
 
@@ -262,6 +263,11 @@ bool gin_proxy_threads_stopped(int device) {
   return stopped;
 }
 
+// How long a broken GPU's reset waits for the process's other threads to stop (thread_settle.h):
+// XLA's thread finishes a faulted program in milliseconds of CPU time, seconds where ranks share
+// the cores.
+constexpr int kResetSettleMs = 10000;
+
 // Best effort, reverse order of setup_device; returns the first error instead of stopping.
 // `ledger`: what NCCL mapped during setup, or nullptr when it was not recorded.
 std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
@@ -304,7 +310,13 @@ std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
   // Not NCCL's virtual-memory allocations, the heaps among them (measured on H200: the reset
   // returned the context's 0.75 GiB, not the 2 GiB test heap nor NCCL's 200 MiB of buffers): they
   // are undone after it, all of them when the ledger recorded setup, else the heaps.
-  if (broken) {
+  std::string busy;
+  if (broken && !other_threads_settled(kResetSettleMs, busy)) {
+    note("CUDA device " + std::to_string(s.device) + " was not reset after the fault: other threads of this process "
+         "still ran in it " + std::to_string(kResetSettleMs / 1000) + " s later (" + busy + "; XLA's, most likely, "
+         "finishing the faulted program), and a reset under them would crash the process; its memory stays "
+         "allocated until the process exits");
+  } else if (broken) {
     if (cudaDeviceReset() != cudaSuccess) {
       note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
            "allocated until the process exits");
