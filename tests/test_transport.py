@@ -623,6 +623,38 @@ def test_an_unknown_copy_context_is_refused_naming_the_setting(fake_device_table
     assert "JAXGIN_TRANSPORT_COPY_CONTEXT=private: expected own (the default) or shared" in err
 
 
+def test_a_failure_that_repeats_is_printed_once(fake_device_table, monkeypatch, capfd):
+    """Once the transport's context cannot be made current (CUDA torn down at process exit did
+    that on a GPU), every later put fails the same way: the ring stops, and each rank says why
+    once, not once per call (thousands of identical lines hid the cause)."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    ranks = connect_all(fake_device_table, 2, contexts=2)
+    try:
+        data = [CreditRing.data_array(2) for _ in ranks]
+        signals = [CreditRing.signal_array() for _ in ranks]
+        data_h = register_all(ranks, data, kind=PTR_CUDA)
+        signal_h = register_all(ranks, signals, NEVER_RESET, kind=PTR_CUDA)
+        rings = [CreditRing(r, data[i], signals[i], data_h[i], signal_h[i], 100, 2) for i, r in enumerate(ranks)]
+        monkeypatch.setenv("JAXGIN_FAKE_CUDA_PUSH_FAILS", "1")  # from here on, as after CUDA's teardown
+        calls, deadline = 0, time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for ring in rings:
+                try:
+                    ring.step()
+                    calls += 1
+                except TransportError:
+                    calls += 1
+        errors = [r.has_error() for r in ranks]
+    finally:
+        monkeypatch.delenv("JAXGIN_FAKE_CUDA_PUSH_FAILS")
+        close_all(ranks)
+    assert all(errors), errors
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("jaxgin transport: rank ")]
+    assert calls > 10 and any("making the transport's CUDA context current" in line for line in lines), err[-3000:]
+    assert len(lines) == len(set(lines)), lines  # each reason once per rank, however many calls failed
+
+
 def test_a_chunk_is_reused_only_after_its_abandoned_copy_ran(fake_cuda_library, fake_device_table, monkeypatch):
     """The copy abandoned for a requeue still runs once its stream is let go, writing whatever its
     source then holds into its staging chunk. So the chunk must not stage another put before

@@ -10,6 +10,7 @@
 // and a query before then says cudaErrorNotReady. A stream atomic add is offered only when
 // JAXGIN_FAKE_CUDA_ADDS=1, so that both ways of applying a signal can be tested.
 // JAXGIN_FAKE_CUDA_COPY_MS makes every copy take that long (a copy held up on the GPU).
+// JAXGIN_FAKE_CUDA_PUSH_FAILS=1 makes cuCtxPushCurrent fail (CUDA torn down under the transport).
 // jaxgin_fake_cuda_hold_copy(n, ms) holds the stream of the n-th copy out of device memory queued
 // after the call (the transport queues those with cudaMemcpyDefault) at that copy: it and what
 // follows on that stream run only after `ms` milliseconds (negative: once the stream is
@@ -208,6 +209,8 @@ CUresult fake_context_destroy(CUcontext context) {
   return CUDA_SUCCESS;
 }
 CUresult fake_context_push(CUcontext context) {
+  const char* fails = std::getenv("JAXGIN_FAKE_CUDA_PUSH_FAILS");
+  if (fails != nullptr && fails[0] == '1') return CUDA_ERROR_UNKNOWN;  // as once CUDA is torn down at exit
   pushed_contexts.push_back(reinterpret_cast<FakeContext*>(context));
   return CUDA_SUCCESS;
 }

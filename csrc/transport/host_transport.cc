@@ -24,6 +24,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -303,6 +304,7 @@ struct Comm {
   std::vector<bool> peer_gone;
   std::atomic<bool> failed{false};
   std::string failure;
+  std::set<std::string> warned;  // the failures printed: a repeat of one is not printed again
 
   // The receiving side's CUDA resources, all made in connect: creating streams or pinned memory
   // later, on the agent or proxy thread, could wait on kernels that are spinning for this very
@@ -346,14 +348,19 @@ struct Context {
   std::vector<std::pair<char*, std::vector<cudaEvent_t>>> parked;
 };
 
+// Every later call of a failed communicator fails again, for the same few reasons (once CUDA was
+// gone at process exit, each of NCCL's calls printed the same two lines, thousands of them, which
+// hid the cause): each reason is printed once. The set stays small: its reasons are fixed texts.
 void fail(Comm* c, const std::string& why) {
+  bool repeat;
   {
     std::lock_guard<std::mutex> g(c->lock);
     if (c->failure.empty()) c->failure = why;
     c->failed = true;
+    repeat = !c->warned.insert(why).second;
   }
   c->changed.notify_all();
-  WARN(c, "rank %d: %s", c->rank, why.c_str());
+  if (!repeat) WARN(c, "rank %d: %s", c->rank, why.c_str());
 }
 
 bool cuda_ok(Comm* c, cudaError_t e, const char* what) {
