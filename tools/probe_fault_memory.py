@@ -7,6 +7,8 @@ them as virtual memory too). A diagnostic for issue 7, not a test.
     python tools/probe_fault_memory.py [--out DIR]
     python tools/probe_fault_memory.py bare-trap    # the driver alone: what a trapped context leaves
     python tools/probe_fault_memory.py bare-clean   # the same without the trap
+    python tools/probe_fault_memory.py bare-vmm     # virtual memory undone in the broken context, no reset
+    python tools/probe_fault_memory.py bare-vmm-clean
 
 One process driving every GPU into a starved wait at once is a test scenario instead:
 tests/gpu/test_fault_cleanup_gpu.py (reliability_scenarios.py starved), which runs on one GPU too.
@@ -147,9 +149,80 @@ def bare_trap(trap: bool = True) -> dict:
     return report
 
 
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_uint8 * 8)]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+def bare_vmm(trap: bool = True, gib: int = 1) -> dict:
+    """Whether virtual memory can be returned from a context in error *without* a reset: the driver
+    alone maps `gib` GiB of CUDA virtual memory on GPU 0 (as NCCL maps the heap), runs a kernel that
+    traps, then unmaps, releases and frees that memory in the broken context, reporting each call's
+    result and GPU 0's used memory, and only then resets. finalize() resets the GPU today, which
+    destroys the context under XLA (its thread then crashed in cuStreamIsCapturing); if these
+    calls succeed and the memory comes back, finalize() can undo NCCL's allocations and leave the
+    context alone."""
+    import reliability_scenarios as rs
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for name in ("cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
+                 "cuMemAddressFree"):
+        getattr(cuda, name).restype = ctypes.c_int
+    cuda.cuMemCreate.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.POINTER(_AllocationProp),
+                                 ctypes.c_ulonglong]
+    cuda.cuMemAddressReserve.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.c_size_t,
+                                         ctypes.c_uint64, ctypes.c_ulonglong]
+    cuda.cuMemMap.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_ulonglong]
+    cuda.cuMemSetAccess.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER(_AccessDesc), ctypes.c_size_t]
+    cuda.cuMemUnmap.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
+    cuda.cuMemRelease.argtypes = [ctypes.c_uint64]
+    cuda.cuMemAddressFree.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
+    device, context, module, function = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    report = {"idle": rs._gpu_used_mib(0)}
+    assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+    assert cuda.cuCtxSetCurrent(context) == 0
+    size = gib << 30
+    prop = _AllocationProp(type=1, requestedHandleTypes=0, location=_Location(type=1, id=0))  # pinned, on GPU 0
+    handle, address = ctypes.c_uint64(), ctypes.c_uint64()
+    report["create"] = cuda.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0)
+    report["reserve"] = cuda.cuMemAddressReserve(ctypes.byref(address), size, 0, 0, 0)
+    report["map"] = cuda.cuMemMap(address, size, 0, handle, 0)
+    access = _AccessDesc(location=_Location(type=1, id=0), flags=3)  # read and write
+    report["set_access"] = cuda.cuMemSetAccess(address, size, ctypes.byref(access), 1)
+    report["mapped"] = rs._gpu_used_mib(0)
+    assert cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(TRAP_PTX)) == 0
+    assert cuda.cuModuleGetFunction(ctypes.byref(function), module, b"trap_now") == 0
+    if trap:
+        report["launch"] = cuda.cuLaunchKernel(function, 1, 1, 1, 32, 1, 1, 0, None, None, None)
+    report["synchronize"] = cuda.cuCtxSynchronize()  # the trap's error, sticky
+    report["faulted"] = rs._gpu_used_mib(0)
+    report["unmap_in_broken_context"] = cuda.cuMemUnmap(address, size)
+    report["release_in_broken_context"] = cuda.cuMemRelease(handle)
+    report["address_free_in_broken_context"] = cuda.cuMemAddressFree(address, size)
+    time.sleep(0.5)
+    report["after_release"] = rs._gpu_used_mib(0)
+    cuda.cuDevicePrimaryCtxRelease(device)
+    report["reset"] = cuda.cuDevicePrimaryCtxReset(device)
+    time.sleep(0.5)
+    report["after_reset"] = rs._gpu_used_mib(0)
+    return report
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("bare-trap", "bare-clean"):
         print(json.dumps(bare_trap(trap=sys.argv[1] == "bare-trap")))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] in ("bare-vmm", "bare-vmm-clean"):
+        print(json.dumps(bare_vmm(trap=sys.argv[1] == "bare-vmm")))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "process":
         process(int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[2]))
