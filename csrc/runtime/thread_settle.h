@@ -14,8 +14,9 @@
 
 namespace jaxgin {
 
-// True once every thread of this process but the caller was seen sleeping in several samples in a
-// row, within `timeout_ms`; false at the timeout, with `busy` naming the threads last seen
+// True once every thread of this process but the caller (and NCCL's, named "NCCL...", which may
+// keep polling host memory after an abort) was seen sleeping in several samples in a row, within
+// `timeout_ms`; false at the timeout, with `busy` naming the threads last seen
 // running ("name (tid)", comma-separated). True also where /proc cannot be read (nothing to wait on).
 bool other_threads_settled(int timeout_ms, std::string& busy);
 
