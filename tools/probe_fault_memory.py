@@ -130,23 +130,39 @@ def bare_trap(trap: bool = True) -> dict:
     import reliability_scenarios as rs
 
     cuda = ctypes.CDLL("libcuda.so.1")
-    device, context, module, function = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
     report = {"idle": rs._gpu_used_mib(0)}
     assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
     assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
     assert cuda.cuCtxSetCurrent(context) == 0
     report["context"] = rs._gpu_used_mib(0)
+    _trap(cuda, report, trap)
+    _reset(cuda, device, report)
+    return report
+
+
+def _trap(cuda, report: dict, trap: bool) -> None:
+    """Runs the trapping kernel on the current context (or not), then synchronizes: the trap's
+    error, sticky from then on; GPU 0's used memory into `report`."""
+    import reliability_scenarios as rs
+
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
     assert cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(TRAP_PTX)) == 0
     assert cuda.cuModuleGetFunction(ctypes.byref(function), module, b"trap_now") == 0
     if trap:
         report["launch"] = cuda.cuLaunchKernel(function, 1, 1, 1, 32, 1, 1, 0, None, None, None)
-    report["synchronize"] = cuda.cuCtxSynchronize()  # the trap's error
+    report["synchronize"] = cuda.cuCtxSynchronize()
     report["faulted"] = rs._gpu_used_mib(0)
+
+
+def _reset(cuda, device, report: dict) -> None:
+    """Releases the primary context and resets it; GPU 0's used memory afterwards into `report`."""
+    import reliability_scenarios as rs
+
     cuda.cuDevicePrimaryCtxRelease(device)
     report["reset"] = cuda.cuDevicePrimaryCtxReset(device)
     time.sleep(0.5)
     report["after_reset"] = rs._gpu_used_mib(0)
-    return report
 
 
 class _Location(ctypes.Structure):
@@ -185,7 +201,7 @@ def bare_vmm(trap: bool = True, gib: int = 1) -> dict:
     cuda.cuMemUnmap.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
     cuda.cuMemRelease.argtypes = [ctypes.c_uint64]
     cuda.cuMemAddressFree.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
-    device, context, module, function = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
     report = {"idle": rs._gpu_used_mib(0)}
     assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
     assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
@@ -199,21 +215,13 @@ def bare_vmm(trap: bool = True, gib: int = 1) -> dict:
     access = _AccessDesc(location=_Location(type=1, id=0), flags=3)  # read and write
     report["set_access"] = cuda.cuMemSetAccess(address, size, ctypes.byref(access), 1)
     report["mapped"] = rs._gpu_used_mib(0)
-    assert cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(TRAP_PTX)) == 0
-    assert cuda.cuModuleGetFunction(ctypes.byref(function), module, b"trap_now") == 0
-    if trap:
-        report["launch"] = cuda.cuLaunchKernel(function, 1, 1, 1, 32, 1, 1, 0, None, None, None)
-    report["synchronize"] = cuda.cuCtxSynchronize()  # the trap's error, sticky
-    report["faulted"] = rs._gpu_used_mib(0)
+    _trap(cuda, report, trap)
     report["unmap_in_broken_context"] = cuda.cuMemUnmap(address, size)
     report["release_in_broken_context"] = cuda.cuMemRelease(handle)
     report["address_free_in_broken_context"] = cuda.cuMemAddressFree(address, size)
     time.sleep(0.5)
     report["after_release"] = rs._gpu_used_mib(0)
-    cuda.cuDevicePrimaryCtxRelease(device)
-    report["reset"] = cuda.cuDevicePrimaryCtxReset(device)
-    time.sleep(0.5)
-    report["after_reset"] = rs._gpu_used_mib(0)
+    _reset(cuda, device, report)
     return report
 
 
