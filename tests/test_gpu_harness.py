@@ -63,9 +63,17 @@ def test_one_gpu_per_worker_keeps_each_job_whole_on_one_gpu(monkeypatch):
         assert all(mixed[2 * i] != mixed[2 * i + 1] for i in range(h.MIXED_WORLD // 2)), mixed
 
 
-def test_gpu_uuids_are_refused_naming_the_setting(monkeypatch):
-    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='GPU-1'.*indices below 2"):
-        load_harness(monkeypatch, 2, "GPU-1")
+def test_gpus_named_by_uuid_are_their_indices(monkeypatch):
+    h = load_harness(monkeypatch, 4, "GPU-2,GPU-0")
+    assert h.VISIBLE_GPUS == [2, 0]
+    assert h.scenario_env(2)["CUDA_VISIBLE_DEVICES"] == "2,0"
+
+
+@pytest.mark.parametrize("visible", ["GPU-7", "4", "MIG-1"])
+def test_a_gpu_the_machine_lacks_is_refused_naming_the_setting(monkeypatch, visible):
+    with pytest.raises(ValueError, match=f"CUDA_VISIBLE_DEVICES='{visible}': '{visible}' is none of this "
+                                         r"machine's GPUs \(nvidia-smi -L lists indices 0 to 1"):
+        load_harness(monkeypatch, 2, visible)
 
 
 def test_a_scenario_reads_its_physical_gpu_from_cuda_visible_devices(monkeypatch):

@@ -28,20 +28,26 @@ import job
 
 def _visible_gpus() -> list[int]:
     """The nvidia-smi indices of the GPUs the tests may use: every GPU, or those CUDA_VISIBLE_DEVICES
-    names (as indices), so that a machine's GPUs can be split between test sessions running side
-    by side (tools/emulated-round.sh runs the one-GPU suite on a GPU of its own that way)."""
+    names (by index or UUID), so that a machine's GPUs can be split between test sessions running
+    side by side (tools/emulated-round.sh runs the one-GPU suite on a GPU of its own that way)."""
     if shutil.which("nvidia-smi") is None:
         return []
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    present = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    listed = [line for line in out.stdout.splitlines() if line.startswith("GPU ")] if out.returncode == 0 else []
+    uuids = {line.rsplit("UUID: ", 1)[-1].rstrip(")"): i for i, line in enumerate(listed) if "UUID: " in line}
     named = os.environ.get("CUDA_VISIBLE_DEVICES")
     if named is None:
-        return list(range(present))
-    chosen = [g.strip() for g in named.split(",") if g.strip()]
-    if not all(g.isdigit() and int(g) < present for g in chosen):
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={named!r}: the GPU tests need GPU indices below {present} "
-                         f"(this machine's nvidia-smi -L), comma-separated, not UUIDs")
-    return [int(g) for g in chosen]
+        return list(range(len(listed)))
+    chosen = []
+    for g in (g.strip() for g in named.split(",") if g.strip()):
+        if g.isdigit() and int(g) < len(listed):
+            chosen.append(int(g))
+        elif g in uuids:
+            chosen.append(uuids[g])
+        else:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={named!r}: {g!r} is none of this machine's GPUs (nvidia-smi -L "
+                             f"lists indices 0 to {len(listed) - 1} and their UUIDs)")
+    return chosen
 
 
 VISIBLE_GPUS = _visible_gpus()
