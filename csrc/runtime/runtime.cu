@@ -313,9 +313,9 @@ std::string teardown_device(DeviceState& s, VmmLedger* ledger) {
   std::string busy;
   if (broken && !other_threads_settled(kResetSettleMs, busy)) {
     note("CUDA device " + std::to_string(s.device) + " was not reset after the fault: other threads of this process "
-         "still ran in it " + std::to_string(kResetSettleMs / 1000) + " s later (" + busy + "; XLA's, most likely, "
-         "finishing the faulted program), and a reset under them would crash the process; its memory stays "
-         "allocated until the process exits");
+         "were still running " + std::to_string(kResetSettleMs / 1000) + " s later (" + busy + "), and if one of "
+         "them uses the GPU (XLA's, finishing the faulted program), a reset under it would crash the process; the "
+         "GPU's memory stays allocated until the process exits");
   } else if (broken) {
     if (cudaDeviceReset() != cudaSuccess) {
       note("CUDA device " + std::to_string(s.device) + " is in error and could not be reset; its memory stays "
