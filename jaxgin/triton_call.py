@@ -83,7 +83,13 @@ def _out_types(out_shape, arrays) -> tuple[list, bool]:
     return types, single
 
 
-def _compile(kernel, signature, constexprs, num_warps, num_stages, capability):
+# jaxgin's own kernels (fused ops, MoE) ask Triton by name to fuse multiplies and adds into FMAs:
+# that is how they were measured and compared with XLA, and Triton's default (on up to 3.9, which
+# warns that 3.10 turns it off) would otherwise change their numerics with the Triton installed.
+OWN_KERNELS_FP_FUSION = True
+
+
+def _compile(kernel, signature, constexprs, num_warps, num_stages, capability, enable_fp_fusion=None):
     import triton  # Triton is optional: only triton_call on GPUs needs it
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,8 +100,17 @@ def _compile(kernel, signature, constexprs, num_warps, num_stages, capability):
     return triton.compile(
         source,
         target=GPUTarget("cuda", major * 10 + minor, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options=compile_options(num_warps, num_stages, enable_fp_fusion),
     )
+
+
+def compile_options(num_warps: int, num_stages: int, enable_fp_fusion: bool | None = None) -> dict:
+    """Triton's compile options for a triton_call kernel; `enable_fp_fusion` only when given, so
+    that None leaves it to Triton (and to TRITON_DEFAULT_FP_FUSION)."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if enable_fp_fusion is not None:
+        options["enable_fp_fusion"] = bool(enable_fp_fusion)
+    return options
 
 
 def _capability(state) -> tuple[int, int]:
@@ -110,9 +125,13 @@ def triton_call(
     out_shape,
     num_warps: int = 4,
     num_stages: int = 3,
+    enable_fp_fusion: bool | None = None,
     **constexprs,
 ):
-    """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays."""
+    """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays.
+
+    ``num_warps``, ``num_stages`` and ``enable_fp_fusion`` are Triton's compile options of those
+    names; ``enable_fp_fusion=None`` leaves FMA fusion to Triton's default."""
     state = runtime.current()
     if state.runtime is None:
         raise JaxginError(
@@ -176,7 +195,7 @@ def triton_call(
         if name in constexprs:
             signature[name] = "constexpr"
 
-    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state))
+    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state), enable_fp_fusion)
     metadata = compiled.metadata
     if getattr(metadata, "global_scratch_size", 0):
         raise JaxginError(

@@ -311,6 +311,26 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
 
 
+def test_own_kernels_ask_for_fma_fusion_by_name(monkeypatch):
+    """jaxgin's kernels were measured with Triton's FMA fusion on, and Triton 3.9 warns that 3.10
+    turns its default off: the fused ops (and MoE) ask for it by name, so their numerics do not
+    follow the installed Triton; a user's triton_call leaves it to Triton unless told."""
+    import importlib
+
+    pytest.importorskip("triton")
+    from jaxgin.fused import _common
+
+    tc = importlib.import_module("jaxgin.triton_call")  # the module (the package exports its function)
+
+    seen = {}
+    monkeypatch.setattr(_common, "triton_call", lambda kernel, *args, **kwargs: seen.update(kwargs))
+    _common.matmul(jnp.zeros((64, 32), jnp.float32), jnp.zeros((32, 48), jnp.float32), TileConfig(32, 32, 32))
+    assert seen["enable_fp_fusion"] is tc.OWN_KERNELS_FP_FUSION is True
+    assert tc.compile_options(8, 3, True) == {"num_warps": 8, "num_stages": 3, "enable_fp_fusion": True}
+    assert tc.compile_options(8, 3, False)["enable_fp_fusion"] is False
+    assert "enable_fp_fusion" not in tc.compile_options(8, 3)  # None: Triton's default
+
+
 def _gpu_fused_scenarios():
     """tests/gpu/fused_scenarios.py, whose 200-call loop checks each call against a reference it
     computes without collectives (written_out_reference); the tests below check that oracle here."""

@@ -17,7 +17,7 @@ from jax._src import distributed
 
 from jaxgin import build, op_support
 from jaxgin.errors import JaxginError
-from jaxgin.triton_call import triton_call
+from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -245,7 +245,7 @@ def matmul(x, w, tiles: TileConfig, precision: str = "tf32"):
     tm, tn = -(-m // tiles.block_m), -(-n // tiles.block_n)
     return triton_call(
         _kernels.matmul_kernel, x, w, grid=(tm * tn,), out_shape=jax.core.ShapedArray((m, n), x.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=m, N=n, K=k, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION=precision,
     )

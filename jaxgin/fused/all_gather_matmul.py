@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxgin import op_support
 from jaxgin.route import axis_route
-from jaxgin.triton_call import triton_call
+from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -100,7 +100,7 @@ def _kernel(state, x, w, plan: _Plan):
         _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.signals,
         grid=(SENDERS + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=SENDERS,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize,

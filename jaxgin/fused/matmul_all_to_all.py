@@ -13,7 +13,7 @@ import numpy as np
 from jaxgin import op_support
 from jaxgin.collectives import all_to_all
 from jaxgin.route import axis_route
-from jaxgin.triton_call import triton_call
+from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -142,7 +142,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
         _kernels.matmul_all_to_all_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
         grid=(size * tm * tn + size * copiers,), out_shape=jax.core.ShapedArray(plan.out_shape, dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,

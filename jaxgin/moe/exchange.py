@@ -21,7 +21,7 @@ from jaxgin import op_support
 from jaxgin.collectives import all_to_all
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.route import axis_route
-from jaxgin.triton_call import triton_call
+from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.moe import _routing
 from jaxgin.moe._routing import Plan, SourceRoute
 
@@ -288,7 +288,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
             jax.core.ShapedArray((p, t, k), jnp.float32), jax.core.ShapedArray((el,), jnp.int32),
             jax.core.ShapedArray((p,), jnp.int32), jax.core.ShapedArray((1,), jnp.int32),
         ],
-        num_warps=warps, num_stages=1,
+        num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
         BB=_pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
     )
@@ -308,7 +308,7 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
         _kernels.combine_kernel, y, weights, positions, rows, route.slot, axis_route(plan.names),
         buf["back"], buf["combine_flags"], buf["combine_state"], buf["send_back"], buf["signals"] + 2 * p * gin,
         grid=(_grid(state, p * -(-t // bt)),), out_shape=jax.core.ShapedArray((t, h), y.dtype),
-        num_warps=warps, num_stages=1,
+        num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
     )
 
