@@ -101,20 +101,15 @@ def toolchain(nvcc, packaged_nccl, require):
 
 def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, num_warps: int = 4,
                      num_stages: int = 3):
-    """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), pointers marked
-    16-byte aligned and FMA fusion asked for, as jaxgin.triton_call does for jaxgin's own kernels.
-    `signature` names the runtime parameters; `constexprs` binds the rest."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), through
+    jaxgin.triton_call's own compile step as it compiles jaxgin's kernels (pointers marked 16-byte
+    aligned, FMA fusion asked for). `signature` names the runtime parameters; `constexprs` binds
+    the rest."""
+    from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, _compile
 
     constexprs = constexprs or {}
     signature = dict(signature) | {name: "constexpr" for name in constexprs if name not in signature}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, compile_options
-
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=compile_options(num_warps, num_stages, OWN_KERNELS_FP_FUSION))
+    return _compile(kernel, signature, constexprs, num_warps, num_stages, (9, 0), OWN_KERNELS_FP_FUSION)
 
 
 def gpu_scenario(name: str):
