@@ -392,6 +392,9 @@ def main(argv: list[str]) -> int:
             from jaxgin import transport
 
             print(f"lost peers: {transport.lost_peers(library)}", flush=True)
+            # A survivor that exits also ends its connections without a goodbye; one that read its
+            # lost peers first must not see the other survivors leave. Ranks 0..nranks-2 survive.
+            _barrier(directory, "reported", rank, nranks - 1)
             return 0 if e.code == REMOTE_ERROR else 1
     # scenario "ring": one round, then a clean close
     right = (rank + 1) % nranks
