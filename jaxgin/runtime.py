@@ -219,6 +219,12 @@ def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
     return _backends[path]
 
 
+def loaded_backends() -> list[str]:
+    """The CUDA backend libraries this process has loaded (they stay loaded after finalize());
+    empty where jaxgin ran only in reference mode."""
+    return sorted(_backends)
+
+
 def _unique_id(backend, generation: int, nccl_version: str) -> bytes:
     """NCCL's unique id, made by process 0 and shared through jax.distributed's key-value store,
     after every process agreed on the NCCL version (_agree_on_nccl)."""

@@ -28,6 +28,8 @@ def test_initialize_picks_reference_on_cpu():
     jaxgin.initialize()
     assert jaxgin.is_initialized()
     assert jaxgin.info()["backend"] == "reference"
+    # what the GPU tests' results say they ran on: no CUDA backend in reference mode
+    assert runtime.loaded_backends() == []
 
 
 def test_info_fields():

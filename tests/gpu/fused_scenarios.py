@@ -13,8 +13,8 @@ exchange; method="triton": one Triton kernel). Comparisons per case:
   summation order (float32 cases use HIGHEST precision on both sides). For the chunked method,
   whose products come from cuBLAS calls XLA does not make identically, this is the check: a chunk
   misplaced, lost or left from an earlier call differs by the data's own magnitude.
-Then gradients against jax.grad of the unfused composition, and 200 back-to-back calls inside one
-jit with data that changes every call, each checked (exactly against the same tile code for
+Then gradients against jax.grad of the unfused composition, and LOOP_CALLS back-to-back calls (20,
+or 200 in the soak tier) inside one jit with data that changes every call, each checked (exactly against the same tile code for
 triton, within rounding against XLA's matmul for chunked) against a reference every GPU computes
 without a collective (`written_out_reference`). Where every peer is on another (emulated)
 host, both methods run the Triton kernel's GIN paths; then the bytes and puts each op sends through
@@ -23,6 +23,7 @@ the host transport per call are measured too (`traffic`). Prints RESULT: {json}.
 
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
-from harness import PhaseClock, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
+from harness import PhaseClock, by_tier, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.fused import TileConfig, _common
 from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
-LOOP_CALLS, FOLD_EVERY = 200, 20
+LOOP_CALLS, FOLD_EVERY = by_tier(20, 200), 20
 
 
 def _host(a) -> np.ndarray:
@@ -154,7 +155,7 @@ def check(mesh) -> dict:
         grad_err = max(_rel(a, b) for a, b in zip(g_fused, g_xla))
         clock.lap("gradients")
 
-        # 200 calls back to back in one jit, data changing every call, each compared.
+        # LOOP_CALLS calls back to back in one jit, data changing every call, each compared.
         loop = functools.partial(loop_against_written_out, fused_body=fused_body, reference=reference,
                                  fold_every=loop_fold(FOLD_EVERY))
         looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
@@ -163,8 +164,8 @@ def check(mesh) -> dict:
         loop_err = float(looped(x, w))
         clock.lap("loop_run")
         row = dict(op=op, method=method, m=m, k=k, n=nn, dtype=np.dtype(dtype).name, split=split, concat=concat,
-                   exact=exact, rel_err_vs_xla=close, grad_rel_err=grad_err, loop_200_max_rel_diff=loop_err,
-                   seconds=clock.seconds)
+                   exact=exact, rel_err_vs_xla=close, grad_rel_err=grad_err, loop_calls=LOOP_CALLS,
+                   loop_max_rel_diff=loop_err, seconds=clock.seconds)
         print(json.dumps(row), flush=True)
         report.append(row)
     result = {"devices": n, "processes": jax.process_count(), "cases": report}
@@ -191,11 +192,13 @@ TRAFFIC_CASES = [
 
 def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -> dict:
     """What one call puts through the host transport from this process's GPU, next to what it must
-    move: matmul_all_to_all, each other GPU's chunk of x @ w once ((n - 1) * CM * CN items);
-    all_gather_matmul, this GPU's shard once to every other GPU ((n - 1) * M * K items). Puts:
-    one per tile for matmul_all_to_all, one per row group for all_gather_matmul (Triton method,
-    whose tiles are fixed here)."""
+    move to the GPUs of other (emulated) hosts, `remote` of them (on a mixed mesh the host-mates'
+    share goes over NVLink): matmul_all_to_all, each such GPU's chunk of x @ w once (remote * CM *
+    CN items); all_gather_matmul, this GPU's shard once to each (remote * M * K items). Puts: one
+    per tile for matmul_all_to_all, one per row group for all_gather_matmul (Triton method, whose
+    tiles are fixed here)."""
     n = mesh.size
+    remote = n - int(os.environ.get("JAXGIN_TEST_RANKS_PER_HOST", "1"))
     if split == 1:
         nn *= n  # N = the columns of one chunk times the axis size
     tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
@@ -213,15 +216,15 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
     itemsize = np.dtype(dtype).itemsize
     if op == "a2a":
         cm, cn = (m // n, nn) if split == 0 else (m, nn // n)
-        minimum = (n - 1) * cm * cn * itemsize
-        puts = (n - 1) * -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
+        minimum = remote * cm * cn * itemsize
+        puts = remote * -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
     else:
-        minimum = (n - 1) * m * k * itemsize
+        minimum = remote * m * k * itemsize
         tm = -(-m // tiles.block_m)
         per = -(-tm // GIN_GROUPS)  # tile rows per row group of a GIN job (at most GIN_GROUPS groups)
-        puts = (n - 1) * -(-tm // per)
+        puts = remote * -(-tm // per)
     return {"op": op, "method": method, "m": m, "k": k, "n": nn, "dtype": np.dtype(dtype).name,
-            "rank": jax.process_index(), "bytes": per_call["bytes"], "minimum_bytes": minimum,
+            "rank": jax.process_index(), "remote_gpus": remote, "bytes": per_call["bytes"], "minimum_bytes": minimum,
             "ratio": per_call["bytes"] / minimum, "puts": per_call["puts"],
             "expected_puts": puts if method == "triton" else None}
 

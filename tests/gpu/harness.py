@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,8 +58,25 @@ GPUS = len(VISIBLE_GPUS)
 WORLD_SIZES = sorted({2, GPUS}) if GPUS >= 2 else [GPUS] if GPUS == 1 else [2]
 ANY_GPU = pytest.mark.skipif(GPUS < 1, reason="needs an NVIDIA GPU, found none")
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 NVIDIA GPUs, found {GPUS}")
-# Worlds of the emulated-hosts tests, whatever the number of GPUs.
-EMULATED_WORLDS = [2, 4, 8]
+# Worlds of the emulated-hosts tests of the GIN data paths (fused ops, MoE, dead peers in them),
+# whatever the number of GPUs; the tests of paths that a world adds nothing to (the JAX ops, the
+# runtime, tritongin) take the smallest and the largest in the fast tier (job.tier).
+# JAXGIN_TEST_EMULATED_WORLDS narrows them (a round on one GPU: "2,4").
+ALL_EMULATED_WORLDS = (2, 4, 8)  # the scenarios' shapes divide by each
+
+
+def _emulated_worlds() -> list[int]:
+    named = os.environ.get("JAXGIN_TEST_EMULATED_WORLDS", ",".join(map(str, ALL_EMULATED_WORLDS)))
+    worlds = sorted({int(w) for w in named.split(",") if w.strip().isdigit()})
+    if not worlds or not set(worlds) <= set(ALL_EMULATED_WORLDS):
+        raise ValueError(f"JAXGIN_TEST_EMULATED_WORLDS={named!r}: expected a comma-separated choice of "
+                         f"{ALL_EMULATED_WORLDS}")
+    return worlds
+
+
+EMULATED_WORLDS = _emulated_worlds()
+EMULATED_SPOT_WORLDS = job.by_tier(sorted({EMULATED_WORLDS[0], EMULATED_WORLDS[-1]}), EMULATED_WORLDS)
+by_tier = job.by_tier
 # Mixed meshes: emulated hosts of MIXED_RANKS_PER_HOST ranks on different GPUs (NVLink, LSA, inside
 # a host; GIN across), up to two such ranks per GPU: a world of one of EMULATED_WORLDS (the
 # scenarios' shapes divide by those), the largest of at most twice the GPUs (3 GPUs: world 4, not
@@ -112,6 +130,7 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_TEST_LOCAL_DEVICE": "0",
         "JAXGIN_TEST_PHYSICAL_GPU": str(gpu),
         "JAXGIN_TEST_EMULATED_HOSTS": "1",
+        "JAXGIN_TEST_RANKS_PER_HOST": str(ranks_per_host),
         "NCCL_HOSTID": host,
         "JAXGIN_TRANSPORT_HOST_ID": host,
         "NCCL_SOCKET_IFNAME": "lo",
@@ -124,7 +143,10 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    """A scenario's environment: this one without what would change what the scenario checks
+    (JAX's platform, XLA flags, and a case selection left from diagnosing, JAXGIN_TEST_CASES,
+    which a test that means it passes in `env`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAXGIN_TEST_CASES")}
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, VISIBLE_GPUS[:gpus] or range(gpus)))
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared machines
     if xla_flags:
@@ -175,9 +197,15 @@ def record(name: str, result: dict) -> None:
 
 
 def result(stdout: str) -> dict:
+    """A scenario's RESULT (job.report), which must have run on GPUs through jaxgin's CUDA backend:
+    with JAX on CPU a scenario compares jax.lax with itself and would pass."""
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT:")]
     assert lines, f"scenario printed no result:\n{stdout[-4000:]}"
-    return json.loads(lines[-1][len("RESULT:"):])
+    found = json.loads(lines[-1][len("RESULT:"):])
+    ran_on = found.get("ran_on", {})
+    assert ran_on.get("jax_platform") == "gpu" and ran_on.get("jaxgin_cuda_backends"), (
+        f"the scenario did not run on jaxgin's CUDA backend: {ran_on or 'no ran_on in its result'}")
+    return found
 
 
 def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags: str | None = None,
@@ -199,6 +227,7 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
     if emulated:
         xla_flags = f"{xla_flags or ''} {EMULATED_XLA_FLAGS}".strip()
     base = scenario_env(world, xla_flags)  # an emulated rank's own CUDA_VISIBLE_DEVICES replaces it
+    base["JAXGIN_TEST_JOB_DIR"] = tempfile.mkdtemp(prefix="jaxgin-job-")  # job.meet's files
     procs = []
     for r in range(world):
         rank_env = {**base, **(emulated_env(r, ranks_per_host) if emulated else {}), **(env or {})}
@@ -233,6 +262,7 @@ def start_processes(script: Path, args, world: int, timeout: float = 600, env: d
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(base["JAXGIN_TEST_JOB_DIR"], ignore_errors=True)
     for t in readers:
         t.join(timeout=10)
     note = f"\n[harness: still running after {timeout:.0f} s: stacks printed above, then killed]"
@@ -431,7 +461,7 @@ def run_mesh_check(check, axis_name: str) -> None:
         except Exception as e:
             report = {"error": f"{type(e).__name__}: {e}"[:2000]}
         report["faults"] = jaxgin.device_faults()
-        print("RESULT:" + json.dumps(report), flush=True)
+        job.report(report)
         job.exit_together("report_error")
         os._exit(0)  # after a device fault the CUDA context is unusable: skip teardown
     report = check(Mesh(np.array(jax.devices()), (axis_name,)))
@@ -439,4 +469,4 @@ def run_mesh_check(check, axis_name: str) -> None:
     jaxgin.finalize()
     clock.lap("finalize")
     report["phase_seconds"] = clock.seconds
-    print("RESULT:" + json.dumps(report))
+    job.report(report)

@@ -7,8 +7,10 @@ which visible GPU to drive (JAXGIN_TEST_LOCAL_DEVICE) and which physical one tha
 (JAXGIN_TEST_PHYSICAL_GPU, for nvidia-smi readings).
 """
 
+import json
 import os
 import sys
+import time
 
 
 def local_device(rank: int) -> int:
@@ -58,3 +60,46 @@ def exit_together(name: str, timeout_s: float = 600.0) -> None:
         client.wait_at_barrier(f"jaxgin_test_exit_{name}", int(timeout_s * 1000))
     except Exception as e:  # a peer that already died: nothing to wait for
         print(f"exit barrier '{name}': {type(e).__name__}: {e}"[:300], file=sys.stderr, flush=True)
+
+
+TIERS = ("fast", "soak")
+
+
+def tier() -> str:
+    """JAXGIN_TEST_TIER: "fast" (the default) takes every code path once; "soak" runs the long
+    loops (1000-call chains, 10,000-op stress) that hunt rare races."""
+    value = os.environ.get("JAXGIN_TEST_TIER", "fast")
+    if value not in TIERS:
+        raise ValueError(f"JAXGIN_TEST_TIER={value!r}: expected one of {TIERS} (fast is the default)")
+    return value
+
+
+def by_tier(fast, soak):
+    """`fast` in the default tier, `soak` under JAXGIN_TEST_TIER=soak."""
+    return soak if tier() == "soak" else fast
+
+
+def report(result: dict) -> None:
+    """Prints the scenario's RESULT line with what it ran on: JAX's platform and the CUDA backend
+    libraries jaxgin loaded. With JAX on CPU a scenario would compare lax with itself and pass."""
+    import jax
+
+    from jaxgin import runtime
+
+    ran_on = {"jax_platform": jax.default_backend(), "jaxgin_cuda_backends": runtime.loaded_backends()}
+    print("RESULT:" + json.dumps({**result, "ran_on": ran_on}), flush=True)
+
+
+def meet(name: str, rank: int, ranks, timeout_s: float = 120.0) -> list[int]:
+    """A barrier of some of a job's ranks (`ranks`, this one among them) through files in the
+    job's folder (JAXGIN_TEST_JOB_DIR): the survivors of a dead peer, whom JAX's own barriers
+    would make wait for the dead one. Returns the ranks that had not arrived at the timeout."""
+    folder = os.environ["JAXGIN_TEST_JOB_DIR"]
+    with open(os.path.join(folder, f"{name}.{rank}"), "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in ranks if not os.path.exists(os.path.join(folder, f"{name}.{r}"))]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.05)

@@ -7,7 +7,6 @@ Every check compares jaxgin's result with jax.lax's inside the same jitted progr
 prints one JSON line prefixed with RESULT: that the test asserts on.
 """
 
-import json
 import os
 import sys
 import time
@@ -224,14 +223,21 @@ def correctness(argv):
     _, run = _all_equal(jax, mesh, mixed, x)
     checks["mixed_with_xla_collectives"] = all(run(x) for _ in range(20))
     failed = [k for k, v in checks.items() if v is not True]
-    print("RESULT:" + json.dumps({"devices": n, "processes": jax.process_count(), "checks": len(checks), "failed": failed,
-                                  "details": {k: checks[k] for k in failed}}))
+    job.report({"devices": n, "processes": jax.process_count(), "checks": len(checks), "failed": failed,
+               "details": {k: checks[k] for k in failed}})
     jaxgin.finalize()
 
 
+# Back-to-back calls of `iterations` (the long chain is the soak tier's: job.by_tier).
+ITERATIONS = job.by_tier(100, 1000)
+# Runs of `graph_replay`'s program.
+REPLAY_RUNS = job.by_tier(50, 200)
+
+
 def iterations(argv):
-    """1000 back-to-back calls with changing data; optional CUDA-graph replay (command buffers).
-    `mismatches`: failed checks summed over devices and iterations."""
+    """ITERATIONS back-to-back calls with changing data; optional CUDA-graph replay (command
+    buffers). `mismatches`: failed checks summed over devices and iterations; `iterations`: the
+    calls that ran."""
     jax, jaxgin = _setup(argv)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -265,16 +271,17 @@ def iterations(argv):
     # Per device, the iterations whose checks failed, counted on the device and gathered once (a
     # gather per iteration would dominate a multi-process run).
     count = jax.jit(lambda failed, ok: failed + (~ok).astype(jnp.int32))
-    failed = None
+    failed, ran = None, 0
     start = time.perf_counter()
-    for i in range(1000):
+    for i in range(ITERATIONS):
         ok = f(x, jnp.int32(i))
         failed = count(jnp.zeros_like(ok, dtype=jnp.int32) if failed is None else failed, ok)
+        ran += 1
     bad = int(_gather(jax, failed).sum())
     elapsed = time.perf_counter() - start
     calls = {k: v - calls_before[k] for k, v in _ffi_calls(jaxgin).items()}
-    print("RESULT:" + json.dumps({"devices": n, "processes": jax.process_count(), "iterations": 1000, "mismatches": bad,
-                                  "seconds": elapsed, "ffi_calls": calls, "xla_flags": os.environ.get("XLA_FLAGS", "")}))
+    job.report({"devices": n, "processes": jax.process_count(), "iterations": ran, "mismatches": bad,
+               "seconds": elapsed, "ffi_calls": calls, "xla_flags": os.environ.get("XLA_FLAGS", "")})
     jaxgin.finalize()
 
 
@@ -312,7 +319,7 @@ def graph_replay(argv):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
     ours, reference = body(True), body(False)
-    runs, bad = 200, 0
+    runs, bad = REPLAY_RUNS, 0
     inputs = [_global(jax, mesh, (n * 2, 512), jnp.float32, seed) for seed in range(8)]
     jax.block_until_ready(ours(inputs[0]))
     before = _ffi_calls(jaxgin)
@@ -321,8 +328,8 @@ def graph_replay(argv):
         bad += int(not np.array_equal(_gather(jax, ours(x)), _gather(jax, reference(x))))
     calls = _ffi_calls(jaxgin)["exchange"] - before["exchange"]
     executed = runs * ops_per_run * len(jax.local_devices())
-    print("RESULT:" + json.dumps({"devices": n, "runs": runs, "mismatches": bad, "ops_executed": executed,
-                                  "handler_calls": calls, "xla_flags": os.environ["XLA_FLAGS"]}))
+    job.report({"devices": n, "runs": runs, "mismatches": bad, "ops_executed": executed,
+               "handler_calls": calls, "xla_flags": os.environ["XLA_FLAGS"]})
     jaxgin.finalize()
 
 
@@ -352,7 +359,7 @@ def _expect_fault(argv, body, shape, dtype_name="float32"):
         error = f"{type(e).__name__}: {e}"[:500]
     elapsed = time.perf_counter() - start
     faults = jaxgin.device_faults()
-    print("RESULT:" + json.dumps({"seconds": elapsed, "error": error, "faults": faults}), flush=True)
+    job.report({"seconds": elapsed, "error": error, "faults": faults})
     job.exit_together("expect_fault")
     os._exit(0)  # the CUDA context is gone; skip teardown
 

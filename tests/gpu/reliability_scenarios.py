@@ -9,7 +9,6 @@
 Each prints one JSON line prefixed with RESULT:.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -32,10 +31,10 @@ def stress(argv):
     result = stress_lib.stress(mesh, int(argv[0]), seed=int(os.environ.get("JAXGIN_STRESS_SEED", "0")))
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     jaxgin.finalize()
-    print("RESULT:" + json.dumps(result), flush=True)
+    job.report(result)
 
 
-MEMORY_MODEL_ITERATIONS = int(os.environ.get("JAXGIN_MEMORY_MODEL_ITERATIONS", "3000"))
+MEMORY_MODEL_ITERATIONS = int(os.environ.get("JAXGIN_MEMORY_MODEL_ITERATIONS", job.by_tier(300, 3000)))
 
 
 def memory_model(argv):
@@ -62,7 +61,7 @@ def memory_model(argv):
             left = (me + n - 1) % n
             j = jnp.arange(elements, dtype=jnp.uint32)
 
-            def step(i, bad):
+            def step(i, tally):
                 i = i.astype(jnp.uint32)
                 payload = (i * n + me) * elements + j + dummy[0]  # written right before the put
                 if path.startswith("ppermute"):
@@ -71,19 +70,21 @@ def memory_model(argv):
                     token = jaxgin.put_signal(payload, box, (me + 1) % n, axis_name="x")
                     got = jaxgin.wait_signal_from(box, left, axis_name="x", after=token)
                 want = (i * n + left) * elements + j + dummy[0]
-                return bad + jnp.sum(got != want, dtype=jnp.int32)  # read right after the wait
+                # read right after the wait; the second count is of payloads compared
+                return tally + jnp.stack([jnp.sum(got != want, dtype=jnp.int32), jnp.int32(1)])
 
-            return jax.lax.fori_loop(0, MEMORY_MODEL_ITERATIONS, step, (dummy[0] * 0).astype(jnp.int32))[None]
+            zero = (dummy[0] * 0).astype(jnp.int32)
+            return jax.lax.fori_loop(0, MEMORY_MODEL_ITERATIONS, step, jnp.stack([zero, zero]))[None]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         dummy = ops_scenarios._global(jax, mesh, (1,), jnp.uint32, 0) * 0  # zeros XLA cannot fold
         start = time.perf_counter()
-        counts = ops_scenarios._gather(jax, f(dummy))
-        report["paths"][path] = {"payload_bytes": elements * 4, "mismatched_elements": int(counts.sum()),
-                                 "elements_checked": MEMORY_MODEL_ITERATIONS * elements * n,
+        counts = ops_scenarios._gather(jax, f(dummy))  # [n, 2]: per device, mismatched elements and payloads compared
+        report["paths"][path] = {"payload_bytes": elements * 4, "mismatched_elements": int(counts[:, 0].sum()),
+                                 "elements_checked": int(counts[:, 1].sum()) * elements,
                                  "seconds": time.perf_counter() - start}
     jaxgin.finalize()
-    print("RESULT:" + json.dumps(report), flush=True)
+    job.report(report)
 
 
 KILL_AT = 20  # iterations the victim completes before it dies
@@ -132,6 +133,7 @@ def fault(argv):
     message, argv = argv[0], argv[1:]
     used = {}
     gpu = job.physical_gpu(int(argv[0]))
+    recoverable = _recoverable_tasks()
     jax, jaxgin = ops_scenarios._setup(argv, lambda: used.update(before=_gpu_used_mib(gpu)))
     used["initialized"] = _gpu_used_mib(gpu)
     import jax.numpy as jnp
@@ -164,7 +166,8 @@ def fault(argv):
     seconds = time.perf_counter() - last_good
     info = jaxgin.info()
     report = {"message": message, "bytes_per_device": int(x.nbytes) // n, "heap_mib": info["heap_bytes"] >> 20,
-              "rank": rank, "completed": completed, "error": error, "seconds_to_error": seconds,
+              "rank": rank, "recoverable_tasks": recoverable, "completed": completed, "error": error,
+              "seconds_to_error": seconds,
               "faults": jaxgin.device_faults(), "timeout_s": info["timeout_s"], "fault_cleanup": info["fault_cleanup"]}
     # A survivor that caught the error finalizes: every byte it held on its GPU must come back.
     report["gpu_used_mib_before_initialize"] = used["before"]  # JAX's context alone
@@ -175,8 +178,28 @@ def fault(argv):
     report["primary_context_active_after_finalize"] = _primary_context_active(job.local_device(rank))
     # Every GPU's, the dead peer's included: nothing of it may outlive it on its GPU.
     report["all_gpus_used_mib_after_finalize"] = [_gpu_used_mib(job.physical_gpu(i)) for i in range(n)]
-    print("RESULT:" + json.dumps(report), flush=True)
+    if not job.emulated():
+        # A survivor's heap stays on its GPU while another survivor still maps it (without the
+        # record of NCCL's allocations, those mappings go only with that survivor's reset): read
+        # once more after every survivor finalized. (Emulated ranks share GPUs: no reading.)
+        report["survivors_missing_at_the_meeting"] = job.meet("finalized", rank, range(n - 1))
+        time.sleep(0.5)  # nvidia-smi's figure lags the release a little
+        report["gpu_used_mib_after_every_survivor_finalized"] = _gpu_used_mib(gpu)
+    job.report(report)
     os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
+
+
+def _recoverable_tasks() -> bool:
+    """Asks JAX's coordination service to let the job's other processes run on when one dies, so
+    that a dead peer reaches the survivors as jaxgin's named fault rather than as the service
+    ending them ("another task died"). False where this JAX has no such option."""
+    import jax
+
+    try:
+        jax.config.update("jax_enable_recoverability", True)
+    except AttributeError:
+        return False
+    return True
 
 
 def starved(argv):
@@ -231,7 +254,7 @@ def starved(argv):
     time.sleep(0.5)  # nvidia-smi's figure lags the release a little
     report["gpu_used_mib_after_finalize"] = [_gpu_used_mib(i) for i in local]
     report["primary_context_active_after_finalize"] = [_primary_context_active(i) for i in range(len(local))]
-    print("RESULT:" + json.dumps(report), flush=True)
+    job.report(report)
     job.exit_together("starved")
     os._exit(0)  # XLA's clients still point at the reset contexts: skip their teardown
 

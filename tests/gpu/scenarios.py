@@ -9,7 +9,6 @@ leaves a CUDA context unusable, and several processes need their own JAX runtime
 Each prints one JSON line prefixed with RESULT: that the test asserts on.
 """
 
-import json
 import sys
 import time
 
@@ -107,4 +106,4 @@ def force_gin(argv):
 
 if __name__ == "__main__":
     scenario = {"lifecycle": lifecycle, "timeout": timeout, "force_gin": force_gin}[sys.argv[1]]
-    print("RESULT:" + json.dumps(scenario(sys.argv[2:])), flush=True)
+    job.report(scenario(sys.argv[2:]))

@@ -1,13 +1,14 @@
 """jaxgin.fused on NVIDIA GPUs (skipped where there are none), both implementations:
 matmul_all_to_all and all_gather_matmul equal XLA's unfused composition within rounding, and its
 gradients; the Triton kernel also equals the unfused composition of its own tile code bit for bit;
-200 back-to-back calls with changing data in one jit; one process for all GPUs (with and without
-XLA command buffers) and one process per GPU."""
+back-to-back calls with changing data in one jit (fused_scenarios.LOOP_CALLS); one process for all
+GPUs (with and without XLA command buffers), one process per GPU, emulated hosts and mixed meshes."""
 
 from pathlib import Path
 
 import pytest
 
+from fused_scenarios import LOOP_CALLS, METHODS, cases
 from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
                      record, require_emulated_hosts,
                      run_processes, run_scenario)
@@ -19,15 +20,16 @@ pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 def _assert_cases(result):
-    assert result["cases"], result
-    assert {case["method"] for case in result["cases"]} == {"chunked", "triton"}, result
+    assert len(result["cases"]) == len(METHODS) * len(cases(result["devices"])), result
+    assert {case["method"] for case in result["cases"]} == set(METHODS), result
     for case in result["cases"]:
         tolerance = 1e-4 if case["dtype"] == "float32" else 2e-2
+        assert case["loop_calls"] == LOOP_CALLS, case
         if case["method"] == "triton":
             assert case["exact"], case
-            assert case["loop_200_max_rel_diff"] == 0.0, case
+            assert case["loop_max_rel_diff"] == 0.0, case
         else:
-            assert case["loop_200_max_rel_diff"] <= tolerance, case
+            assert case["loop_max_rel_diff"] <= tolerance, case
         assert case["rel_err_vs_xla"] <= tolerance, case
         assert case["grad_rel_err"] <= tolerance, case
 
@@ -78,13 +80,7 @@ def test_fused_ops_emulated_hosts(world, command_buffers):
     for result in results:
         assert result["processes"] == world
         _assert_cases(result)
-        assert len(result["traffic"]) == 5, result
-        for t in result["traffic"]:
-            assert t["bytes"] == t["minimum_bytes"], t  # nothing resent, nothing padded, nothing dropped
-            if t["expected_puts"] is not None:
-                assert t["puts"] == t["expected_puts"], t
-            else:
-                assert t["puts"] > 0, t
+        _assert_traffic(result, remote_gpus=world - 1)
 
 
 @TWO_GPUS
@@ -99,11 +95,21 @@ def test_fused_ops_mixed_mesh_emulated_hosts(command_buffers):
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
                             timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None)
     record(f"mixed_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
-    gin_peers = world - MIXED_RANKS_PER_HOST
     for result in results:
         assert result["processes"] == world
         _assert_cases(result)
-        assert len(result["traffic"]) == 5, result
-        for t in result["traffic"]:
-            assert t["bytes"] * (world - 1) == t["minimum_bytes"] * gin_peers, t
+        _assert_traffic(result, remote_gpus=world - MIXED_RANKS_PER_HOST)
+
+
+def _assert_traffic(result, remote_gpus):
+    """Through the host transport went exactly what the GPUs of other hosts must get (the
+    host-mates' share goes over NVLink), in one put per tile or row group where the tiles are
+    fixed (the Triton method's)."""
+    assert len(result["traffic"]) == 5, result
+    for t in result["traffic"]:
+        assert t["remote_gpus"] == remote_gpus, t
+        assert t["bytes"] == t["minimum_bytes"], t  # nothing resent, nothing padded, nothing dropped
+        if t["expected_puts"] is not None:
+            assert t["puts"] == t["expected_puts"], t
+        else:
             assert t["puts"] > 0, t

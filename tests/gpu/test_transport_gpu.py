@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from harness import GPUS, WORLD_SIZES, record, run_processes, run_scenario, went_through_transport
+from ops_scenarios import ITERATIONS
 
 SCENARIOS = Path(__file__).with_name("transport_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -41,10 +42,10 @@ def test_ops_equal_lax_over_host_transport_process_per_gpu(world):
 
 
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
-def test_1000_iterations_over_host_transport(command_buffers):
+def test_iterations_over_host_transport(command_buffers):
     result = run_scenario(SCENARIOS, ["iterations"], 2, xla_flags=COMMAND_BUFFERS if command_buffers else None)
     record(f"transport_iterations_{'graphs' if command_buffers else 'plain'}_2gpu", result)
-    assert result["iterations"] == 1000 and result["mismatches"] == 0
+    assert result["iterations"] == ITERATIONS and result["mismatches"] == 0
     went_through_transport(result, mapped=True)
 
 

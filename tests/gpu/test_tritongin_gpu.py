@@ -1,10 +1,10 @@
 """tritongin on NVIDIA GPUs (skipped where there are none): ring, all-pairs and barrier exchanges
-from standalone Triton launches, checked word by word for 1000 iterations; the same kind of
-kernel through jaxgin.triton_call under jax.jit equal to jax.lax.ppermute, with and without XLA
-command buffers; one-way put_signal latency and peer_ptr bandwidth (recorded, asserted against
-the issue's targets). In emulated-hosts jobs of 2, 4 and 8 ranks the exchanges and triton_call
-run with every peer through GIN, and 30 back-to-back launches that import Triton before
-jaxgin.initialize() must all come up."""
+from standalone Triton launches, checked word by word (every word counted by the kernels) over
+many iterations (ITERATIONS); the same kind of kernel through jaxgin.triton_call under jax.jit
+equal to jax.lax.ppermute, with and without XLA command buffers; one-way put_signal latency and
+peer_ptr bandwidth (recorded, asserted against the issue's targets). In emulated-hosts jobs the
+exchanges and triton_call run with every peer through GIN, and back-to-back launches that import
+Triton before jaxgin.initialize() must all come up."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 
 from jaxgin import cli
-from harness import (ANY_GPU, EMULATED_WORLDS, TWO_GPUS, GPUS, WORLD_SIZES, record, require_emulated_hosts,
+from harness import (ANY_GPU, EMULATED_SPOT_WORLDS, TWO_GPUS, WORLD_SIZES, by_tier, record, require_emulated_hosts,
                      run_processes, run_scenario, start_processes)
 
 SCENARIOS = Path(__file__).with_name("tritongin_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 # Raw NCCL device-API ping-pong over NVLink on 2 x H200 (../shared/baselines): 1.71 us one way.
 RAW_PINGPONG_US = 1.71
+# Iterations of the exchanges and triton_call rings (the soak tier's are the long ones), on GPUs of
+# one host and over emulated hosts.
+ITERATIONS, EMULATED_ITERATIONS = by_tier(200, 1000), by_tier(50, 200)
 
 # The scenarios launch kernels standalone: PyTorch holds their buffers and picks device and stream.
 NEEDS_TORCH = pytest.mark.skipif(not cli.installed("torch"), reason='needs PyTorch: pip install -e ".[cuda,torch]"')
@@ -26,25 +29,32 @@ pytestmark = [pytest.mark.gpu, ANY_GPU, NEEDS_TORCH]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_standalone_exchanges_1000_iterations(world):
-    result = run_scenario(SCENARIOS, ["standalone", "1000"], world)
+def test_standalone_exchanges(world):
+    result = run_scenario(SCENARIOS, ["standalone", str(ITERATIONS)], world)
     record(f"tritongin_standalone_{world}gpu", result)
-    # A world of one has a ring (to itself) but no pair of distinct devices to exchange or check.
-    for case in ("ring", "all_pairs", "barrier") if world > 1 else ("ring",):
-        assert result[case]["words_checked"] > 0, (case, result)
-    for case in ("ring", "all_pairs", "barrier"):
-        assert result[case]["mismatched_words"] == 0, (case, result)
+    _check_every_word(result, ITERATIONS, world, devices=world)
     assert result["dlpack_view_matches"]
     assert result["faults"] == []
+
+
+def _check_every_word(result, iterations, world, devices):
+    """Each of the `devices` GPUs compared, every iteration, every word it received: one tile in
+    the ring, one from each other rank in the all-pairs and barrier exchanges (a world of one has
+    a ring to itself and nothing else to compare); no word differed."""
+    words = result["words"]
+    for case in ("ring", "all_pairs", "barrier"):
+        tiles = 1 if case == "ring" else world - 1
+        assert result[case]["words_checked"] == iterations * devices * words * tiles, (case, result)
+        assert result[case]["mismatched_words"] == 0, (case, result)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
 def test_triton_call_equals_lax_ppermute(world, command_buffers):
-    result = run_scenario(SCENARIOS, ["triton_call", "1000"], world,
+    result = run_scenario(SCENARIOS, ["triton_call", str(ITERATIONS)], world,
                           xla_flags=COMMAND_BUFFERS if command_buffers else None)
     record(f"tritongin_triton_call_{'graphs' if command_buffers else 'plain'}_{world}gpu", result)
-    assert result["iterations"] == 1000
+    assert result["iterations"] == ITERATIONS
     assert result["mismatches"] == 0
     assert result["last_equals_numpy_roll"]
     assert result["custom_calls_in_hlo"] >= 1
@@ -68,39 +78,38 @@ def test_peer_ptr_bandwidth():
     assert result["ratio_to_plain_copy"] >= 0.9, result
 
 
-@pytest.mark.parametrize("world", EMULATED_WORLDS)
+@pytest.mark.parametrize("world", EMULATED_SPOT_WORLDS)
 def test_standalone_exchanges_emulated_hosts(world):
     require_emulated_hosts()
-    results = run_processes(SCENARIOS, ["standalone", "200"], world, emulated=True)
+    results = run_processes(SCENARIOS, ["standalone", str(EMULATED_ITERATIONS)], world, emulated=True)
     record(f"emulated_tritongin_standalone_{world}ranks", {"processes": results})
     for result in results:
         assert result["world"] == world and result["barrier_kernel"] == "put_signal", result
-        for case in ("ring", "all_pairs", "barrier"):
-            assert result[case]["words_checked"] > 0 and result[case]["mismatched_words"] == 0, (case, result)
+        _check_every_word(result, EMULATED_ITERATIONS, world, devices=1)
         assert result["dlpack_view_matches"] and result["faults"] == [], result
 
 
-@pytest.mark.parametrize("world", EMULATED_WORLDS)
+@pytest.mark.parametrize("world", EMULATED_SPOT_WORLDS)
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
 def test_triton_call_equals_lax_ppermute_emulated_hosts(world, command_buffers):
     require_emulated_hosts()
-    results = run_processes(SCENARIOS, ["triton_call", "200"], world, emulated=True,
+    results = run_processes(SCENARIOS, ["triton_call", str(EMULATED_ITERATIONS)], world, emulated=True,
                             xla_flags=COMMAND_BUFFERS if command_buffers else None)
     record(f"emulated_tritongin_triton_call_{'graphs' if command_buffers else 'plain'}_{world}ranks",
            {"processes": results})
     for result in results:
-        assert result["devices"] == world and result["iterations"] == 200, result
+        assert result["devices"] == world and result["iterations"] == EMULATED_ITERATIONS, result
         assert result["mismatches"] == 0 and result["last_equals_numpy_roll"], result
         assert result["faults"] == [], result
 
 
-LAUNCHES = 30
+LAUNCHES = by_tier(10, 30)
 LAUNCHES_AT_ONCE = 5  # jobs side by side on the GPU(s), to keep the test within minutes
 
 
 def test_launches_importing_triton_first_all_come_up():
     """A world-2 emulated job whose ranks import Triton and tritongin before jaxgin.initialize(),
-    launched 30 times back to back: every rank of every launch comes up, passes the selftest over
+    launched LAUNCHES times back to back: every rank of every launch comes up, passes the selftest over
     GIN and finalizes (once one rank in five launches died with SIGSEGV in initialize())."""
     require_emulated_hosts()
 

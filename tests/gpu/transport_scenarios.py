@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import job  # noqa: E402
 
 
 def main(argv):
@@ -48,7 +49,7 @@ def main(argv):
     result = json.loads([line for line in lines if line.startswith("RESULT:")][-1][len("RESULT:"):])
     result["transport_info"] = seen[0] if seen else None
     result["transport"] = transport.counters()
-    print("RESULT:" + json.dumps(result), flush=True)
+    job.report(result)
 
 
 if __name__ == "__main__":

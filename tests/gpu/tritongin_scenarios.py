@@ -10,7 +10,6 @@ stamp of (sender, iteration, word) that the receiver recomputes and compares wor
 Each scenario prints one JSON line prefixed with RESULT:.
 """
 
-import json
 import os
 import sys
 import time
@@ -27,8 +26,15 @@ def _stamp(rank, iteration, offs):
     return rank * 1000003 + iteration * 7919 + offs
 
 
+@triton.jit
+def _tally(tally, got, want, mask):
+    """Counts into tally[0] the words under `mask` that differ and into tally[1] those compared."""
+    tl.atomic_add(tally, tl.sum(((got != want) & mask).to(tl.int32)))
+    tl.atomic_add(tally + 1, tl.sum(mask.to(tl.int32)))
+
+
 @triton.jit(do_not_specialize=["iteration"])
-def ring_kernel(ctx, send, recv, errors, data_sig, credit_sig, words, iteration, BLOCK: tl.constexpr):
+def ring_kernel(ctx, send, recv, tally, data_sig, credit_sig, words, iteration, BLOCK: tl.constexpr):
     """Puts a stamped tile to the right neighbour, waits for the left one's, checks it, returns a
     credit to the left (it may overwrite `recv` again) and waits for the right one's credit."""
     me = tgl.rank(ctx)
@@ -43,13 +49,13 @@ def ring_kernel(ctx, send, recv, errors, data_sig, credit_sig, words, iteration,
     for start in range(0, words, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         got = tl.load(recv + offs, mask=offs < words, other=0)
-        tl.atomic_add(errors, tl.sum(((got != _stamp(left, iteration, offs)) & (offs < words)).to(tl.int32)))
+        _tally(tally, got, _stamp(left, iteration, offs), offs < words)
     tgl.signal(ctx, left, credit_sig, 1)
     tgl.wait_arrivals(ctx, credit_sig, 1)
 
 
 @triton.jit(do_not_specialize=["iteration"])
-def all_pairs_kernel(ctx, send, recv, errors, sig, words, iteration, BLOCK: tl.constexpr):
+def all_pairs_kernel(ctx, send, recv, tally, sig, words, iteration, BLOCK: tl.constexpr):
     """Every rank puts a tile to every other rank (slot = sender), then checks all it received."""
     me = tgl.rank(ctx)
     n = tgl.world_size(ctx)
@@ -65,12 +71,12 @@ def all_pairs_kernel(ctx, send, recv, errors, sig, words, iteration, BLOCK: tl.c
         for start in range(0, words, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             got = tl.load(recv + sender * words + offs, mask=offs < words, other=0)
-            tl.atomic_add(errors, tl.sum(((got != _stamp(sender, iteration, offs)) & (offs < words)).to(tl.int32)))
+            _tally(tally, got, _stamp(sender, iteration, offs), offs < words)
     tgl.barrier(ctx)  # nobody overwrites a slot before its owner checked it
 
 
 @triton.jit(do_not_specialize=["iteration"])
-def barrier_kernel(ctx, slots, errors, words, iteration, BLOCK: tl.constexpr):
+def barrier_kernel(ctx, slots, tally, words, iteration, BLOCK: tl.constexpr):
     """Each program stores its share of a stamped tile into every peer's slot through peer_ptr
     (plain tl.store over NVLink), crosses the barrier, and checks what the others stored."""
     me = tgl.rank(ctx)
@@ -92,12 +98,12 @@ def barrier_kernel(ctx, slots, errors, words, iteration, BLOCK: tl.constexpr):
             offs = start + tl.arange(0, BLOCK)
             mask = (offs < words) & (offs < lo + share)
             got = tl.load(slots + sender * words + offs, mask=mask, other=0)
-            tl.atomic_add(errors, tl.sum(((got != _stamp(sender, iteration, offs)) & mask).to(tl.int32)))
+            _tally(tally, got, _stamp(sender, iteration, offs), mask)
     tgl.barrier(ctx)  # slots are rewritten only after everyone checked them
 
 
 @triton.jit(do_not_specialize=["iteration"])
-def barrier_put_kernel(ctx, send, slots, errors, sig, words, iteration, BLOCK: tl.constexpr):
+def barrier_put_kernel(ctx, send, slots, tally, sig, words, iteration, BLOCK: tl.constexpr):
     """barrier_kernel for peers that are not all LSA peers: each program puts its share of a stamped
     tile into every peer's slot with put_signal (signal `sig` + program id), waits for its shares
     from every peer, crosses the barrier, and checks them."""
@@ -121,7 +127,7 @@ def barrier_put_kernel(ctx, send, slots, errors, sig, words, iteration, BLOCK: t
             offs = start + tl.arange(0, BLOCK)
             mask = offs < hi
             got = tl.load(slots + sender * words + offs, mask=mask, other=0)
-            tl.atomic_add(errors, tl.sum(((got != _stamp(sender, iteration, offs)) & mask).to(tl.int32)))
+            _tally(tally, got, _stamp(sender, iteration, offs), mask)
     tgl.barrier(ctx)  # slots are rewritten only after everyone checked them
 
 
@@ -187,40 +193,41 @@ def standalone(iterations: int, argv=()):
     out = {"devices": devices, "world": world, "iterations": iterations, "processes": jax.process_count(),
            "barrier_kernel": "peer_ptr stores" if all_lsa else "put_signal"}
     words, block = 16384, 1024  # 64 KiB tiles
-    errors = [torch.zeros(1, dtype=torch.int32, device=f"cuda:{d}") for d in range(devices)]
+    tallies = [torch.zeros(2, dtype=torch.int32, device=f"cuda:{d}") for d in range(devices)]  # _tally's
 
     send = tritongin.empty((words,), "int32")
     recv = tritongin.empty((world * words,), "int32")
     barrier_programs = 4
     sig = tritongin.signals(3 + barrier_programs)
     barrier = (
-        (lambda d, ctx, i: barrier_kernel[(barrier_programs,)](ctx, recv.local(d), errors[d], words, i, BLOCK=block))
+        (lambda d, ctx, i: barrier_kernel[(barrier_programs,)](ctx, recv.local(d), tallies[d], words, i, BLOCK=block))
         if all_lsa else
-        (lambda d, ctx, i: barrier_put_kernel[(barrier_programs,)](ctx, send.local(d), recv.local(d), errors[d], sig[3],
-                                                                   words, i, BLOCK=block)))
+        (lambda d, ctx, i: barrier_put_kernel[(barrier_programs,)](ctx, send.local(d), recv.local(d), tallies[d],
+                                                                   sig[3], words, i, BLOCK=block)))
     cases = {
-        "ring": lambda d, ctx, i: ring_kernel[(1,)](ctx, send.local(d), recv.local(d), errors[d], sig[0], sig[1],
+        "ring": lambda d, ctx, i: ring_kernel[(1,)](ctx, send.local(d), recv.local(d), tallies[d], sig[0], sig[1],
                                                     words, i, BLOCK=block),
-        "all_pairs": lambda d, ctx, i: all_pairs_kernel[(1,)](ctx, send.local(d), recv.local(d), errors[d], sig[2],
+        "all_pairs": lambda d, ctx, i: all_pairs_kernel[(1,)](ctx, send.local(d), recv.local(d), tallies[d], sig[2],
                                                               words, i, BLOCK=block),
         "barrier": barrier,
     }
     for name, case in cases.items():
-        for e in errors:
-            e.zero_()
+        for t in tallies:
+            t.zero_()
         start = time.perf_counter()
         for i in range(iterations):
             _launch_all(torch, tritongin, devices, lambda d, ctx: case(d, ctx, i))
         _sync(torch, devices)
         out[name] = {
-            "mismatched_words": int(sum(int(e.item()) for e in errors)),
-            "words_checked": iterations * devices * words * (world - 1 if name != "ring" else 1),
+            "mismatched_words": int(sum(int(t[0].item()) for t in tallies)),
+            "words_checked": int(sum(int(t[1].item()) for t in tallies)),  # counted by the kernels
             "seconds": round(time.perf_counter() - start, 3),
         }
+    out["words"] = words
     # DLPack: the heap buffer seen through PyTorch holds what a ring step received. (One more step
     # after the other cases: on ranks other than 0 they overwrite the ring's slot, slot 0.)
-    for e in errors:
-        e.zero_()
+    for t in tallies:
+        t.zero_()
     _launch_all(torch, tritongin, devices, lambda d, ctx: cases["ring"](d, ctx, iterations))
     _sync(torch, devices)
     left_of_first = (ranks[0] + world - 1) % world
@@ -228,7 +235,7 @@ def standalone(iterations: int, argv=()):
     expected = left_of_first * 1000003 + iterations * 7919 + torch.arange(words, device="cuda:0", dtype=torch.int32)
     out["dlpack_view_matches"] = bool(torch.equal(view[:words], expected))
     out["faults"] = jaxgin.device_faults()
-    print("RESULT:" + json.dumps(out))
+    job.report(out)
 
 
 def latency():
@@ -252,7 +259,7 @@ def latency():
             best = one_way if best is None else min(best, one_way)
         out["one_way_us"][str(nbytes)] = round(best, 3)
     out["faults"] = jaxgin.device_faults()
-    print("RESULT:" + json.dumps(out))
+    job.report(out)
 
 
 def bandwidth():
@@ -296,7 +303,7 @@ def bandwidth():
     best = max(out["triton_peer_ptr"].values())
     out["best_triton_GBs"] = best
     out["ratio_to_plain_copy"] = round(best / out["plain_peer_copy_GBs"], 3)
-    print("RESULT:" + json.dumps(out))
+    job.report(out)
 
 
 @triton.jit
@@ -352,7 +359,7 @@ def triton_call(iterations: int, argv=()):
     expected = np.roll(host.reshape(devices, words), 1, axis=0).ravel()
     hlo = step.lower(x).as_text()
     ours = gather(ours)
-    print("RESULT:" + json.dumps({
+    job.report({
         "devices": devices,
         "processes": jax.process_count(),
         "iterations": iterations,
@@ -361,7 +368,7 @@ def triton_call(iterations: int, argv=()):
         "custom_calls_in_hlo": hlo.count("jaxgin_triton_call"),
         "seconds": round(elapsed, 2),
         "faults": jaxgin.device_faults(),
-    }))
+    })
 
 
 def bringup(argv=()):
@@ -371,8 +378,8 @@ def bringup(argv=()):
     report = jaxgin.selftest(rounds=2)
     info = jaxgin.info()
     jaxgin.finalize()
-    print("RESULT:" + json.dumps({"devices": devices, "world": info["world_size"], "gin_type": info["gin_type"],
-                                  "selftest_ok": report.ok, "path": report.path}))
+    job.report({"devices": devices, "world": info["world_size"], "gin_type": info["gin_type"],
+               "selftest_ok": report.ok, "path": report.path})
 
 
 if __name__ == "__main__":
