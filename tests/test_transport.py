@@ -624,6 +624,26 @@ def test_an_unknown_copy_context_is_refused_naming_the_setting(fake_device_table
     assert "JAXGIN_TRANSPORT_COPY_CONTEXT=private: expected own (the default) or shared" in err
 
 
+@pytest.mark.parametrize(("call", "words"), [
+    ("cuCtxCreate", "the transport's own CUDA context on device 0: cuCtxCreate failed: out of memory "
+                    "(JAXGIN_TRANSPORT_COPY_CONTEXT=shared copies in the application's context instead)"),
+    ("cudaHostAlloc", "cudaHostAlloc failed: out of memory"),
+])
+def test_a_gpu_out_of_memory_at_connect_fails_it_naming_the_call(fake_cuda_library, fake_device_table, monkeypatch,
+                                                               capfd, call, words):
+    """What a GPU shared by too many ranks did (cuCtxCreate out of memory, 32 emulated ranks on one
+    H100): connect fails on every rank, each saying which call ran out and what to change, and
+    leaves no context of its own behind."""
+    monkeypatch.setenv("JAXGIN_FAKE_CUDA_OUT_OF_MEMORY", call)
+    contexts_before = live_contexts(fake_cuda_library)
+    with pytest.raises(TransportError, match="connect"):
+        connect_all(fake_device_table, 2)
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"rank {rank}: {words}" in err, err[-3000:]
+    assert live_contexts(fake_cuda_library) == contexts_before
+
+
 def test_a_failure_that_repeats_is_printed_once(fake_device_table, monkeypatch, capfd):
     """Once the transport's context cannot be made current (CUDA torn down at process exit did
     that on a GPU), every later put fails the same way: the ring stops, and each rank says why

@@ -11,6 +11,8 @@
 // JAXGIN_FAKE_CUDA_ADDS=1, so that both ways of applying a signal can be tested.
 // JAXGIN_FAKE_CUDA_COPY_MS makes every copy take that long (a copy held up on the GPU).
 // JAXGIN_FAKE_CUDA_PUSH_FAILS=1 makes cuCtxPushCurrent fail (CUDA torn down under the transport).
+// JAXGIN_FAKE_CUDA_OUT_OF_MEMORY=cuCtxCreate,cudaHostAlloc (any of them) makes those calls fail as a
+// GPU out of memory does (a GPU shared by 32 emulated ranks ran out in cuCtxCreate).
 // jaxgin_fake_cuda_hold_copy(n, ms) holds the stream of the n-th copy out of device memory queued
 // after the call (the transport queues those with cudaMemcpyDefault) at that copy: it and what
 // follows on that stream run only after `ms` milliseconds (negative: once the stream is
@@ -48,6 +50,16 @@ int max_delay_us() {
 int copy_pause_ms() {
   const char* v = std::getenv("JAXGIN_FAKE_CUDA_COPY_MS");
   return v ? std::atoi(v) : 0;
+}
+
+// Whether JAXGIN_FAKE_CUDA_OUT_OF_MEMORY names `call` (read per call: tests set it for one run).
+bool out_of_memory(const char* call) {
+  const char* v = std::getenv("JAXGIN_FAKE_CUDA_OUT_OF_MEMORY");
+  if (v == nullptr) return false;
+  const size_t length = std::strlen(call);
+  for (const char* at = std::strstr(v, call); at != nullptr; at = std::strstr(at + 1, call))
+    if ((at == v || at[-1] == ',') && (at[length] == '\0' || at[length] == ',')) return true;
+  return false;
 }
 
 // Copies out of device memory still to come before the held one (0: none is held), and for how long.
@@ -162,8 +174,8 @@ CUresult fake_write_value64(CUstream stream, CUdeviceptr address, cuuint64_t val
   as_stream(stream)->queue([word, value] { __atomic_store_n(word, value, __ATOMIC_SEQ_CST); });
   return CUDA_SUCCESS;
 }
-CUresult fake_error_string(CUresult, const char** text) {
-  *text = "fake CUDA driver error";
+CUresult fake_error_string(CUresult error, const char** text) {
+  *text = error == CUDA_ERROR_OUT_OF_MEMORY ? "out of memory" : "fake CUDA driver error";
   return CUDA_SUCCESS;
 }
 CUresult fake_batch_mem_op(CUstream stream, unsigned int count, CUstreamBatchMemOpParams* ops, unsigned int) {
@@ -194,6 +206,7 @@ CUresult fake_device_get(CUdevice* device, int ordinal) {
 }
 std::atomic<int> live_contexts{0};
 CUresult fake_context_create(CUcontext* context, CUctxCreateParams*, unsigned int, CUdevice) {
+  if (out_of_memory("cuCtxCreate")) return CUDA_ERROR_OUT_OF_MEMORY;
   auto* made = new FakeContext;
   pushed_contexts.push_back(made);  // as CUDA does: the new context is current on return
   live_contexts++;
@@ -259,7 +272,9 @@ cudaError_t cudaGetDevice(int* device) {
 }
 cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
-const char* cudaGetErrorString(cudaError_t) { return "fake CUDA runtime error"; }
+const char* cudaGetErrorString(cudaError_t error) {
+  return error == cudaErrorMemoryAllocation ? "out of memory" : "fake CUDA runtime error";
+}
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode*) { return cudaSuccess; }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
@@ -302,6 +317,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 }
 
 cudaError_t cudaHostAlloc(void** pointer, size_t size, unsigned int) {
+  if (out_of_memory("cudaHostAlloc")) return cudaErrorMemoryAllocation;
   *pointer = std::malloc(size);
   return *pointer ? cudaSuccess : cudaErrorMemoryAllocation;
 }
