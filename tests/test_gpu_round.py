@@ -1,0 +1,211 @@
+"""The GPU round's scheduling (tools/gpu_round.py), its reading of pytest's reports, and what the GPU
+tests tell it (tests/gpu/conftest.py), checked without a GPU."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("gpu_round", ROOT / "tools" / "gpu_round.py")
+gpu_round = importlib.util.module_from_spec(spec)
+sys.modules["gpu_round"] = gpu_round
+spec.loader.exec_module(gpu_round)
+Job, Schedule = gpu_round.GpuTest, gpu_round.Schedule
+
+
+def simulate(schedule: Schedule, seconds: dict[str, float]) -> list[tuple[float, str, list[int]]]:
+    """Runs the schedule to its end with each test taking seconds[nodeid]; checks at every start
+    that no GPU holds more than the caps allow and that a test with GPUs to itself shares none.
+    Returns (start time, nodeid, GPUs) in start order."""
+    now, ends, starts = 0.0, {}, []
+    while schedule.waiting or schedule.running:
+        for test, place in schedule.ready():
+            starts.append((now, test.nodeid, place))
+            ends[test.nodeid] = now + seconds[test.nodeid]
+            on = {g: [t for t, p in schedule.running.values() if g in p] for g in range(schedule.gpus)}
+            for g, tests in on.items():
+                assert not any(t.exclusive for t in tests) or len(tests) == 1, (now, g, tests)
+            assert schedule.load == [sum(-(-t.processes // t.gpus) for t in on[g]) for g in on]
+        assert schedule.running, f"nothing runs and {len(schedule.waiting)} wait: the schedule is stuck"
+        nodeid = min(schedule.running, key=ends.get)
+        now = ends.pop(nodeid)
+        schedule.finished(schedule.running[nodeid][0])
+    return starts
+
+
+def test_tests_that_need_their_gpus_alone_run_first_and_alone():
+    tests = [Job("long-emulated", 4, 8, False, 300), Job("memory-4", 4, 4, True, 30),
+             Job("memory-2a", 2, 2, True, 20), Job("memory-2b", 2, 2, True, 20), Job("memory-1", 1, 1, True, 10),
+             Job("small", 2, 2, False, 50)]
+    schedule = Schedule(4, 28, 10, tests)
+    starts = simulate(schedule, {t.nodeid: t.expected_s for t in tests})
+    order = [nodeid for _, nodeid, _ in starts]
+    assert order[0] == "memory-4" and starts[0][0] == 0.0  # the whole machine first, to itself
+    # then the two-GPU ones side by side on disjoint GPUs, the one-GPU one once GPUs are free
+    pairs = {nodeid: (when, place) for when, nodeid, place in starts}
+    assert pairs["memory-2a"][0] == pairs["memory-2b"][0] == 30.0
+    assert not set(pairs["memory-2a"][1]) & set(pairs["memory-2b"][1])
+    # nothing else started before the last of them did
+    last_exclusive = max(when for when, nodeid, _ in starts if nodeid.startswith("memory"))
+    assert min(when for when, nodeid, _ in starts if not nodeid.startswith("memory")) >= last_exclusive
+
+
+def test_the_others_go_longest_first_within_the_caps():
+    tests = [Job(f"w8-{i}", 4, 8, False, 100 + i) for i in range(6)] + [Job("w2", 2, 2, False, 500)]
+    first = Schedule(4, 20, 10, tests).ready()
+    assert [t.nodeid for t, _ in first] == ["w2", "w8-5", "w8-4"]  # 2 + 8 + 8 processes; a third world 8 exceeds 20
+    starts = simulate(Schedule(4, 20, 10, tests), {t.nodeid: t.expected_s for t in tests})
+    assert sorted(nodeid for _, nodeid, _ in starts) == sorted(t.nodeid for t in tests)  # each once
+
+
+def test_a_test_larger_than_the_caps_runs_alone_rather_than_never():
+    schedule = Schedule(2, 4, 2, [Job("huge", 2, 16, False, 10), Job("tiny", 1, 1, False, 1)])
+    starts = simulate(schedule, {"huge": 10, "tiny": 1})
+    assert [nodeid for _, nodeid, _ in starts] == ["huge", "tiny"] and starts[1][0] == 10
+
+
+def test_ranks_per_gpu_cap_holds_and_tests_spread_to_the_least_loaded_gpus():
+    tests = [Job(f"w4-{i}", 2, 4, False, 10) for i in range(4)]
+    schedule = Schedule(4, 100, 2, tests)
+    places = [place for _, place in schedule.ready()]
+    assert places == [[0, 1], [2, 3]]  # 2 ranks per GPU each: the cap leaves no room for a third now
+    assert schedule.load == [2, 2, 2, 2]
+
+
+def test_junit_outcomes(tmp_path):
+    cases = {"passed": "<testcase name='t'/>",
+             "failed": "<testcase name='t'><failure message='assert 1 == 2'>trace</failure></testcase>",
+             "skipped": "<testcase name='t'><skipped message='needs a GPU'/></testcase>",
+             "error": "<testcase name='t'><error message='fixture broke'/></testcase>"}
+    for outcome, case in cases.items():
+        path = tmp_path / f"{outcome}.xml"
+        path.write_text(f"<testsuites><testsuite>{case}</testsuite></testsuites>")
+        got, message = gpu_round.junit_outcome(path)
+        assert got == outcome, (outcome, got)
+        assert (message == "") == (outcome == "passed"), message
+    (tmp_path / "none.xml").write_text("<testsuites><testsuite/></testsuites>")
+    assert gpu_round.junit_outcome(tmp_path / "none.xml") == ("error", "pytest ran no test")
+
+
+def test_tests_needing_more_gpus_than_there_are_are_set_aside():
+    schedule = Schedule(2, 28, 10, [Job("four", 4, 4, False), Job("two", 2, 2, False)])
+    assert [t.nodeid for t in schedule.too_large] == ["four"]
+    assert [t.nodeid for t, _ in schedule.ready()] == ["two"]
+
+
+def fake_gpus(tmp_path, count: int) -> str:
+    """A PATH on which nvidia-smi lists `count` H100s (the same lines whatever it is asked)."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir(exist_ok=True)
+    smi.write_text(f"#!/bin/sh\nfor i in $(seq 0 {count - 1}); do "
+                   "echo \"GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    return f"{smi.parent}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.fixture
+def four_gpus(tmp_path):
+    return fake_gpus(tmp_path, 4)
+
+
+def test_a_round_runs_each_test_and_writes_the_summary(tmp_path):
+    """The round's plumbing end to end on this CPU machine, with nvidia-smi faked: the tests it
+    picks skip here (they need PyTorch), so the round reports them skipped, then failed once
+    --require-all demands that nothing skips, and says so in gpu-round.json."""
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("PyTorch is installed here: the selected tests would try to run on the faked GPUs")
+    env = {**os.environ, "PATH": fake_gpus(tmp_path, 2)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    selection = ["tests/gpu/test_tritongin_gpu.py", "-k", "latency or bandwidth"]
+    # (pytest reports a failure while setting a test up, where its skip marks act, as an error)
+    for require_all, outcome in ((False, "skipped"), (True, "error")):
+        folder = tmp_path / f"round-{require_all}"
+        proc = subprocess.run([sys.executable, "tools/gpu_round.py", "run", "--no-install", "--dir", str(folder),
+                               *(["--require-all"] if require_all else []), *selection], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # not every test passed
+        summary = json.loads((folder / "results" / "gpu-round.json").read_text())
+        assert summary["machine"].startswith("2 x ") and summary["tier"] == "fast", summary
+        names = sorted(t["name"] for t in summary["tests"])
+        assert names == ["test_tritongin_gpu.py::test_peer_ptr_bandwidth", "test_tritongin_gpu.py::test_put_signal_latency"]
+        assert {t["outcome"] for t in summary["tests"]} == {outcome}, summary["tests"]
+        assert all("needs PyTorch" in t["message"] for t in summary["tests"]), summary["tests"]
+        assert all(("JAXGIN_TEST_REQUIRE_GPU=1 demands" in t["message"]) == require_all for t in summary["tests"])
+        assert summary["by_file"] == {"test_tritongin_gpu.py": {outcome: 2}} and summary["not_run"] == []
+        assert all(t["gpus"] in ([0, 1],) for t in summary["tests"])  # each had both GPUs to itself, in turn
+
+def _collect(path_env, tmp_path, *selection, tier="fast", **settings):
+    plan = tmp_path / "plan.json"
+    env = {**os.environ, "PATH": path_env, "JAXGIN_ROUND_PLAN": str(plan), "JAXGIN_TEST_TIER": tier, **settings}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+                   cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    return {entry["nodeid"].split("::", 1)[1]: entry for entry in json.loads(plan.read_text())}
+
+
+def test_gpu_tests_state_what_they_need(four_gpus, tmp_path):
+    plan = _collect(four_gpus, tmp_path, "tests/gpu/test_moe_gpu.py", "tests/gpu/test_fault_cleanup_gpu.py",
+                    "tests/gpu/test_reliability_gpu.py")
+    assert plan["test_moe_mixed_mesh_emulated_hosts[plain]"] == {
+        **plan["test_moe_mixed_mesh_emulated_hosts[plain]"], "gpus": 4, "processes": 8, "exclusive": False}
+    assert {k: plan["test_moe_emulated_hosts[plain-world2]"][k] for k in ("gpus", "processes")} == {"gpus": 2,
+                                                                                                  "processes": 2}
+    memory = plan["test_starved_wait_then_finalize_returns_every_gpus_memory[heaps-only]"]
+    assert memory["exclusive"] and memory["gpus"] == 1
+    dead = plan["test_dead_peer_fails_survivors_within_the_timeout[lines-heaps-only]"]
+    assert dead["exclusive"] and dead["gpus"] == 4  # several survivors: the case that mapped each other's heaps
+    assert not plan["test_dead_peer_is_named_by_every_survivor_mixed_mesh_emulated_hosts[moe_dispatch]"]["exclusive"]
+
+
+def test_the_fast_tier_takes_the_spot_worlds_and_the_soak_tier_every_world(four_gpus, tmp_path):
+    fast = _collect(four_gpus, tmp_path, "tests/gpu/test_ops_gpu.py", "tests/gpu/test_moe_gpu.py")
+    soak = _collect(four_gpus, tmp_path, "tests/gpu/test_ops_gpu.py", "tests/gpu/test_moe_gpu.py", tier="soak")
+    assert "test_ops_equal_lax_emulated_hosts[4]" in soak and "test_ops_equal_lax_emulated_hosts[4]" not in fast
+    assert "test_ops_equal_lax_emulated_hosts[8]" in fast
+    # the GIN data paths run at every world in both tiers
+    for world in (2, 4, 8):
+        assert f"test_moe_emulated_hosts[command_buffers-world{world}]" in fast
+
+
+def test_an_unknown_tier_is_refused_naming_the_setting(four_gpus):
+    env = {**os.environ, "PATH": four_gpus, "JAXGIN_TEST_TIER": "quick"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/gpu/test_ops_gpu.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "JAXGIN_TEST_TIER='quick': expected one of ('fast', 'soak')" in proc.stdout + proc.stderr
+
+
+def test_require_gpu_turns_a_skip_into_a_failure_that_says_why(tmp_path):
+    """On this machine there is no GPU: the GPU test skips, and with JAXGIN_TEST_REQUIRE_GPU=1 it
+    fails, naming the setting and the skip's reason."""
+    test = "tests/gpu/test_runtime_gpu.py::test_wait_times_out_with_a_clear_error"
+    env = {k: v for k, v in os.environ.items() if k != "JAXGIN_TEST_REQUIRE_GPU"}
+    env["PATH"] = str(tmp_path)  # no nvidia-smi on it
+    env["PATH"] += os.pathsep + os.path.dirname(sys.executable)
+    plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test], cwd=ROOT,
+                           env=env, capture_output=True, text=True)
+    assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout[-2000:]
+    demanded = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT,
+                              env={**env, "JAXGIN_TEST_REQUIRE_GPU": "1"}, capture_output=True, text=True)
+    assert demanded.returncode == 1, demanded.stdout[-2000:]
+    assert "JAXGIN_TEST_REQUIRE_GPU=1 demands that every GPU test runs" in demanded.stdout
+    assert "needs an NVIDIA GPU" in demanded.stdout
+
+
+def test_emulated_worlds_can_be_narrowed_for_a_round_on_one_gpu(tmp_path):
+    one_gpu = fake_gpus(tmp_path, 1)
+    plan = _collect(one_gpu, tmp_path, "tests/gpu/test_fused_gpu.py", "tests/gpu/test_ops_gpu.py",
+                    JAXGIN_TEST_EMULATED_WORLDS="2,4")
+    assert {k for k in plan if k.startswith("test_fused_ops_emulated_hosts[plain")} == {
+        "test_fused_ops_emulated_hosts[plain-2]", "test_fused_ops_emulated_hosts[plain-4]"}
+    assert "test_ops_equal_lax_emulated_hosts[4]" in plan and "test_ops_equal_lax_emulated_hosts[8]" not in plan
+    bad = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/gpu/test_ops_gpu.py"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PATH": one_gpu, "JAXGIN_TEST_EMULATED_WORLDS": "3"})
+    assert bad.returncode != 0 and "JAXGIN_TEST_EMULATED_WORLDS='3': expected a comma-separated choice of (2, 4, 8)" \
+        in bad.stdout + bad.stderr
