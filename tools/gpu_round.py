@@ -229,7 +229,7 @@ class Round:
             time.sleep(1)
         self.write()
         failed = [t for t in self.summary["tests"] if t["outcome"] != "passed"]
-        self.say(f"done: {len(self.summary['tests']) - len(failed)} passed, {len(failed)} not, "
+        self.say(f"done: {len(self.summary['tests']) - len(failed)} passed, {len(failed)} did not pass, "
                  f"{len(self.summary['not_run'])} not run")
         return 1 if failed or self.summary["not_run"] else 0
 
