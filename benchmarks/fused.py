@@ -16,6 +16,9 @@ and for all_gather_matmul (M = rows after the gather, each device holding M / de
   xla_all_gather_matmul jax.lax.all_gather(x, tiled) @ w in one jit
   fused_all_gather      jaxgin.fused.all_gather_matmul (method="chunked")
   triton_all_gather     the same op, method="triton"
+and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial product; result M / devices rows):
+  xla_matmul_reduce_scatter jax.lax.psum_scatter(x @ w, tiled) in one jit
+  triton_reduce_scatter     jaxgin.fused.matmul_reduce_scatter (its one method)
 
 Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output
 (a one-element update of x, the same for every variant, so XLA can neither hoist nor overlap the
@@ -45,7 +48,13 @@ STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
 
 
-def _chain(mesh, op):
+# (x, w, result) partition specs: x sharded by rows and w whole, or (reduce-scatter) both
+# sharded along K and the result by rows.
+ROWS = (P("x"), P(), P("x"))
+K_SHARDED = (P(None, "x"), P("x", None), P("x"))
+
+
+def _chain(mesh, op, specs=ROWS):
     def body(x, w):
         def step(_, x):
             y = op(x, w)
@@ -56,11 +65,11 @@ def _chain(mesh, op):
         # leave the GPU idle for that time in every variant alike.
         return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[0]))
 
 
-def _once(mesh, op):
-    return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+def _once(mesh, op, specs=ROWS):
+    return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=specs[:2], out_specs=specs[2]))
 
 
 def _rel(a, b) -> float:
@@ -103,6 +112,19 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         for name, op in gather_ops.items():
             row[f"{name}_us"] = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
         row["all_gather_shard"] = list(shard)
+    if "reduce_scatter" in kinds and m % devices == 0:
+        xr = jax.device_put(jax.random.normal(keys[0], (m, devices * k), dtype), NamedSharding(mesh, P(None, "x")))
+        wr = jax.device_put(jax.random.normal(keys[1], (devices * k, n), dtype), NamedSharding(mesh, P("x", None)))
+        rs_ops = {
+            "xla_matmul_reduce_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True),
+            "triton_reduce_scatter": lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x"),
+        }
+        expected = _once(mesh, rs_ops["xla_matmul_reduce_scatter"], K_SHARDED)(xr, wr)
+        row["triton_reduce_scatter_rel_err"] = _rel(_once(mesh, rs_ops["triton_reduce_scatter"], K_SHARDED)(xr, wr),
+                                                    expected)
+        for name, op in rs_ops.items():
+            row[f"{name}_us"] = best_seconds(_chain(mesh, op, K_SHARDED), xr, wr, repeats=repeats) / STEPS * 1e6
+        row["reduce_scatter_speedup"] = row["xla_matmul_reduce_scatter_us"] / row["triton_reduce_scatter_us"]
     for name, op in ops.items():
         row[f"{name}_us"] = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
     flops = 2 * m * k * n
@@ -290,7 +312,8 @@ def main() -> None:
     if args.breakdown_only:
         jaxgin.finalize()
         return
-    shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather")) for m, k, n in ISSUE_SHAPES]
+    shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather", "reduce_scatter"))
+              for m, k, n in ISSUE_SHAPES]
     sweep = [] if args.shapes_only else [
         measure(mesh, int(m), 7168, 2048, dtype, args.repeats, ("all_to_all",)) for m in args.sweep.split(",")]
     report = {

@@ -105,6 +105,55 @@ def test_all_gather_matmul_matches_lax(init, n, m, k, nn, dtype):
         _close(a, b, 1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+RS_CASES = [
+    # n, M, K per device, N, scatter_dimension
+    (2, 8, 6, 5, 0),
+    (4, 12, 3, 8, 1),
+    (8, 16, 4, 9, 0),
+    (4, 7, 5, 12, -1),
+]
+
+
+def _sm_k(mesh, f, rows: bool):
+    """shard_map of f(x [M, K/n], w [K/n, N]) (K sharded), its result scattered along rows or columns."""
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "x"), P("x", None)),
+                                 out_specs=P("x") if rows else P(None, "x")))
+
+
+@pytest.mark.parametrize("n,m,k,nn,dim", RS_CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_matmul_reduce_scatter_matches_lax(init, n, m, k, nn, dim, dtype):
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(keys[0], (m, n * k), jnp.float32).astype(dtype)
+    w = jax.random.normal(keys[1], (n * k, nn), jnp.float32).astype(dtype)
+    prec = jax.lax.Precision.HIGHEST
+    rows = dim % 2 == 0
+    fused = _sm_k(mesh, lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=dim,
+                                                                         precision=prec), rows)
+    unfused = _sm_k(mesh, lambda x, w: jax.lax.psum_scatter(jnp.matmul(x, w, precision=prec), "x",
+                                                            scatter_dimension=dim % 2, tiled=True), rows)
+    got, want = fused(x, w), unfused(x, w)
+    assert got.shape == want.shape == (m, nn) and got.dtype == want.dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    _close(got, want, tol)
+
+    # The promised arithmetic: each GPU's partial rounded to the dtype, the owner's sum in float32
+    # in source order, computed here on the host.
+    parts = [np.asarray(jnp.matmul(x[:, s * k:(s + 1) * k], w[s * k:(s + 1) * k], precision=prec).astype(dtype))
+             for s in range(n)]
+    total = parts[0].astype(np.float32)
+    for part in parts[1:]:
+        total = total + part.astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(total).astype(dtype)))
+
+    ct = jax.random.normal(jax.random.key(9), want.shape, jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
+    for a, b in zip(jax.grad(loss(fused), argnums=(0, 1))(x, w), jax.grad(loss(unfused), argnums=(0, 1))(x, w)):
+        assert a.dtype == b.dtype
+        _close(a, b, 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
 def test_varying_weights_get_their_own_gradient(init):
     # w sharded (varying) over the axis: each device's w only meets its own x, no summing.
     mesh = _mesh(4)
@@ -140,8 +189,19 @@ def test_varying_weights_get_their_own_gradient(init):
          "method='cutlass'; use one of 'chunked', 'triton'"),
         (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", tiles=TileConfig(64, 64, 32)),
          ValueError, "pass method='triton' with it"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x"), ValueError,
+         r"scatter_dimension=0 splits M = x.shape\[0\] = 6 into 4 chunks .* pad it to a multiple of 4"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=1), ValueError,
+         r"splits N = w.shape\[1\] = 6 into 4 chunks"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=2), ValueError,
+         "out of range"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=True), TypeError,
+         "must be an int"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", method="chunked"), ValueError,
+         "method='chunked'; use one of 'triton'"),
     ],
-    ids=["indivisible", "rank", "k", "dtypes", "int8", "axis", "float axis", "axis name", "method", "tiles"],
+    ids=["indivisible", "rank", "k", "dtypes", "int8", "axis", "float axis", "axis name", "method", "tiles",
+         "rs rows", "rs columns", "rs dimension", "rs bool dimension", "rs method"],
 )
 def test_bad_arguments_are_named(init, call, error, message):
     mesh = _mesh(4)
@@ -219,6 +279,48 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
         assert buffers.flags.shape == (size * groups * (1 + gin),)  # GIN: a waiter's claim word per flag
         assert args[6] == buffers.signals
     assert buffers.state.shape == (3,)  # call counter, finished programs, start order
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+@pytest.mark.parametrize("rows", [True, False], ids=["scatter_rows", "scatter_columns"])
+def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
+    """matmul_reduce_scatter's GPU lowering: a partial program per (owner, tile) and a reducer per
+    tile of the own chunk; a flag per (owner, tile), and in a job with GIN peers a ready flag and
+    a claim word per source, the GIN tile area and a signal per (call parity, source)."""
+    import importlib
+
+    from jaxgin import op_support
+    from jaxgin.fused import _common
+
+    module = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    calls = []
+    monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: calls.append((kernel, args, kw)))
+    size, dtype = 4, jnp.bfloat16
+    x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
+    state = _HeapOnlyState()
+    plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None)
+    module._kernel(state, x, w, plan)
+    ((kernel, args, kw),) = calls
+    from jaxgin.fused import _kernels
+
+    assert kernel is _kernels.matmul_reduce_scatter_kernel
+    tiles = _common.EXCHANGE_CANDIDATES[2][0]
+    cm, cn = (512 // size, 384) if rows else (512, 384 // size)
+    count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
+    assert (kw["CM"], kw["CN"], kw["SCATTER_ROWS"], kw["GIN"]) == (cm, cn, rows, int(gin))
+    assert kw["grid"] == (size * count + count,) and kw["out_shape"].shape == (cm, cn)
+    (buffers,) = state.placements.values()
+    assert buffers.exchange.shape == (2, size, cm, cn)
+    assert buffers.flags.shape == (size * count + 2 * size * gin,)
+    assert state.signals.available() == 1024 - 2 * size * gin
+    if gin:
+        assert buffers.gin_area.shape == (2, 2, size, count, tiles.block_m * tiles.block_n)
+        assert args[6] is buffers.gin_area and args[7] == buffers.signals
+    else:
+        assert buffers.gin_area is None and args[6] is buffers.exchange
 
 
 def test_gin_copiers_fill_the_gpu_without_idle_programs():
@@ -311,6 +413,24 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
 
 
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
+def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gin):
+    from jaxgin.fused import _kernels
+    from jaxgin.triton import link
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
+        M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
+        PRECISION="tf32", GIN=gin, XB=2))
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in ptx
+    calls = set(link.library_calls(ptx))
+    assert {"jaxgin_tt_set_flag", "jaxgin_tt_wait_flag", "jaxgin_tt_wait_peer_flag", "jaxgin_tt_peer_delta"} <= calls
+    gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_wait_arrivals"}
+    assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
+
+
 def test_own_kernels_ask_for_fma_fusion_by_name(monkeypatch):
     """jaxgin's kernels were measured with Triton's FMA fusion on, and Triton 3.9 warns that 3.10
     turns its default off: the fused ops (and MoE) ask for it by name, so their numerics do not
@@ -332,8 +452,8 @@ def test_own_kernels_ask_for_fma_fusion_by_name(monkeypatch):
 
 
 def _gpu_fused_scenarios():
-    """tests/gpu/fused_scenarios.py, whose 200-call loop checks each call against a reference it
-    computes without collectives (written_out_reference); the tests below check that oracle here."""
+    """tests/gpu/fused_scenarios.py, whose loop checks each call against a reference it computes
+    without collectives (written_out_reference); the tests below check that oracle here."""
     return gpu_scenario("fused_scenarios")
 
 
@@ -343,24 +463,46 @@ def _oracle(scenarios, op, split, concat):
     return functools.partial(scenarios.written_out_reference, op=op, split=split, concat=concat, product=jnp.matmul)
 
 
+def _case_data(scenarios, n, case, seed=0):
+    op, m, k, nn, dtype = case[:5]
+    x_shape, w_shape = scenarios.global_shapes(op, n, m, k, nn)
+    keys = jax.random.split(jax.random.key(seed), 2)
+    return (jax.random.normal(keys[0], x_shape, jnp.float32).astype(dtype),
+            jax.random.normal(keys[1], w_shape, jnp.float32).astype(dtype))
+
+
+def _case_sm(scenarios, mesh, case, f, out_spec=None):
+    x_spec, w_spec, result_spec = scenarios.specs(case[0], case[5] or 0)
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec),
+                                 out_specs=result_spec if out_spec is None else out_spec))
+
+
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_gpu_loop_oracle_equals_the_collective_composition(init, n):
     """The GPU loop's collective-free reference, with XLA's matmul as the product, equals the
     unfused composition through XLA's collective bit for bit, in every case of the scenario (every
-    split/concat pair, ragged chunks, all_gather_matmul)."""
+    split/concat pair, ragged chunks, all_gather_matmul), and matmul_reduce_scatter's reference
+    mode (the same partials summed in the same order) for its cases."""
+    from jaxgin import op_support
+
     scenarios = _gpu_fused_scenarios()
     mesh = _mesh(n)
-    for op, m, k, nn, dtype, split, concat in scenarios.cases(n):
-        x, w = _data(n, m, k, nn, dtype)
+    for case in scenarios.cases(n):
+        op, m, k, nn, dtype, split, concat = case
         oracle = _oracle(scenarios, op, split, concat)
 
         def both(x, w):
-            written_out = oracle(jax.lax.all_gather(x, "x"), w, jax.lax.axis_index("x"))
+            ws = jax.lax.all_gather(*op_support.same_varying(("x",), w), "x")
+            written_out = oracle(jax.lax.all_gather(x, "x"), ws, jax.lax.axis_index("x"))
             if op == "a2a":
                 return written_out, jax.lax.all_to_all(jnp.matmul(x, w), "x", split, concat, tiled=True)
+            if op == "rs":
+                return written_out, jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=split)
             return written_out, jnp.matmul(jax.lax.all_gather(x, "x", tiled=True), w)
 
-        ours, collective = _sm(mesh, both, (P("x"), P("x")))(x, w)
+        result_spec = scenarios.specs(op, split or 0)[2]
+        ours, collective = _case_sm(scenarios, mesh, case, both, (result_spec, result_spec))(
+            *_case_data(scenarios, n, case))
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(collective), err_msg=str((op, m, split, concat)))
 
 
@@ -370,18 +512,20 @@ def _oracle_loop(scenarios, n, case, body=None):
         if op == "a2a":
             body = lambda x, w: jaxgin.fused.matmul_all_to_all(  # noqa: E731
                 x, w, axis_name="x", split_axis=split, concat_axis=concat, method="chunked")
+        elif op == "rs":
+            body = lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=split)  # noqa: E731
         else:
             body = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", method="chunked")  # noqa: E731
     loop = lambda x, w: scenarios.loop_against_written_out(  # noqa: E731
         x, w, fused_body=body, reference=_oracle(scenarios, op, split, concat), calls=4, fold_every=2)
-    return float(_sm(_mesh(n), loop, P())(*_data(n, m, k, nn, dtype)))
+    return float(_case_sm(scenarios, _mesh(n), case, loop, P())(*_case_data(scenarios, n, case)))
 
 
 @pytest.mark.parametrize("n", [2, 8])
 def test_gpu_loop_agrees_with_the_ops_and_catches_a_misplaced_row(init, n):
     """The GPU scenario's loop over the reference-mode ops reports differences within rounding in
     every case; an op whose output rows are shifted by one shows as a difference of the data's own
-    magnitude."""
+    magnitude, and so does a reduce-scatter that drops one source's partial."""
     scenarios = _gpu_fused_scenarios()
     for case in scenarios.cases(n):
         assert _oracle_loop(scenarios, n, case) <= (1e-5 if case[4] == jnp.float32 else 1e-2), case
@@ -389,3 +533,8 @@ def test_gpu_loop_agrees_with_the_ops_and_catches_a_misplaced_row(init, n):
     shifted = lambda x, w: jnp.roll(  # noqa: E731
         jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split, concat_axis=concat), 1, axis=0)
     assert _oracle_loop(scenarios, n, case, shifted) > 0.1
+    rs = next(c for c in scenarios.cases(n) if c[0] == "rs")
+    # without the last source's partial: psum_scatter over the first n - 1 only
+    short = lambda x, w: jax.lax.psum_scatter(  # noqa: E731
+        jnp.where(jax.lax.axis_index("x") == n - 1, 0, jnp.matmul(x, w)), "x", scatter_dimension=rs[5], tiled=True)
+    assert _oracle_loop(scenarios, n, rs, short) > 0.1

@@ -2,6 +2,11 @@
 
     y = jaxgin.fused.matmul_all_to_all(x, w, axis_name="x")   # == lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
     z = jaxgin.fused.all_gather_matmul(x, w, axis_name="x")   # == lax.all_gather(x, "x", tiled=True) @ w
+    s = jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x")  # == lax.psum_scatter(x @ w, "x", tiled=True)
+
+matmul_reduce_scatter is one Triton kernel (its only method): each partial tile leaves for the GPU
+that owns its rows from the matmul's epilogue, and the owner sums the partials in float32 in the
+order of the axis, so its result does not change from run to run.
 
 On GPUs, method="chunked" (the default) is one XLA custom call that multiplies chunk by chunk with
 cuBLAS while the copy engine moves finished chunks (matmul_all_to_all) or this GPU's shard
@@ -13,8 +18,9 @@ same chunk placement in plain JAX.
 
 Gradients go through jax.custom_vjp and equal those of the unfused compositions. The backward
 passes are unfused on purpose: there the communication precedes the matmuls (matmul_all_to_all's
-backward is all_to_all then matmul, all_gather_matmul's needs the gathered x and a reduce-scatter),
-which is the other fusion pattern; they use jaxgin.all_to_all and XLA's collectives.
+backward is all_to_all then matmul, all_gather_matmul's needs the gathered x and a reduce-scatter,
+matmul_reduce_scatter's the gathered cotangent for both matmuls), which is the other fusion
+pattern; they use jaxgin.all_to_all and XLA's collectives.
 
 Tile sizes (method="triton"; cuBLAS picks its own): the first call for a (GPU, shape, dtype) times a few configurations of the kernels'
 matmul alone and keeps the fastest (cached on disk next to the build cache; in a multi-process job
@@ -28,5 +34,6 @@ device's whole mesh position, see jaxgin.axis_route).
 from jaxgin.fused._common import TileConfig
 from jaxgin.fused.all_gather_matmul import all_gather_matmul
 from jaxgin.fused.matmul_all_to_all import matmul_all_to_all
+from jaxgin.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
-__all__ = ["TileConfig", "all_gather_matmul", "matmul_all_to_all"]
+__all__ = ["TileConfig", "all_gather_matmul", "matmul_all_to_all", "matmul_reduce_scatter"]

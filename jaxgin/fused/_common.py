@@ -79,11 +79,12 @@ EXCHANGE_CANDIDATES = {
 METHODS = ("chunked", "triton")
 
 
-def check_method(op: str, method, tiles) -> str:
-    """The implementation a fused op runs on GPUs: "chunked" (cuBLAS per chunk, copy-engine
-    exchange; _chunked.py) or "triton" (one Triton kernel; _kernels.py). Tiles are Triton's."""
-    if method not in METHODS:
-        raise ValueError(f"{op}: method={method!r}; use one of {', '.join(map(repr, METHODS))}")
+def check_method(op: str, method, tiles, methods=METHODS) -> str:
+    """The implementation a fused op runs on GPUs, one of the op's `methods`: "chunked" (cuBLAS
+    per chunk, copy-engine exchange; _chunked.py) or "triton" (one Triton kernel; _kernels.py).
+    Tiles are Triton's."""
+    if method not in methods:
+        raise ValueError(f"{op}: method={method!r}; use one of {', '.join(map(repr, methods))}")
     if tiles is not None and method != "triton":
         raise ValueError(f"{op}: tiles= configures the Triton kernel; pass method='triton' with it "
                          f"(method={method!r} multiplies with cuBLAS, which picks its own tiles)")

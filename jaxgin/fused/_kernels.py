@@ -12,6 +12,11 @@ One launch per op does everything, so consecutive calls never interleave on a GP
   Fetching (pull) rather than storing into the peer (push) keeps NVLink traffic out of the matmul
   epilogue; on 2 x H200 the op took 231 us pulled vs 253 us pushed (4096x7168x2048, bf16), see
   benchmarks/fused.py --variants-only.
+- matmul_reduce_scatter: program (i, tile) computes this GPU's partial of one tile of the chunk
+  owned by (me + 1 + i) % P (its own chunk last), rounds it to the dtype and keeps it in its own
+  buffer (slot of the owner), flagged; after them, one program per tile of this GPU's chunk sums
+  the partials of that tile from every source, fetched through NVLink (pull, as above), in float32
+  and source order, into the XLA output.
 - all_gather_matmul: the first SENDERS programs push this GPU's shard of x to every peer's gather
   buffer (nearest destination first, row group by row group, flagging each); the others compute
   output tiles, own shard first, then each peer's as its row groups arrive. No copy-out: every
@@ -274,6 +279,118 @@ def matmul_all_to_all_kernel(
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
                                  P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
     finish_call(state, state + 1, epoch, PROGRAMS, state + 2, 1)
+
+
+@triton.jit
+def _partial_tile(
+    ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
+    N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
+    SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+):
+    """Program (step, t) of matmul_reduce_scatter_kernel: this GPU's partial of tile t of the chunk
+    owned by d = (me + 1 + step) % P, in the dtype; kept and flagged here (d's reducers fetch it),
+    or, for d on another host, packed and put into d's incoming area."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    step = pid % P  # tile-major: every wave mixes tiles of every owner
+    t = pid // P
+    d = (me + 1 + step) % P
+    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+    r = ti * BM + tl.arange(0, BM)
+    c = tj * BN + tl.arange(0, BN)
+    ok = (r < CM)[:, None] & (c < CN)[None, :]
+    if SCATTER_ROWS:
+        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    else:
+        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    tile = acc.to(partials.dtype.element_ty)
+    if gin_route(ctx, route, d, me, GIN) != 0:
+        packed, rows, cols = _packed_tile(ti, tj, CM, CN, BM, BN)
+        staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
+        tl.store(staged + packed, tile, mask=ok)
+        there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
+        tgl.put_signal(ctx, there, staged, rows * cols * XB, tl.load(route + 1 + d), sig + half * P + me)
+    else:
+        tl.store(partials + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
+        tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
+
+
+@triton.jit
+def _reduce_tile(
+    ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
+    P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    GROUP_M: tl.constexpr, GIN: tl.constexpr,
+):
+    """Reducer t of matmul_reduce_scatter_kernel: tile t of this GPU's chunk, the sum of every
+    source's partial in float32, source 0 first (the same bits on every run)."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+    r = ti * BM + tl.arange(0, BM)
+    c = tj * BN + tl.arange(0, BN)
+    ok = (r < CM)[:, None] & (c < CN)[None, :]
+    within = r[:, None] * CN + c[None, :]
+    my_rank = tl.load(route + 1 + me)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in tl.static_range(P):
+        if s == me:
+            tgl.wait_flag(ctx, flags + me * TILES + t, epoch + 1)
+            part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0, cache_modifier=".cg")
+        elif gin_route(ctx, route, s, me, GIN) != 0:
+            # the first reducer to need source s waits for its TILES puts of this call (one claim per call)
+            wait_gin_source(ctx, flags + P * TILES + P + s, sig + half * P + s, TILES, flags + P * TILES + s,
+                            epoch + 1, my_rank)
+            packed, _, _ = _packed_tile(ti, tj, CM, CN, BM, BN)
+            part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok, other=0.0,
+                           cache_modifier=".cg")
+        else:
+            source = tl.load(route + 1 + s)
+            tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
+            there = tgl.peer_ptr(ctx, partials, source) + (half * P + me) * (CM * CN)
+            part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
+        total += part.to(tl.float32)
+    tl.store(out + within, total.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def matmul_reduce_scatter_kernel(
+    ctx, x, w, route, partials, flags, state, gin_tiles, sig, out,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
+    SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+):
+    """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
+    owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; the first
+    P * TILES programs (in start order) compute partial tiles (_partial_tile), the last TILES
+    reduce this GPU's chunk (_reduce_tile).
+
+    A partial for an NVLink owner stays in this GPU's buffer, half `epoch % 2`, slot of the owner,
+    with flags[d * TILES + t] = the call counter + 1 once stored; the owner's reducer waits on that
+    flag over NVLink and reads the tile from here (pull). For the own chunk the flag is local. For
+    an owner on another host the partial is packed into the outgoing GIN area and put, one put per
+    tile, into the owner's incoming area (slot me), +1 on its signal `sig + half * P + me`; there
+    the first reducer to need the source waits for its TILES puts (wait_gin_source, claim word
+    flags[P * TILES + P + s]) and raises flags[P * TILES + s] for the others.
+
+    Computing programs never wait and come first in the start order, and reducers wait only for
+    them (here or on peers), so the kernels cannot deadlock. Reuse of a half is safe as in
+    matmul_all_to_all_kernel: a GPU starts call n only after reading every source's partials of
+    call n - 1, so every source has finished call n - 2, whose half call n rewrites."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    me, epoch, half = call_position(route, state)
+    pid = start_order(state + 2)
+    if pid < P * TILES:
+        _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
+                      N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+    else:
+        _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
+                     P, CM, CN, BM, BN, GROUP_M, GIN)
+    finish_call(state, state + 1, epoch, P * TILES + TILES, state + 2, 1)
 
 
 @triton.jit

@@ -3,8 +3,9 @@
     python tests/gpu/fused_scenarios.py check              # one process, all visible GPUs
     python tests/gpu/fused_scenarios.py check RANK WORLD COORDINATOR   # one process per GPU
 
-Every case runs for both implementations (method="chunked": cuBLAS per chunk and copy-engine
-exchange; method="triton": one Triton kernel). Comparisons per case:
+Every case runs for each implementation its op has (method="chunked": cuBLAS per chunk and
+copy-engine exchange; method="triton": one Triton kernel; matmul_reduce_scatter has only the
+latter). Comparisons per case:
 - exact (triton): the fused op equals the unfused composition of the *same* tile code
   (jaxgin.fused._common.matmul, one Triton matmul kernel) and XLA's collective, bit for bit: the
   products are computed identically, so any difference is a tile sent to the wrong place, lost,
@@ -32,9 +33,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
+from jaxgin import op_support
 from harness import PhaseClock, by_tier, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.fused import TileConfig, _common
 from jaxgin.fused.all_gather_matmul import GIN_GROUPS
+from jaxgin.fused.matmul_reduce_scatter import reduce_in_order
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
 LOOP_CALLS, FOLD_EVERY = by_tier(20, 200), 20
@@ -50,8 +53,10 @@ def _rel(a, b) -> float:
 
 
 def cases(n):
-    # (op, M per device, K, N, dtype, split_axis, concat_axis): even tiles, ragged tiles (masks),
-    # every split/concat pair, float32 and bfloat16.
+    # (op, M, K, N, dtype, split_axis, concat_axis): even tiles, ragged tiles (masks), every
+    # split/concat pair, float32 and bfloat16. a2a and ag: M rows of x and K per device, w whole;
+    # rs (matmul_reduce_scatter): M rows of x, K per device (x and w sharded along K), split_axis
+    # the scatter dimension.
     return [
         ("a2a", 512, 256, 384, jnp.bfloat16, 0, 0),
         ("a2a", 200 * n, 136, 72, jnp.bfloat16, 0, 0),
@@ -60,10 +65,31 @@ def cases(n):
         ("a2a", 96, 64, 48 * n, jnp.float32, 1, 0),
         ("ag", 256, 192, 320, jnp.bfloat16, None, None),
         ("ag", 100, 72, 136, jnp.float32, None, None),
+        ("rs", 256, 128, 320, jnp.bfloat16, 0, None),
+        ("rs", 100, 72, 48 * n, jnp.float32, 1, None),
     ]
 
 
 METHODS = ("chunked", "triton")
+OP_METHODS = {"a2a": METHODS, "ag": METHODS, "rs": ("triton",)}
+
+
+def scenario_cases(n):
+    """(case, method) for every case and every method of its op, in the order check() runs them."""
+    return [(c, meth) for meth in METHODS for c in cases(n) if meth in OP_METHODS[c[0]]]
+
+
+def specs(op, split=0):
+    """(x, w, result) partition specs along "x": x sharded by rows and w whole, except for
+    matmul_reduce_scatter, whose x and w are sharded along K and whose result is scattered."""
+    if op == "rs":
+        return P(None, "x"), P("x", None), (P("x") if split % 2 == 0 else P(None, "x"))
+    return P("x"), P(), P("x")
+
+
+def global_shapes(op, n, m, k, nn):
+    """The global shapes of x and w for a case (see cases)."""
+    return ((m, n * k), (n * k, nn)) if op == "rs" else ((n * m, k), (k, nn))
 
 
 def _programs(mesh, op, dtype, split, concat, tiles, method):
@@ -76,6 +102,17 @@ def _programs(mesh, op, dtype, split, concat, tiles, method):
                                                              concat_axis=concat, precision=prec, **how)
         same_tiles = lambda x, w: jax.lax.all_to_all(_common.matmul(x, w, tiles, tile_prec), "x", split, concat, tiled=True)
         xla = lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w, precision=prec), "x", split, concat, tiled=True)
+    elif op == "rs":
+        fused = lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=split,
+                                                                 precision=prec, **how)
+
+        def same_tiles(x, w):  # the partials of the same tile code, exchanged and summed in its order
+            ys = _common.matmul(x, w, tiles, tile_prec)
+            chunks = jnp.stack(jnp.split(ys, mesh.size, axis=split))
+            return reduce_in_order(jax.lax.all_to_all(chunks, "x", 0, 0, tiled=True), x.dtype)
+
+        xla = lambda x, w: jax.lax.psum_scatter(jnp.matmul(x, w, precision=prec), "x", scatter_dimension=split,
+                                                tiled=True)
     else:
         fused = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", precision=prec, **how)
         same_tiles = lambda x, w: _common.matmul(jax.lax.all_gather(x, "x", tiled=True), w, tiles, tile_prec)
@@ -86,24 +123,30 @@ def _programs(mesh, op, dtype, split, concat, tiles, method):
         product = lambda a, b: jnp.matmul(a, b, precision=prec)  # noqa: E731
     reference = functools.partial(written_out_reference, op=op, split=split, concat=concat, product=product)
 
+    x_spec, w_spec, out_spec = specs(op, split or 0)
+
     def sm(f):
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec))
 
     return sm(fused), sm(same_tiles), sm(xla), fused, reference
 
 
-def written_out_reference(xs, w, me, *, op, split, concat, product):
+def written_out_reference(xs, ws, me, *, op, split, concat, product):
     """What GPU `me` gets from the op, computed on it without a collective from every GPU's x
-    [n, m, k]: each source's product(x, w), then the all_to_all (or all_gather) written out. For
-    the loop below: its calls then add no collectives of the reference's own, which in emulated
-    worlds each cost a round of the ranks' GPU time slices. Each source's product has the shape
-    the op computes it in, so the tile code gives the same bits."""
+    [n, m, k] and w [n, k, nn]: each source's product(x, w), then the all_to_all (or all_gather,
+    or reduce-scatter) written out. For the loop below: its calls then add no collectives of the
+    reference's own, which in emulated worlds each cost a round of the ranks' GPU time slices.
+    Each source's product has the shape the op computes it in, so the tile code gives the same
+    bits."""
     n = xs.shape[0]
     if op == "ag":
-        return product(xs.reshape(n * xs.shape[1], xs.shape[2]), w)
-    ys = [product(xs[j], w) for j in range(n)]
+        return product(xs.reshape(n * xs.shape[1], xs.shape[2]), ws[me])
+    ys = [product(xs[j], ws[j]) for j in range(n)]
     size = ys[0].shape[split] // n  # the chunk each source sends to each GPU
-    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(y, me * size, size, axis=split) for y in ys], axis=concat)
+    mine = [jax.lax.dynamic_slice_in_dim(y, me * size, size, axis=split) for y in ys]
+    if op == "rs":  # partials in the dtype, summed in float32 in source order (the kernel's arithmetic)
+        return reduce_in_order(jnp.stack([c.astype(xs.dtype) for c in mine]), xs.dtype)
+    return jnp.concatenate(mine, axis=concat)
 
 
 def loop_against_written_out(x, w, *, fused_body, reference, calls=LOOP_CALLS, fold_every=FOLD_EVERY):
@@ -111,11 +154,13 @@ def loop_against_written_out(x, w, *, fused_body, reference, calls=LOOP_CALLS, f
     every call, each compared with written_out_reference: the largest difference relative to the
     call's largest value, over every GPU (folded every `fold_every` calls: harness.folded_worst)."""
     xs = jax.lax.all_gather(x, "x")  # [n, m, k]: every GPU's shard, once
+    # [n, k, nn]: every GPU's w (the same w everywhere but where it is sharded along K)
+    ws = jax.lax.all_gather(*op_support.same_varying(("x",), w), "x")
     me = jax.lax.axis_index("x")
 
     def call(i, worst):
         xi = (xs.astype(jnp.float32) * jnp.cos(i * 0.1) + jnp.sin(i * 0.37)).astype(x.dtype)
-        want = reference(xi, w, me).astype(jnp.float32)
+        want = reference(xi, ws, me).astype(jnp.float32)
         diff = jnp.abs(fused_body(xi[me], w).astype(jnp.float32) - want).max() / jnp.abs(want).max()
         return jnp.maximum(worst, diff)
 
@@ -130,13 +175,15 @@ def _global(mesh, key, shape, dtype, spec):
 def check(mesh) -> dict:
     n = mesh.size
     report = []
-    for (op, m, k, nn, dtype, split, concat), method in selected([(c, meth) for meth in METHODS for c in cases(n)]):
+    for (op, m, k, nn, dtype, split, concat), method in selected(scenario_cases(n)):
         clock = PhaseClock()
         tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
         fused, same_tiles, xla, fused_body, reference = _programs(mesh, op, dtype, split, concat, tiles, method)
         keys = jax.random.split(jax.random.key(m * 7 + k), 3)
-        x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
-        w = _global(mesh, keys[1], (k, nn), dtype, P())
+        x_spec, w_spec, out_spec = specs(op, split or 0)
+        x_shape, w_shape = global_shapes(op, n, m, k, nn)
+        x = _global(mesh, keys[0], x_shape, dtype, x_spec)
+        w = _global(mesh, keys[1], w_shape, dtype, w_spec)
         # Each jaxgin program is finished before the next program is compiled: over the host
         # transport (emulated hosts), XLA's compiler and the transport's copies for a program still
         # running wait for each other (docs/guide.md).
@@ -147,7 +194,7 @@ def check(mesh) -> dict:
         clock.lap("values")
 
         # Gradients against the unfused composition (XLA), same cotangent.
-        ct = _global(mesh, keys[2], got.shape, dtype, P("x"))
+        ct = _global(mesh, keys[2], got.shape, dtype, out_spec)
         # (the cotangent is an argument: a multi-process program cannot close over a global array)
         loss = lambda f: (lambda x, w, ct: jnp.sum(f(x, w).astype(jnp.float32) * ct.astype(jnp.float32)))
         g_fused = jax.block_until_ready(jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, w, ct))
@@ -158,7 +205,7 @@ def check(mesh) -> dict:
         # LOOP_CALLS calls back to back in one jit, data changing every call, each compared.
         loop = functools.partial(loop_against_written_out, fused_body=fused_body, reference=reference,
                                  fold_every=loop_fold(FOLD_EVERY))
-        looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
+        looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=P()))
         looped = looped.lower(x, w).compile()
         clock.lap("loop_compile")
         loop_err = float(looped(x, w))
@@ -177,16 +224,17 @@ def check(mesh) -> dict:
     return result
 
 
-# (op, method, M per device, K, N (split_axis=1: per chunk), dtype, split_axis, concat_axis): an
-# even a2a, a2a with ragged columns (tiles packed to their valid columns), all_gather_matmul;
-# "chunked" runs the Triton kernel on GIN jobs too (its tiles are tuned, so only its bytes are
-# predicted).
+# (op, method, M (per device but for rs), K (per device for rs), N (split_axis=1: per chunk),
+# dtype, split_axis, concat_axis): an even a2a, a2a with ragged columns (tiles packed to their
+# valid columns), all_gather_matmul, matmul_reduce_scatter; "chunked" runs the Triton kernel on GIN
+# jobs too (its tiles are tuned, so only its bytes are predicted).
 TRAFFIC_CASES = [
     ("a2a", "triton", 512, 256, 384, jnp.bfloat16, 0, 0),
     ("a2a", "triton", 96, 64, 48, jnp.float32, 1, 0),
     ("a2a", "chunked", 512, 256, 384, jnp.bfloat16, 0, 0),
     ("ag", "triton", 256, 192, 320, jnp.bfloat16, None, None),
     ("ag", "chunked", 256, 192, 320, jnp.bfloat16, None, None),
+    ("rs", "triton", 512, 128, 384, jnp.bfloat16, 0, None),
 ]
 
 
@@ -194,9 +242,10 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
     """What one call puts through the host transport from this process's GPU, next to what it must
     move to the GPUs of other (emulated) hosts, `remote` of them (on a mixed mesh the host-mates'
     share goes over NVLink): matmul_all_to_all, each such GPU's chunk of x @ w once (remote * CM *
-    CN items); all_gather_matmul, this GPU's shard once to each (remote * M * K items). Puts: one
-    per tile for matmul_all_to_all, one per row group for all_gather_matmul (Triton method, whose
-    tiles are fixed here)."""
+    CN items); all_gather_matmul, this GPU's shard once to each (remote * M * K items);
+    matmul_reduce_scatter, this GPU's partial of each such GPU's chunk once (remote * CM * CN
+    items). Puts: one per tile for matmul_all_to_all and matmul_reduce_scatter, one per row group
+    for all_gather_matmul (Triton method, whose tiles are fixed here)."""
     n = mesh.size
     remote = n - int(os.environ.get("JAXGIN_TEST_RANKS_PER_HOST", "1"))
     if split == 1:
@@ -206,15 +255,20 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
     if op == "a2a":
         body = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split,  # noqa: E731
                                                            concat_axis=concat, **how)
+    elif op == "rs":
+        body = lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x",  # noqa: E731
+                                                               scatter_dimension=split, **how)
     else:
         body = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", **how)  # noqa: E731
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    x_spec, w_spec, out_spec = specs(op, split or 0)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec))
     keys = jax.random.split(jax.random.key(m + nn), 2)
-    x = _global(mesh, keys[0], (n * m, k), dtype, P("x"))
-    w = _global(mesh, keys[1], (k, nn), dtype, P())
+    x_shape, w_shape = global_shapes(op, n, m, k, nn)
+    x = _global(mesh, keys[0], x_shape, dtype, x_spec)
+    w = _global(mesh, keys[1], w_shape, dtype, w_spec)
     per_call = transport_per_call(lambda: f(x, w), calls)
     itemsize = np.dtype(dtype).itemsize
-    if op == "a2a":
+    if op in ("a2a", "rs"):
         cm, cn = (m // n, nn) if split == 0 else (m, nn // n)
         minimum = remote * cm * cn * itemsize
         puts = remote * -(-cm // tiles.block_m) * -(-cn // tiles.block_n)

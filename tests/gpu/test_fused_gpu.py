@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_scenarios import LOOP_CALLS, METHODS, cases
+from fused_scenarios import LOOP_CALLS, METHODS, TRAFFIC_CASES, scenario_cases
 from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
                      record, require_emulated_hosts,
                      run_processes, run_scenario)
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
 def _assert_cases(result):
-    assert len(result["cases"]) == len(METHODS) * len(cases(result["devices"])), result
+    assert len(result["cases"]) == len(scenario_cases(result["devices"])), result
     assert {case["method"] for case in result["cases"]} == set(METHODS), result
     for case in result["cases"]:
         tolerance = 1e-4 if case["dtype"] == "float32" else 2e-2
@@ -105,7 +105,7 @@ def _assert_traffic(result, remote_gpus):
     """Through the host transport went exactly what the GPUs of other hosts must get (the
     host-mates' share goes over NVLink), in one put per tile or row group where the tiles are
     fixed (the Triton method's)."""
-    assert len(result["traffic"]) == 5, result
+    assert len(result["traffic"]) == len(TRAFFIC_CASES), result
     for t in result["traffic"]:
         assert t["remote_gpus"] == remote_gpus, t
         assert t["bytes"] == t["minimum_bytes"], t  # nothing resent, nothing padded, nothing dropped
