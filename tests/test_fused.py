@@ -487,7 +487,7 @@ def test_gpu_loop_oracle_equals_the_collective_composition(init, n):
 
     scenarios = _gpu_fused_scenarios()
     mesh = _mesh(n)
-    for case in scenarios.cases(n):
+    for case in scenarios.cases(n) + scenarios.reduce_scatter_cases(n):
         op, m, k, nn, dtype, split, concat = case
         oracle = _oracle(scenarios, op, split, concat)
 
@@ -527,13 +527,13 @@ def test_gpu_loop_agrees_with_the_ops_and_catches_a_misplaced_row(init, n):
     every case; an op whose output rows are shifted by one shows as a difference of the data's own
     magnitude, and so does a reduce-scatter that drops one source's partial."""
     scenarios = _gpu_fused_scenarios()
-    for case in scenarios.cases(n):
+    for case in scenarios.cases(n) + scenarios.reduce_scatter_cases(n):
         assert _oracle_loop(scenarios, n, case) <= (1e-5 if case[4] == jnp.float32 else 1e-2), case
     op, m, k, nn, dtype, split, concat = case = scenarios.cases(n)[0]
     shifted = lambda x, w: jnp.roll(  # noqa: E731
         jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", split_axis=split, concat_axis=concat), 1, axis=0)
     assert _oracle_loop(scenarios, n, case, shifted) > 0.1
-    rs = next(c for c in scenarios.cases(n) if c[0] == "rs")
+    rs = scenarios.reduce_scatter_cases(n)[0]
     # without the last source's partial: psum_scatter over the first n - 1 only
     short = lambda x, w: jax.lax.psum_scatter(  # noqa: E731
         jnp.where(jax.lax.axis_index("x") == n - 1, 0, jnp.matmul(x, w)), "x", scatter_dimension=rs[5], tiled=True)

@@ -25,6 +25,7 @@ the host transport per call are measured too (`traffic`). Prints RESULT: {json}.
 import functools
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,12 @@ def cases(n):
         ("a2a", 96, 64, 48 * n, jnp.float32, 1, 0),
         ("ag", 256, 192, 320, jnp.bfloat16, None, None),
         ("ag", 100, 72, 136, jnp.float32, None, None),
+    ]
+
+
+def reduce_scatter_cases(n):
+    """matmul_reduce_scatter's cases (check_reduce_scatter), in the form of cases()."""
+    return [
         ("rs", 256, 128, 320, jnp.bfloat16, 0, None),
         ("rs", 100, 72, 48 * n, jnp.float32, 1, None),
     ]
@@ -74,9 +81,9 @@ METHODS = ("chunked", "triton")
 OP_METHODS = {"a2a": METHODS, "ag": METHODS, "rs": ("triton",)}
 
 
-def scenario_cases(n):
-    """(case, method) for every case and every method of its op, in the order check() runs them."""
-    return [(c, meth) for meth in METHODS for c in cases(n) if meth in OP_METHODS[c[0]]]
+def scenario_cases(n, of=cases):
+    """(case, method) for every case of `of(n)` and every method of its op, in the order they run."""
+    return [(c, meth) for meth in METHODS for c in of(n) if meth in OP_METHODS[c[0]]]
 
 
 def specs(op, split=0):
@@ -173,9 +180,19 @@ def _global(mesh, key, shape, dtype, spec):
 
 
 def check(mesh) -> dict:
+    """matmul_all_to_all and all_gather_matmul."""
+    return _check(mesh, cases, TRAFFIC_CASES)
+
+
+def check_reduce_scatter(mesh) -> dict:
+    """matmul_reduce_scatter."""
+    return _check(mesh, reduce_scatter_cases, REDUCE_SCATTER_TRAFFIC_CASES)
+
+
+def _check(mesh, of, traffic_cases) -> dict:
     n = mesh.size
     report = []
-    for (op, m, k, nn, dtype, split, concat), method in selected(scenario_cases(n)):
+    for (op, m, k, nn, dtype, split, concat), method in selected(scenario_cases(n, of)):
         clock = PhaseClock()
         tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
         fused, same_tiles, xla, fused_body, reference = _programs(mesh, op, dtype, split, concat, tiles, method)
@@ -218,7 +235,7 @@ def check(mesh) -> dict:
     result = {"devices": n, "processes": jax.process_count(), "cases": report}
     if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
         clock = PhaseClock()
-        result["traffic"] = [_traffic(mesh, *c) for c in TRAFFIC_CASES]
+        result["traffic"] = [_traffic(mesh, *c) for c in traffic_cases]
         clock.lap("traffic")
         result["seconds"] = clock.seconds
     return result
@@ -234,8 +251,8 @@ TRAFFIC_CASES = [
     ("a2a", "chunked", 512, 256, 384, jnp.bfloat16, 0, 0),
     ("ag", "triton", 256, 192, 320, jnp.bfloat16, None, None),
     ("ag", "chunked", 256, 192, 320, jnp.bfloat16, None, None),
-    ("rs", "triton", 512, 128, 384, jnp.bfloat16, 0, None),
 ]
+REDUCE_SCATTER_TRAFFIC_CASES = [("rs", "triton", 512, 128, 384, jnp.bfloat16, 0, None)]
 
 
 def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -> dict:
@@ -284,4 +301,4 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
 
 
 if __name__ == "__main__":
-    run_mesh_check(check, "x")
+    run_mesh_check({"check": check, "check_reduce_scatter": check_reduce_scatter}[sys.argv[1]], "x")

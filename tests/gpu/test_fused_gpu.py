@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fused_scenarios import LOOP_CALLS, METHODS, TRAFFIC_CASES, scenario_cases
+from fused_scenarios import (LOOP_CALLS, REDUCE_SCATTER_TRAFFIC_CASES, TRAFFIC_CASES, reduce_scatter_cases,
+                             scenario_cases)
 from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
                      record, require_emulated_hosts,
                      run_processes, run_scenario)
@@ -19,9 +20,11 @@ COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_
 pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
-def _assert_cases(result):
-    assert len(result["cases"]) == len(scenario_cases(result["devices"])), result
-    assert {case["method"] for case in result["cases"]} == set(METHODS), result
+def _assert_cases(result, of=None):
+    """Every case of the scenario (fused_scenarios.cases, or `of`) with each method of its op."""
+    expected = scenario_cases(result["devices"], *([of] if of else []))
+    assert len(result["cases"]) == len(expected), result
+    assert {case["method"] for case in result["cases"]} == {method for _, method in expected}, result
     for case in result["cases"]:
         tolerance = 1e-4 if case["dtype"] == "float32" else 2e-2
         assert case["loop_calls"] == LOOP_CALLS, case
@@ -101,11 +104,11 @@ def test_fused_ops_mixed_mesh_emulated_hosts(command_buffers):
         _assert_traffic(result, remote_gpus=world - MIXED_RANKS_PER_HOST)
 
 
-def _assert_traffic(result, remote_gpus):
+def _assert_traffic(result, remote_gpus, cases=TRAFFIC_CASES):
     """Through the host transport went exactly what the GPUs of other hosts must get (the
     host-mates' share goes over NVLink), in one put per tile or row group where the tiles are
     fixed (the Triton method's)."""
-    assert len(result["traffic"]) == len(TRAFFIC_CASES), result
+    assert len(result["traffic"]) == len(cases), result
     for t in result["traffic"]:
         assert t["remote_gpus"] == remote_gpus, t
         assert t["bytes"] == t["minimum_bytes"], t  # nothing resent, nothing padded, nothing dropped
@@ -113,3 +116,38 @@ def _assert_traffic(result, remote_gpus):
             assert t["puts"] == t["expected_puts"], t
         else:
             assert t["puts"] > 0, t
+
+
+# matmul_reduce_scatter, apart from the two ops above so that their results stand on their own.
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matmul_reduce_scatter_single_process(world):
+    result = run_scenario(SCENARIOS, ["check_reduce_scatter"], world)
+    record(f"reduce_scatter_check_{world}gpu", result)
+    assert result["devices"] == world
+    _assert_cases(result, reduce_scatter_cases)
+
+
+@pytest.mark.parametrize("world", EMULATED_WORLDS)
+def test_matmul_reduce_scatter_emulated_hosts(world):
+    """Every peer on another host: partial tiles put from the epilogue, exactly each other GPU's
+    chunk of this GPU's partial, one put per tile."""
+    require_emulated_hosts()
+    results = run_processes(SCENARIOS, ["check_reduce_scatter"], world, emulated=True, timeout=1800)
+    record(f"emulated_reduce_scatter_check_{world}ranks", {"processes": results})
+    for result in results:
+        _assert_cases(result, reduce_scatter_cases)
+        _assert_traffic(result, remote_gpus=world - 1, cases=REDUCE_SCATTER_TRAFFIC_CASES)
+
+
+@TWO_GPUS
+def test_matmul_reduce_scatter_mixed_mesh_emulated_hosts():
+    require_emulated_hosts()
+    world = MIXED_WORLD
+    results = run_processes(SCENARIOS, ["check_reduce_scatter"], world, emulated=True,
+                            ranks_per_host=MIXED_RANKS_PER_HOST, timeout=1800)
+    record(f"mixed_reduce_scatter_check_{world}ranks", {"processes": results})
+    for result in results:
+        _assert_cases(result, reduce_scatter_cases)
+        _assert_traffic(result, remote_gpus=world - MIXED_RANKS_PER_HOST, cases=REDUCE_SCATTER_TRAFFIC_CASES)
