@@ -265,12 +265,7 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
         assert kw["COPIERS"] == (_common.gin_copiers(size, count) if gin else 0)
         assert kw["grid"] == (size * count + size * kw["COPIERS"],)
         assert buffers.flags.shape == (size * count + size * gin,)
-        assert state.signals.available() == 1024 - 2 * size * gin
-        if gin:
-            assert buffers.gin_area.shape == (2, 2, size, count, tiles.block_m * tiles.block_n)
-            assert args[6] is buffers.gin_area and args[7] == buffers.signals
-        else:
-            assert buffers.gin_area is None and args[6] is buffers.exchange
+        _check_gin_tile_area(state, buffers, args, gin, size, count, tiles)
     else:
         groups = kw["G"]
         assert groups <= (module.GIN_GROUPS if gin else 32)
@@ -315,6 +310,13 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     (buffers,) = state.placements.values()
     assert buffers.exchange.shape == (2, size, cm, cn)
     assert buffers.flags.shape == (size * count + 2 * size * gin,)
+    _check_gin_tile_area(state, buffers, args, gin, size, count, tiles)
+
+
+def _check_gin_tile_area(state, buffers, args, gin, size, count, tiles):
+    """A kernel that sends whole tiles: in a job with GIN peers a tile area [outgoing, incoming] x
+    2 halves x peers x tiles and a signal per (call parity, source), passed as arguments 6 and 7;
+    in an NVLink-only job neither (the exchange buffer stands in)."""
     assert state.signals.available() == 1024 - 2 * size * gin
     if gin:
         assert buffers.gin_area.shape == (2, 2, size, count, tiles.block_m * tiles.block_n)

@@ -105,6 +105,26 @@ def matmul_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _chunk_tile(x, w, d, t, N: tl.constexpr, K: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
+                SPLIT_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile t of the [CM, CN] chunk of x @ w that belongs to axis index d (rows d*CM.. if
+    SPLIT_ROWS, else columns d*CN..): (its tile coordinates, its rows and columns within the chunk,
+    their mask, the float32 tile)."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+    r = ti * BM + tl.arange(0, BM)
+    c = tj * BN + tl.arange(0, BN)
+    ok = (r < CM)[:, None] & (c < CN)[None, :]
+    if SPLIT_ROWS:
+        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    else:
+        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    return ti, tj, r, c, ok, acc
+
+
+@triton.jit
 def _store_chunk_tile(out, tile, s, r, c, ok, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr,
                       OUT_N: tl.constexpr):
     """Stores a [BM, BN] tile at rows r, columns c of the chunk from axis index s of the output."""
@@ -134,6 +154,19 @@ def _packed_tile(ti, tj, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, B
 
 
 @triton.jit
+def _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P: tl.constexpr, TILES: tl.constexpr,
+              CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, XB: tl.constexpr):
+    """Tile t (ti, tj) of a chunk for axis index d on another host: its valid rows and columns,
+    packed, into the outgoing tile area, then one put into d's incoming area (slot me there), +1
+    on d's signal for this source, `sig + half * P + me`."""
+    packed, rows, cols = _packed_tile(ti, tj, CM, CN, BM, BN)
+    staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
+    tl.store(staged + packed, tile, mask=ok)
+    there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
+    tgl.put_signal(ctx, there, staged, rows * cols * XB, tl.load(route + 1 + d), sig + half * P + me)
+
+
+@triton.jit
 def _exchange_tile(
     ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
@@ -152,25 +185,12 @@ def _exchange_tile(
         step = pid // TILES
         t = pid % TILES
     d = (me + 1 + step) % P
-    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-    r = ti * BM + tl.arange(0, BM)  # rows and columns within a chunk
-    c = tj * BN + tl.arange(0, BN)
-    ok = (r < CM)[:, None] & (c < CN)[None, :]
-    if SPLIT_ROWS:
-        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
-    else:
-        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, t, N, K, CM, CN, SPLIT_ROWS, BM, BN, BK, GROUP_M, PRECISION)
     tile = acc.to(out.dtype.element_ty)
     if d == me or (PARTS & 1) == 0:
         _store_chunk_tile(out, tile, d, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     elif gin_route(ctx, route, d, me, GIN) != 0:
-        # Another host: the tile's valid rows and columns, packed, into the outgoing tile area,
-        # then one put into d's incoming area (slot me there), +1 on d's signal for this source.
-        packed, rows, cols = _packed_tile(ti, tj, CM, CN, BM, BN)
-        staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
-        tl.store(staged + packed, tile, mask=ok)
-        there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
-        tgl.put_signal(ctx, there, staged, rows * cols * XB, tl.load(route + 1 + d), sig + half * P + me)
+        _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     elif PULL:
         tl.store(recv + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
         if PARTS & 2:
@@ -297,21 +317,10 @@ def _partial_tile(
     step = pid % P  # tile-major: every wave mixes tiles of every owner
     t = pid // P
     d = (me + 1 + step) % P
-    ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-    r = ti * BM + tl.arange(0, BM)
-    c = tj * BN + tl.arange(0, BN)
-    ok = (r < CM)[:, None] & (c < CN)[None, :]
-    if SCATTER_ROWS:
-        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
-    else:
-        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+    ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, t, N, K, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION)
     tile = acc.to(partials.dtype.element_ty)
     if gin_route(ctx, route, d, me, GIN) != 0:
-        packed, rows, cols = _packed_tile(ti, tj, CM, CN, BM, BN)
-        staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
-        tl.store(staged + packed, tile, mask=ok)
-        there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
-        tgl.put_signal(ctx, there, staged, rows * cols * XB, tl.load(route + 1 + d), sig + half * P + me)
+        _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     else:
         tl.store(partials + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
         tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
