@@ -20,6 +20,13 @@ and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial produ
   xla_matmul_reduce_scatter jax.lax.psum_scatter(x @ w, tiled) in one jit
   triton_reduce_scatter     jaxgin.fused.matmul_reduce_scatter (its one method)
 
+Beside them, XLA's own partitioning of the two tensor-parallel matmuls (jit with shardings, no
+shard_map) with its windowed einsum on (WINDOWED_EINSUM_FLAGS, in a process of its own since XLA
+reads its flags at start; --gspmd-only is that process):
+  windowed_all_gather_matmul     x [M, K] sharded by rows @ w [K, N * devices] sharded by columns
+  windowed_matmul_reduce_scatter x [M, K * devices] @ w [K * devices, N], both sharded along K,
+                                 the result sharded by rows
+
 Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output
 (a one-element update of x, the same for every variant, so XLA can neither hoist nor overlap the
 calls); best of REPEATS runs / STEPS. Results are checked against XLA's before timing. Writes
@@ -46,6 +53,9 @@ from timing import best_seconds
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
+# XLA's collective matmuls: all-gather + dot and dot + reduce-scatter decomposed into loops of
+# collective-permutes overlapped with partial dots, whatever their size, on several streams.
+WINDOWED_EINSUM_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
 
 
 # (x, w, result) partition specs: x sharded by rows and w whole, or (reduce-scatter) both
@@ -140,6 +150,55 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         row["triton_all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["triton_all_gather_us"]
     print(json.dumps(row), flush=True)
     return row
+
+
+def gspmd(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """The per-device shapes of measure()'s all_gather_matmul and matmul_reduce_scatter, written as
+    XLA partitions them itself (global arrays with shardings), each checked against the shard_map
+    composition: with WINDOWED_EINSUM_FLAGS that is XLA's windowed einsum."""
+    devices = mesh.size
+    sharded = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    keys = jax.random.split(jax.random.key(m + k + n))
+    row = {"m": m, "k": k, "n": n, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    cases = {
+        # x rows sharded (m / devices each) @ w columns sharded: the all_gather_matmul pattern
+        "windowed_all_gather_matmul": ((m, k), sharded("x", None), (k, devices * n), sharded(None, "x"),
+                                       sharded(None, "x")),
+        # x and w sharded along K, the result by rows: the matmul_reduce_scatter pattern
+        "windowed_matmul_reduce_scatter": ((m, devices * k), sharded(None, "x"), (devices * k, n),
+                                           sharded("x", None), sharded("x", None)),
+    }
+    for name, (x_shape, x_sharding, w_shape, w_sharding, out_sharding) in cases.items():
+        x = jax.device_put(jax.random.normal(keys[0], x_shape, dtype), x_sharding)
+        w = jax.device_put(jax.random.normal(keys[1], w_shape, dtype), w_sharding)
+
+        def chain(x, w, out_sharding=out_sharding, x_sharding=x_sharding):
+            def step(_, x):
+                y = jax.lax.with_sharding_constraint(x @ w, out_sharding)
+                x = x.at[0, 0].set((x[0, 0].astype(jnp.float32) + y[0, 0].astype(jnp.float32) * 0).astype(x.dtype))
+                return jax.lax.with_sharding_constraint(x, x_sharding)
+
+            return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
+
+        once = jax.jit(lambda x, w, out_sharding=out_sharding: jax.lax.with_sharding_constraint(x @ w, out_sharding))
+        row[f"{name}_rel_err"] = _rel(once(x, w), jnp.matmul(np.asarray(x, np.float32), np.asarray(w, np.float32)))
+        row[f"{name}_us"] = best_seconds(jax.jit(chain), x, w, repeats=repeats) / STEPS * 1e6
+        row[f"{name}_hlo_has_windowed_loop"] = "while" in once.lower(x, w).compile().as_text()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def gspmd_in_own_process(args) -> list[dict]:
+    """gspmd() at the issue's shapes in a child process started with WINDOWED_EINSUM_FLAGS (before
+    this process holds the GPUs)."""
+    import subprocess
+    import sys
+
+    out = args.out / "gspmd"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_EINSUM_FLAGS}".strip()}
+    subprocess.run([sys.executable, __file__, "--gspmd-only", "--out", str(out), "--dtype", args.dtype,
+                    "--repeats", str(args.repeats)], env=env, check=True)
+    return json.loads((out / "fused_gspmd.json").read_text())["shapes"]
 
 
 def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -285,11 +344,19 @@ def main() -> None:
                              "(fused_chunking.json; one GPU is enough)")
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
+    parser.add_argument("--gspmd-only", action="store_true",
+                        help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
+                             "given (fused_gspmd.json; the full run starts this with WINDOWED_EINSUM_FLAGS)")
+    parser.add_argument("--no-windowed", action="store_true", help="without XLA's windowed einsum baseline")
     args = parser.parse_args()
-    if args.chunking_only:
-        cli.require_gpus(__file__, 1, "it times cuBLAS and the fused ops' Triton tile code on them")
-    else:
-        cli.require_gpus(__file__, 2, "it times jaxgin.fused against XLA's matmul and collectives between them")
+    need, what = ((1, "it times cuBLAS and the fused ops' Triton tile code on them") if args.chunking_only else
+                  (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
+    windowed = []
+    if not (args.no_windowed or args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only):
+        # XLA's windowed einsum first, in a process of its own, before this one holds the GPUs
+        cli.require_gpus(__file__, need, what, through_jax=False)
+        windowed = gspmd_in_own_process(args)
+    cli.require_gpus(__file__, need, what)
     cli.require(__file__, "triton", why="the fused ops' kernels and tile code", install='-e ".[cuda]"')
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -300,6 +367,12 @@ def main() -> None:
         (args.out / "fused_chunking.json").write_text(json.dumps(
             {"devices": mesh.size, "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
              "shapes": rows}, indent=1))
+        jaxgin.finalize()
+        return
+    if args.gspmd_only:
+        rows = [gspmd(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fused_gspmd.json").write_text(json.dumps({"devices": mesh.size, "shapes": rows}, indent=1))
         jaxgin.finalize()
         return
     if args.variants_only:
@@ -314,6 +387,13 @@ def main() -> None:
         return
     shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather", "reduce_scatter"))
               for m, k, n in ISSUE_SHAPES]
+    for row, xla_own in zip(shapes, windowed):  # the same shapes, XLA's windowed einsum beside
+        row.update({key: value for key, value in xla_own.items() if key.startswith("windowed_")})
+        if "triton_reduce_scatter_us" in row:
+            row["reduce_scatter_vs_windowed"] = row["windowed_matmul_reduce_scatter_us"] / row["triton_reduce_scatter_us"]
+        if "fused_all_gather_us" in row:
+            row["all_gather_vs_windowed"] = row["windowed_all_gather_matmul_us"] / min(
+                row["fused_all_gather_us"], row["triton_all_gather_us"])
     sweep = [] if args.shapes_only else [
         measure(mesh, int(m), 7168, 2048, dtype, args.repeats, ("all_to_all",)) for m in args.sweep.split(",")]
     report = {
