@@ -26,6 +26,10 @@ if not os.environ.get("JAXGIN_CACHE_DIR"):
 import pytest  # noqa: E402
 
 REQUIRE_NVCC_VAR = "JAXGIN_REQUIRE_NVCC"
+# A GPU test (tests/gpu) that skips fails instead under this setting, with the skip's reason: a GPU
+# round on a machine that has everything (GPUs, NCCL >= 2.30, PyTorch) must run every test.
+REQUIRE_GPU_VAR = "JAXGIN_TEST_REQUIRE_GPU"
+GPU_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu")
 
 
 def nvcc_required() -> bool:
@@ -43,6 +47,31 @@ def skip_or_fail(reason: str) -> None:
 def pytest_sessionfinish(session, exitstatus):
     if _SESSION_CACHE is not None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+def pytest_collection_finish(session):
+    """With JAXGIN_ROUND_PLAN=FILE: what each collected GPU test needs, for tools/gpu_round.py
+    (tests/gpu/round_plan.py), after -k and the like."""
+    plan = os.environ.get("JAXGIN_ROUND_PLAN")
+    if plan:
+        import sys
+
+        if GPU_TESTS not in sys.path:
+            sys.path.insert(0, GPU_TESTS)
+        import round_plan
+
+        round_plan.write(plan, [item for item in session.items if str(item.path).startswith(GPU_TESTS)])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and os.environ.get(REQUIRE_GPU_VAR) == "1" and not hasattr(report, "wasxfail")
+            and str(item.path).startswith(GPU_TESTS)):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and {REQUIRE_GPU_VAR}=1 demands that every GPU test runs: {reason}"
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """The GPU round's scheduling (tools/gpu_round.py), its reading of pytest's reports, and what the GPU
-tests tell it (tests/gpu/conftest.py), checked without a GPU."""
+tests tell it (tests/gpu/round_plan.py), checked without a GPU."""
 
 import importlib.util
 import json

@@ -9,7 +9,7 @@ round in a process session of its own, which outlives the call; `wait` (back-to-
 its progress and copies the summary and the logs into $OUT.
 
 What a round does: installs and builds jaxgin, lets pytest say what each GPU test needs
-(tests/gpu/conftest.py: GPUs, processes, GPUs to itself or not), then runs each test as a pytest
+(tests/gpu/round_plan.py: GPUs, processes, GPUs to itself or not), then runs each test as a pytest
 process of its own on GPUs chosen for it (CUDA_VISIBLE_DEVICES). Tests that read whole-GPU
 memory or time kernels run first, each with its GPUs to itself; then the rest, longest first
 (by the durations of an earlier round, --durations, else by their worlds), as many at once as
@@ -42,7 +42,7 @@ DEFAULT_ROUND_DIR = Path(os.environ.get("ROUND_DIR", "/root/jaxgin-gpu-round"))
 
 @dataclass
 class GpuTest:
-    """One GPU test as the round schedules it (tests/gpu/conftest.py's demands)."""
+    """One GPU test as the round schedules it (tests/gpu/round_plan.py's demands)."""
 
     nodeid: str
     gpus: int

@@ -1,21 +1,10 @@
-"""What the GPU round (tools/gpu_round.py) needs from pytest: each GPU test's demands, written out
-at collection, and a way to demand that nothing skips.
-
-- JAXGIN_ROUND_PLAN=FILE: collection writes FILE, a JSON list with one entry per test: its node
-  id, how many GPUs it drives, how many processes it starts, and whether it needs its GPUs to
-  itself (`exclusive`: it reads whole-GPU memory or times kernels).
-- JAXGIN_TEST_REQUIRE_GPU=1: a GPU test that skips fails instead, with the skip's reason: a round
-  on a machine that has everything (GPUs, NCCL >= 2.30, PyTorch) must run every test.
-"""
+"""What each GPU test needs of the machine, for the GPU round (tools/gpu_round.py): GPUs, processes,
+and whether it needs its GPUs to itself. tests/conftest.py writes it at collection when
+JAXGIN_ROUND_PLAN names a file (a JSON list, one entry per test)."""
 
 import json
-import os
-
-import pytest
 
 from harness import GPUS, MIXED_WORLD
-
-REQUIRE_GPU_VAR = "JAXGIN_TEST_REQUIRE_GPU"
 
 # The tests that read whole-GPU memory (nvidia-smi, cudaMemGetInfo) or time kernels: another
 # test's processes on their GPUs would change what they measure.
@@ -68,18 +57,6 @@ def demands(item) -> dict:
             "exclusive": test in EXCLUSIVE}
 
 
-def pytest_collection_finish(session):
-    plan = os.environ.get("JAXGIN_ROUND_PLAN")
-    if plan:  # the items left after -k and the like
-        with open(plan, "w") as out:
-            json.dump([demands(item) for item in session.items], out, indent=1)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped and os.environ.get(REQUIRE_GPU_VAR) == "1" and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        report.outcome = "failed"
-        report.longrepr = f"skipped, and {REQUIRE_GPU_VAR}=1 demands that every GPU test runs: {reason}"
+def write(path: str, items) -> None:
+    with open(path, "w") as out:
+        json.dump([demands(item) for item in items], out, indent=1)
