@@ -31,7 +31,8 @@ ON_GPU = jax.default_backend() == "gpu"
 if ON_GPU:
     cli.require(__file__, "triton", why="jaxgin.moe's kernels on GPUs", install='-e ".[cuda]"')
 cli.run(__file__, jaxgin.initialize)
-DEVICES = jax.devices() if ON_GPU else jax.devices()[:4]
+# Without GPUs, the 4 virtual devices of this process, or every process's when several run.
+DEVICES = jax.devices() if ON_GPU or jax.process_count() > 1 else jax.devices()[:4]
 MESH = Mesh(np.array(DEVICES), ("ep",))
 N = len(DEVICES)
 TOKENS, HIDDEN, FFN, LOCAL_EXPERTS, TOP_K = (1024, 1024, 512, 8, 4) if ON_GPU else (64, 64, 32, 2, 2)
