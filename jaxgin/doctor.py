@@ -265,6 +265,14 @@ def _gin(s: node_lib.Survey, ports: list[_NicPort]) -> tuple[str, dict[str, list
                       if nccl_version else "no NCCL")
     if _flag(settings, "NCCL_GIN_ENABLE") == "0":
         common.append("NCCL_GIN_ENABLE=0 switches GIN off")
+    no_gdr_vmm = [g.index for g in s.gpus if not g.gpudirect_vmm]
+    if no_gdr_vmm:  # NCCL's src/init.cc (2.30.7) requires it of every GPU, for its NIC backends and RMA plugins alike
+        common.append(f"GPUs {no_gdr_vmm} lack GPUDirect RDMA on CUDA virtual memory "
+                      "(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED), which NCCL's GIN needs")
+    if _flag(settings, "NCCL_CROSS_NIC") == "0":
+        # NCCL then offers GIN along rails only, and RMA plugins not at all (src/init.cc, 2.30.7);
+        # jaxgin asks for GIN between every pair of ranks.
+        common.append("NCCL_CROSS_NIC=0 limits NCCL's GIN to rails, and jaxgin needs it between every pair of ranks")
     nic = list(common)
     if _flag(settings, "NCCL_IB_DISABLE") == "1":
         nic.append("NCCL_IB_DISABLE=1 keeps NCCL off the RDMA devices")
@@ -324,9 +332,20 @@ def _gin_findings(s: node_lib.Survey) -> tuple[str, list[Finding]]:
     else:
         found.append(Finding("gin", FAIL, "no GIN: a job across hosts fails at jaxgin.initialize() (NCCL reports GIN "
                                           f"type NONE): {'; '.join(dict.fromkeys(why_not['proxy'] + why_not['host transport']))}",
-                             "pip install -U 'nvidia-nccl-cu13>=2.30' for jaxgin's host transport, or give the node an "
-                             "RDMA NIC with GPUDirect RDMA"))
+                             _no_gin_fix(s, ports)))
     return path, found
+
+
+def _no_gin_fix(s: node_lib.Survey, ports: list[_NicPort]) -> str:
+    fixes = [f"unset {name}" for name in ("NCCL_GIN_ENABLE", "NCCL_CROSS_NIC") if _flag(s.settings, name) == "0"]
+    if any(not g.gpudirect_vmm for g in s.gpus):
+        fixes.append("update the NVIDIA driver (GPUDirect RDMA on virtual memory needs a recent one)")
+    if (s.nccl_version or 0) < transport.MIN_NCCL:
+        fixes.append("pip install -U 'nvidia-nccl-cu13>=2.30' (the same on every node), which brings jaxgin's host "
+                     "transport" + ("" if ports else ", or give the node an RDMA NIC with GPUDirect RDMA"))
+    if _flag(s.settings, "JAXGIN_GIN_TRANSPORT") == "nic" and not ports:
+        fixes.append("JAXGIN_GIN_TRANSPORT=host (no NIC here)")
+    return "; ".join(fixes) or "give the node an RDMA NIC with GPUDirect RDMA"
 
 
 def _interface_selected(interfaces: tuple[str, ...], wanted: str) -> bool:
@@ -350,9 +369,6 @@ def _settings_findings(s: node_lib.Survey) -> list[Finding]:
     if gin_type and not gin_type.lstrip("-").isdigit():
         found.append(Finding("settings", FAIL, f"NCCL_GIN_TYPE={gin_type!r} is not a GIN type number",
                              "unset it (NCCL picks), or 2 (proxy) or 3 (GDAKI)"))
-    if _flag(settings, "NCCL_CROSS_NIC") == "0":
-        found.append(Finding("settings", WARN, "NCCL_CROSS_NIC=0: NCCL's GIN needs every NIC to reach every other "
-                                               "(NCCL's user guide)", "unset NCCL_CROSS_NIC"))
     ifname = _flag(settings, "NCCL_SOCKET_IFNAME")
     if ifname and s.interfaces and not _interface_selected(s.interfaces, ifname):
         found.append(Finding("settings", FAIL, f"NCCL_SOCKET_IFNAME={ifname} names no interface of this node "

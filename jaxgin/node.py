@@ -24,6 +24,7 @@ from jaxgin.errors import NcclError
 _COMPUTE_CAPABILITY_MAJOR = 75
 _COMPUTE_CAPABILITY_MINOR = 76
 _VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102  # cuMem*: NCCL's symmetric windows are made of it
+_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110  # NCCL offers GIN only where every GPU has it
 _DMA_BUF_SUPPORTED = 124
 _CUDA_ERROR_NO_DEVICE = 100
 _NVML_P2P_CAPS_INDEX_NVLINK = 2  # nvmlGpuP2PCapsIndex_t
@@ -42,6 +43,7 @@ class Gpu:
     pci_bus_id: str
     virtual_memory: bool
     dma_buf: bool
+    gpudirect_vmm: bool  # GPUDirect RDMA on cuMem allocations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,7 @@ def _gpus() -> tuple[int | None, str, tuple[Gpu, ...], dict[tuple[int, int], boo
         gpus.append(Gpu(index, name.value.decode(),
                         f"{attribute(_COMPUTE_CAPABILITY_MAJOR)}.{attribute(_COMPUTE_CAPABILITY_MINOR)}",
                         bus.value.decode(), bool(attribute(_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)),
-                        bool(attribute(_DMA_BUF_SUPPORTED))))
+                        bool(attribute(_DMA_BUF_SUPPORTED)), bool(attribute(_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED))))
         handles.append(handle)
     access = {}
     for i, a in enumerate(handles):

@@ -69,13 +69,14 @@ class NodeImage:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
 
-    def gpus(self, count: int, *, name: str = H100, cc: str = "9.0", vmm: int = 1, dma_buf: int = 1,
+    def gpus(self, count: int, *, name: str = H100, cc: str = "9.0", vmm: int = 1, dma_buf: int = 1, gdr_vmm: int = 1,
              cuda: int = 13000, nvlink: bool = True, peer_access: bool = True) -> "NodeImage":
         shutil.copy(self.libraries["driver"], self.lib / "libcuda.so.1")
         shutil.copy(self.libraries["driver"], self.lib / "libnvidia-ml.so.1")
         major, minor = cc.split(".")
         bus = [f"0000:{0x18 + 0x10 * i:02x}:00.0" for i in range(count)]
-        (self.config / "gpus").write_text("".join(f"{name}\t{major}\t{minor}\t{b}\t{vmm}\t{dma_buf}\n" for b in bus))
+        (self.config / "gpus").write_text("".join(f"{name}\t{major}\t{minor}\t{b}\t{vmm}\t{dma_buf}\t{gdr_vmm}\n"
+                                                  for b in bus))
         (self.config / "p2p").write_text("".join(f"{a}\t{b}\t{int(peer_access)}\t{int(nvlink)}\n"
                                                  for a in range(count) for b in range(a + 1, count)))
         (self.config / "cuda_version").write_text(f"{cuda}\n")
@@ -248,6 +249,13 @@ def test_this_cpu_machine_has_no_gpu():
     assert re.search(r"fail +gpus +no GPU: ", out.stdout) and 'fix: install the NVIDIA driver' in out.stdout
 
 
+def test_gpus_without_gpudirect_on_virtual_memory_get_no_gin(image):
+    image.gpus(4, gdr_vmm=0).nccl("2.32.3").peermem().nic("mlx5_0")
+    report = image.examine()
+    assert (report["verdict"], report["gin_path"]) == ("not ready", "none")
+    _warned(report, "gin", "GPUs [0, 1, 2, 3] lack GPUDirect RDMA on CUDA virtual memory")
+
+
 def test_a_driver_for_cuda_12_is_not_ready(image):
     image.gpus(2, cuda=12080).nccl("2.32.3")
     status, what, fix = _warned(image.examine(), "gpus", "the driver supports CUDA 12.8 only")
@@ -318,20 +326,25 @@ def test_gpus_over_pcie_and_without_peer_access(image):
     _warned(report, "nvlink", "GPU pairs [(0, 1)] have no peer access")
 
 
-@pytest.mark.parametrize("settings, check, text, verdict", [
-    ({"NCCL_GIN_ENABLE": "0"}, "gin", "NCCL_GIN_ENABLE=0 switches GIN off", "not ready"),
-    ({"NCCL_SOCKET_IFNAME": "ib0"}, "settings", "NCCL_SOCKET_IFNAME=ib0 names no interface of this node", "not ready"),
-    ({"NCCL_CUMEM_ENABLE": "0"}, "settings", "NCCL_CUMEM_ENABLE=0", "not ready"),
-    ({"NCCL_IB_HCA": "=mlx5_9"}, "settings", "NCCL_IB_HCA==mlx5_9 selects none of this node's RDMA devices", "degraded"),
-    ({"NCCL_IB_DISABLE": "1"}, "gin", "NCCL_IB_DISABLE=1 keeps NCCL off the RDMA devices", "degraded"),
-    ({"NCCL_NET_PLUGIN": "ofi"}, "settings", "NVIDIA/nccl#1913", "degraded"),
-    ({"JAXGIN_GIN_TRANSPORT": "tcp"}, "settings", "JAXGIN_GIN_TRANSPORT='tcp'", "not ready"),
-    ({"NCCL_RMA_PLUGIN": "/nonexistent/libplugin.so"}, "settings", "does not exist", "not ready"),
+@pytest.mark.parametrize("settings, check, text, fix, verdict", [
+    ({"NCCL_GIN_ENABLE": "0"}, "gin", "NCCL_GIN_ENABLE=0 switches GIN off", "unset NCCL_GIN_ENABLE", "not ready"),
+    ({"NCCL_CROSS_NIC": "0"}, "gin", "NCCL_CROSS_NIC=0 limits NCCL's GIN to rails", "unset NCCL_CROSS_NIC", "not ready"),
+    ({"NCCL_SOCKET_IFNAME": "ib0"}, "settings", "NCCL_SOCKET_IFNAME=ib0 names no interface of this node",
+     "name an interface every node has", "not ready"),
+    ({"NCCL_CUMEM_ENABLE": "0"}, "settings", "NCCL_CUMEM_ENABLE=0", "unset NCCL_CUMEM_ENABLE", "not ready"),
+    ({"NCCL_IB_HCA": "=mlx5_9"}, "settings", "NCCL_IB_HCA==mlx5_9 selects none of this node's RDMA devices",
+     "name this node's devices", "degraded"),
+    ({"NCCL_IB_DISABLE": "1"}, "gin", "NCCL_IB_DISABLE=1 keeps NCCL off the RDMA devices", "JAXGIN_GIN_TRANSPORT=host",
+     "degraded"),
+    ({"NCCL_NET_PLUGIN": "ofi"}, "settings", "NVIDIA/nccl#1913", "check the plugin's GIN support", "degraded"),
+    ({"JAXGIN_GIN_TRANSPORT": "tcp"}, "settings", "JAXGIN_GIN_TRANSPORT='tcp'", "fix or unset JAXGIN_GIN_TRANSPORT",
+     "not ready"),
+    ({"NCCL_RMA_PLUGIN": "/nonexistent/libplugin.so"}, "settings", "does not exist", "unset it", "not ready"),
 ])
-def test_settings_that_change_the_outcome(image, settings, check, text, verdict):
+def test_settings_that_change_the_outcome(image, settings, check, text, fix, verdict):
     report = infiniband_node(image).examine(**settings)
     assert report["verdict"] == verdict
-    _warned(report, check, text)
+    assert fix in _warned(report, check, text)[2]
     shown = _statuses(report, "settings")[0][1]
     assert all(f"{k}={v}" in shown for k, v in settings.items())
 

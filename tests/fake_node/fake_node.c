@@ -8,7 +8,8 @@
 //   cuinit        the CUresult cuInit returns (default 0; 100 = no device)
 //   cuda_version  what cuDriverGetVersion reports, e.g. 13000
 //   driver        the driver version NVML reports, e.g. 580.159.04
-//   gpus          a line per GPU, tab-separated: name, cc major, cc minor, PCI bus id, VMM (0/1), dma-buf (0/1)
+//   gpus          a line per GPU, tab-separated: name, cc major, cc minor, PCI bus id, VMM (0/1), dma-buf (0/1),
+//                 GPUDirect RDMA on VMM memory (0/1)
 //   p2p           a line per GPU pair, tab-separated: a, b, peer access (0/1), NVLink (0/1)
 //   ibv_devices   a line per RDMA device libibverbs lists
 #include <stdio.h>
@@ -22,7 +23,7 @@ typedef struct {
   char name[128];
   int major, minor;
   char bus[64];
-  int vmm, dma_buf;
+  int vmm, dma_buf, gdr_vmm;
 } gpu_t;
 
 static FILE* open_file(const char* name) {
@@ -49,8 +50,8 @@ static int load_gpus(gpu_t* gpus) {
   char line[512];
   while (n < MAX_GPUS && fgets(line, sizeof line, f)) {
     gpu_t* g = &gpus[n];
-    if (sscanf(line, "%127[^\t]\t%d\t%d\t%63[^\t]\t%d\t%d", g->name, &g->major, &g->minor, g->bus, &g->vmm,
-               &g->dma_buf) == 6)
+    if (sscanf(line, "%127[^\t]\t%d\t%d\t%63[^\t]\t%d\t%d\t%d", g->name, &g->major, &g->minor, g->bus, &g->vmm,
+               &g->dma_buf, &g->gdr_vmm) == 7)
       n++;
   }
   fclose(f);
@@ -112,6 +113,7 @@ int cuDeviceGetAttribute(int* value, int attribute, int device) {
     case 75: *value = g->major; return 0;
     case 76: *value = g->minor; return 0;
     case 102: *value = g->vmm; return 0;
+    case 110: *value = g->gdr_vmm; return 0;
     case 124: *value = g->dma_buf; return 0;
     default: return 1;
   }
