@@ -204,11 +204,16 @@ def test_a_nic_gdaki_does_not_drive_leaves_the_proxy(image):
     assert "GDAKI drives NVIDIA ConnectX NICs (mlx5) only" in _statuses(report, "gin")[0][1]
 
 
+def _gpu_machine(image: NodeImage, nccl_version: str, verdict: str) -> dict:
+    """The GPU machines of this project (4 GPUs over NVLink, no RDMA NIC) with that NCCL: the
+    doctor's report, of that verdict."""
+    report = image.gpus(4).nccl(nccl_version).examine()
+    assert (report["verdict"], report["exit_status"]) == (verdict, doctor.EXIT_STATUS[verdict])
+    return report
+
+
 def test_four_gpus_without_a_nic_are_nvlink_ready_with_gin_through_the_host_transport_only(image):
-    """The GPU machines of this project: 4 GPUs over NVLink, no RDMA NIC, NCCL >= 2.30."""
-    image.gpus(4).nccl("2.32.3")
-    report = image.examine()
-    assert report["verdict"] == "degraded" and report["exit_status"] == cli.EXIT_DEGRADED
+    report = _gpu_machine(image, "2.32.3", "degraded")
     assert report["summary"] == "4 GPUs, NVLink ready; GIN through the host transport only (no RDMA NIC)"
     status, what, fix = _warned(report, "gin", "GIN only through jaxgin's host transport")
     assert "no RDMA NIC" in what and "JAXGIN_GIN_TRANSPORT=host" in fix
@@ -220,9 +225,7 @@ def test_four_gpus_without_a_nic_are_nvlink_ready_with_gin_through_the_host_tran
 
 def test_no_nic_and_nccl_before_2_30_leaves_no_gin(image):
     """The same machine with the NCCL of its image (2.28.9): no RMA plugins, so no GIN at all."""
-    image.gpus(4).nccl("2.28.9")
-    report = image.examine()
-    assert report["verdict"] == "not ready" and report["exit_status"] == cli.EXIT_NOT_READY
+    report = _gpu_machine(image, "2.28.9", "not ready")
     assert report["gin_path"] == "none"
     status, what, fix = _warned(report, "gin", "no GIN")
     assert "NCCL 2.28.9 loads no RMA plugin (NCCL >= 2.30.0)" in what and "nvidia-nccl-cu13>=2.30" in fix
