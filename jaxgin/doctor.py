@@ -132,9 +132,14 @@ def _nvlink_findings(s: node_lib.Survey) -> list[Finding]:
     unknown = [(p.a, p.b) for p in s.pairs if p.peer_access and p.nvlink is None]
     found = []
     if blocked:
-        found.append(Finding("nvlink", WARN, f"GPU pairs {blocked} have no peer access: they are not in one LSA team, so "
-                                             "their traffic needs GIN", "check `nvidia-smi topo -p2p p`; PCIe ACS or an "
-                                             "IOMMU can block peer access (NCCL's troubleshooting guide)"))
+        # NCCL makes symmetric windows only where every GPU of a host reaches every other
+        # (isAllCudaP2p in NCCL 2.30.7's init); without one, initialize() gets no heap.
+        found.append(Finding("nvlink", FAIL, f"GPU pairs {blocked} have no CUDA peer access: NCCL makes no symmetric "
+                                             "window (jaxgin's heap) for a job that holds both GPUs of such a pair, and "
+                                             "jaxgin.initialize() fails",
+                             "check `nvidia-smi topo -p2p p` (PCIe ACS or an IOMMU can block peer access: NCCL's "
+                             "troubleshooting guide), or give each process of the job GPUs that reach each other "
+                             "(CUDA_VISIBLE_DEVICES)"))
     if pcie:
         found.append(Finding("nvlink", WARN, f"GPU pairs {pcie} reach each other over PCIe, not NVLink: LSA works, slower",
                              "check `nvidia-smi topo -m` and `nvidia-smi nvlink -s`"))

@@ -325,8 +325,8 @@ def test_gpus_over_pcie_and_without_peer_access(image):
     _warned(image.examine(), "nvlink", "GPU pairs [(0, 1)] reach each other over PCIe, not NVLink")
     image.gpus(2, peer_access=False)
     report = image.examine()
-    assert report["summary"].startswith("2 GPUs, not every pair over NVLink;")
-    _warned(report, "nvlink", "GPU pairs [(0, 1)] have no peer access")
+    assert report["verdict"] == "not ready" and report["summary"].startswith("2 GPUs, not every pair over NVLink;")
+    assert _warned(report, "nvlink", "GPU pairs [(0, 1)] have no CUDA peer access")[0] == "fail"
 
 
 @pytest.mark.parametrize("settings, check, text, fix, verdict", [
