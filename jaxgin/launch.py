@@ -33,6 +33,8 @@ import socket
 import sys
 from collections.abc import Mapping
 
+import jax
+
 from jaxgin.errors import JaxginError
 
 # JAX's own choice for SLURM (jax._src.clusters.slurm_cluster): a port in the top 4096 of the
@@ -166,8 +168,6 @@ def join(job: Job | None) -> None:
     """jax.distributed.initialize for `job`; nothing for None (one process)."""
     if job is None:
         return
-    import jax
-
     ids = list(job.local_device_ids) if job.local_device_ids is not None else None
     jax.distributed.initialize(job.coordinator, num_processes=job.num_processes, process_id=job.process_id,
                                local_device_ids=ids)
