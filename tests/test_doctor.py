@@ -28,12 +28,12 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.fixture(scope="session")
-def fake_libraries(tmp_path_factory) -> dict[str, Path]:
+def fake_libraries(tmp_path_factory, require) -> dict[str, Path]:
     """The fake libraries, one build per variant: 'driver' (libcuda and NVML), 'verbs' / 'verbs_old'
     (with / without dma-buf registration), 'mlx5' / 'mlx5_old' (with / without MLX5_1.25)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        pytest.skip("needs a C compiler (cc) to build the fake driver and rdma-core libraries")
+        require("needs a C compiler (cc) to build the fake driver and rdma-core libraries")
     out = tmp_path_factory.mktemp("fake_node_libraries")
     built = {}
     for variant, script in (("driver", None), ("verbs", VERBS_DMA_BUF), ("verbs_old", VERBS), ("mlx5", MLX5_DMA_BUF),
