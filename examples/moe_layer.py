@@ -8,7 +8,10 @@ line that names it and the pip command (exit status 3).
 
 On NVIDIA GPUs (2 or more) it runs jaxgin's Triton kernels over NVLink on every GPU of this
 process; without them it runs the reference path on 4 virtual CPU devices (the ragged_all_to_all
-layer is skipped there: XLA:CPU does not implement ragged-all-to-all).
+layer is skipped there: XLA:CPU does not implement ragged-all-to-all). Started on several hosts
+(examples/multihost/, docs/cluster.md), its peers on other hosts get GIN puts; the
+ragged_all_to_all layer then runs only where XLA_FLAGS holds RAGGED_FALLBACK below: XLA runs
+ragged_all_to_all across processes only through that NCCL send/recv fallback.
 
     python examples/moe_layer.py
 """
@@ -28,10 +31,12 @@ import jaxgin  # noqa: E402
 from jaxgin import cli  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
+RAGGED_FALLBACK = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
 if ON_GPU:
     cli.require(__file__, "triton", why="jaxgin.moe's kernels on GPUs", install='-e ".[cuda]"')
 cli.run(__file__, jaxgin.initialize)
-DEVICES = jax.devices() if ON_GPU else jax.devices()[:4]
+# Without GPUs, the 4 virtual devices of this process, or every process's when several run.
+DEVICES = jax.devices() if ON_GPU or jax.process_count() > 1 else jax.devices()[:4]
 MESH = Mesh(np.array(DEVICES), ("ep",))
 N = len(DEVICES)
 TOKENS, HIDDEN, FFN, LOCAL_EXPERTS, TOP_K = (1024, 1024, 512, 8, 4) if ON_GPU else (64, 64, 32, 2, 2)
@@ -88,7 +93,10 @@ print(f"{N} {'GPUs' if ON_GPU else 'CPU devices (reference path)'}: {TOKENS} tok
 losses, ms = train(jaxgin.moe.moe_layer, params, x, target)
 print(f"jaxgin.moe.moe_layer         loss {' '.join(f'{v:.5f}' for v in losses)}   {ms:8.2f} ms/step")
 assert losses[-1] < losses[0], "training did not reduce the loss"
-if ON_GPU:
+if ON_GPU and jax.process_count() > 1 and RAGGED_FALLBACK not in os.environ.get("XLA_FLAGS", ""):
+    print(f"ragged_all_to_all layer      skipped: with several processes XLA runs it only with {RAGGED_FALLBACK} "
+          "in XLA_FLAGS")
+elif ON_GPU:
     ragged_losses, ragged_ms = train(jaxgin.moe.ragged.moe_layer, params, x, target)
     print(f"ragged_all_to_all layer      loss {' '.join(f'{v:.5f}' for v in ragged_losses)}   {ragged_ms:8.2f} ms/step")
     gap = max(abs(a - b) / abs(b) for a, b in zip(losses, ragged_losses))

@@ -8,6 +8,12 @@ what is missing and how to get it, never with a traceback, and with an exit stat
   EXIT_TOO_FEW_GPUS (4)        the script measures or runs something on NVIDIA GPUs and this
                                machine, or JAX, shows fewer than it needs (the line says how many)
 
+The checks of a node or a job (python -m jaxgin.doctor, python -m jaxgin.pairtest) end with 0
+when all is well, and otherwise with:
+
+  EXIT_DEGRADED (5)            it works, but slower or with a known risk (each named)
+  EXIT_NOT_READY (6)           it fails or would fail (each cause named, with its fix)
+
 Sizes on the command line go through jaxgin.sizes (``type=sizes.argument("--max-bytes")``).
 """
 
@@ -22,6 +28,8 @@ from jaxgin.errors import NcclError, ToolchainError
 
 EXIT_MISSING_DEPENDENCY = 3
 EXIT_TOO_FEW_GPUS = 4
+EXIT_DEGRADED = 5
+EXIT_NOT_READY = 6
 
 
 def stop(script: str, message: str, status: int):

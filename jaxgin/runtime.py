@@ -141,7 +141,7 @@ _generation = 0
 _backends: dict[str, Any] = {}
 
 
-def _env_flag(name: str) -> bool | None:
+def env_flag(name: str) -> bool | None:
     value = os.environ.get(name)
     if value is None or value == "":
         return None
@@ -163,7 +163,7 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
             f"{jax.default_backend()!r}; install jax[cuda13] (pip install 'jaxgin[cuda]') or use backend='reference'"
         )
     if force_gin is None:
-        force_gin = bool(_env_flag("JAXGIN_FORCE_GIN"))
+        force_gin = bool(env_flag("JAXGIN_FORCE_GIN"))
     gin_transport = transport_lib.requested(gin_transport)
     if timeout is None:
         raw = os.environ.get("JAXGIN_TIMEOUT") or DEFAULT_TIMEOUT_S
