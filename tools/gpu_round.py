@@ -98,9 +98,9 @@ class Schedule:
         for test in list(self.waiting):
             place = self._place(test)
             if place is None:
-                if test.exclusive:
-                    break  # nothing overtakes a test that waits for GPUs of its own
-                continue
+                # Nothing overtakes a waiting test: smaller ones filling in behind it kept the
+                # GPUs and the process cap busy, and world-8 jobs never started (4 x H200, 2026-11-27).
+                break
             self.waiting.remove(test)
             self._take(test, place)
             started.append((test, place))
@@ -182,6 +182,10 @@ class Round:
         if self.args.durations and Path(self.args.durations).is_file():
             earlier = {t["name"]: t["seconds"] for t in json.loads(Path(self.args.durations).read_text())["tests"]}
         tests = [GpuTest(e["nodeid"], e["gpus"], e["processes"], e["exclusive"]) for e in json.loads(file.read_text())]
+        if self.args.skip_passed:  # an interrupted round goes on with what had not passed
+            passed = {t["name"] for t in json.loads(Path(self.args.skip_passed).read_text())["tests"]
+                      if t["outcome"] == "passed"}
+            tests = [t for t in tests if t.name not in passed]
         for t in tests:
             t.expected_s = earlier.get(t.name) or estimated_seconds(t)
         return tests
@@ -319,6 +323,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grace", type=float, default=120, help="seconds after the deadline before running tests are killed")
     parser.add_argument("--durations", help="an earlier gpu-round.json: its test durations order this round")
     parser.add_argument("--no-install", action="store_true", help="jaxgin is installed and built already")
+    parser.add_argument("--skip-passed", help="an earlier gpu-round.json: the tests that passed there are left out")
     parser.add_argument("--dir", type=Path, default=DEFAULT_ROUND_DIR, help="where a round keeps its files")
     args = parser.parse_intermixed_args(argv)
 
@@ -336,6 +341,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAXGIN_TIMEOUT", "60")
     if not args.no_install:
         prepare(root)
+    elif Path("/tmp/native_backtrace.so").is_file():
+        os.environ["LD_PRELOAD"] = "/tmp/native_backtrace.so"
     args.gpus = visible_gpus()
     if args.gpus == 0:
         raise SystemExit("no NVIDIA GPU here: nvidia-smi -L lists none (or CUDA_VISIBLE_DEVICES names none)")
