@@ -8,13 +8,15 @@ device, several dtypes, and data that changes every op. Each op is one jitted pr
 jaxgin's result and jax.lax's on the same data and counts differing elements on the device, so a
 mismatch anywhere is caught without copying results to the host. Reports the ops run, mismatches,
 and the device memory in use after one warm-up pass (so compilation is not counted as growth),
-half-way and at the end. On GPUs this exercises the CUDA kernels (and, under XLA command buffers,
+half-way and at the end; the second half replays the first half's ops, so growth between the last
+two is a leak, not a pool reaching a new high-water mark. On GPUs this exercises the CUDA kernels (and, under XLA command buffers,
 graph replay); in reference mode it checks the reference lowering and this harness itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -135,18 +137,19 @@ class Stress:
         return keys
 
     def run(self, ops: int, check_every: int = 200) -> dict:
-        """`ops` random programs; by_op counts every op run since warm-up."""
+        """`ops` random programs; by_op counts every op run since warm-up, this_run this call's."""
         keys = self.menu()
         total = jnp.zeros((self.n,), jnp.int32, device=NamedSharding(self.mesh, P("x")))
-        mismatches = 0
+        mismatches, this_run = 0, dict.fromkeys(self.ops, 0)
         for i in range(ops):
             key = keys[self.rng.integers(len(keys))]
             self.ops[key[0]] += 1
+            this_run[key[0]] += 1
             total = total + self._program(key)(jnp.int32(i))
             if (i + 1) % check_every == 0 or i + 1 == ops:
                 mismatches += int(np.asarray(_host(total)).sum())
                 total = total * 0
-        return {"ops": ops, "mismatches": mismatches, "by_op": dict(self.ops)}
+        return {"ops": ops, "mismatches": mismatches, "by_op": dict(self.ops), "this_run": this_run}
 
 
 def _host(x):
@@ -185,14 +188,17 @@ def stress(mesh: Mesh, ops: int, *, seed: int = 0, max_bytes: int = 64 << 20) ->
     warm_s = time.perf_counter() - start
     s.ops = dict.fromkeys(s.ops, 0)
     # Memory is sampled after warm-up, half-way and at the end: the first half may still raise a
-    # pool's high-water mark (more results in flight than during warm-up); a leak keeps growing
-    # through the second half, whose ops are the same mix.
+    # pool's high-water mark (more results in flight than during warm-up); the second half replays
+    # the first half's sequence, so it raises no mark the first did not, and what it adds is a leak.
     before = memory_in_use()
     start = time.perf_counter()
+    replay = copy.deepcopy(s.rng)
     first = s.run(ops // 2)
     half = memory_in_use()
+    s.rng = replay
     second = s.run(ops - ops // 2)
-    result = {"ops": ops, "mismatches": first["mismatches"] + second["mismatches"], "by_op": second["by_op"]}
+    result = {"ops": ops, "mismatches": first["mismatches"] + second["mismatches"], "by_op": second["by_op"],
+              "by_op_halves": [first["this_run"], second["this_run"]]}
     result.update(
         memory_half=half,
         programs=len(s.programs),

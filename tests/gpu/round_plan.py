@@ -17,7 +17,9 @@ EXCLUSIVE = {
     "test_tritongin_gpu.py::test_put_signal_latency",
     "test_tritongin_gpu.py::test_peer_ptr_bandwidth",
 }
-# Tests whose scenario drives the first GPU or two only, whatever the machine has.
+# Tests whose scenario drives the first GPU or two only, whatever the machine has. (The latency and
+# bandwidth tests use two but take every GPU: beside each other on a 4 x H200, NVLink traffic on
+# one pair added to the other pair's latency.)
 FIXED_GPUS = {
     "test_fault_cleanup_gpu.py::test_starved_wait_then_finalize_returns_every_gpus_memory": 1,
     "test_reliability_gpu.py::test_payloads_are_complete_when_the_wait_returns": 2,
@@ -32,8 +34,6 @@ FIXED_GPUS = {
     "test_transport_gpu.py::test_iterations_over_host_transport": 2,
     "test_transport_gpu.py::test_two_hosts_over_tcp": 2,
     "test_transport_gpu.py::test_starved_wait_still_fails_with_a_named_error": 2,
-    "test_tritongin_gpu.py::test_put_signal_latency": 2,
-    "test_tritongin_gpu.py::test_peer_ptr_bandwidth": 2,
     "test_tritongin_gpu.py::test_launches_importing_triton_first_all_come_up": 2,
 }
 # Processes beyond what a test's world says: the launch test runs 5 world-2 jobs at once.

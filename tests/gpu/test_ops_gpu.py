@@ -101,13 +101,15 @@ def test_starved_wait_from_fails_naming_the_sender():
 @TWO_GPUS
 @pytest.mark.parametrize("scenario, name, index", [("peer_out_of_range", "peer", 5), ("source_out_of_range", "source", -2)])
 def test_traced_index_out_of_range_fails_naming_it(scenario, name, index):
-    """An axis index known only at run time and outside [0, 2): the program fails at once (no
-    timeout needed) and the error names the argument, its value and the valid range."""
+    """An axis index known only at run time and outside [0, 2): the program fails at once, not by
+    the wait's timeout, and the error names the argument, its value and the valid range. (The
+    fault line tells the two apart; a time bound did not on a loaded machine: 2.27 s, 4 x H200.)"""
     result = run_scenario(SCENARIOS, [scenario], 2, timeout=180)
     record(f"ops_{scenario}", result)
-    assert result["error"] and result["seconds"] < 2.0, result
+    assert result["error"] and result["seconds"] < 60.0, result
     fault = result["faults"][0]
     assert f"{name} index {index} is out of range" in fault and "must be in [0, 2)" in fault, fault
+    assert "timed out" not in fault, fault
 
 
 def _went_through_gin(result):
