@@ -242,11 +242,11 @@ def test_gpu_scenario_kernels_compile_and_link(toolchain, fresh_triton_cache):
     finally:
         sys.path.pop(0)
     cases = [
-        (s.ring_kernel, {"ctx": "*u8", "send": "*i32", "recv": "*i32", "errors": "*i32", "data_sig": "i32",
+        (s.ring_kernel, {"ctx": "*u8", "send": "*i32", "recv": "*i32", "tally": "*i32", "data_sig": "i32",
                          "credit_sig": "i32", "words": "i32", "iteration": "i32", "BLOCK": "constexpr"}),
-        (s.all_pairs_kernel, {"ctx": "*u8", "send": "*i32", "recv": "*i32", "errors": "*i32", "sig": "i32",
+        (s.all_pairs_kernel, {"ctx": "*u8", "send": "*i32", "recv": "*i32", "tally": "*i32", "sig": "i32",
                               "words": "i32", "iteration": "i32", "BLOCK": "constexpr"}),
-        (s.barrier_kernel, {"ctx": "*u8", "slots": "*i32", "errors": "*i32", "words": "i32", "iteration": "i32",
+        (s.barrier_kernel, {"ctx": "*u8", "slots": "*i32", "tally": "*i32", "words": "i32", "iteration": "i32",
                             "BLOCK": "constexpr"}),
         (s.pingpong_kernel, {"ctx": "*u8", "buf": "*u8", "sig": "i32", "nbytes": "i32", "rounds": "i32"}),
         (s.push_kernel, {"ctx": "*u8", "src": "*fp32", "dst": "*fp32", "count": "i32", "peer": "i32",
