@@ -209,3 +209,26 @@ def test_emulated_worlds_can_be_narrowed_for_a_round_on_one_gpu(tmp_path):
                          env={**os.environ, "PATH": one_gpu, "JAXGIN_TEST_EMULATED_WORLDS": "3"})
     assert bad.returncode != 0 and "JAXGIN_TEST_EMULATED_WORLDS='3': expected a comma-separated choice of (2, 4, 8)" \
         in bad.stdout + bad.stderr
+
+
+def test_smaller_worlds_run_the_spot_cases_in_the_fast_tier(monkeypatch):
+    """The fused and MoE scenarios run every case at the largest world of a family and their spot
+    cases below it in the fast tier (the same code paths, a third of the compiles); the tests
+    expect what the scenarios run."""
+    from conftest import gpu_scenario
+
+    harness, fused, moe = gpu_scenario("harness"), gpu_scenario("fused_scenarios"), gpu_scenario("moe_scenarios")
+    monkeypatch.setenv("JAXGIN_TEST_TIER", "fast")
+    assert harness.spot_cases_at(2, [2, 4, 8]) and harness.spot_cases_at(4, [2, 4, 8])
+    assert not harness.spot_cases_at(8, [2, 4, 8])
+    monkeypatch.setenv("JAXGIN_TEST_TIER", "soak")
+    assert not harness.spot_cases_at(2, [2, 4, 8])
+    assert len(fused.scenario_cases(4, spot=True)) == 2 * len(fused.SPOT_CASES) < len(fused.scenario_cases(4, spot=False))
+    assert {c[0][0] for c in fused.scenario_cases(4, spot=True)} == {"a2a", "ag"}  # both ops
+    assert [c[0] for c in moe.planned_cases(4, spot=True)] == ["random", "ragged_shapes", "masked_ids"]
+    assert len(moe.planned_cases(4, spot=False)) == 7
+    # the scenario side reads the setting the test passes
+    monkeypatch.setenv("JAXGIN_TEST_SPOT_CASES", "1")
+    assert moe.planned_cases(4) == moe.planned_cases(4, spot=True)
+    monkeypatch.setenv("JAXGIN_TEST_SPOT_CASES", "0")
+    assert moe.planned_cases(4) == moe.cases(4)

@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
+import job
 from jaxgin import op_support
 from harness import PhaseClock, by_tier, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin.fused import TileConfig, _common
@@ -81,9 +82,17 @@ METHODS = ("chunked", "triton")
 OP_METHODS = {"a2a": METHODS, "ag": METHODS, "rs": ("triton",)}
 
 
-def scenario_cases(n, of=cases):
-    """(case, method) for every case of `of(n)` and every method of its op, in the order they run."""
-    return [(c, meth) for meth in METHODS for c in of(n) if meth in OP_METHODS[c[0]]]
+# The cases of cases() a scenario at a smaller world runs (job.spot_cases): even tiles in bfloat16,
+# split columns in float32, all_gather_matmul with ragged rows.
+SPOT_CASES = (0, 4, 6)
+
+
+def scenario_cases(n, of=cases, spot=None):
+    """(case, method) for every case of `of(n)` it runs and every method of its op, in the order
+    they run: only SPOT_CASES of cases() with `spot` (default: job.spot_cases())."""
+    spot = job.spot_cases() if spot is None else spot
+    chosen = [cases(n)[i] for i in SPOT_CASES] if spot and of is cases else of(n)
+    return [(c, meth) for meth in METHODS for c in chosen if meth in OP_METHODS[c[0]]]
 
 
 def specs(op, split=0):

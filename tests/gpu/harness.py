@@ -77,6 +77,17 @@ def _emulated_worlds() -> list[int]:
 EMULATED_WORLDS = _emulated_worlds()
 EMULATED_SPOT_WORLDS = job.by_tier(sorted({EMULATED_WORLDS[0], EMULATED_WORLDS[-1]}), EMULATED_WORLDS)
 by_tier = job.by_tier
+
+
+def spot_cases_at(world: int, worlds) -> bool:
+    """Whether a scenario at `world` runs its spot cases (job.spot_cases): in the fast tier, below
+    the largest of `worlds`, the worlds of its test family (WORLD_SIZES, EMULATED_WORLDS)."""
+    return job.tier() == "fast" and world < max(worlds)
+
+
+def spot_env(spot: bool) -> dict:
+    """The setting that tells a scenario to run its spot cases only, or every case."""
+    return {"JAXGIN_TEST_SPOT_CASES": "1" if spot else "0"}
 # Mixed meshes: emulated hosts of MIXED_RANKS_PER_HOST ranks on different GPUs (NVLink, LSA, inside
 # a host; GIN across), up to two such ranks per GPU: a world of one of EMULATED_WORLDS (the
 # scenarios' shapes divide by those), the largest of at most twice the GPUs (3 GPUs: world 4, not

@@ -79,6 +79,14 @@ def by_tier(fast, soak):
     return soak if tier() == "soak" else fast
 
 
+def spot_cases() -> bool:
+    """Whether the scenario runs its spot cases only (JAXGIN_TEST_SPOT_CASES=1, set by the test):
+    in the fast tier every case runs at the largest world of a family and a few at the smaller
+    ones, which take the same code paths."""
+    return os.environ.get("JAXGIN_TEST_SPOT_CASES") == "1"
+
+
+
 def report(result: dict) -> None:
     """Prints the scenario's RESULT line with what it ran on: JAX's platform and the CUDA backend
     libraries jaxgin loaded. With JAX on CPU a scenario would compare lax with itself and pass."""

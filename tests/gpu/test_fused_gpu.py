@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fused_scenarios import (LOOP_CALLS, REDUCE_SCATTER_TRAFFIC_CASES, TRAFFIC_CASES, reduce_scatter_cases,
+from fused_scenarios import (LOOP_CALLS, REDUCE_SCATTER_TRAFFIC_CASES, TRAFFIC_CASES, cases, reduce_scatter_cases,
                              scenario_cases)
 from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
-                     record, require_emulated_hosts,
-                     run_processes, run_scenario)
+                     record, require_emulated_hosts, run_processes, run_scenario, spot_cases_at, spot_env)
 
 SCENARIOS = Path(__file__).with_name("fused_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -20,9 +19,10 @@ COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_
 pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
-def _assert_cases(result, of=None):
-    """Every case of the scenario (fused_scenarios.cases, or `of`) with each method of its op."""
-    expected = scenario_cases(result["devices"], *([of] if of else []))
+def _assert_cases(result, of=cases, spot=False):
+    """Every case of the scenario (fused_scenarios.cases, its spot cases with `spot`, or `of`)
+    with each method of its op."""
+    expected = scenario_cases(result["devices"], of, spot)
     assert len(result["cases"]) == len(expected), result
     assert {case["method"] for case in result["cases"]} == {method for _, method in expected}, result
     for case in result["cases"]:
@@ -40,15 +40,17 @@ def _assert_cases(result, of=None):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
 def test_fused_ops_single_process(world, command_buffers):
-    result = run_scenario(SCENARIOS, ["check"], world, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    spot = spot_cases_at(world, WORLD_SIZES)
+    result = run_scenario(SCENARIOS, ["check"], world, xla_flags=COMMAND_BUFFERS if command_buffers else None,
+                          env=spot_env(spot))
     record(f"fused_check_{'graphs' if command_buffers else 'plain'}_{world}gpu", result)
     assert result["devices"] == world
-    _assert_cases(result)
+    _assert_cases(result, spot=spot)
 
 
 @TWO_GPUS
 def test_fused_ops_process_per_gpu():
-    results = run_processes(SCENARIOS, ["check"], GPUS)
+    results = run_processes(SCENARIOS, ["check"], GPUS, env=spot_env(False))
     record(f"fused_check_processes_{GPUS}gpu", results[0])
     for result in results:
         assert result["processes"] == GPUS
@@ -77,12 +79,13 @@ def test_fused_ops_emulated_hosts(world, command_buffers):
     GPU's chunk (matmul_all_to_all) or this GPU's shard (all_gather_matmul) once per destination,
     in one put per tile or per row group."""
     require_emulated_hosts()
+    spot = spot_cases_at(world, EMULATED_WORLDS)
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, timeout=1800,
-                            xla_flags=COMMAND_BUFFERS if command_buffers else None)
+                            xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(spot))
     record(f"emulated_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
         assert result["processes"] == world
-        _assert_cases(result)
+        _assert_cases(result, spot=spot)
         _assert_traffic(result, remote_gpus=world - 1)
 
 
@@ -96,7 +99,7 @@ def test_fused_ops_mixed_mesh_emulated_hosts(command_buffers):
     require_emulated_hosts()
     world = MIXED_WORLD
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
-                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(False))
     record(f"mixed_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
         assert result["processes"] == world

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
-                     record, require_emulated_hosts,
-                     run_processes, run_scenario)
-from moe_scenarios import LOOP_CALLS, cases
+                     record, require_emulated_hosts, run_processes, run_scenario, spot_cases_at, spot_env)
+from moe_scenarios import LOOP_CALLS, planned_cases
 
 SCENARIOS = Path(__file__).with_name("moe_scenarios.py")
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -20,8 +19,9 @@ COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_
 pytestmark = [pytest.mark.gpu, ANY_GPU]
 
 
-def _assert_cases(result, ragged_baseline=True):
-    assert len(result["cases"]) == len(cases(result["devices"])), result
+def _assert_cases(result, ragged_baseline=True, spot=False):
+    """Every case of the scenario (its spot cases with `spot`: moe_scenarios.planned_cases)."""
+    assert [c["case"] for c in result["cases"]] == [c[0] for c in planned_cases(result["devices"], spot)], result
     assert result["ragged_baseline"] is ragged_baseline, result
     assert result["rows_only"] == {"dispatch": [1.0], "combine": [0.0]}, result  # one kernel per call
     turns = result["grids_in_turn"]  # one configuration, other modes and capacities in turn
@@ -53,15 +53,17 @@ def _assert_cases(result, ragged_baseline=True):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
 def test_moe_single_process(world, command_buffers):
-    result = run_scenario(SCENARIOS, ["check"], world, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    spot = spot_cases_at(world, WORLD_SIZES)
+    result = run_scenario(SCENARIOS, ["check"], world, xla_flags=COMMAND_BUFFERS if command_buffers else None,
+                          env=spot_env(spot))
     record(f"moe_check_{'graphs' if command_buffers else 'plain'}_{world}gpu", result)
     assert result["devices"] == world
-    _assert_cases(result)
+    _assert_cases(result, spot=spot)
 
 
 @TWO_GPUS
 def test_moe_process_per_gpu():
-    results = run_processes(SCENARIOS, ["check"], GPUS)
+    results = run_processes(SCENARIOS, ["check"], GPUS, env=spot_env(False))
     record(f"moe_check_processes_{GPUS}gpu", results[0])
     for result in results:
         assert result["processes"] == GPUS
@@ -75,12 +77,13 @@ def test_moe_emulated_hosts(world, command_buffers):
     same checks as over NVLink, and move what they must through the host transport
     (_assert_traffic)."""
     require_emulated_hosts()
+    spot = spot_cases_at(world, EMULATED_WORLDS)
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, timeout=1800,
-                            xla_flags=COMMAND_BUFFERS if command_buffers else None)
+                            xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(spot))
     record(f"emulated_moe_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
         assert result["processes"] == world
-        _assert_cases(result, ragged_baseline=False)
+        _assert_cases(result, ragged_baseline=False, spot=spot)
         _assert_traffic(result, remote_gpus=world - 1)
 
 
@@ -109,7 +112,7 @@ def test_moe_mixed_mesh_emulated_hosts(command_buffers):
     require_emulated_hosts()
     world = MIXED_WORLD
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
-                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(False))
     record(f"mixed_moe_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
         assert result["processes"] == world
