@@ -186,6 +186,10 @@ def fault(argv):
         time.sleep(0.5)  # nvidia-smi's figure lags the release a little
         report["gpu_used_mib_after_every_survivor_finalized"] = _gpu_used_mib(gpu)
     job.report(report)
+    # A survivor that exits takes its connections with it, and rank 0 JAX's coordination service:
+    # the other survivors' JAX clients then end them (SIGABRT, seen at world 8 on 4 x H200) before
+    # they report. So every survivor waits for the others' reports before it exits.
+    job.meet("reported", rank, range(n - 1))
     os._exit(0)  # the coordinator's peer is dead: skip jax.distributed's shutdown
 
 
