@@ -179,8 +179,9 @@ class Round:
         subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         *self.args.selection], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
         earlier = {}
-        if self.args.durations and Path(self.args.durations).is_file():
-            earlier = {t["name"]: t["seconds"] for t in json.loads(Path(self.args.durations).read_text())["tests"]}
+        for summary in self.args.durations:  # the later files' durations win
+            if Path(summary).is_file():
+                earlier.update({t["name"]: t["seconds"] for t in json.loads(Path(summary).read_text())["tests"]})
         tests = [GpuTest(e["nodeid"], e["gpus"], e["processes"], e["exclusive"]) for e in json.loads(file.read_text())]
         if self.args.skip_passed:  # an interrupted round goes on with what had not passed
             passed = {t["name"] for t in json.loads(Path(self.args.skip_passed).read_text())["tests"]
@@ -321,7 +322,8 @@ def main(argv=None) -> int:
                         help="test processes at once on one GPU (default 10)")
     parser.add_argument("--deadline", type=float, default=0, help="seconds after which no test starts (0: none)")
     parser.add_argument("--grace", type=float, default=120, help="seconds after the deadline before running tests are killed")
-    parser.add_argument("--durations", help="an earlier gpu-round.json: its test durations order this round")
+    parser.add_argument("--durations", action="append", default=[],
+                        help="an earlier gpu-round.json (repeatable, later ones win): its test durations order this round")
     parser.add_argument("--no-install", action="store_true", help="jaxgin is installed and built already")
     parser.add_argument("--skip-passed", help="an earlier gpu-round.json: the tests that passed there are left out")
     parser.add_argument("--dir", type=Path, default=DEFAULT_ROUND_DIR, help="where a round keeps its files")
