@@ -316,10 +316,13 @@ def main(argv=None) -> int:
                         help="fast: every code path once (default); soak: the long loops")
     parser.add_argument("--require-all", action="store_true",
                         help="a GPU test that skips fails (JAXGIN_TEST_REQUIRE_GPU=1)")
-    parser.add_argument("--processes", type=int, default=int(os.environ.get("ROUND_PROCESSES", 28)),
-                        help="test processes at once, all GPUs together (default 28)")
-    parser.add_argument("--ranks-per-gpu", type=int, default=int(os.environ.get("ROUND_RANKS_PER_GPU", 10)),
-                        help="test processes at once on one GPU (default 10)")
+    # Ranks that share a GPU take turns for its time slices while jaxgin's kernels spin: three
+    # world-8 MoE jobs side by side (6 ranks per GPU, 4 x H200) took 400 s each, one beside two
+    # idle jobs 87 s. So few ranks per GPU.
+    parser.add_argument("--processes", type=int, default=int(os.environ.get("ROUND_PROCESSES", 20)),
+                        help="test processes at once, all GPUs together (default 20)")
+    parser.add_argument("--ranks-per-gpu", type=int, default=int(os.environ.get("ROUND_RANKS_PER_GPU", 4)),
+                        help="test processes at once on one GPU (default 4)")
     parser.add_argument("--deadline", type=float, default=0, help="seconds after which no test starts (0: none)")
     parser.add_argument("--grace", type=float, default=120, help="seconds after the deadline before running tests are killed")
     parser.add_argument("--durations", action="append", default=[],
