@@ -41,7 +41,7 @@ import jax.ffi
 
 from jaxgin import nccl as nccl_lib
 from jaxgin import nvidia_packages
-from jaxgin.errors import ToolchainError
+from jaxgin.errors import ToolchainError, install_command
 
 BACKEND_SOURCES = (
     "device/library.cu",
@@ -109,7 +109,8 @@ def find_nvcc() -> Path:
     raise ToolchainError(
         "jaxgin compiles its device code with nvcc against the NCCL in use, and found no nvcc "
         "(looked at $JAXGIN_NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH and PyPI's nvidia-cuda-nvcc). "
-        "Install it with: pip install 'jaxgin[cuda]' (or nvidia-cuda-nvcc), or set CUDA_HOME to a CUDA toolkit"
+        f"Install it with: {install_command('cuda')} (or pip install nvidia-cuda-nvcc), or set CUDA_HOME to a CUDA "
+        "toolkit"
     )
 
 
@@ -131,7 +132,7 @@ def cupti_include_dir(nvcc: Path) -> Path:
             return candidate
     raise ToolchainError(
         f"jaxgin's runtime includes CUPTI's headers and found no cupti.h (looked in {', '.join(map(str, candidates))}). "
-        "Install them with: pip install 'jaxgin[cuda]' (or nvidia-cuda-cupti)"
+        f"Install them with: {install_command('cuda')} (or pip install nvidia-cuda-cupti)"
     )
 
 

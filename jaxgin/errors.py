@@ -1,5 +1,7 @@
 """Exceptions jaxgin raises. Each message names what was wrong and what would be right."""
 
+from pathlib import Path
+
 
 class JaxginError(RuntimeError):
     """Base class of jaxgin's errors."""
@@ -19,3 +21,13 @@ class NcclError(JaxginError):
 
 class DeviceFault(JaxginError):
     """A device-side operation failed: a bounded wait timed out, or a peer was unreachable."""
+
+
+def install_command(extras: str) -> str:
+    """The pip command that adds `extras` ('cuda', 'cuda,torch') to this jaxgin: the README's
+    ``pip install -e ".[cuda]"`` with the checkout jaxgin runs from in place of '.', so it works from
+    any directory. jaxgin installs from a checkout, not from a package index."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file():
+        return f'pip install -e "{checkout}[{extras}]"'
+    return f'pip install -e ".[{extras}]" in a checkout of jaxgin'

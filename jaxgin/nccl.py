@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from jaxgin import nvidia_packages
-from jaxgin.errors import NcclError
+from jaxgin.errors import NcclError, install_command
 
 MINIMUM_VERSION = 22800  # NCCL 2.28: the first release with the Device API (GIN and LSA)
 
@@ -96,7 +96,7 @@ def load() -> NcclInstall:
     if library is None:
         raise NcclError(
             "no NCCL found: jaxgin uses the libnccl.so.2 of the nvidia-nccl-cu13 package that JAX's "
-            "CUDA plugin loads. Install it with: pip install 'jaxgin[cuda]'"
+            f"CUDA plugin loads. Install it with: {install_command('cuda')}"
         )
     lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     code = ctypes.c_int(0)

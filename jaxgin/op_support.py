@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxgin import runtime
-from jaxgin.errors import JaxginError
+from jaxgin.errors import JaxginError, install_command
 
 T = TypeVar("T")
 
@@ -73,7 +73,7 @@ def require_tritongin(op: str) -> None:
     try:
         import triton  # noqa: F401  (optional: only the GPU kernels of some ops need it)
     except ImportError:
-        raise JaxginError(f"{op} on GPUs needs Triton (pip install 'jaxgin[cuda]')") from None
+        raise JaxginError(f"{op} on GPUs needs Triton: {install_command('cuda')}") from None
 
 
 # ---------------------------------------------------------------------------------------------

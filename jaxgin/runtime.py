@@ -29,7 +29,7 @@ from jaxgin import nccl as nccl_lib
 from jaxgin import rdma
 from jaxgin import transport as transport_lib
 from jaxgin.ffi import targets
-from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError
+from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, install_command
 from jaxgin.sizes import parse_size
 
 BACKENDS = ("cuda", "reference")
@@ -160,7 +160,8 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
     if backend == "cuda" and jax.default_backend() != "gpu":
         raise JaxginError(
             f"backend='cuda' needs NVIDIA GPUs visible to JAX, but jax.default_backend() is "
-            f"{jax.default_backend()!r}; install jax[cuda13] (pip install 'jaxgin[cuda]') or use backend='reference'"
+            f"{jax.default_backend()!r}; install JAX's CUDA plugin ({install_command('cuda')}) or use "
+            "backend='reference'"
         )
     if force_gin is None:
         force_gin = bool(env_flag("JAXGIN_FORCE_GIN"))
@@ -199,7 +200,7 @@ def _extension():
         from jaxgin import _jaxgin_ext  # compiled at install; reference mode runs without it
     except ImportError as e:
         raise JaxginError(
-            f"jaxgin's compiled extension is missing ({e}); reinstall jaxgin with: pip install -e . (from a checkout)"
+            f"jaxgin's compiled extension is missing ({e}); reinstall jaxgin with: {install_command('cuda')}"
         ) from None
     return _jaxgin_ext
 

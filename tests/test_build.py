@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from jaxgin import build, nccl
-from jaxgin.errors import NcclError, ToolchainError
+from jaxgin.errors import NcclError, ToolchainError, install_command
 
 ARCH = "sm_90a"
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
@@ -354,7 +354,7 @@ def test_no_nvcc(tmp_path, monkeypatch):
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.setattr(build.nvidia_packages, "roots", list)  # no nvidia-* wheel installed
-    with pytest.raises(ToolchainError, match=re.escape("pip install 'jaxgin[cuda]'")):
+    with pytest.raises(ToolchainError, match=re.escape(f"Install it with: {install_command('cuda')} (or pip")):
         build.find_nvcc()
 
 
@@ -378,7 +378,7 @@ def test_cupti_headers_are_found_beside_nvcc_or_reported(tmp_path, monkeypatch):
     nvcc.parent.mkdir(parents=True)
     nvcc.write_text("")
     monkeypatch.setattr(build.nvidia_packages, "roots", list)  # no nvidia-* wheel installed
-    with pytest.raises(ToolchainError, match=re.escape("pip install 'jaxgin[cuda]' (or nvidia-cuda-cupti)")):
+    with pytest.raises(ToolchainError, match=re.escape(f"{install_command('cuda')} (or pip install nvidia-cuda-cupti)")):
         build.cupti_include_dir(nvcc)
     headers = tmp_path / "toolkit" / "targets" / "x86_64-linux" / "include"
     headers.mkdir(parents=True)

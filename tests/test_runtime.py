@@ -15,7 +15,7 @@ import pytest
 
 import jaxgin
 from jaxgin import runtime
-from jaxgin.errors import JaxginError, NotInitializedError
+from jaxgin.errors import JaxginError, NotInitializedError, install_command
 
 
 def test_cpu_has_eight_devices():
@@ -280,7 +280,7 @@ def test_cuda_backend_on_cpu():
     with pytest.raises(JaxginError) as excinfo:
         jaxgin.initialize(backend="cuda")
     message = str(excinfo.value)
-    assert "jax[cuda13]" in message
+    assert f"install JAX's CUDA plugin ({install_command('cuda')})" in message  # the README's command
     assert "backend='reference'" in message
     assert "'cpu'" in message  # names what JAX runs on
     assert not jaxgin.is_initialized()
