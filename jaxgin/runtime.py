@@ -21,13 +21,11 @@ from typing import Any
 import jax
 from jax._src import distributed
 
-from jaxgin import build as build_lib
 from jaxgin import cupti as cupti_lib
 from jaxgin import fault_watch as fault_watch_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import rdma
-from jaxgin import transport as transport_lib
 from jaxgin.ffi import targets
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, install_command
 from jaxgin.sizes import parse_size
@@ -153,6 +151,8 @@ def env_flag(name: str) -> bool | None:
 
 
 def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend, gin_transport=None) -> Options:
+    from jaxgin import transport as transport_lib  # see the note above initialize()
+
     if backend is None:
         backend = "cuda" if jax.default_backend() == "gpu" else "reference"
     if backend not in BACKENDS:
@@ -211,6 +211,8 @@ def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
     JAXGIN_BACKEND may name a prebuilt libjaxgin_backend.so instead; the backend itself refuses
     to run when it was compiled against other NCCL headers than the loaded library's.
     """
+    from jaxgin import build as build_lib  # see the note above initialize()
+
     path = os.environ.get("JAXGIN_BACKEND") or str(build_lib.build(nccl, arch).backend)
     if path not in _backends:
         try:
@@ -265,6 +267,9 @@ def _agree_on_nccl(client, generation: int, process_index: int, version: str, ti
         )
 
 
+# jaxgin.build and jaxgin.transport are commands as well (python -m jaxgin.build): imported by
+# `import jaxgin`, runpy would find them loaded before running them and warn, so they are imported
+# where they are used.
 def initialize(
     *,
     heap_size: int | str = DEFAULT_HEAP_SIZE,
@@ -312,6 +317,9 @@ def initialize(
     grace_s = _fault_grace_s()
     _max_queued_calls()
     if options.backend == "cuda":
+        from jaxgin import build as build_lib  # see the note above initialize()
+        from jaxgin import transport as transport_lib
+
         state.nccl = nccl_lib.load()
         arch = build_lib.arch_for(local_devices[0].compute_capability)
         backend_lib = load_backend(state.nccl, arch)
@@ -485,6 +493,8 @@ def device_faults() -> list[str]:
     state = current()
     if state.runtime is None:
         return []
+    from jaxgin import transport as transport_lib  # see the note above initialize()
+
     faults = [line for line in state.runtime.device_faults().splitlines() if line]
     # A peer that died shows on the survivors as waits that starve, each naming whom it waited
     # for; where the host transport saw which process ended, say so after them.

@@ -27,7 +27,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
-from jaxgin.triton import link
 
 TARGET = "jaxgin_triton_call"
 
@@ -138,6 +137,8 @@ def triton_call(
             f"jaxgin.triton_call runs Triton kernels on CUDA GPUs; jaxgin runs in {state.options.backend} mode "
             "here (no GPU). Use a jax.lax / jaxgin reference for CPU runs"
         )
+    from jaxgin.triton import link  # imports jaxgin.build, which `import jaxgin` leaves out (jaxgin.runtime says why)
+
     link.install()
     names = list(getattr(kernel, "arg_names", []))
     if not names:

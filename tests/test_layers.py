@@ -1,8 +1,12 @@
 """The import structure docs/design.md describes: tritongin sits on top of jaxgin (jaxgin never
 imports it), module-level imports between jaxgin's and tritongin's modules form no cycle, and a
-function-local import says why it is not at the top. Read from the sources (no import runs)."""
+function-local import says why it is not at the top. Read from the sources (no import runs),
+except where a command or a missing package is run as a user meets them."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +112,47 @@ def test_the_checks_see_imports():
     assert "jaxgin.heap" in top and "jaxgin.errors" in top
     assert any("_jaxgin_ext" in text for _, text, _ in local)
     assert "jaxgin.triton.language" in _imports("tritongin.language")[0]
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+COMMANDS = [m for m, path in MODULES.items() if 'if __name__ == "__main__":' in path.read_text()]
+
+
+def test_import_jaxgin_leaves_its_commands_unimported():
+    """`python -m jaxgin.build` (and every other `python -m jaxgin.X`) runs that module as __main__
+    after importing jaxgin; had `import jaxgin` imported it, runpy would warn about a second copy."""
+    assert {"jaxgin.build", "jaxgin.transport", "jaxgin.info"} <= set(COMMANDS)
+    out = _python("-c", "import sys, jaxgin; print(sorted(m for m in sys.modules if m.startswith('jaxgin.')))")
+    assert out.returncode == 0, out.stderr
+    loaded = eval(out.stdout)
+    assert "jaxgin.runtime" in loaded and "jaxgin.mailbox" in loaded  # the scan reads what import jaxgin loads
+    assert not set(COMMANDS) & set(loaded), loaded
+
+
+def test_a_command_starts_without_a_warning():
+    out = _python("-m", "jaxgin.build", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m jaxgin.build"), out.stderr
+    assert out.stderr == "", out.stderr
+
+
+def test_tritongin_language_without_triton_says_what_to_install():
+    """Triton is optional: importing tritongin works without it, tritongin.language says what to
+    install (the README's command, from this checkout) instead of a bare ModuleNotFoundError."""
+    from jaxgin.errors import install_command
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import tritongin\n"
+            "try:\n"
+            "    import tritongin.language\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print(e.name); print(e)\n")
+    out = _python("-c", code)
+    assert out.returncode == 0, out.stderr
+    name, message = out.stdout.splitlines()
+    assert name == "triton"
+    assert message == (f"tritongin.language needs Triton, which is not installed: {install_command('cuda')} "
+                       "(or pip install 'triton>=3.6')")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import distributed
 
-from jaxgin import build, op_support
+from jaxgin import op_support
 from jaxgin.errors import JaxginError
 from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 
@@ -176,6 +176,8 @@ def _tuning_enabled() -> bool:
 
 
 def _cache_file() -> Path:
+    from jaxgin import build  # not at import: `python -m jaxgin.build` must find it unloaded (jaxgin.runtime)
+
     return build.default_cache_dir() / "fused-tiles.json"
 
 

@@ -32,8 +32,17 @@ from __future__ import annotations
 
 import hashlib
 
-import triton.language as tl
-from triton.runtime.jit import JITFunction
+from jaxgin.errors import install_command
+
+try:
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+except ModuleNotFoundError as e:
+    if e.name not in ("triton", "triton.language"):  # a broken Triton names what it lacks itself
+        raise
+    raise ModuleNotFoundError(
+        f"tritongin.language needs Triton, which is not installed: {install_command('cuda')} (or pip install "
+        "'triton>=3.6')", name="triton") from None
 
 from jaxgin.triton import _externs
 from jaxgin.triton import link as _link
