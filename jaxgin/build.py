@@ -7,10 +7,13 @@ NVRTC is not an option: it ignores trailing packed/aligned attributes in NCCL's 
 silently changes struct layouts. Results are cached on disk, keyed by NCCL version, arch, nvcc
 and a hash of the sources.
 
-Outputs of one build:
-  libjaxgin_backend.so  host runtime + kernels + device library (loaded by jaxgin itself)
-  jaxgin_device.ptx     the device library as relocatable PTX, for linking into Triton kernels
-  jaxgin_device.cubin   the same as a relocatable cubin
+Outputs, in two cache entries:
+  jaxgin_device.ptx     the device library as relocatable PTX
+  jaxgin_device.cubin   the same as a relocatable cubin, linked into Triton kernels (device_library():
+                        all that Triton-only work needs, such as compiling tritongin kernels on a
+                        machine without a GPU)
+  libjaxgin_backend.so  host runtime + kernels + device library, linked against NCCL's library
+                        (loaded by jaxgin itself; build() makes both entries)
 
 Pre-build (for example in a container image) with ``python -m jaxgin.build``.
 
@@ -66,6 +69,7 @@ BACKEND_SOURCES = (
     "ffi/chunked_matmul.cu",
 )
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
+BACKEND_LIBRARY = "libjaxgin_backend.so"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
 HEARTBEAT_S = 20.0  # a progress line at least this often while a build compiles
 
@@ -138,9 +142,9 @@ def cupti_include_dir(nvcc: Path) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class Artifacts:
-    directory: Path
-    backend: Path | None  # None when built for headers without a library (compile check only)
-    ptx: Path
+    directory: Path  # the backend's cache entry, or the device library's where there is no backend
+    backend: Path | None  # None for the device library alone (device_library(), or NCCL headers without a library)
+    ptx: Path  # the device library's, in its own cache entry
     cubin: Path
 
 
@@ -194,28 +198,30 @@ def _run(command: list[str], cwd: Path) -> None:
         )
 
 
-def _commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out: Path) -> list[list[list[str]]]:
-    """Compile steps in stages; the commands of one stage run in parallel."""
-    base = [str(nvcc), *COMMON_FLAGS, f"-arch={arch}", f"-I{nccl.include_dir}", f"-I{root}"]
-    library = str(root / DEVICE_LIBRARY_SOURCE)
-    first = [
-        base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
-        base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")],
-    ]
-    if nccl.library is None:
-        return [first]
-    objects = []
-    for source in BACKEND_SOURCES:
-        obj = out / (source.replace("/", "_").removesuffix(".cu") + ".o")
-        objects.append(str(obj))
-        first.append(base + [f"-I{xla_ffi_include_dir()}", f"-I{cupti_include_dir(nvcc)}", "-c", str(root / source),
-                             "-o", str(obj)])
+def _base_command(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path) -> list[str]:
+    return [str(nvcc), *COMMON_FLAGS, f"-arch={arch}", f"-I{nccl.include_dir}", f"-I{root}"]
+
+
+def _device_library_commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path,
+                             out: Path) -> list[list[list[str]]]:
+    """The device library alone, as PTX and as a relocatable cubin: one stage of two commands."""
+    base, library = _base_command(nvcc, nccl, arch, root), str(root / DEVICE_LIBRARY_SOURCE)
+    return [[base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
+             base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")]]]
+
+
+def _backend_commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path,
+                      out: Path) -> list[list[list[str]]]:
+    """The backend library: every source compiled in parallel, then one link."""
+    base = _base_command(nvcc, nccl, arch, root) + [f"-I{xla_ffi_include_dir()}", f"-I{cupti_include_dir(nvcc)}"]
+    objects = [str(out / (source.replace("/", "_").removesuffix(".cu") + ".o")) for source in BACKEND_SOURCES]
+    compile_stage = [base + ["-c", str(root / source), "-o", obj] for source, obj in zip(BACKEND_SOURCES, objects)]
     lib_dir = nccl.library.resolve().parent
     link = (
         [str(nvcc), f"-arch={arch}", "-shared", *objects]
-        + [f"-L{lib_dir}", "-l:libnccl.so.2", "-ldl", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / "libjaxgin_backend.so")]
+        + [f"-L{lib_dir}", "-l:libnccl.so.2", "-ldl", f"-Xlinker=-rpath,{lib_dir}", "-o", str(out / BACKEND_LIBRARY)]
     )
-    return [first, [link]]
+    return [compile_stage, [link]]
 
 
 def _step_name(command: list[str], root: Path) -> str:
@@ -269,35 +275,24 @@ def _locked(path: Path):
         yield
 
 
-def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False,
-          progress: bool | None = None) -> Artifacts:
-    """Builds (or finds in the cache) jaxgin's CUDA code for `nccl` and `arch`. A build that
-    compiles reports its progress on stderr unless `progress` is False (default: on, unless
-    JAXGIN_BUILD_PROGRESS=0); `verbose` also prints the nvcc commands."""
-    if progress is None:
-        progress = os.environ.get("JAXGIN_BUILD_PROGRESS", "1") != "0"
-    nccl_lib.check_version(nccl.version, str(nccl.include_dir))
+def _cached(nccl: nccl_lib.NcclInstall, arch: str, commands, what: str, cache_dir: Path, *, verbose: bool,
+            progress: bool) -> Path:
+    """The cache entry that `commands` (nvcc, nccl, arch, root, out) -> stages fill, compiled under a
+    lock unless it is complete; returns its directory."""
     nvcc = find_nvcc()
     root = sources_dir()
-    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     name = f"nccl{nccl.version_string}-{arch}-{cache_key(nccl, arch, nvcc, root)}"
     final = cache_dir / name
-    artifacts = Artifacts(
-        final,
-        final / "libjaxgin_backend.so" if nccl.library is not None else None,
-        final / "jaxgin_device.ptx",
-        final / "jaxgin_device.cubin",
-    )
     with _locked(cache_dir / f"{name}.lock"):
         if (final / "complete").exists():
-            return artifacts
+            return final
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
         try:
-            stages = _commands(nvcc, nccl, arch, root, staging)
+            stages = commands(nvcc, nccl, arch, root, staging)
             total = sum(len(stage) for stage in stages)
             report = _Progress(progress)
-            report(f"compiling jaxgin's CUDA code for NCCL {nccl.version_string}, {arch} with {nvcc}: {total} nvcc "
-                   f"steps, once per NCCL, nvcc and jaxgin version (cached in {cache_dir})")
+            report(f"compiling {what} for NCCL {nccl.version_string}, {arch} with {nvcc}: {total} nvcc steps, once "
+                   f"per NCCL, nvcc and jaxgin version (cached in {cache_dir})")
             done = 0
             for stage in stages:
                 if verbose:
@@ -312,7 +307,40 @@ def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = Non
             staging.rename(final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return artifacts
+    return final
+
+
+def _progress_default(progress: bool | None) -> bool:
+    return os.environ.get("JAXGIN_BUILD_PROGRESS", "1") != "0" if progress is None else progress
+
+
+def device_library(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False,
+                   progress: bool | None = None) -> Artifacts:
+    """Builds (or finds in the cache) the device library alone for `nccl`'s headers and `arch`: what
+    linking a Triton kernel needs, two nvcc steps where the backend takes twenty-one more. Its
+    cache entry does not depend on NCCL's library, so build() shares it."""
+    nccl_lib.check_version(nccl.version, str(nccl.include_dir))
+    headers = dataclasses.replace(nccl, library=None)
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    directory = _cached(headers, arch, _device_library_commands, "jaxgin's device library", cache_dir,
+                        verbose=verbose, progress=_progress_default(progress))
+    return Artifacts(directory, None, directory / "jaxgin_device.ptx", directory / "jaxgin_device.cubin")
+
+
+def build(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False,
+          progress: bool | None = None) -> Artifacts:
+    """Builds (or finds in the cache) jaxgin's CUDA code for `nccl` and `arch`: the device library
+    and, when `nccl` has a library, the backend linked against it. A build that compiles reports its
+    progress on stderr unless `progress` is False (default: on, unless JAXGIN_BUILD_PROGRESS=0);
+    `verbose` also prints the nvcc commands."""
+    nccl_lib.check_version(nccl.version, str(nccl.include_dir))
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    options = {"cache_dir": cache_dir, "verbose": verbose, "progress": _progress_default(progress)}
+    library = device_library(nccl, arch, **options)
+    if nccl.library is None:
+        return library
+    backend = _cached(nccl, arch, _backend_commands, "jaxgin's CUDA backend", **options)
+    return dataclasses.replace(library, directory=backend, backend=backend / BACKEND_LIBRARY)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ Each (NCCL, arch) is built once per module and shared by the tests.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -265,11 +266,22 @@ def test_python_reserved_heap_bytes_equal_the_backend_ones(built):
 
 
 def test_artifacts_layout(built):
+    """The device library has a cache entry of its own, which the backend's entry (where there is a
+    library to link against) does not repeat: Triton's link step needs only the former."""
     install, artifacts, _ = built
-    assert artifacts.directory.parent == build.default_cache_dir()
-    assert artifacts.directory.name.startswith(f"nccl{install.version_string}-{ARCH}-")
-    assert (artifacts.directory / "complete").exists()
-    assert artifacts.ptx.parent == artifacts.cubin.parent == artifacts.directory
+    library = artifacts.ptx.parent
+    assert artifacts.cubin.parent == library
+    for entry in (artifacts.directory, library):
+        assert entry.parent == build.default_cache_dir()
+        assert entry.name.startswith(f"nccl{install.version_string}-{ARCH}-")
+        assert (entry / "complete").exists()
+    assert build.device_library(install, ARCH) == dataclasses.replace(artifacts, directory=library, backend=None)
+    if install.library is None:
+        assert artifacts.directory == library
+    else:
+        assert artifacts.directory != library
+        assert sorted(p.name for p in artifacts.directory.iterdir()) == ["complete", build.BACKEND_LIBRARY]
+        assert sorted(p.name for p in library.iterdir()) == ["complete", "jaxgin_device.cubin", "jaxgin_device.ptx"]
     # No staging directories are left behind.
     assert not [p for p in artifacts.directory.parent.iterdir() if p.name.startswith(".")]
 
@@ -432,9 +444,16 @@ def _headers_only(packaged_nccl) -> nccl.NcclInstall:
     return nccl.NcclInstall(packaged_nccl.version, packaged_nccl.include_dir, None)
 
 
-def test_build_reports_progress_on_stderr(tmp_path, capfd, nvcc, packaged_nccl):
+def _write_output(command, cwd):
+    """Stands in for build._run: writes the file nvcc would (the compiles themselves are the
+    `built` fixture's, shared by the session; no test compiles the device library again)."""
+    Path(command[command.index("-o") + 1]).write_bytes(b"\x7fELF")
+
+
+def test_build_reports_progress_on_stderr(tmp_path, capfd, monkeypatch, nvcc, packaged_nccl):
     """A build that compiles says what, where it caches it, and each step with the seconds elapsed;
     stdout stays clean. The lazy first-use build (initialize() on GPUs) is this same function."""
+    monkeypatch.setattr(build, "_run", _write_output)
     artifacts = build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "cache")
     out, err = capfd.readouterr()
     assert out == ""
@@ -485,13 +504,25 @@ def test_step_names():
                             root) == "link libjaxgin_backend.so"
 
 
-def test_prebuild_command_reports_progress(tmp_path, nvcc, packaged_nccl):
-    """python -m jaxgin.build: progress on stderr while it compiles, the artifacts on stdout."""
+def test_prebuild_command_reports_progress(tmp_path, packaged_nccl):
+    """python -m jaxgin.build: progress on stderr while it compiles, the artifacts on stdout, and
+    no warning. An nvcc that writes its outputs stands in for the real one, which the `built`
+    fixture runs."""
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n"
+                    "[ \"$1\" = --version ] && { echo 'Cuda compilation tools, release 13.0, V13.0.88'; exit 0; }\n"
+                    "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && echo compiled > \"$2\"; shift; done\n")
+    fake.chmod(0o755)
     result = subprocess.run(
         [sys.executable, "-m", "jaxgin.build", "--arch", ARCH, "--nccl-include", str(packaged_nccl.include_dir),
          "--cache-dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "JAXGIN_BUILD_PROGRESS": "1"},
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "JAXGIN_BUILD_PROGRESS": "1", "JAXGIN_NVCC": str(fake)},
     )
     assert result.returncode == 0, result.stderr
-    assert "compiling jaxgin's CUDA code" in result.stderr and "2/2 device/library.cu" in result.stderr
+    lines = result.stderr.splitlines()
+    assert all(line.startswith("jaxgin build [") for line in lines), result.stderr  # no warning either
+    assert f"compiling jaxgin's device library for NCCL {packaged_nccl.version_string}, {ARCH} with {fake}" in lines[0]
+    assert "2/2 device/library.cu" in result.stderr
     assert "jaxgin_device.ptx" in result.stdout and "jaxgin build" not in result.stdout

@@ -95,6 +95,7 @@ def test_triton_stubs_match_the_c_declarations():
 
 def test_device_library(toolchain):
     artifacts = tritongin.device_library("sm_90a")
+    assert artifacts.backend is None  # what tritongin links, and nothing else
     assert artifacts.directory.parent == build.default_cache_dir()
     assert artifacts.directory.name.startswith(f"nccl{toolchain.version_string}-sm_90a-")
     ptx = artifacts.ptx.read_text()
@@ -105,6 +106,27 @@ def test_device_library(toolchain):
     # dynamic part starts at offset 0; a static __shared__ in the library would shift it and
     # corrupt swizzled matmul tiles without any error.
     assert not re.search(r"^\s*\.shared\b", ptx, flags=re.MULTILINE), "the device library declares shared memory"
+
+
+def test_linking_builds_only_the_device_library(toolchain, tmp_path, monkeypatch):
+    """Triton-only work (a CPU machine compiling tritongin kernels) compiles the two nvcc steps of
+    the device library, never the backend's twenty-one: it links nothing else. The commands are
+    recorded and their outputs written in place of nvcc's (the real build is test_device_library's)."""
+    commands = []
+
+    def run(command, cwd):
+        commands.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"\x7fELF")
+
+    monkeypatch.setattr(build, "_run", run)
+    monkeypatch.setenv("JAXGIN_CACHE_DIR", str(tmp_path))
+    link._library_cubin.cache_clear()
+    try:
+        assert link._library_cubin("sm_90a") == b"\x7fELF"
+    finally:
+        link._library_cubin.cache_clear()  # the next test links the real library again
+    assert sorted(Path(c[c.index("-o") + 1]).name for c in commands) == ["jaxgin_device.cubin", "jaxgin_device.ptx"]
+    assert not list(tmp_path.glob(f"*/{build.BACKEND_LIBRARY}"))
 
 
 def test_nvjitlink_constants_match_its_header(toolchain):

@@ -19,8 +19,9 @@ from tritongin.memory import Context, DeviceArray, SignalRange, SymmetricArray, 
 
 
 def device_library(arch: str = "sm_90a") -> _build.Artifacts:
-    """Builds (cached) the device library for `arch` against the NCCL jaxgin would load."""
-    return _build.build(_nccl.load(), arch)
+    """Builds (cached) the device library for `arch` against the NCCL jaxgin would load: its PTX
+    and cubin, what tritongin links into kernels (no backend: ``backend`` is None)."""
+    return _build.device_library(_nccl.load(), arch)
 
 
 __all__ = [

@@ -174,7 +174,7 @@ def library_key() -> str:
 def _library_cubin(arch: str) -> bytes:
     """The device library's cubin, read once per process and arch (a build lookup hashes every
     source and runs nvcc; one NCCL per process, as library_key assumes too)."""
-    return _build.build(_nccl.load(), arch).cubin.read_bytes()
+    return _build.device_library(_nccl.load(), arch).cubin.read_bytes()
 
 
 def link_kernel(ptx: str, arch: str) -> bytes:
