@@ -472,17 +472,49 @@ def test_build_reports_progress_on_stderr(tmp_path, capfd, monkeypatch, nvcc, pa
 
 def test_build_says_what_is_still_compiling(tmp_path, capfd, monkeypatch, nvcc, packaged_nccl):
     """Nothing finished for HEARTBEAT_S seconds: a line names the steps still running (three at
-    most, then how many more)."""
+    most, then how many more) and how many wait for a CPU."""
     monkeypatch.setattr(build, "HEARTBEAT_S", 0.05)
     monkeypatch.setattr(build, "_run", lambda command, cwd: time.sleep(0.4))
+    monkeypatch.setattr(build, "compile_jobs", lambda: 2)
     build.build(_headers_only(packaged_nccl), ARCH, cache_dir=tmp_path / "cache")
     err = capfd.readouterr().err
     assert "still compiling device/library.cu -> cubin, device/library.cu -> ptx\n" in err
     stage = [["nvcc", "-c", f"/src/csrc/kernels/k{i}.cu", "-o", f"/o/k{i}.o"] for i in range(5)]
-    build._run_stage(stage, Path("/src/csrc"), build._Progress(True), 0, 5)
+    build._run_stage(stage, Path("/src/csrc"), build._Progress(True), 0, 5, jobs=5)
     err = capfd.readouterr().err
     assert "still compiling kernels/k0.cu, kernels/k1.cu, kernels/k2.cu and 2 more\n" in err
     assert "5/5 kernels/k" in err
+    build._run_stage(stage, Path("/src/csrc"), build._Progress(True), 0, 5, jobs=2)
+    err = capfd.readouterr().err
+    assert "still compiling kernels/k0.cu, kernels/k1.cu (3 waiting)\n" in err
+    assert "5/5 kernels/k" in err
+
+
+def test_compiles_run_one_per_cpu_and_stop_at_the_first_failure(monkeypatch):
+    """No more nvcc processes than CPUs at once (more only contend for them), and a failed step
+    cancels the steps not yet started instead of compiling on for nothing."""
+    import threading
+
+    lock, running, most, started = threading.Lock(), [0], [0], []
+
+    def run(command, cwd):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            started.append(command[2])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        if command[2].endswith("k1.cu"):
+            raise ToolchainError("k1.cu does not compile")
+
+    monkeypatch.setattr(build, "_run", run)
+    stage = [["nvcc", "-c", f"/src/csrc/kernels/k{i}.cu", "-o", f"/o/k{i}.o"] for i in range(8)]
+    with pytest.raises(ToolchainError, match="k1.cu does not compile"):
+        build._run_stage(stage, Path("/src/csrc"), build._Progress(False), 0, 8, jobs=2)
+    assert most[0] == 2
+    assert len(started) < len(stage), started  # k1's failure stopped the rest
+    assert build.compile_jobs() == len(os.sched_getaffinity(0))
 
 
 def test_build_progress_can_be_switched_off(tmp_path, capfd, monkeypatch, nvcc, packaged_nccl):
