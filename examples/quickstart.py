@@ -28,6 +28,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 import jaxgin  # noqa: E402
 from jaxgin import cli  # noqa: E402
 
+INSTALL_CUDA = 'pip install -e ".[cuda]"'
+
 
 def ops_against_lax() -> None:
     mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -66,7 +68,10 @@ def main() -> None:
     try:
         info = jaxgin.info()
         if info["backend"] == "reference":
-            where = "no NCCL, no heap: ops lower to jax.lax collectives"
+            where = "no NCCL, no heap allocated: ops lower to jax.lax collectives"
+            gpus = cli.cuda_gpu_count()
+            if gpus:  # GPUs JAX does not drive: say so rather than pass the CPU run off as the GPU one
+                where += f" (the CUDA driver shows {gpus} GPUs, but JAX's CUDA plugin is missing: {INSTALL_CUDA})"
         else:
             where = (f"NCCL={info['nccl_version']}, GIN={info['gin_type']}, LSA team={info['lsa_team_size']}, "
                      f"heap={info['heap_bytes'] >> 20} MiB per device")

@@ -515,7 +515,9 @@ def call_backend(method, *args):
 
 def info() -> dict[str, Any]:
     """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices, and on
-    GPUs what finalize() can return after a device fault (``fault_cleanup``)."""
+    GPUs what finalize() can return after a device fault (``fault_cleanup``). In reference mode
+    ``heap_allocated`` is False: no heap exists, and ``heap_bytes``, ``heap_user_bytes`` and
+    ``channel`` are what ops are checked against, so they fail where a GPU's heap would be full."""
     state = current()
     o = state.options
     result: dict[str, Any] = {
@@ -523,6 +525,7 @@ def info() -> dict[str, Any]:
         "world_size": len(state.devices),
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
+        "heap_allocated": o.backend == "cuda",
         "heap_bytes": o.heap_bytes,
         "heap_user_bytes": o.heap_bytes - reserved_bytes(o.signal_count, o.barrier_slots, state.world_size, o.channel),
         "channel": dataclasses.asdict(o.channel),

@@ -45,7 +45,7 @@ def test_quickstart_on_cpu():
     out = _run("quickstart.py")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "backend=reference, no NCCL, no heap" in lines[0]
+    assert "on 4 cpu devices: backend=reference, no NCCL, no heap allocated" in lines[0]
     assert "MiB" not in lines[0]  # reference mode allocates no heap, so it prints no heap size
     assert lines[1].startswith("exchange OK over the reference path")
     assert lines[2].startswith("JAX ops OK on 4 devices")

@@ -46,6 +46,7 @@ def test_info_fields():
     assert info["timeout_s"] == 5.0
     assert info["signal_count"] == 100
     assert info["barrier_slots"] == 20
+    assert info["heap_allocated"] is False  # reference mode checks ops against heap_bytes, allocates none
     assert info["heap_bytes"] == 64 << 20
     channel = runtime.channel_shape(8)
     assert info["channel"] == {"lanes": channel.lanes, "slots": channel.slots, "slot_bytes": channel.slot_bytes}
@@ -378,14 +379,35 @@ def test_force_gin_argument_wins_over_environment(monkeypatch):
 
 
 def test_info_command_on_cpu():
-    """``python -m jaxgin.info`` prints the environment and info() as JSON, and exits 0 on CPU."""
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxgin.info"], capture_output=True, text=True, env=dict(os.environ), timeout=300
-    )
+    """``python -m jaxgin.info`` prints one JSON document (the environment and info()), nothing on
+    stderr, and exits 0 on CPU; in reference mode it says that no heap exists and where the
+    number of CPU devices comes from (here 2, from the XLA_FLAGS it is given)."""
+    devices = 2
+    result = subprocess.run([sys.executable, "-m", "jaxgin.info"], capture_output=True, text=True,
+                            env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
+                            timeout=300)
     assert result.returncode == 0, result.stderr
-    assert '"backend": "reference"' in result.stdout
-    assert '"world_size": 8' in result.stdout
-    assert '"environment"' in result.stdout
+    assert result.stderr == ""
+    report = json.loads(result.stdout)
+    assert set(report) == {"environment", "info", "reference_mode"}
+    assert report["environment"]["jax_backend"] == "cpu" and report["environment"]["jax_devices"] == devices
+    info = report["info"]
+    assert info["backend"] == "reference" and info["world_size"] == devices
+    assert info["heap_allocated"] is False
+    assert f"{devices} CPU device(s)" in report["reference_mode"]
+    assert "no heap allocated" in report["reference_mode"]
+    assert "--xla_force_host_platform_device_count=N" in report["reference_mode"]
+
+
+def test_info_command_reports_what_stopped_initialize():
+    """A failing initialize() still ends in one JSON document, its message under "error" (and on
+    stderr), exit status 1."""
+    result = subprocess.run([sys.executable, "-m", "jaxgin.info"], capture_output=True, text=True,
+                            env={**os.environ, "JAXGIN_TIMEOUT": "soon"}, timeout=300)
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert set(report) == {"environment", "error"}
+    assert "JAXGIN_TIMEOUT='soon'" in report["error"] and report["error"] in result.stderr
 
 
 def test_cupti_already_in_the_process_is_not_loaded_twice(monkeypatch, tmp_path):
