@@ -54,7 +54,10 @@ reference mode.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -406,7 +409,11 @@ def _check(bad, names: tuple, describe: Callable[..., str], *facts):
 
     def fail(bad, rank, *facts):
         first = int(np.flatnonzero(bad)[0])
-        raise JaxginError(describe(rank[first], *(f[first] for f in facts)))
+        error = JaxginError(describe(rank[first], *(f[first] for f in facts)))
+        _failed_checks.add(str(error))
+        atexit.unregister(_report_failed_check_at_exit)  # once, after JAX's own exit handler (see there)
+        atexit.register(_report_failed_check_at_exit)
+        raise error
 
     def misuse(*local):
         gathered = jax.lax.all_gather(local, everyone)
@@ -417,6 +424,34 @@ def _check(bad, names: tuple, describe: Callable[..., str], *facts):
     local = [jnp.asarray(f).astype(jnp.int32) + zero for f in (bad, jax.lax.axis_index(names), *facts)]
     anyone = jax.lax.psum(local[0], everyone) > 0
     return jax.lax.cond(anyone, misuse, lambda *_: jnp.int32(0), *local)
+
+
+# Every device of the shard_map raises the same check error (none may run on alone), and JAX logs
+# each failed callback with its traceback before handing one of them back as the JaxRuntimeError
+# the program reads: the same message once per device. The JaxRuntimeError carries it; the logs go.
+class _FailedCheckLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and str(record.exc_info[1]) in _failed_checks)
+
+
+_failed_checks: set[str] = set()
+logging.getLogger(jax.pure_callback.__module__).addFilter(_FailedCheckLogs())
+
+
+def _report_failed_check_at_exit() -> None:
+    """JAX raises a failed callback's error again at the next jax.effects_barrier(), which its own
+    exit handler runs (this one runs before it), printing the traceback a second time. A program
+    ended by that very error has shown it already: nothing more is said. Otherwise (the program
+    caught it and went on) one line says it, as the GPU runtime says its device faults at exit."""
+    try:
+        jax.effects_barrier()
+    except jax.errors.JaxRuntimeError as e:
+        shown = getattr(sys, "last_exc", None)
+        messages = [m for m in sorted(_failed_checks) if m in str(e)]
+        if not messages:
+            raise
+        if shown is None or type(shown) is not type(e) or shown.args != e.args:
+            print(f"jaxgin: a program failed a reference-mode check: {messages[0]}", file=sys.stderr, flush=True)
 
 
 def _axis(names: tuple) -> str:

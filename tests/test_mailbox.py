@@ -9,7 +9,10 @@ op, the mailbox, the ranks and the counts; correct programs must still equal jax
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -239,6 +242,61 @@ def test_a_misuse_on_one_device_stops_every_device(init, request):
     message = misuse(body, values())
     assert message.startswith("jaxgin.wait_signal at rank 2 of axis 'x': waited for 1 puts"), message
     assert "only 0 arrived" in message
+
+
+STARVED_WAIT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import jaxgin
+
+jaxgin.initialize()
+box = jaxgin.Mailbox("ring", shape=(8,), dtype=jnp.float32)
+
+def step(block):
+    me = jax.lax.axis_index("x")
+    token = jaxgin.put_signal(block[0], box, peer=(me + 1) % 4, axis_name="x")
+    return jaxgin.wait_signal(box, count=2, axis_name="x", after=token)[None]
+
+f = jax.jit(jax.shard_map(step, mesh=Mesh(np.array(jax.devices()), ("x",)), in_specs=P("x"), out_specs=P("x")))
+if sys.argv[1] == "caught":
+    try:
+        np.asarray(f(jnp.zeros((4, 8))))
+    except jax.errors.JaxRuntimeError:
+        print("caught")
+else:
+    np.asarray(f(jnp.zeros((4, 8))))
+"""
+STARVED_MESSAGE = ("jaxgin.wait_signal at rank 0 of axis 'x': waited for 2 puts into mailbox 'ring' but only 1 "
+                   "arrived (from ranks [3])")
+
+
+def _starve(how: str):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-c", STARVED_WAIT, how], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def test_a_starved_wait_ending_the_program_says_so_once():
+    """Every device raises the check's error, and JAX would log each and raise it again at exit:
+    the user sees it once, as the JaxRuntimeError that ended the program, naming the mailbox."""
+    out = _starve("uncaught")
+    assert out.returncode == 1
+    assert out.stderr.count(STARVED_MESSAGE) == 1, out.stderr
+    assert "jax.pure_callback failed" not in out.stderr and "atexit" not in out.stderr, out.stderr
+    assert out.stderr.rstrip().splitlines()[-1].startswith(f"JaxginError: {STARVED_MESSAGE}"), out.stderr
+
+
+def test_a_starved_wait_caught_and_left_is_said_at_exit_in_one_line():
+    """A program that caught the error and never called jax.effects_barrier() hears of it once more
+    at exit (JAX raises it there): one line, not a traceback."""
+    out = _starve("caught")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "caught\n"
+    assert out.stderr.startswith(f"jaxgin: a program failed a reference-mode check: {STARVED_MESSAGE}"), out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
