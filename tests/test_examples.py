@@ -23,8 +23,13 @@ def _env():
 
 
 def _run(script, *args):
-    return subprocess.run([sys.executable, f"examples/{script}", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=_env())
+    """The example as a newcomer runs it; it must end without a warning or a traceback on stderr
+    (a first Triton example may report the device library's build there)."""
+    out = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=_env())
+    noise = [line for line in out.stderr.splitlines() if not line.startswith("jaxgin build [")]
+    assert not noise, out.stderr
+    return out
 
 
 def _run_without(module, script):
