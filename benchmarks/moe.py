@@ -202,7 +202,7 @@ def plot(report: dict, path: Path) -> Path | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
     parser.add_argument("--tokens", default="128,4096")
     parser.add_argument("--hidden", type=int, default=7168)

@@ -4,6 +4,7 @@ benchmarks/moe.py, one process per GPU of this machine: the peer that jaxgin.moe
     python benchmarks/nccl_ep.py [--tokens 128] [--hidden 7168] [--experts 256] [--top-k 8] [--out DIR]
 
 What it needs, and why:
+  2 NVIDIA GPUs    or more (--gpus): NCCL EP runs one process per GPU
   torch            tensors, and a gloo process group for NCCL's unique id, the checks and barriers
   nccl-extensions  with nccl4py, cuda-core, cuda-pathfinder; and the NCCL it pins (2.30.x): its
                    compiled host code holds NCCL's device-communicator struct, whose layout changed
@@ -263,7 +264,7 @@ def worker(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=7168)

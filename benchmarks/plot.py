@@ -42,7 +42,7 @@ def plot(path: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, help="a JSON report of benchmarks/collectives.py")
     args = parser.parse_args()
     from jaxgin import cli

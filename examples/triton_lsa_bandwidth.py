@@ -88,7 +88,7 @@ def compile_only(gpus: int):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("size", nargs="?", type=sizes.argument("SIZE", minimum=4), default=1 << 30,
                         help="bytes to move, e.g. 256MiB, 1GiB (default 1GiB)")
     args = parser.parse_args()

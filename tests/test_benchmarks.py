@@ -2,7 +2,9 @@
 GPUs and how many, and exits with jaxgin.cli.EXIT_TOO_FEW_GPUS, before touching jaxgin or JAX's
 devices for real work (no traceback)."""
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,20 @@ def test_without_gpus_says_how_many_it_needs(script, args, gpus, tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stdout == ""
     assert not list(tmp_path.iterdir())  # no half-written results
+
+
+@pytest.mark.parametrize("script", ["benchmarks/collectives.py", "benchmarks/fused.py", "benchmarks/moe.py",
+                                    "benchmarks/nccl_ep.py", "benchmarks/plot.py"])
+def test_help_is_the_whole_docstring(script):
+    """--help shows the script's docstring as written, not its first line cut mid-sentence: what
+    the script does, what it needs and, for every benchmark, how many GPUs."""
+    out = _run(script, "--help")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    doc = ast.get_docstring(ast.parse((ROOT / script).read_text()))
+    for line in doc.splitlines():
+        assert line.rstrip() in out.stdout, line
+    if script != "benchmarks/plot.py":
+        assert re.search(r"(1|2) or more NVIDIA GPUs|2 NVIDIA GPUs", out.stdout), out.stdout
 
 
 def test_driver_count_without_jax(monkeypatch):
