@@ -7,21 +7,32 @@ tests (tests/gpu) run their work in subprocesses with their own environment.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
-if _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", "").split():
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
+# XLA compiling the suite's programs is most of its time (0.6 s a program in the MoE tests); LLVM at
+# -O0 takes 30% less for them, and the programs' results are the same: the suite checks what they
+# compute, not how fast the CPU code runs. A level the caller sets wins.
+_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend_optimization_level": "0"}
+_given = os.environ.get("XLA_FLAGS", "").split()
+_named = {flag.split("=")[0] for flag in _given}
+os.environ["XLA_FLAGS"] = " ".join(_given + [f"{name}={value}" for name, value in _FLAGS.items() if name not in _named])
 
-# Builds land in one cache per test session (shared by every test and the subprocesses they run),
-# unless the caller points JAXGIN_CACHE_DIR somewhere on purpose.
+# Builds land in one cache per test session, unless the caller points JAXGIN_CACHE_DIR somewhere on
+# purpose: shared by every test, by the subprocesses they run, and by pytest-xdist's workers, which
+# inherit the variable from the process that made the cache (pytest itself, which also removes it),
+# so that no test compiles what another already compiled. Triton's kernels go there too: every
+# session compiles as on a fresh machine, and the user's own Triton cache is left alone.
 _SESSION_CACHE: str | None = None
 if not os.environ.get("JAXGIN_CACHE_DIR"):
     _SESSION_CACHE = tempfile.mkdtemp(prefix="jaxgin-test-cache-")
     os.environ["JAXGIN_CACHE_DIR"] = _SESSION_CACHE
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_CACHE, "triton"))
 
 import pytest  # noqa: E402
 
@@ -42,6 +53,32 @@ def skip_or_fail(reason: str) -> None:
     if nvcc_required():
         pytest.fail(f"{reason} (and {REQUIRE_NVCC_VAR}=1 makes this a failure, not a skip)", pytrace=False)
     pytest.skip(f"{reason} (set {REQUIRE_NVCC_VAR}=1 to make this a failure)")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for `-n`: tests go to whichever worker is free, except that the
+    tests of a module with a module-scoped fixture (a build, a compiled plugin) all go to one
+    worker. xdist gives every worker its own module fixtures, and a second worker would compile the
+    same thing again, or wait on the build cache's lock while the first one compiles. Those modules
+    are handed out first: they hold the longest compiles."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class OneWorkerPerModuleFixture(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _has_module_fixture(root / module) else nodeid
+
+    return OneWorkerPerModuleFixture(config, log)
+
+
+_MODULE_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=[\"']module[\"']")
+
+
+@functools.cache
+def _has_module_fixture(path: Path) -> bool:
+    return path.suffix == ".py" and _MODULE_FIXTURE.search(path.read_text()) is not None
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -146,7 +183,6 @@ def gpu_scenario(name: str):
     on CPU against the collective references (tests/test_fused.py, tests/test_moe.py)."""
     import importlib
     import sys
-    from pathlib import Path
 
     gpu_tests = str(Path(__file__).with_name("gpu"))
     if gpu_tests not in sys.path:

@@ -1,17 +1,45 @@
-"""What docs/api.md states that the code can check: every signature it gives is the code's (names,
-order, keyword-only markers, defaults)."""
+"""What the README and docs/api.md state that the code can check: the README's two commands are
+the ones CI runs and its install line picks an extra that exists, and every signature api.md gives
+is the code's (names, order, keyword-only markers, defaults)."""
 
 import ast
 import importlib
 import inspect
 import re
+import tomllib
 from pathlib import Path
 
 import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 API = (ROOT / "docs" / "api.md").read_text()
+
+
+def readme_commands() -> list[str]:
+    """The README's indented command lines (its "Two commands")."""
+    return [line.strip() for line in README.splitlines() if line.startswith("    pip install")]
+
+
+def test_readme_has_two_commands_and_ci_runs_its_test_command():
+    install, test = readme_commands()
+    assert install.endswith("&& python examples/quickstart.py")
+    test_command = test.split(" && ")[1]
+    assert test_command.startswith("python -m pytest tests")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'"$venv_python" -m {test_command.removeprefix("python -m ")}\n' in ci
+
+
+def test_readme_install_line_picks_an_extra_that_exists():
+    install, _ = readme_commands()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    picked = re.fullmatch(r'pip install -e "\.\[\$\(nvidia-smi -L >/dev/null 2>&1 && echo (\w+) \|\| echo (\w+)\)\]" '
+                          r"&& python examples/quickstart\.py", install)
+    assert picked, install
+    gpu, cpu = picked.groups()
+    assert gpu == "cuda" and "jax[cuda13]>=0.11,<0.13" in extras[gpu]
+    assert cpu in extras and extras[cpu] == []  # JAX alone: no CUDA plugin to fail on a machine without GPUs
 
 
 def _documented() -> list[tuple[str, str]]:
