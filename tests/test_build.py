@@ -526,6 +526,18 @@ def test_build_progress_can_be_switched_off(tmp_path, capfd, monkeypatch, nvcc, 
     assert "jaxgin build [" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("arch, virtual", [("sm_90a", "compute_90a"), ("sm_80", "compute_80"), ("sm_100a", "compute_100a")])
+def test_backend_sources_compile_for_one_virtual_arch(tmp_path, arch, virtual, nvcc, packaged_nccl):
+    """Each backend source goes through nvcc's device pass once, for the GPU's own arch: with
+    -arch=sm_90a nvcc also compiled a portable compute_90 PTX that the linked backend never holds
+    (its device code is one sm_90 ELF either way), a quarter of every compile's CPU time."""
+    compiles, (link,) = build._backend_commands(nvcc, packaged_nccl, arch, build.sources_dir(), tmp_path)
+    for command in compiles:
+        assert f"-gencode=arch={virtual},code=[{arch},{virtual}]" in command
+        assert not [part for part in command if part.startswith("-arch")], command
+    assert f"-arch={arch}" in link
+
+
 def test_step_names():
     root = Path("/src/csrc")
     assert build._step_name(["nvcc", "-c", "/src/csrc/kernels/exchange.cu", "-o", "/o/kernels_exchange.o"],
