@@ -198,14 +198,19 @@ def triton_call(
 
     compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state), enable_fp_fusion)
     metadata = compiled.metadata
-    if getattr(metadata, "global_scratch_size", 0):
-        raise JaxginError(
-            f"jaxgin.triton_call: kernel {kernel.__name__} needs {metadata.global_scratch_size} bytes of Triton "
-            "global scratch per program, which triton_call does not provide"
-        )
     if getattr(metadata, "num_ctas", 1) != 1:
         raise JaxginError(f"jaxgin.triton_call: kernel {kernel.__name__} uses thread-block clusters (num_ctas > 1)")
-    params += [_NULL_POINTER, 0, _NULL_POINTER, 0]  # Triton's global and profile scratch pointers
+    launch_grid = _grid(grid, constexprs)
+    scratch = _global_scratch_bytes(metadata, launch_grid)
+    if scratch:
+        # Triton's global scratch (tensor descriptors made on the device: tl.make_tensor_descriptor)
+        # is one more XLA result, never returned: XLA owns the memory, and a captured graph replays
+        # with the same buffer.
+        out_types = out_types + [jax.ShapeDtypeStruct((scratch,), np.uint8)]
+        params += [_RESULT, len(out_types) - 1]
+    else:
+        params += [_NULL_POINTER, 0]
+    params += [_NULL_POINTER, 0]  # Triton's profile scratch pointer
     cubin = compiled.asm["cubin"]
     call = jax.ffi.ffi_call(TARGET, out_types, has_side_effect=True)
     if operands:
@@ -222,11 +227,23 @@ def triton_call(
         *operands,
         cubin=np.frombuffer(cubin, dtype=np.int8),
         kernel_name=metadata.name,
-        grid=np.array(_grid(grid, constexprs), dtype=np.int64),
+        grid=np.array(launch_grid, dtype=np.int64),
         num_warps=np.int64(metadata.num_warps),
         shared_bytes=np.int64(metadata.shared),
         params=np.array(params, dtype=np.int64),
         generation=np.int64(state.generation),
     )
+    if scratch:
+        results = results[:-1]
     return results[0] if single else results
 
+
+def _global_scratch_bytes(metadata, grid) -> int:
+    """Bytes of Triton global scratch a launch of `grid` needs: a slice per program, each
+    global_scratch_size bytes rounded up to global_scratch_align."""
+    size = int(getattr(metadata, "global_scratch_size", 0) or 0)
+    if not size:
+        return 0
+    align = max(int(getattr(metadata, "global_scratch_align", 1) or 1), 1)
+    per_program = -(-size // align) * align
+    return per_program * grid[0] * grid[1] * grid[2]

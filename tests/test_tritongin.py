@@ -295,3 +295,59 @@ def test_standalone_and_triton_call_need_gpus():
             call()
     with pytest.raises(JaxginError, match="runs Triton kernels on CUDA GPUs"):
         jaxgin.triton_call(plain_copy, jnp.ones(4), grid=(1,), out_shape=jnp.ones(4), BLOCK=4)
+
+
+@triton.jit
+def descriptor_copy(ctx, src, dst, N: tl.constexpr, BLOCK: tl.constexpr):
+    desc = tl.make_tensor_descriptor(src, shape=[N], strides=[1], block_shape=[BLOCK])
+    offs = tl.program_id(0) * BLOCK
+    tl.store(dst + offs + tl.arange(0, BLOCK), desc.load([offs]))
+
+
+def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
+    """A kernel that makes tensor descriptors on the device needs Triton's global scratch, a slice
+    per program: triton_call hands it over as one more XLA result, the size of the whole grid's
+    slices, passes its address where Triton expects it and returns only the kernel's outputs."""
+    import importlib
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    tc = importlib.import_module("jaxgin.triton_call")
+    device = types.SimpleNamespace(compute_capability="9.0")
+    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=3)
+    monkeypatch.setattr(tc.runtime, "current", lambda: state)
+    monkeypatch.setattr(link, "install", lambda: None)
+    seen = {}
+
+    def ffi_call(target, out_types, has_side_effect):
+        def call(*operands, **attrs):
+            seen.update(out_types=out_types, attrs=attrs)
+            return [jnp.zeros(t.shape, t.dtype) for t in out_types]
+        return call
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", ffi_call)
+    src = jnp.arange(4096, dtype=jnp.float32)
+    out = tc.triton_call(descriptor_copy, src, grid=(8,), out_shape=src, enable_fp_fusion=True, N=4096,
+                         BLOCK=512)
+    assert out.shape == (4096,) and out.dtype == jnp.float32  # the scratch is not returned
+    compiled_size = tc._global_scratch_bytes(types.SimpleNamespace(global_scratch_size=100, global_scratch_align=128),
+                                             (8, 1, 1))
+    assert compiled_size == 8 * 128
+    scratch_type = seen["out_types"][-1]
+    assert len(seen["out_types"]) == 2 and scratch_type.dtype == np.uint8
+    assert scratch_type.shape[0] > 0 and scratch_type.shape[0] % 8 == 0  # a slice per program
+    params = list(seen["attrs"]["params"])
+    # ... then Triton's two scratch pointers: the global one is result 1, the profile one null
+    assert params[-4:] == [tc._RESULT, 1, tc._NULL_POINTER, 0]
+    plain = tc.triton_call(plain_copy_ctx, src, grid=(8,), out_shape=src, enable_fp_fusion=True, BLOCK=512)
+    assert plain.shape == (4096,) and len(seen["out_types"]) == 1
+    assert list(seen["attrs"]["params"])[-4:] == [tc._NULL_POINTER, 0, tc._NULL_POINTER, 0]
+
+
+@triton.jit
+def plain_copy_ctx(ctx, src, dst, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs))

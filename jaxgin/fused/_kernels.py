@@ -105,6 +105,54 @@ def matmul_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _operand_descriptors(x, w, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+    """TMA descriptors of x [M, K] (BM x BK tiles) and w [K, N] (BK x BN tiles), made on the device;
+    loads past an edge read zeros."""
+    x_desc = tl.make_tensor_descriptor(x, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    w_desc = tl.make_tensor_descriptor(w, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    return x_desc, w_desc
+
+
+@triton.jit
+def _matmul_tile_tma(x_desc, row0, w_desc, col0, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, PRECISION: tl.constexpr):
+    """float32 [BM, BN] = x[row0 .. row0 + BM, :] @ w[:, col0 .. col0 + BN], operand tiles through TMA."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        acc = tl.dot(x_desc.load([row0, k * BK]), w_desc.load([k * BK, col0]), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def matmul_tma_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """matmul_kernel with TMA: one program per tile, operands and result through tensor descriptors."""
+    TM: tl.constexpr = (M + BM - 1) // BM
+    TN: tl.constexpr = (N + BN - 1) // BN
+    ti, tj = _tile_coords(tl.program_id(0), TM, TN, GROUP_M)
+    x_desc, w_desc = _operand_descriptors(x, w, M, N, K, BM, BN, BK)
+    acc = _matmul_tile_tma(x_desc, ti * BM, w_desc, tj * BN, K, BM, BN, BK, PRECISION)
+    out_desc = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    out_desc.store([ti * BM, tj * BN], acc.to(out.dtype.element_ty))
+
+
+@triton.jit
+def matmul_persistent_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                             PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """matmul_tma_kernel with PROGRAMS persistent programs, program p taking tiles p, p + PROGRAMS, ..."""
+    TM: tl.constexpr = (M + BM - 1) // BM
+    TN: tl.constexpr = (N + BN - 1) // BN
+    x_desc, w_desc = _operand_descriptors(x, w, M, N, K, BM, BN, BK)
+    out_desc = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    for t in tl.range(tl.program_id(0), TM * TN, PROGRAMS, warp_specialize=WARP_SPECIALIZE):
+        ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+        acc = _matmul_tile_tma(x_desc, ti * BM, w_desc, tj * BN, K, BM, BN, BK, PRECISION)
+        out_desc.store([ti * BM, tj * BN], acc.to(out.dtype.element_ty))
+
+
+@triton.jit
 def _chunk_tile(x, w, d, t, N: tl.constexpr, K: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
                 SPLIT_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 GROUP_M: tl.constexpr, PRECISION: tl.constexpr):

@@ -1,0 +1,119 @@
+"""The fused kernels' matmul against cuBLAS on one GPU: which Triton formulation and tile
+configuration comes closest, per shape.
+
+Variants (every one a jaxgin.triton_call kernel, timed inside one jit against XLA's x @ w, which
+calls cuBLAS, in the same process):
+- pointer: the tile code the fused kernels run today (_kernels.matmul_kernel: one program per
+  tile, operand tiles loaded through pointers);
+- tma: one program per tile, operand tiles loaded through tensor descriptors made on the device
+  (TMA), the result stored through one;
+- persistent: one program per SM walking the tiles (grouped order), TMA loads and store;
+- persistent_ws: the same with Triton's warp specialization of the tile loop.
+
+Needs one GPU. Writes triton-matmul.json into --out (default $OUT or .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = ((4096, 7168, 2048), (8192, 4096, 4096))
+CONFIGS = (  # block_m, block_n, block_k, num_stages, num_warps
+    (128, 256, 64, 3, 8),
+    (128, 256, 64, 4, 8),
+    (128, 128, 64, 4, 8),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 5, 4),
+    (256, 128, 64, 3, 8),
+)
+VARIANTS = ("pointer", "tma", "persistent", "persistent_ws")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxgin
+    from jaxgin.fused import _common, _kernels
+    from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
+
+    jaxgin.initialize()
+    device = jax.devices()[0]
+    programs = int(getattr(device, "core_count", 0) or 132)
+
+    def call(variant, x, w, cfg):
+        bm, bn, bk, stages, warps = cfg
+        (m, k), n = x.shape, w.shape[1]
+        tiles = -(-m // bm) * -(-n // bn)
+        common = dict(out_shape=jax.core.ShapedArray((m, n), x.dtype), num_warps=warps, num_stages=stages,
+                      enable_fp_fusion=OWN_KERNELS_FP_FUSION, M=m, N=n, K=k, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                      PRECISION="tf32")
+        if variant == "pointer":
+            return triton_call(_kernels.matmul_kernel, x, w, grid=(tiles,), **common)
+        if variant == "tma":
+            return triton_call(_kernels.matmul_tma_kernel, x, w, grid=(tiles,), **common)
+        grid = min(programs, tiles)
+        return triton_call(_kernels.matmul_persistent_kernel, x, w, grid=(grid,), PROGRAMS=grid,
+                           WARP_SPECIALIZE=variant == "persistent_ws", **common)
+
+    def timed(fn, x, w, repeats):
+        @jax.jit
+        def loop(x, w):
+            def body(_, acc):
+                return acc + fn(x, w)[0, 0].astype(jnp.float32)
+            return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+
+        loop(x, w).block_until_ready()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            loop(x, w).block_until_ready()
+            best = min(best, (time.perf_counter() - start) / repeats)
+        return best
+
+    rows = []
+    for m, k, n in SHAPES:
+        keys = jax.random.split(jax.random.key(0))
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+        expected = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        cublas = timed(lambda x, w: x @ w, x, w, args.repeats)
+        flops = 2 * m * n * k
+        print(f"{m}x{k}x{n} cuBLAS {cublas * 1e6:.1f} us ({flops / cublas / 1e12:.0f} TFLOP/s)", flush=True)
+        for variant, cfg in itertools.product(args.variants.split(","), CONFIGS):
+            row = {"m": m, "k": k, "n": n, "variant": variant, "config": cfg, "cublas_us": cublas * 1e6}
+            try:
+                got = jax.jit(lambda x, w, cfg=cfg, variant=variant: call(variant, x, w, cfg))(x, w)
+                row["max_rel_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - expected))
+                                           / jnp.max(jnp.abs(expected)))
+                seconds = timed(lambda x, w, cfg=cfg, variant=variant: call(variant, x, w, cfg), x, w, args.repeats)
+                row.update(us=seconds * 1e6, vs_cublas=cublas / seconds)
+                print(f"  {variant:14s} {cfg}: {seconds * 1e6:7.1f} us  {cublas / seconds:.3f}x cuBLAS  "
+                      f"err {row['max_rel_err']:.2e}", flush=True)
+            except Exception as error:  # a configuration this GPU or this Triton cannot run
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                print(f"  {variant:14s} {cfg}: {row['error']}", flush=True)
+            rows.append(row)
+    import triton
+
+    report = {"device": device.device_kind, "jax": jax.__version__, "triton": triton.__version__, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "triton-matmul.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
