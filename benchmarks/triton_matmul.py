@@ -48,7 +48,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     import jaxgin
-    from jaxgin.fused import _common, _kernels
+    from jaxgin.fused import _kernels
     from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 
     jaxgin.initialize()
