@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 from jaxgin.fused import _common
-from timing import best_seconds
+from timing import after, best_seconds
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
@@ -67,9 +67,7 @@ K_SHARDED = (P(None, "x"), P("x", None), P("x"))
 def _chain(mesh, op, specs=ROWS):
     def body(x, w):
         def step(_, x):
-            y = op(x, w)
-            # x changes with y (by +0, which XLA cannot prove), so call i + 1 waits for call i.
-            return x.at[0, 0].set((x[0, 0].astype(jnp.float32) + y[0, 0].astype(jnp.float32) * 0).astype(x.dtype))
+            return after(x, op(x, w))  # call i + 1 waits for call i
 
         # Unrolled: a device-side loop would sync its predicate to the host every iteration and
         # leave the GPU idle for that time in every variant alike.
@@ -175,7 +173,7 @@ def gspmd(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
         def chain(x, w, out_sharding=out_sharding, x_sharding=x_sharding):
             def step(_, x):
                 y = jax.lax.with_sharding_constraint(x @ w, out_sharding)
-                x = x.at[0, 0].set((x[0, 0].astype(jnp.float32) + y[0, 0].astype(jnp.float32) * 0).astype(x.dtype))
+                x = after(x, y)
                 return jax.lax.with_sharding_constraint(x, x_sharding)
 
             return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)

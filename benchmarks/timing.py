@@ -17,3 +17,16 @@ def best_seconds(f, *args, repeats: int) -> float:
         jax.block_until_ready(f(*args))
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def after(a, b):
+    """`a` with its first element moved by 0 * b's first element, which XLA cannot prove to be
+    zero: the next call, fed with the result, waits for the call that made `b`, and no call is
+    loop-invariant (XLA hoists those out of the loop: a matmul of constant operands ran once in a
+    loop of 50 with jax 0.12). `b` passes an optimization barrier, so that XLA cannot narrow the
+    work that makes it to the one element read."""
+    import jax.numpy as jnp
+
+    b = jax.lax.optimization_barrier(b)
+    moved = a.reshape(-1)[0].astype(jnp.float32) + b.reshape(-1)[0].astype(jnp.float32) * 0
+    return a.at[(0,) * a.ndim].set(moved.astype(a.dtype))

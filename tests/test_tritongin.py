@@ -351,3 +351,31 @@ def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
 def plain_copy_ctx(ctx, src, dst, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(dst + offs, tl.load(src + offs))
+
+
+def test_ptx_is_stamped_with_a_version_the_linker_reads():
+    """Triton 3.9 stamps PTX ISA 9.4 (its ptxas is CUDA 13.4's) over code LLVM generated for at
+    most 9.0; a GPU machine's nvJitLink of CUDA 13.0 rejects 9.4 ("Unsupported .version 9.4;
+    current version is '9.0'"). The link step lowers the stamp to what the linker reads, never
+    raises it."""
+    assert link.newest_ptx_isa((13, 0)) == (9, 0)
+    assert link.newest_ptx_isa((13, 4)) == (9, 4)
+    assert link.newest_ptx_isa((12, 9)) == (8, 8)
+    assert link.newest_ptx_isa((12, 4)) == (8, 4)
+    ptx = "//\n.version 9.4\n.target sm_90a\n.address_size 64\n.version 9.4 in a comment stays\n"
+    lowered = link.readable_ptx(ptx, (13, 0))
+    assert lowered.splitlines()[1] == ".version 9.0" and lowered.splitlines()[4].endswith("comment stays")
+    assert link.readable_ptx(ptx, (13, 5)) == ptx
+    older = ptx.replace("9.4", "8.7", 1)
+    assert link.readable_ptx(older, (13, 0)) == older
+
+
+def test_a_kernel_stamped_for_an_older_linker_still_links(toolchain, fresh_triton_cache):
+    """What a CUDA 13.0 nvJitLink gets from the installed Triton, lowered to ISA 9.0, links with the
+    device library into a cubin (the installed nvJitLink links it here; it reads 9.0 too)."""
+    compiled = compile_for_sm90(every_function, EVERY_SIGNATURE, {"BLOCK": 1024})
+    lowered = link.readable_ptx(compiled.asm["ptx"], (13, 0))
+    stamped = re.search(r"^\.version (\d+)\.(\d+)", lowered, re.MULTILINE).groups()
+    assert tuple(map(int, stamped)) <= (9, 0)
+    cubin = link.link_kernel(lowered, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"

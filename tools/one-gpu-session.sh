@@ -9,7 +9,10 @@
 #      the benchmark and the round again on those versions.
 #
 #   bash tools/one-gpu-session.sh start      # copies the tree, starts the phases, returns
-#   bash tools/one-gpu-session.sh wait SECS  # up to SECS for the current phase; copies results to $OUT
+#   bash tools/one-gpu-session.sh wait SECS [MARKER]  # up to SECS, or until $S/out/MARKER exists;
+#                                                     # copies results to $OUT
+# Knobs (environment of `start`): ROUND_OLD=0 leaves out step 2; ROUND_NEW_K, a pytest -k expression,
+# narrows step 3's round; MATMUL_VARIANTS, benchmarks/triton_matmul.py --variants.
 set -uo pipefail
 S=${SESSION_DIR:-/root/jaxgin-session}
 case "${1:-}" in
@@ -27,14 +30,15 @@ case "${1:-}" in
     versions() { python3 -c "import jax, triton; from importlib.metadata import version as v; print('jax', jax.__version__, 'triton', triton.__version__, 'nccl', v('nvidia-nccl-cu13'))"; }
     echo "phase 1: $(versions)"
     python3 -m pip install -q --no-build-isolation --no-deps -e . > "$S/out/install-old.log" 2>&1
-    timeout 420 python3 benchmarks/triton_matmul.py --out "$S/out/old" > "$S/out/matmul-old.log" 2>&1
+    variants=${MATMUL_VARIANTS:-pointer,tma,persistent,persistent_ws}
+    timeout 420 python3 benchmarks/triton_matmul.py --variants "$variants" --out "$S/out/old" > "$S/out/matmul-old.log" 2>&1
     echo "matmul old: exit $?"; touch "$S/out/phase1-done"
     for _ in $(seq 120); do
       python3 -c "from importlib.metadata import version as v; import sys; sys.exit(tuple(map(int, v('nvidia-nccl-cu13').split('.')[:2])) < (2, 30))" && break
       sleep 5
     done
     echo "phase 2: $(versions)"
-    CUDA_VISIBLE_DEVICES=0 JAXGIN_TEST_EMULATED_WORLDS=2,4 ROUND_COMMIT=$(cat "$S/out/commit") \
+    [ "${ROUND_OLD:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 JAXGIN_TEST_EMULATED_WORLDS=2,4 ROUND_COMMIT=$(cat "$S/out/commit") \
       timeout 1000 python3 tools/gpu_round.py run --deadline 600 --grace 150 \
       --durations benchmarks/results/4xh200/gpu-round.json --dir "$S/round-old" > "$S/out/round-old.log" 2>&1
     echo "round old: exit $?"; cp "$S/round-old/results/gpu-round.json" "$S/out/gpu-round-1gpu-old.json" 2>/dev/null
@@ -43,10 +47,12 @@ case "${1:-}" in
     [ -e "$S/new-versions" ] || { echo "no new versions staged"; exit 0; }
     python3 -m pip install -q --no-build-isolation --no-deps -e . > "$S/out/install-new.log" 2>&1
     echo "phase 3: $(versions)"
-    timeout 420 python3 benchmarks/triton_matmul.py --out "$S/out/new" > "$S/out/matmul-new.log" 2>&1
+    timeout 420 python3 benchmarks/triton_matmul.py --variants "$variants" --out "$S/out/new" > "$S/out/matmul-new.log" 2>&1
     echo "matmul new: exit $?"
+    timeout 120 python3 examples/quickstart.py > "$S/out/quickstart-new.log" 2>&1
+    echo "quickstart new: exit $?"
     CUDA_VISIBLE_DEVICES=0 JAXGIN_TEST_EMULATED_WORLDS=2 ROUND_COMMIT=$(cat "$S/out/commit") \
-      timeout 900 python3 tools/gpu_round.py run --deadline 420 --grace 120 \
+      timeout 900 python3 tools/gpu_round.py run --deadline 420 --grace 120 ${ROUND_NEW_K:+-k "$ROUND_NEW_K"} \
       --durations benchmarks/results/4xh200/gpu-round.json --dir "$S/round-new" > "$S/out/round-new.log" 2>&1
     echo "round new: exit $?"; cp "$S/round-new/results/gpu-round.json" "$S/out/gpu-round-1gpu-new.json" 2>/dev/null
     touch "$S/out/phase3-done"

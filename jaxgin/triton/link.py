@@ -177,12 +177,39 @@ def _library_cubin(arch: str) -> bytes:
     return _build.device_library(_nccl.load(), arch).cubin.read_bytes()
 
 
+def newest_ptx_isa(cuda: tuple[int, int]) -> tuple[int, int]:
+    """The newest PTX ISA version a CUDA release's tools read (CUDA 12.9: 8.8, 13.0: 9.0)."""
+    major, minor = cuda
+    if major >= 13:
+        return 9 + (major - 13), minor
+    if major == 12:
+        return 8, minor - 1 if minor >= 6 else minor
+    raise ToolchainError(f"tritongin needs nvJitLink from CUDA 12 or newer, found {major}.{minor}")
+
+
+_PTX_VERSION = re.compile(r"^(\s*\.version\s+)(\d+)\.(\d+)", re.MULTILINE)
+
+
+def readable_ptx(ptx: str, linker: tuple[int, int]) -> str:
+    """`ptx` declaring a PTX ISA version that nvJitLink of CUDA `linker` reads. Triton stamps the
+    newest version its own ptxas knows (Triton 3.9: 9.4, from CUDA 13.4) over code generated for
+    an older ISA (LLVM's features stop at 9.0 there); a GPU machine's nvJitLink may be older (CUDA
+    13.0 reads up to 9.0). Lowered only down to what the linker reads: an instruction newer than
+    that still fails the link, naming itself."""
+    match = _PTX_VERSION.search(ptx)
+    newest = newest_ptx_isa(linker)
+    if match is None or (int(match.group(2)), int(match.group(3))) <= newest:
+        return ptx
+    return _PTX_VERSION.sub(lambda m: f"{m.group(1)}{newest[0]}.{newest[1]}", ptx, count=1)
+
+
 def link_kernel(ptx: str, arch: str) -> bytes:
     """Triton's PTX of one kernel + the device library -> cubin for `arch`."""
-    return nvjitlink().link(
+    linker = nvjitlink()
+    return linker.link(
         arch,
         [
-            (NVJITLINK_INPUT_PTX, ptx.encode() + b"\0", "triton_kernel.ptx"),
+            (NVJITLINK_INPUT_PTX, readable_ptx(ptx, linker.version).encode() + b"\0", "triton_kernel.ptx"),
             (NVJITLINK_INPUT_CUBIN, _library_cubin(arch), "jaxgin_device.cubin"),
         ],
     )
