@@ -4,11 +4,13 @@
   cublas                      torch.matmul (cuBLAS), the bar
   pointers                    jaxgin.fused._kernels.matmul_kernel: what the fused kernels use now
                               (one tile per program, pointer loads pipelined by Triton)
-  descriptors                 the same tiles loaded and stored through tensor descriptors made on
-                              the device (TMA), one tile per program
-  descriptors_persistent      one program per SM looping over tiles (the loop flattened, so the
-                              next tile's loads overlap this tile's epilogue)
+  descriptors                 matmul_tma_kernel: the same tiles loaded and stored through tensor
+                              descriptors made on the device (TMA), one tile per program
+  descriptors_persistent      matmul_persistent_kernel: one program per SM looping over tiles
   descriptors_persistent_ws   the same with Triton's warp specialization
+
+Launched with Triton's own launcher and torch's tensors; benchmarks/triton_matmul.py times the
+same kernels the way the fused ops run them (jaxgin.triton_call, against XLA's cuBLAS).
 
 Each variant over a few tile configurations, checked against cuBLAS before timing. A diagnostic
 for choosing the fused kernels' matmul, not a test; needs an NVIDIA GPU, Triton and torch
@@ -35,49 +37,12 @@ cli.require(__file__, "triton", why="the tile code", install='-e ".[cuda]"')
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from jaxgin.fused._kernels import _tile_coords, matmul_kernel  # noqa: E402
+from jaxgin.fused._kernels import matmul_kernel, matmul_persistent_kernel, matmul_tma_kernel  # noqa: E402
 
 SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096), (1024, 7168, 2048)]
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4)]
 CALLS = 50
-
-
-@triton.jit
-def _descriptor_tile(xd, wd, od, ti, tj, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K // BK):
-        acc = tl.dot(xd.load([ti * BM, k * BK]), wd.load([k * BK, tj * BN]), acc)
-    od.store([ti * BM, tj * BN], acc.to(od.dtype))
-
-
-@triton.jit
-def matmul_descriptors(x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    xd = tl.make_tensor_descriptor(x, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
-    wd = tl.make_tensor_descriptor(w, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    od = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
-    ti, tj = _tile_coords(tl.program_id(0), M // BM, N // BN, GROUP_M)
-    _descriptor_tile(xd, wd, od, ti, tj, K, BM, BN, BK)
-
-
-@triton.jit
-def matmul_descriptors_persistent(x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SMS: tl.constexpr,
-                                  WS: tl.constexpr):
-    xd = tl.make_tensor_descriptor(x, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
-    wd = tl.make_tensor_descriptor(w, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    od = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
-    TM: tl.constexpr = M // BM
-    TN: tl.constexpr = N // BN
-    KT: tl.constexpr = K // BK
-    for t in tl.range(tl.program_id(0), TM * TN, SMS, flatten=True, warp_specialize=WS):
-        ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, KT):
-            acc = tl.dot(xd.load([ti * BM, k * BK]), wd.load([k * BK, tj * BN]), acc)
-        od.store([ti * BM, tj * BN], acc.to(od.dtype))
 
 
 def _time(fn) -> float:
@@ -113,14 +78,16 @@ def main() -> None:
         for bm, bn, bk, warps, stages in CONFIGS:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             tiles = (m // bm) * (n // bn)
-            common = dict(M=m, N=n, K=k, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+            common = dict(M=m, N=n, K=k, BM=bm, BN=bn, BK=bk, GROUP_M=8, PRECISION="tf32", num_warps=warps,
+                          num_stages=stages)
+            programs = min(sms, tiles)
             launches = {
-                "pointers": lambda: matmul_kernel[(tiles,)](0, x, w, out, PRECISION="tf32", **common),
-                "descriptors": lambda: matmul_descriptors[(tiles,)](x, w, out, **common),
-                "descriptors_persistent": lambda: matmul_descriptors_persistent[(min(sms, tiles),)](
-                    x, w, out, SMS=min(sms, tiles), WS=False, **common),
-                "descriptors_persistent_ws": lambda: matmul_descriptors_persistent[(min(sms, tiles),)](
-                    x, w, out, SMS=min(sms, tiles), WS=True, **common),
+                "pointers": lambda: matmul_kernel[(tiles,)](0, x, w, out, **common),
+                "descriptors": lambda: matmul_tma_kernel[(tiles,)](0, x, w, out, **common),
+                "descriptors_persistent": lambda: matmul_persistent_kernel[(programs,)](
+                    0, x, w, out, PROGRAMS=programs, WARP_SPECIALIZE=False, **common),
+                "descriptors_persistent_ws": lambda: matmul_persistent_kernel[(programs,)](
+                    0, x, w, out, PROGRAMS=programs, WARP_SPECIALIZE=True, **common),
             }
             for name, launch in launches.items():
                 key = f"{name} {bm}x{bn}x{bk} w{warps} s{stages}"
