@@ -43,7 +43,7 @@ import jax
 import jax.ffi
 
 from jaxgin import nccl as nccl_lib
-from jaxgin import nvidia_packages
+from jaxgin import nvidia_packages, settings
 from jaxgin.errors import ToolchainError, install_command
 
 BACKEND_SOURCES = (
@@ -84,8 +84,8 @@ def sources_dir() -> Path:
 
 
 def default_cache_dir() -> Path:
-    if os.environ.get("JAXGIN_CACHE_DIR"):
-        return Path(os.environ["JAXGIN_CACHE_DIR"])
+    if settings.get("JAXGIN_CACHE_DIR"):
+        return Path(settings.get("JAXGIN_CACHE_DIR"))
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxgin"
 
 
@@ -98,8 +98,8 @@ def arch_for(compute_capability: str) -> str:
 def find_nvcc() -> Path:
     """nvcc from $JAXGIN_NVCC, $CUDA_HOME / $CUDA_PATH, PATH, or PyPI's nvidia-cuda-nvcc."""
     candidates: list[Path] = []
-    if os.environ.get("JAXGIN_NVCC"):
-        candidates.append(Path(os.environ["JAXGIN_NVCC"]))
+    if settings.get("JAXGIN_NVCC"):
+        candidates.append(Path(settings.get("JAXGIN_NVCC")))
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             candidates.append(Path(os.environ[var]) / "bin" / "nvcc")
@@ -335,7 +335,7 @@ def _cached(nccl: nccl_lib.NcclInstall, arch: str, commands, what: str, cache_di
 
 
 def _progress_default(progress: bool | None) -> bool:
-    return os.environ.get("JAXGIN_BUILD_PROGRESS", "1") != "0" if progress is None else progress
+    return settings.get("JAXGIN_BUILD_PROGRESS") != "0" if progress is None else progress
 
 
 def device_library(nccl: nccl_lib.NcclInstall, arch: str, *, cache_dir: Path | None = None, verbose: bool = False,

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import re
 from pathlib import Path
 
-from jaxgin import nvidia_packages
+from jaxgin import nvidia_packages, settings
 from jaxgin.errors import NcclError, install_command
 
 MINIMUM_VERSION = 22800  # NCCL 2.28: the first release with the Device API (GIN and LSA)
@@ -103,7 +102,7 @@ def load() -> NcclInstall:
     if lib.ncclGetVersion(ctypes.byref(code)) != 0:
         raise NcclError(f"ncclGetVersion failed in {library}")
     check_version(code.value, str(library))
-    include_dir = Path(os.environ.get("JAXGIN_NCCL_INCLUDE") or library.resolve().parent.parent / "include")
+    include_dir = Path(settings.get("JAXGIN_NCCL_INCLUDE") or library.resolve().parent.parent / "include")
     headers = header_version(include_dir)
     if headers != code.value:
         raise NcclError(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 import sys
 import warnings
 from typing import Any
@@ -25,7 +24,7 @@ from jaxgin import cupti as cupti_lib
 from jaxgin import fault_watch as fault_watch_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
-from jaxgin import rdma
+from jaxgin import rdma, settings
 from jaxgin.ffi import targets
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, install_command
 from jaxgin.sizes import parse_size
@@ -33,6 +32,8 @@ from jaxgin.sizes import parse_size
 BACKENDS = ("cuda", "reference")
 GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
 DEFAULT_HEAP_SIZE = "1GiB"
+# DEFAULT_TIMEOUT_S, DEFAULT_MAX_QUEUED_CALLS and DEFAULT_CHANNEL_SLOT_BYTES are also their settings'
+# defaults in jaxgin/settings.py, which the readers fall back to (tests/test_settings.py holds them equal).
 DEFAULT_TIMEOUT_S = 30.0
 # $JAXGIN_MAX_QUEUED_CALLS's default and largest value (kDefaultMaxQueuedCalls / kMaxQueuedCallsLimit in
 # csrc/runtime/runtime.h; a test holds them equal).
@@ -64,8 +65,8 @@ def default_channel_lanes(world_size: int) -> int:
 
 def channel_shape(world_size: int) -> ChannelShape:
     """Defaults, overridable for tuning with JAXGIN_CHANNEL_LANES / JAXGIN_CHANNEL_SLOT_BYTES."""
-    lanes = os.environ.get("JAXGIN_CHANNEL_LANES") or default_channel_lanes(world_size)
-    slot = os.environ.get("JAXGIN_CHANNEL_SLOT_BYTES") or DEFAULT_CHANNEL_SLOT_BYTES
+    lanes = settings.get("JAXGIN_CHANNEL_LANES") or default_channel_lanes(world_size)
+    slot = settings.get("JAXGIN_CHANNEL_SLOT_BYTES")
     try:
         lanes = int(lanes)
     except ValueError:
@@ -140,7 +141,7 @@ _backends: dict[str, Any] = {}
 
 
 def env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
+    value = settings.get(name)
     if value is None or value == "":
         return None
     if value.lower() in ("1", "true", "yes", "on"):
@@ -167,7 +168,7 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
         force_gin = bool(env_flag("JAXGIN_FORCE_GIN"))
     gin_transport = transport_lib.requested(gin_transport)
     if timeout is None:
-        raw = os.environ.get("JAXGIN_TIMEOUT") or DEFAULT_TIMEOUT_S
+        raw = settings.get("JAXGIN_TIMEOUT")
         try:
             timeout = float(raw)
         except ValueError:
@@ -213,7 +214,7 @@ def load_backend(nccl: nccl_lib.NcclInstall, arch: str):
     """
     from jaxgin import build as build_lib  # see the note above initialize()
 
-    path = os.environ.get("JAXGIN_BACKEND") or str(build_lib.build(nccl, arch).backend)
+    path = settings.get("JAXGIN_BACKEND") or str(build_lib.build(nccl, arch).backend)
     if path not in _backends:
         try:
             _backends[path] = _extension().Backend(path)
@@ -239,7 +240,7 @@ def _unique_id(backend, generation: int, nccl_version: str) -> bytes:
             f"JAX runs {jax.process_count()} processes but jax.distributed has no client; call "
             "jax.distributed.initialize() before jaxgin.initialize()"
         )
-    timeout_ms = int(float(os.environ.get("JAXGIN_BOOTSTRAP_TIMEOUT", "300")) * 1000)
+    timeout_ms = int(float(settings.get_as_set("JAXGIN_BOOTSTRAP_TIMEOUT")) * 1000)
     _agree_on_nccl(client, generation, jax.process_index(), nccl_version, timeout_ms)
     key = f"jaxgin/nccl_unique_id/{generation}"
     if jax.process_index() == 0:
@@ -328,7 +329,7 @@ def initialize(
             transport_lib.enable(transport_lib.build())
         ext = _extension()
         # The record of NCCL's allocations that lets a fault's cleanup return them (through CUPTI).
-        record_vmm_calls = os.environ.get("JAXGIN_RECORD_NCCL_MEMORY", "1") != "0"
+        record_vmm_calls = settings.get("JAXGIN_RECORD_NCCL_MEMORY") != "0"
         if record_vmm_calls:
             cupti_lib.load()
         state.runtime_backend_path = backend_lib.path
@@ -374,7 +375,7 @@ def initialize(
 def _fault_grace_s() -> float:
     """JAXGIN_FAULT_GRACE: seconds after a device fault before a process still waiting for device
     results is ended (see jaxgin.fault_watch); default 30."""
-    raw = os.environ.get("JAXGIN_FAULT_GRACE", "30")
+    raw = settings.get_as_set("JAXGIN_FAULT_GRACE")
     try:
         grace = float(raw)
     except ValueError:
@@ -389,9 +390,7 @@ def _max_queued_calls() -> int:
     stream when NCCL's proxy GIN carries the puts (0: no limit). Read by the backend
     (csrc/ffi/launch_pacing.cu says why the limit exists); checked here so a bad value fails at
     initialize() rather than at the first call."""
-    raw = os.environ.get("JAXGIN_MAX_QUEUED_CALLS", "")
-    if raw == "":
-        return DEFAULT_MAX_QUEUED_CALLS
+    raw = settings.get("JAXGIN_MAX_QUEUED_CALLS")
     if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_QUEUED_CALLS_LIMIT:
         raise ValueError(
             f"JAXGIN_MAX_QUEUED_CALLS must be an integer from 0 to {MAX_QUEUED_CALLS_LIMIT}, got {raw!r}"

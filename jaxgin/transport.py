@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from jaxgin import build as build_lib
-from jaxgin import rdma
+from jaxgin import rdma, settings
 from jaxgin.errors import JaxginError
 from jaxgin.nccl import version_string
 
@@ -70,7 +70,7 @@ def requested(gin_transport: str | None) -> str:
     """The validated request: the argument, else JAXGIN_GIN_TRANSPORT, else 'auto'."""
     source = "gin_transport"
     if gin_transport is None:
-        gin_transport = os.environ.get("JAXGIN_GIN_TRANSPORT") or "auto"
+        gin_transport = settings.get("JAXGIN_GIN_TRANSPORT")
         source = "JAXGIN_GIN_TRANSPORT"
     if gin_transport not in TRANSPORTS:
         raise ValueError(f"{source}={gin_transport!r}: expected one of {TRANSPORTS}")
@@ -100,7 +100,7 @@ COPY_CONTEXTS = ("own", "shared")
 
 def enable(library: Path) -> None:
     """Points NCCL at the plugin. Refuses what would silently not work."""
-    copy_context = os.environ.get("JAXGIN_TRANSPORT_COPY_CONTEXT")
+    copy_context = settings.get("JAXGIN_TRANSPORT_COPY_CONTEXT")
     if copy_context and copy_context not in COPY_CONTEXTS:
         raise ValueError(f"JAXGIN_TRANSPORT_COPY_CONTEXT={copy_context!r}: expected one of {COPY_CONTEXTS} "
                          "(own, the default: the host transport copies in a CUDA context of its own)")
@@ -111,7 +111,7 @@ def enable(library: Path) -> None:
             "use gin_transport='nic' to keep that plugin"
         )
     os.environ["NCCL_RMA_PLUGIN"] = str(library)
-    if not os.environ.get("JAXGIN_TRANSPORT_QUIET"):
+    if not settings.get("JAXGIN_TRANSPORT_QUIET"):
         warnings.warn(
             "jaxgin: GIN traffic goes through the host transport (CUDA copies driven by NCCL's proxy thread, "
             "TCP across hosts), not an RDMA NIC: it works everywhere but is slower than LSA or a NIC. "

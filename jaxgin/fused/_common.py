@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import distributed
 
-from jaxgin import op_support
+from jaxgin import op_support, settings
 from jaxgin.errors import JaxginError
 from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 
@@ -172,7 +172,7 @@ _chosen: dict[str, TileConfig] = {}
 
 
 def _tuning_enabled() -> bool:
-    return os.environ.get("JAXGIN_FUSED_AUTOTUNE", "1") not in ("0", "false", "no")
+    return settings.get("JAXGIN_FUSED_AUTOTUNE") not in ("0", "false", "no")
 
 
 def _cache_file() -> Path:

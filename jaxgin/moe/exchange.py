@@ -11,13 +11,12 @@ sent home; combine's backward is a dispatch of the output cotangent. Entries tha
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgin import op_support
+from jaxgin import op_support, settings
 from jaxgin.collectives import all_to_all
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.route import axis_route
@@ -191,7 +190,7 @@ _ZERO_ROWS = 16
 def _blocks(plan: Plan) -> tuple[int, int, int, int]:
     """The mode's _BLOCKS preset. JAXGIN_MOE_BLOCKS="bt,bh,warps,senders" overrides it
     (benchmarks/moe.py --blocks compares settings with it)."""
-    override = os.environ.get("JAXGIN_MOE_BLOCKS")
+    override = settings.get("JAXGIN_MOE_BLOCKS")
     if override:
         try:
             bt, bh, warps, senders = (int(v) for v in override.split(","))

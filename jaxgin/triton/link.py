@@ -21,7 +21,6 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
-import os
 import re
 import subprocess
 import threading
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from jaxgin import build as _build
 from jaxgin import nccl as _nccl
-from jaxgin import nvidia_packages
+from jaxgin import nvidia_packages, settings
 from jaxgin.errors import ToolchainError
 
 # nvJitLink's C interface (nvJitLink.h); tests/test_tritongin.py checks these against the header.
@@ -57,8 +56,8 @@ def _cuda_release(nvcc: Path) -> tuple[int, int]:
 
 def _nvjitlink_candidates(nvcc: Path) -> list[Path]:
     candidates: list[Path] = []
-    if os.environ.get("JAXGIN_NVJITLINK"):
-        candidates.append(Path(os.environ["JAXGIN_NVJITLINK"]))
+    if settings.get("JAXGIN_NVJITLINK"):
+        candidates.append(Path(settings.get("JAXGIN_NVJITLINK")))
     # The toolkit nvcc came from first: its nvJitLink reads what its nvcc wrote.
     toolkit = nvcc.resolve().parent.parent
     for lib_dir in (toolkit / "lib64", toolkit / "lib"):
