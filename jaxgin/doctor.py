@@ -26,8 +26,9 @@ import json
 import sys
 from pathlib import Path
 
-from jaxgin import cli, nccl, rdma, runtime, transport
+from jaxgin import cli, nccl, rdma, transport
 from jaxgin import node as node_lib
+from jaxgin import settings as settings_lib
 from jaxgin.nccl import version_string
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
@@ -393,7 +394,7 @@ def _settings_findings(s: node_lib.Survey) -> list[Finding]:
                                                "net plugin depends on that plugin's GIN support (NVIDIA/nccl#1913: "
                                                "aws-ofi-nccl on EFA with NCCL 2.28.9)", "check the plugin's GIN support"))
     for name, check in (("JAXGIN_GIN_TRANSPORT", lambda: transport.requested(None)),
-                        ("JAXGIN_FORCE_GIN", lambda: runtime.env_flag("JAXGIN_FORCE_GIN"))):
+                        ("JAXGIN_FORCE_GIN", lambda: settings_lib.flag("JAXGIN_FORCE_GIN"))):
         try:
             check()
         except ValueError as e:

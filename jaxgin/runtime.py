@@ -140,17 +140,6 @@ _generation = 0
 _backends: dict[str, Any] = {}
 
 
-def env_flag(name: str) -> bool | None:
-    value = settings.get(name)
-    if value is None or value == "":
-        return None
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: use 1/0, true/false, yes/no or on/off")
-
-
 def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout, backend, gin_transport=None) -> Options:
     from jaxgin import transport as transport_lib  # see the note above initialize()
 
@@ -165,7 +154,7 @@ def _resolve_options(heap_size, signal_count, barrier_slots, force_gin, timeout,
             "backend='reference'"
         )
     if force_gin is None:
-        force_gin = bool(env_flag("JAXGIN_FORCE_GIN"))
+        force_gin = bool(settings.flag("JAXGIN_FORCE_GIN"))
     gin_transport = transport_lib.requested(gin_transport)
     if timeout is None:
         raw = settings.get("JAXGIN_TIMEOUT")

@@ -2,9 +2,9 @@
 
 ``SETTINGS`` lists each variable with its type, the default the code uses when it is unset, which
 side reads it (``python``: this package; ``native``: the C++ under csrc/ through getenv; ``both``)
-and what it means. Python code reads a setting with ``settings.get(name)`` (or ``get_as_set`` where
-an empty value is an error rather than "unset"); each reader still parses and checks the text
-itself, so its error messages name its own context. tests/test_settings.py holds the table equal to
+and what it means. Python code reads a setting with ``settings.get(name)`` (``get_as_set`` where an
+empty value is an error rather than "unset", ``flag`` for a yes/no setting); other readers parse
+and check the text themselves, so their error messages keep their own context. tests/test_settings.py holds the table equal to
 what the code reads, and docs/guide.md's "Settings (environment variables)" table equal to what
 ``python -m jaxgin.settings`` prints (a package so that the command, its __main__, is not a module
 ``import jaxgin`` already loaded: runpy would warn about a second copy).
@@ -98,11 +98,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Set: one stderr line per host transport request and delivery (debugging only)."),
     # The fake CUDA driver the host transport's tests run on (csrc/transport/fake_cuda.cc).
     Setting("JAXGIN_FAKE_CUDA_DELAY_US", "int", "30", "native",
-            "Tests' fake CUDA only: the longest random pause, in microseconds, before a fake copy runs."),
+            "Tests' fake CUDA only: the longest random pause, in microseconds, before a stream runs its work."),
     Setting("JAXGIN_FAKE_CUDA_COPY_MS", "int", "0", "native",
             "Tests' fake CUDA only: milliseconds every fake copy takes (a copy held up on the GPU)."),
     Setting("JAXGIN_FAKE_CUDA_ADDS", "bool", None, "native",
-            "Tests' fake CUDA only: 1 reports the device able to apply signal additions itself."),
+            "Tests' fake CUDA only: 1 offers stream atomic adds (both ways of applying a signal get tested)."),
     Setting("JAXGIN_FAKE_CUDA_PUSH_FAILS", "bool", None, "native",
             "Tests' fake CUDA only: 1 makes cuCtxPushCurrent fail (CUDA torn down under the transport)."),
     Setting("JAXGIN_FAKE_CUDA_OUT_OF_MEMORY", "str", None, "native",
@@ -129,6 +129,19 @@ def get_as_set(name: str) -> str | None:
     """`name`'s value in the environment, an empty value included (its reader refuses one); its
     default when unset."""
     return os.environ.get(name, _setting(name).default)
+
+
+def flag(name: str) -> bool | None:
+    """A yes/no setting: True for 1/true/yes/on, False for 0/false/no/off (any case), None when
+    unset or empty; anything else is refused."""
+    value = get(name)
+    if value is None or value == "":
+        return None
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: use 1/0, true/false, yes/no or on/off")
 
 
 def markdown_table() -> str:
