@@ -366,7 +366,7 @@ def test_initialize_failure_gives_no_load_hint_when_the_plugin_spoke(monkeypatch
              "transport's own CUDA context on device 0: cuCtxCreate failed: out of memory)")
     assert transport.not_loaded_hint("host", error) == ""
     assert "first communicator" in transport.not_loaded_hint("host", "unhandled cuda error")
-    source = (Path(__file__).parents[1] / "csrc" / "transport" / "host_transport.cc").read_text()
+    source = (Path(__file__).parents[1] / "csrc" / "transport" / "support.cc").read_text()  # log_message
     assert f'"{transport.MESSAGE_PREFIX}%s' in source  # the prefix the plugin logs with
 
 
@@ -457,10 +457,11 @@ def fake_cuda_library(nvcc, tmp_path_factory):
     include = Path(nvcc).resolve().parent.parent / "include"
     root = transport.sources_dir()
     library = tmp_path_factory.mktemp("fake_cuda") / "libjaxgin_transport_fake_cuda.so"
-    sources = [root / name for name in ("host_transport.cc", "wire.cc", "device_memory.cc", "fake_cuda.cc")]
+    sources = [root / name for name in transport.SOURCES if name.endswith(".cc")] + [root / "fake_cuda.cc"]
     # Hidden and bound locally: the fake's cuda* symbols must not meet a real CUDA runtime's.
     subprocess.run([compiler, "-std=c++17", "-O2", "-g", "-shared", "-fPIC", "-fvisibility=hidden",
-                    "-Wl,-Bsymbolic", f"-I{include}", *map(str, sources), "-lpthread", "-o", str(library)],
+                    "-Wl,-Bsymbolic", f"-Wl,--version-script={root / transport.VERSION_SCRIPT}", f"-I{include}",
+                    *map(str, sources), "-lpthread", "-o", str(library)],
                    check=True, capture_output=True, text=True)
     return library
 
