@@ -380,6 +380,30 @@ def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
     assert transport.lost_peers() == []  # another plugin: not ours to ask
 
 
+# What the plugin exports of its own: NCCL's plugin table and the functions jaxgin.transport calls
+# (recorded with nm -D --defined-only before csrc/transport/host_transport.cc was split into files).
+EXPORTS = {"ncclRmaPlugin_v14": "D", "jaxgin_transport_counters": "T", "jaxgin_transport_counter_names": "T",
+           "jaxgin_transport_park_proxy_threads": "T", "jaxgin_transport_lost_peers": "T"}
+
+
+def test_the_library_exports_only_the_plugin_table_and_jaxgins_functions(library):
+    """Its files share types and functions in jaxgin::transport::detail, which has external linkage:
+    -fvisibility=hidden keeps those functions out of the dynamic symbol table, and exports.map the
+    libstdc++ templates instantiated over those types. What remains beside EXPORTS are libstdc++'s
+    own weak instantiations, as before the split."""
+    import shutil
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs nm (binutils)")
+    lines = subprocess.run([nm, "-D", "--defined-only", "-C", str(library)], check=True, capture_output=True,
+                           text=True).stdout.splitlines()
+    symbols = [line.split(maxsplit=2)[1:] for line in lines if line.strip()]
+    ours = {name: kind for kind, name in symbols if "std::" not in name}
+    assert ours == EXPORTS
+    assert [name for _, name in symbols if "jaxgin" in name and name not in EXPORTS] == []
+
+
 # --- the proxy's way: many requests in flight, tested in order ----------------------------------
 
 
