@@ -31,7 +31,11 @@ from jaxgin.nccl import version_string
 
 TRANSPORTS = ("auto", "host", "nic")
 LIBRARY_NAME = "libjaxgin_transport.so"
-SOURCES = ("rma_api.h", "wire.h", "wire.cc", "device_memory.h", "device_memory.cc", "host_transport.cc")
+# Compiled (the .cc files) and hashed into the cache key (all); transport_internal.h maps the plugin's files.
+SOURCES = ("rma_api.h", "wire.h", "wire.cc", "device_memory.h", "device_memory.cc", "transport_internal.h",
+           "support.cc", "faults.cc", "receive.cc", "send.cc", "connect.cc", "regions.cc", "plugin.cc", "exports.map")
+# The linker version script among them: what it keeps local (see the file).
+VERSION_SCRIPT = "exports.map"
 MIN_NCCL = 23000  # NCCL_VERSION_CODE of 2.30.0, the first NCCL that loads RMA plugins
 
 
@@ -58,8 +62,8 @@ def build(*, cache_dir: Path | None = None) -> Path:
             return library
         final.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=".transport-", dir=final)) / LIBRARY_NAME
-        command = [str(nvcc), *flags, *(str(root / s) for s in SOURCES if s.endswith(".cc")), "-lpthread", "-o",
-                   str(partial)]
+        command = [str(nvcc), *flags, *(str(root / s) for s in SOURCES if s.endswith(".cc")), "-lpthread",
+                   "-Xlinker", f"--version-script={root / VERSION_SCRIPT}", "-o", str(partial)]
         build_lib._run(command, root)
         partial.rename(library)
         partial.parent.rmdir()
@@ -143,7 +147,7 @@ def counters(library: Path | str | None = None) -> dict[str, int]:
     return {name.decode(): int(value) for name, value in zip(names, values)}
 
 
-# How every line the plugin logs begins (csrc/transport/host_transport.cc, log_message); NCCL
+# How every line the plugin logs begins (csrc/transport/support.cc, log_message); NCCL
 # passes its warnings on in the error it returns.
 MESSAGE_PREFIX = "jaxgin transport: "
 

@@ -366,7 +366,7 @@ def test_initialize_failure_gives_no_load_hint_when_the_plugin_spoke(monkeypatch
              "transport's own CUDA context on device 0: cuCtxCreate failed: out of memory)")
     assert transport.not_loaded_hint("host", error) == ""
     assert "first communicator" in transport.not_loaded_hint("host", "unhandled cuda error")
-    source = (Path(__file__).parents[1] / "csrc" / "transport" / "host_transport.cc").read_text()
+    source = (Path(__file__).parents[1] / "csrc" / "transport" / "support.cc").read_text()  # log_message
     assert f'"{transport.MESSAGE_PREFIX}%s' in source  # the prefix the plugin logs with
 
 
@@ -378,6 +378,30 @@ def test_lost_peers_are_read_from_the_loaded_plugin(library, monkeypatch):
     assert transport.lost_peer_lines() == []
     monkeypatch.setenv("NCCL_RMA_PLUGIN", "/elsewhere/libother_plugin.so")
     assert transport.lost_peers() == []  # another plugin: not ours to ask
+
+
+# What the plugin exports of its own: NCCL's plugin table and the functions jaxgin.transport calls
+# (recorded with nm -D --defined-only before csrc/transport/host_transport.cc was split into files).
+EXPORTS = {"ncclRmaPlugin_v14": "D", "jaxgin_transport_counters": "T", "jaxgin_transport_counter_names": "T",
+           "jaxgin_transport_park_proxy_threads": "T", "jaxgin_transport_lost_peers": "T"}
+
+
+def test_the_library_exports_only_the_plugin_table_and_jaxgins_functions(library):
+    """Its files share types and functions in jaxgin::transport::detail, which has external linkage:
+    -fvisibility=hidden keeps those functions out of the dynamic symbol table, and exports.map the
+    libstdc++ templates instantiated over those types. What remains beside EXPORTS are libstdc++'s
+    own weak instantiations, as before the split."""
+    import shutil
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs nm (binutils)")
+    lines = subprocess.run([nm, "-D", "--defined-only", "-C", str(library)], check=True, capture_output=True,
+                           text=True).stdout.splitlines()
+    symbols = [line.split(maxsplit=2)[1:] for line in lines if line.strip()]
+    ours = {name: kind for kind, name in symbols if "std::" not in name}
+    assert ours == EXPORTS
+    assert [name for _, name in symbols if "jaxgin" in name and name not in EXPORTS] == []
 
 
 # --- the proxy's way: many requests in flight, tested in order ----------------------------------
@@ -457,10 +481,11 @@ def fake_cuda_library(nvcc, tmp_path_factory):
     include = Path(nvcc).resolve().parent.parent / "include"
     root = transport.sources_dir()
     library = tmp_path_factory.mktemp("fake_cuda") / "libjaxgin_transport_fake_cuda.so"
-    sources = [root / name for name in ("host_transport.cc", "wire.cc", "device_memory.cc", "fake_cuda.cc")]
+    sources = [root / name for name in transport.SOURCES if name.endswith(".cc")] + [root / "fake_cuda.cc"]
     # Hidden and bound locally: the fake's cuda* symbols must not meet a real CUDA runtime's.
     subprocess.run([compiler, "-std=c++17", "-O2", "-g", "-shared", "-fPIC", "-fvisibility=hidden",
-                    "-Wl,-Bsymbolic", f"-I{include}", *map(str, sources), "-lpthread", "-o", str(library)],
+                    "-Wl,-Bsymbolic", f"-Wl,--version-script={root / transport.VERSION_SCRIPT}", f"-I{include}",
+                    *map(str, sources), "-lpthread", "-o", str(library)],
                    check=True, capture_output=True, text=True)
     return library
 
