@@ -16,7 +16,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgin import op_support, runtime
-from jaxgin.errors import JaxginError
 # Default seeds: a new one per call, and the same sequence in every process of a job (each
 # receiver recomputes what its senders stamped, so all processes must agree on the seed).
 _default_seeds = itertools.count(0x5EED0001)

@@ -16,7 +16,6 @@ import numpy as np
 from jax._src import distributed
 
 from jaxgin import op_support, settings
-from jaxgin.errors import JaxginError
 from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
 
 DTYPES = ("bfloat16", "float16", "float32")

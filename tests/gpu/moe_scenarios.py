@@ -301,9 +301,10 @@ def check(mesh) -> dict:
         combine_err = _rel(got, ref)
         clock.lap("exact")
 
-        layer = lambda x, l, a, b: jaxgin.moe.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep",  # noqa: E731
-                                                        capacity=capacity, mode=mode)
-        if routing == "masked":  # moe_layer's own router never masks: its pipeline with masked ids
+        if routing != "masked":
+            layer = lambda x, l, a, b: jaxgin.moe.moe_layer(x, l, a, b, top_k=top_k, axis_name="ep",  # noqa: E731
+                                                            capacity=capacity, mode=mode)
+        else:  # moe_layer's own router never masks: its pipeline with masked ids
             def layer(x, l, a, b):
                 weights, ids = _routed(l, top_k, experts, routing)
                 sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", mode=mode)
