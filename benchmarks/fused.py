@@ -359,26 +359,20 @@ def main() -> None:
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     dtype = jnp.dtype(args.dtype)
-    if args.chunking_only:
-        rows = [chunking(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fused_chunking.json").write_text(json.dumps(
-            {"devices": mesh.size, "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "shapes": rows}, indent=1))
-        jaxgin.finalize()
-        return
-    if args.gspmd_only:
-        rows = [gspmd(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fused_gspmd.json").write_text(json.dumps({"devices": mesh.size, "shapes": rows}, indent=1))
-        jaxgin.finalize()
-        return
-    if args.variants_only:
-        rows = [variants(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fused_variants.json").write_text(json.dumps({"devices": mesh.size, "shapes": rows}, indent=1))
-        jaxgin.finalize()
-        return
+    # Modes that measure one thing at the issue's shapes and write it alone: (measure, file, extra keys).
+    only = {
+        "chunking_only": (chunking, "fused_chunking.json",
+                          {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}),
+        "gspmd_only": (gspmd, "fused_gspmd.json", {}),
+        "variants_only": (variants, "fused_variants.json", {}),
+    }
+    for mode, (measure_one, name, extra) in only.items():
+        if getattr(args, mode):
+            rows = [measure_one(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / name).write_text(json.dumps({"devices": mesh.size, **extra, "shapes": rows}, indent=1))
+            jaxgin.finalize()
+            return
     parts = [] if args.shapes_only else [breakdown(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
     if args.breakdown_only:
         jaxgin.finalize()

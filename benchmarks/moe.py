@@ -45,11 +45,6 @@ STEPS = 20
 SPEC = P("ep")
 
 
-def _touch(a, b):
-    """a after b (timing.after): the next call waits for this one."""
-    return after(a, b)
-
-
 def _sm(mesh, f, n_in):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * n_in, out_specs=SPEC))
 
@@ -106,18 +101,18 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
         return body
 
     variants = {}
-    variants["jaxgin_dispatch"] = (chain(lambda x, ids, w: (_touch(x, jg_dispatch(x, ids, w).x), ids, w)), 3)
-    variants["ragged_dispatch"] = (chain(lambda x, ids, w: (_touch(x, rg_dispatch(x, ids)[0]), ids, w)), 3)
+    variants["jaxgin_dispatch"] = (chain(lambda x, ids, w: (after(x, jg_dispatch(x, ids, w).x), ids, w)), 3)
+    variants["ragged_dispatch"] = (chain(lambda x, ids, w: (after(x, rg_dispatch(x, ids)[0]), ids, w)), 3)
 
     def jg_combine(x, ids, w):
         sent = jg_dispatch(x, ids, w)
-        body = lambda _, y: _touch(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
-        return jax.lax.fori_loop(0, STEPS, body, _touch(sent.x, x), unroll=True)[:1]
+        body = lambda _, y: after(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
+        return jax.lax.fori_loop(0, STEPS, body, after(sent.x, x), unroll=True)[:1]
 
     def rg_combine(x, ids, w):
         rows, _, state = rg_dispatch(x, ids)
-        body = lambda _, y: _touch(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
-        return jax.lax.fori_loop(0, STEPS, body, _touch(rows, x), unroll=True)[:1]
+        body = lambda _, y: after(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
+        return jax.lax.fori_loop(0, STEPS, body, after(rows, x), unroll=True)[:1]
 
     variants["jaxgin_combine"] = (jg_combine, 3)
     variants["ragged_combine"] = (rg_combine, 3)
@@ -126,22 +121,22 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
         """dispatch then combine of its output, as a layer runs them and as benchmarks/nccl_ep.py times
         NCCL EP's pairs."""
         sent = jg_dispatch(x, ids, w)
-        return _touch(x, jaxgin.moe.combine(sent.x, sent.handle)), ids, w
+        return after(x, jaxgin.moe.combine(sent.x, sent.handle)), ids, w
 
     variants["jaxgin_pair"] = (chain(jg_pair), 3)
     per_peer = max(1, remote_bytes // (2 * max(n - 1, 1)))  # bf16 elements to each peer
     xla_block = jax.device_put(jnp.zeros((n * n, per_peer), dtype), sharding)
     variants["xla_all_to_all_same_bytes"] = (
-        chain(lambda a: (_touch(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),)), 1)
+        chain(lambda a: (after(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),)), 1)
 
     rows_at = jax.device_put(jnp.asarray(np.random.default_rng(tokens).integers(0, tokens, n * capacity), jnp.int32),
                              sharding)
     # The barrier keeps the gathered rows whole in memory (else XLA would gather the one element
-    # _touch reads).
+    # after reads).
     variants["xla_gather_same_rows"] = (
-        chain(lambda x, r: (_touch(x, jax.lax.optimization_barrier(jnp.take(x, r, axis=0))), r)), 2)
+        chain(lambda x, r: (after(x, jax.lax.optimization_barrier(jnp.take(x, r, axis=0))), r)), 2)
 
-    variants["routing_only"] = (chain(lambda x, ids, w: (_touch(x, _route_only(ids, experts, mesh.size, capacity)),
+    variants["routing_only"] = (chain(lambda x, ids, w: (after(x, _route_only(ids, experts, mesh.size, capacity)),
                                                           ids, w)), 3)
     times = {}
     for name, (f, n_in) in variants.items():

@@ -20,11 +20,10 @@ import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from timing import after  # noqa: E402  (benchmarks/timing.py)
+from timing import after, best_seconds  # noqa: E402  (benchmarks/timing.py)
 
 SHAPES = ((4096, 7168, 2048), (8192, 4096, 4096))
 CONFIGS = (  # block_m, block_n, block_k, num_stages, num_warps
@@ -76,13 +75,7 @@ def main() -> None:
         def loop(x, w):
             return jax.lax.fori_loop(0, repeats, lambda _, x: after(x, fn(x, w)), x, unroll=True)
 
-        loop(x, w).block_until_ready()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            loop(x, w).block_until_ready()
-            best = min(best, (time.perf_counter() - start) / repeats)
-        return best
+        return best_seconds(loop, x, w, repeats=3) / repeats
 
     rows = []
     for m, k, n in SHAPES:

@@ -32,12 +32,12 @@ from jaxgin.sizes import parse_size
 BACKENDS = ("cuda", "reference")
 GIN_TYPES = {0: "none", 2: "proxy", 3: "gdaki", 4: "gpi", 5: "efa_gda"}
 DEFAULT_HEAP_SIZE = "1GiB"
-# DEFAULT_TIMEOUT_S, DEFAULT_MAX_QUEUED_CALLS and DEFAULT_CHANNEL_SLOT_BYTES are also their settings'
-# defaults in jaxgin/settings.py, which the readers fall back to (tests/test_settings.py holds them equal).
-DEFAULT_TIMEOUT_S = 30.0
+# DEFAULT_TIMEOUT_S, DEFAULT_MAX_QUEUED_CALLS and DEFAULT_CHANNEL_SLOT_BYTES are their settings'
+# defaults (jaxgin.settings), parsed.
+DEFAULT_TIMEOUT_S = float(settings.BY_NAME["JAXGIN_TIMEOUT"].default)
 # $JAXGIN_MAX_QUEUED_CALLS's default and largest value (kDefaultMaxQueuedCalls / kMaxQueuedCallsLimit in
 # csrc/runtime/runtime.h; a test holds them equal).
-DEFAULT_MAX_QUEUED_CALLS = 8
+DEFAULT_MAX_QUEUED_CALLS = int(settings.BY_NAME["JAXGIN_MAX_QUEUED_CALLS"].default)
 MAX_QUEUED_CALLS_LIMIT = 1 << 16
 MIN_USER_HEAP_BYTES = 1 << 20  # below this no op has room for its buffers
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ChannelShape:
 
 
 DEFAULT_CHANNEL_SLOTS = 2
-DEFAULT_CHANNEL_SLOT_BYTES = 256 << 10
+DEFAULT_CHANNEL_SLOT_BYTES = parse_size(settings.BY_NAME["JAXGIN_CHANNEL_SLOT_BYTES"].default)
 
 
 def default_channel_lanes(world_size: int) -> int:

@@ -80,9 +80,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--out", default=None, help="keep the traces here (default: a temporary folder)")
     args = parser.parse_args()
-    # moe.py's _touch: the benchmark's way of making each call wait for the previous one
+    # benchmarks/timing.py's after: the benchmarks' way of making each call wait for the previous one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from moe import _touch
+    from timing import after
     cli.require_gpus(__file__, 1, "it profiles jaxgin.moe's kernels")
     cli.require(__file__, "triton", why="jaxgin.moe's kernels", install='-e ".[cuda]"')
     devices = jax.devices()
@@ -101,18 +101,18 @@ def main() -> None:
         return jaxgin.moe.dispatch(x, ids, w, num_experts=e, axis_name="ep", capacity=capacity)
 
     def dispatches(x, ids, w):
-        return jax.lax.fori_loop(0, STEPS, lambda _, a: _touch(a, dispatch(a, ids, w).x), x, unroll=True)
+        return jax.lax.fori_loop(0, STEPS, lambda _, a: after(a, dispatch(a, ids, w).x), x, unroll=True)
 
     def pairs(x, ids, w):
         def step(_, a):
             sent = dispatch(a, ids, w)
-            return _touch(a, jaxgin.moe.combine(sent.x, sent.handle))
+            return after(a, jaxgin.moe.combine(sent.x, sent.handle))
 
         return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
 
     def combines(x, ids, w):
         sent = dispatch(x, ids, w)
-        return jax.lax.fori_loop(0, STEPS, lambda _, y: _touch(y, jaxgin.moe.combine(y, sent.handle)), sent.x,
+        return jax.lax.fori_loop(0, STEPS, lambda _, y: after(y, jaxgin.moe.combine(y, sent.handle)), sent.x,
                                  unroll=True)[:t]
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-moe-"))

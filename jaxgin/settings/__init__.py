@@ -4,9 +4,9 @@
 side reads it (``python``: this package; ``native``: the C++ under csrc/ through getenv; ``both``)
 and what it means. Python code reads a setting with ``settings.get(name)`` (``get_as_set`` where an
 empty value is an error rather than "unset", ``flag`` for a yes/no setting); other readers parse
-and check the text themselves, so their error messages keep their own context. tests/test_settings.py holds the table equal to
-what the code reads, and docs/guide.md's "Settings (environment variables)" table equal to what
-``python -m jaxgin.settings`` prints (a package so that the command, its __main__, is not a module
+and check the text themselves, so their error messages keep their own context.
+tests/test_settings.py holds the table equal to what the code reads, and docs/guide.md's
+"Settings (environment variables)" table equal to what ``python -m jaxgin.settings`` prints (a package so that the command, its __main__, is not a module
 ``import jaxgin`` already loaded: runpy would warn about a second copy).
 
 Imports nothing but the standard library: every layer of jaxgin reads settings.
@@ -117,7 +117,7 @@ def _setting(name: str) -> Setting:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise KeyError(f"{name} is not a jaxgin setting; add it to jaxgin/settings.py's SETTINGS") from None
+        raise KeyError(f"{name} is not a jaxgin setting; add it to SETTINGS in jaxgin/settings/__init__.py") from None
 
 
 def get(name: str) -> str | None:
