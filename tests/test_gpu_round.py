@@ -165,8 +165,9 @@ def test_gpu_tests_state_what_they_need(four_gpus, tmp_path):
 def test_the_fast_tier_takes_the_spot_worlds_and_the_soak_tier_every_world(four_gpus, tmp_path):
     fast = _collect(four_gpus, tmp_path, "tests/gpu/test_ops_gpu.py", "tests/gpu/test_moe_gpu.py")
     soak = _collect(four_gpus, tmp_path, "tests/gpu/test_ops_gpu.py", "tests/gpu/test_moe_gpu.py", tier="soak")
-    assert "test_ops_equal_lax_emulated_hosts[4]" in soak and "test_ops_equal_lax_emulated_hosts[4]" not in fast
-    assert "test_ops_equal_lax_emulated_hosts[8]" in fast
+    # on 4 GPUs: worlds 2 and 4 (one rank per GPU) in the fast tier, every world in the soak tier
+    assert "test_ops_equal_lax_emulated_hosts[8]" in soak and "test_ops_equal_lax_emulated_hosts[8]" not in fast
+    assert "test_ops_equal_lax_emulated_hosts[4]" in fast and "test_ops_equal_lax_emulated_hosts[2]" in fast
     # the GIN data paths run at every world in both tiers
     for world in (2, 4, 8):
         assert f"test_moe_emulated_hosts[command_buffers-world{world}]" in fast
@@ -203,7 +204,8 @@ def test_emulated_worlds_can_be_narrowed_for_a_round_on_one_gpu(tmp_path):
                     JAXGIN_TEST_EMULATED_WORLDS="2,4")
     assert {k for k in plan if k.startswith("test_fused_ops_emulated_hosts[plain")} == {
         "test_fused_ops_emulated_hosts[plain-2]", "test_fused_ops_emulated_hosts[plain-4]"}
-    assert "test_ops_equal_lax_emulated_hosts[4]" in plan and "test_ops_equal_lax_emulated_hosts[8]" not in plan
+    # the families a world adds nothing to: only the smallest world on one GPU in the fast tier
+    assert {k for k in plan if k.startswith("test_ops_equal_lax_emulated_hosts")} == {"test_ops_equal_lax_emulated_hosts[2]"}
     bad = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           "tests/gpu/test_ops_gpu.py"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PATH": one_gpu, "JAXGIN_TEST_EMULATED_WORLDS": "3"})
@@ -221,6 +223,9 @@ def test_smaller_worlds_run_the_spot_cases_in_the_fast_tier(monkeypatch):
     monkeypatch.setenv("JAXGIN_TEST_TIER", "fast")
     assert harness.spot_cases_at(2, [2, 4, 8]) and harness.spot_cases_at(4, [2, 4, 8])
     assert not harness.spot_cases_at(8, [2, 4, 8])
+    assert harness.spot_cases_at(8, [2, 4, 8], command_buffers=True)  # the plain run takes every case
+    assert harness._spot_worlds([2, 4, 8], 4) == [2, 4] and harness._spot_worlds([2, 4, 8], 8) == [2, 8]
+    assert harness._spot_worlds([2, 4], 1) == [2] and harness._spot_worlds([8], 4) == [8]
     monkeypatch.setenv("JAXGIN_TEST_TIER", "soak")
     assert not harness.spot_cases_at(2, [2, 4, 8])
     assert len(fused.scenario_cases(4, spot=True)) == 2 * len(fused.SPOT_CASES) < len(fused.scenario_cases(4, spot=False))

@@ -75,14 +75,26 @@ def _emulated_worlds() -> list[int]:
 
 
 EMULATED_WORLDS = _emulated_worlds()
-EMULATED_SPOT_WORLDS = job.by_tier(sorted({EMULATED_WORLDS[0], EMULATED_WORLDS[-1]}), EMULATED_WORLDS)
+
+
+def _spot_worlds(worlds, gpus: int) -> list[int]:
+    """The emulated worlds of the families a world adds nothing to, in the fast tier: the smallest,
+    and the largest that puts at most one rank on a GPU (a world-8 job time-slices 4 GPUs and each
+    costs minutes of a round that must fit 15; the GIN data paths still run at every world)."""
+    one_per_gpu = [w for w in worlds if w <= max(gpus, 2)]
+    return sorted({worlds[0], max(one_per_gpu, default=worlds[0])})
+
+
+EMULATED_SPOT_WORLDS = job.by_tier(_spot_worlds(EMULATED_WORLDS, GPUS), EMULATED_WORLDS)
 by_tier = job.by_tier
 
 
-def spot_cases_at(world: int, worlds) -> bool:
+def spot_cases_at(world: int, worlds, command_buffers: bool = False) -> bool:
     """Whether a scenario at `world` runs its spot cases (job.spot_cases): in the fast tier, below
-    the largest of `worlds`, the worlds of its test family (WORLD_SIZES, EMULATED_WORLDS)."""
-    return job.tier() == "fast" and world < max(worlds)
+    the largest of `worlds`, the worlds of its test family (WORLD_SIZES, EMULATED_WORLDS), and under
+    command buffers at any world (the plain run at the largest world takes every case; capture
+    changes how calls are launched, not which shapes the kernels see)."""
+    return job.tier() == "fast" and (world < max(worlds) or command_buffers)
 
 
 def spot_env(spot: bool) -> dict:

@@ -79,7 +79,7 @@ def test_fused_ops_emulated_hosts(world, command_buffers):
     GPU's chunk (matmul_all_to_all) or this GPU's shard (all_gather_matmul) once per destination,
     in one put per tile or per row group."""
     require_emulated_hosts()
-    spot = spot_cases_at(world, EMULATED_WORLDS)
+    spot = spot_cases_at(world, EMULATED_WORLDS, command_buffers)
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, timeout=1800,
                             xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(spot))
     record(f"emulated_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
@@ -98,12 +98,13 @@ def test_fused_ops_mixed_mesh_emulated_hosts(command_buffers):
     the LSA peer's chunk never, the GIN peers' once."""
     require_emulated_hosts()
     world = MIXED_WORLD
+    spot = spot_cases_at(world, [world], command_buffers)
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
-                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(False))
+                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(spot))
     record(f"mixed_fused_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
         assert result["processes"] == world
-        _assert_cases(result)
+        _assert_cases(result, spot=spot)
         _assert_traffic(result, remote_gpus=world - MIXED_RANKS_PER_HOST)
 
 

@@ -77,7 +77,7 @@ def test_moe_emulated_hosts(world, command_buffers):
     same checks as over NVLink, and move what they must through the host transport
     (_assert_traffic)."""
     require_emulated_hosts()
-    spot = spot_cases_at(world, EMULATED_WORLDS)
+    spot = spot_cases_at(world, EMULATED_WORLDS, command_buffers)
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, timeout=1800,
                             xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(spot))
     record(f"emulated_moe_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
@@ -111,10 +111,11 @@ def test_moe_mixed_mesh_emulated_hosts(command_buffers):
     exactly what the GPUs of other hosts must get, never the host-mate's share."""
     require_emulated_hosts()
     world = MIXED_WORLD
+    spot = spot_cases_at(world, [world], command_buffers)
     results = run_processes(SCENARIOS, ["check"], world, emulated=True, ranks_per_host=MIXED_RANKS_PER_HOST,
-                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(False))
+                            timeout=1800, xla_flags=COMMAND_BUFFERS if command_buffers else None, env=spot_env(spot))
     record(f"mixed_moe_check_{'graphs' if command_buffers else 'plain'}_{world}ranks", {"processes": results})
     for result in results:
         assert result["processes"] == world
-        _assert_cases(result, ragged_baseline=False)
+        _assert_cases(result, ragged_baseline=False, spot=spot)
         _assert_traffic(result, remote_gpus=world - MIXED_RANKS_PER_HOST)
