@@ -87,3 +87,16 @@ def test_a_scenario_reads_its_physical_gpu_from_cuda_visible_devices(monkeypatch
     monkeypatch.setenv("JAXGIN_TEST_PHYSICAL_GPU", "1")  # an emulated rank is told outright
     assert job.physical_gpu(0) == 1
     assert "job_under_test" not in sys.modules
+
+
+def test_a_failed_scenario_says_its_first_cause_even_when_teardown_noise_fills_the_tail(monkeypatch):
+    """A rank that trapped prints jaxgin's fault line first and then thousands of lines of XLA's
+    teardown errors; the failure message keeps the fault line (it was cut off on 4 x H100)."""
+    harness = load_harness(monkeypatch, 2, None)
+    noise = "E1127 cuda_stream.cc:342] Failed to destroy CUDA stream: CUDA_ERROR_LAUNCH_FAILED\n" * 500
+    stderr = ("jaxgin: device-side wait timed out after 60 s at rank 1 (CUDA device 1)\n" + noise
+              + "nanobind: leaked 2 instances!\n")
+    kept = harness.first_causes(stderr)
+    assert "device-side wait timed out after 60 s at rank 1" in kept
+    assert "cuda_stream.cc" not in kept
+    assert harness.first_causes(noise) == ""

@@ -235,8 +235,20 @@ def run_scenario(script: Path, args, gpus: int, timeout: float = 600, xla_flags:
                  env: dict | None = None) -> dict:
     proc = subprocess.run([sys.executable, str(script), *args], env={**scenario_env(gpus, xla_flags), **(env or {})},
                           capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, f"scenario {args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    if proc.returncode != 0:
+        keep_outputs([(proc.returncode, proc.stdout, proc.stderr)])
+    assert proc.returncode == 0, (f"scenario {args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                                  f"{first_causes(proc.stderr)}{proc.stderr[-8000:]}")
     return result(proc.stdout)
+
+
+def first_causes(stderr: str, keep: int = 20) -> str:
+    """jaxgin's own lines (fault lines, transport notes) and Python's exception lines from the whole
+    of `stderr`: a crash's first cause comes early and the teardown noise after it (XLA's
+    CUDA_ERROR_LAUNCH_FAILED lines, nanobind's leak report) fills the tail a failure message keeps."""
+    lines = [line for line in stderr.splitlines()
+             if line.startswith(("jaxgin", "Traceback", "RuntimeError", "jax.errors", "jaxlib")) or "Error:" in line[:60]]
+    return ("first causes (from the whole stderr):\n" + "\n".join(lines[:keep]) + "\n...\n") if lines else ""
 
 
 def start_processes(script: Path, args, world: int, timeout: float = 600, env: dict | None = None,
