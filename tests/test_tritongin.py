@@ -271,6 +271,7 @@ def test_gpu_scenario_kernels_compile_and_link(toolchain, fresh_triton_cache):
         (s.barrier_kernel, {"ctx": "*u8", "slots": "*i32", "tally": "*i32", "words": "i32", "iteration": "i32",
                             "BLOCK": "constexpr"}),
         (s.pingpong_kernel, {"ctx": "*u8", "buf": "*u8", "sig": "i32", "nbytes": "i32", "rounds": "i32"}),
+        (s.raw_pingpong_kernel, {"ctx": "*u8", "flag": "*i32", "base": "i32", "rounds": "i32"}),
         (s.push_kernel, {"ctx": "*u8", "src": "*fp32", "dst": "*fp32", "count": "i32", "peer": "i32",
                          "BLOCK": "constexpr"}),
         (s.ring_call_kernel, {"ctx": "*u8", "x": "*fp32", "send": "*fp32", "recv": "*fp32", "data_sig": "i32",
