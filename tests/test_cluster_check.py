@@ -16,7 +16,7 @@ import pytest
 from jaxgin import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(cli.cuda_gpu_count() > 0, reason="on GPUs the round runs real GPU jobs: tools/cluster-check.sh")
+pytestmark = pytest.mark.skipif(cli.cuda_gpu_count() > 0, reason="on GPUs the round runs real GPU jobs: tools/gpu_round.py cluster")
 
 
 def _round(tmp_path: Path, *args: str) -> dict:

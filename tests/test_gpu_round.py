@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -237,3 +239,101 @@ def test_smaller_worlds_run_the_spot_cases_in_the_fast_tier(monkeypatch):
     assert moe.planned_cases(4) == moe.planned_cases(4, spot=True)
     monkeypatch.setenv("JAXGIN_TEST_SPOT_CASES", "0")
     assert moe.planned_cases(4) == moe.cases(4)
+
+
+def _tool(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "tools/gpu_round.py", *args], cwd=ROOT, env=env or os.environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_runs_the_default_set_the_gpus_allow(tmp_path):
+    planned = {}
+    for gpus in (1, 2):
+        (tmp_path / str(gpus)).mkdir()
+        env = {**os.environ, "PATH": fake_gpus(tmp_path / str(gpus), gpus)}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        proc = _tool("bench", "--dry-run", "--out", str(tmp_path / "out"), env=env)
+        assert proc.returncode == 0, proc.stderr
+        planned[gpus] = [line.split(":")[0] for line in proc.stdout.splitlines() if not line.startswith("left out")]
+        left_out = [line for line in proc.stdout.splitlines() if line.startswith("left out")]
+        assert all(s.default for s in (gpu_round.BENCHMARKS[n] for n in planned[gpus]))
+        assert len(planned[gpus]) + len(left_out) == sum(s.default for s in gpu_round.BENCHMARKS.values())
+    assert planned[1] == ["chunking", "moe", "triton_matmul"]
+    assert planned[2] == ["latency", "fused", "chunking", "moe", "triton_matmul"]
+    latency = _tool("bench", "--dry-run", "--out", str(tmp_path / "out"), "latency").stdout
+    assert f"benchmarks/collectives.py --ops {gpu_round.LATENCY_OPS} --max-bytes 64KiB --out {tmp_path / 'out'} " \
+           "--name latency" in latency
+    unknown = _tool("bench", "--dry-run", "latnecy")
+    assert unknown.returncode == 2 and "no step latnecy: choose from latency, fused" in unknown.stderr
+
+
+def test_every_step_runs_a_script_that_takes_its_options():
+    """The steps name scripts and options of this repository: a script renamed or an option
+    dropped fails here, not on a lent GPU."""
+    steps = [*gpu_round.BENCHMARKS.values(), *gpu_round.example_steps().values(), gpu_round.CLUSTER_CHECK,
+             gpu_round.CLUSTER_EXAMPLES]
+    assert set(gpu_round.example_steps()) == {p.stem for p in (ROOT / "examples").glob("*.py")}
+    for step in steps:
+        script = ROOT / step.script[0]
+        assert script.is_file(), step
+        source = script.read_text()
+        for option in (a for a in step.script[1:] if a.startswith("--")):
+            assert f'"{option}"' in source, (step.name, option)
+
+
+def test_a_step_that_outlasts_its_time_is_stopped_with_its_children(tmp_path, capsys):
+    child = tmp_path / "child.pid"
+    step = gpu_round.Step("sleepy", ["-c", "import subprocess, sys, time; "
+                                     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+                                     f"open({str(child)!r}, 'w').write(str(p.pid)); print('child started', flush=True); "
+                                     "time.sleep(120)"], seconds=3)
+    entry = gpu_round.run_step(step, tmp_path)
+    assert entry["exit"] == 124 and entry["seconds"] < 30, entry
+    log = (tmp_path / "sleepy.log").read_text()
+    assert "child started" in log and "stopped after 3 s" in log
+    pid = int(child.read_text())
+    for _ in range(50):  # gone, or a zombie waiting for a parent to reap it
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child {pid} outlived the step")
+    failing = gpu_round.Step("failing", ["-c", "print('a warning line'); print('what went wrong'); raise SystemExit(3)"], 30)
+    assert gpu_round.run_step(failing, tmp_path)["exit"] == 3
+    printed = capsys.readouterr().out
+    assert "what went wrong" in printed and "a warning line" not in printed and "--- failing: exit 3" in printed
+
+
+def test_bench_records_each_steps_exit_in_its_summary(tmp_path):
+    """A benchmark run for real (here it finds no GPU and says so): its log, its exit status in
+    bench.json, and the bench's own status."""
+    env = {**os.environ, "PATH": fake_gpus(tmp_path, 1)}
+    proc = _tool("bench", "--no-install", "--out", str(tmp_path / "out"), "tune_matmul", env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert summary["machine"].startswith("1 x ") and summary["left_out"] == []
+    [step] = summary["steps"]
+    assert step["name"] == "tune_matmul" and step["exit"] in (3, 4), step  # no GPU here, or no torch
+    assert "tune_triton_matmul.py: needs" in (tmp_path / "out" / "tune_matmul.log").read_text()
+    assert f"--- tune_matmul: exit {step['exit']}" in proc.stdout
+
+
+def test_a_session_runs_its_phases_in_the_background_and_wait_brings_them(tmp_path):
+    folder, out = tmp_path / "session", tmp_path / "out"
+    out.mkdir()
+    phases = ["bench --dry-run latency", "GREETING=hello sh -c 'echo $GREETING > $RESULTS/said.txt'",
+              f"await file {tmp_path / 'never'} 1", "examples --dry-run"]
+    started = _tool("session", "--dir", str(folder), *phases)
+    assert started.returncode == 0 and "wait SECONDS" in started.stdout, started.stderr
+    waited = _tool("wait", "30", "--dir", str(folder), env={**os.environ, "OUT": str(out)})
+    assert "round finished" in waited.stdout, waited.stdout
+    assert (folder / "done").read_text() == "0 0 1"  # the gate never opened: phase 4 did not run
+    assert "phase 3: exit 1; it never came, so the session ends" in (out / "session.log").read_text()
+    assert f"--out {folder / 'phase-1'} --name latency" in (folder / "phase-1.log").read_text()
+    assert (folder / "phase-2" / "said.txt").read_text() == "hello\n"
+    with tarfile.open(out / "round-files.tar.gz") as archive:
+        assert {"phase-1.log", "phase-2/said.txt"} <= set(archive.getnames())
+    refused = _tool("session", "--dir", str(tmp_path / "refused"), "bench", "await nccl soon")
+    assert refused.returncode == 2 and "expected: await nccl VERSION" in refused.stderr
+    assert not (tmp_path / "refused").exists()  # refused before anything started

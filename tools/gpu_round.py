@@ -1,8 +1,13 @@
-"""The GPU round: every GPU test on a lent machine, scheduled over its GPUs, with a summary.
+"""The GPU round: every GPU test on a lent machine, scheduled over its GPUs, with a summary; and
+the round's other jobs (benchmarks, examples, the multi-host checks) in the same environment.
 
     python3 tools/gpu_round.py run   [OPTIONS] [PYTEST SELECTION]   # in the foreground
     python3 tools/gpu_round.py start [OPTIONS] [PYTEST SELECTION]   # in the background, then:
     python3 tools/gpu_round.py wait SECONDS                         # up to SECONDS; results into $OUT
+    python3 tools/gpu_round.py bench [NAME ...]                     # benchmarks (bench --help lists them)
+    python3 tools/gpu_round.py examples [NAME ...]                  # examples/*.py
+    python3 tools/gpu_round.py cluster [--examples]                 # tools/cluster_check.py
+    python3 tools/gpu_round.py session PHASE [PHASE ...]            # phases in the background, then wait
 
 A device call lasts at most 10 minutes and a round longer, so `start` copies the tree and runs the
 round in a process session of its own, which outlives the call; `wait` (back-to-back calls) reads
@@ -18,6 +23,15 @@ their proxy threads busy-poll CPU cores) and --ranks-per-gpu on one GPU (GPU mem
 slices: ranks that share a GPU take turns). The summary, gpu-round.json, is rewritten as each
 test ends: {"machine", "commit", "nccl", "tier", "wall_seconds", "tests": [{"name", "outcome",
 "seconds", "gpus", "message"}], "not_run": [...]}.
+
+bench, examples and cluster install and build jaxgin as a round does, then run their steps one
+after another, each bounded, its output in --out (default $OUT) as NAME.log, and write
+bench.json (examples.json, cluster.json): {"machine", "commit", "nccl", "steps": [{"name",
+"command", "exit", "seconds", "log"}], "left_out"}; --dry-run prints the steps only. A session
+runs phases one after another in the background, like start: each phase a command of this tool
+(run, bench, examples, cluster; its files in DIR/phase-N), `await nccl VERSION [SECONDS]` or
+`await file PATH [SECONDS]` (the session ends if it never comes), or any other shell command
+($RESULTS names its folder); NAME=VALUE words in front set its environment.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,8 +48,10 @@ import sys
 import tarfile
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ROUND_DIR = Path(os.environ.get("ROUND_DIR", "/root/jaxgin-gpu-round"))
@@ -287,6 +304,14 @@ def nccl_version() -> str:
     return out.stdout.strip() or f"unknown ({out.stderr.strip()[-200:]})"
 
 
+def shared_environment() -> None:
+    """What every job of a round runs with, tests, benchmarks and examples alike: output as it comes
+    and Python's stacks on a crash (the logs are all a lease leaves), no NVLink multicast (never on
+    shared machines), one build cache for every step."""
+    os.environ.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", PYTHONFAULTHANDLER="1",
+                      JAXGIN_CACHE_DIR=os.environ.get("JAXGIN_CACHE_DIR", "/tmp/jaxgin-cache"))
+
+
 def prepare(root: Path) -> None:
     """Install and build jaxgin (device library, host transport), the crash-stack preload, and
     what jaxgin finds; each step's output in root/logs."""
@@ -306,6 +331,9 @@ def prepare(root: Path) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in JOB_COMMANDS:
+        return JOB_COMMANDS[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("command", choices=["run", "start", "wait"])
@@ -336,11 +364,10 @@ def main(argv=None) -> int:
         return wait(args.dir, float(args.selection[0]) if args.selection else 540)
     args.selection = (args.selection or ["tests/gpu"]) + (["-k", args.keyword] if args.keyword else [])
     if args.command == "start":
-        return start(args, argv if argv is not None else sys.argv[1:])
+        return start(args, argv)
     root = args.dir
     (root / "logs").mkdir(parents=True, exist_ok=True)
-    os.environ.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", PYTHONFAULTHANDLER="1",
-                      JAXGIN_CACHE_DIR=os.environ.get("JAXGIN_CACHE_DIR", "/tmp/jaxgin-cache"))
+    shared_environment()
     # Device-side waits of ranks that share GPUs with other tests' ranks take turns for time slices:
     # a minute before a wait counts as starved (the fault tests set their own, shorter, timeouts).
     os.environ.setdefault("JAXGIN_TIMEOUT", "60")
@@ -360,10 +387,7 @@ def start(args, argv) -> int:
     """Runs this round in the background in a process session of its own, from a copy of the tree
     (a device call's working tree goes away when the call returns)."""
     root = args.dir
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    shutil.copytree(REPO, root / "repo", symlinks=True,
-                    ignore=shutil.ignore_patterns(".git", "build", "__pycache__", ".device-stage", ".whl"))
+    copy_tree(root)
     rest = [a for a in argv if a != "start"]
     os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
     with open(root / "round.log", "w") as log:
@@ -380,20 +404,341 @@ def wait(root: Path, seconds: float) -> int:
     while not (root / "done").exists() and time.monotonic() < until:
         time.sleep(5)
     out = Path(os.environ.get("OUT", "/tmp"))
-    for name in ("round.log", "results/gpu-round.json", "logs/info.log"):
+    for name in ("round.log", "session.log", "results/gpu-round.json", "logs/info.log"):
         if (root / name).is_file():
             shutil.copy(root / name, out / Path(name).name)
+    phases = sorted((p for p in root.glob("phase-*") if p.suffix == ".log"), key=lambda p: p.stat().st_mtime)
     with tarfile.open(out / "round-files.tar.gz", "w:gz") as archive:
-        for part in ("logs", "results"):
-            if (root / part).is_dir():
+        for part in ("logs", "results", *sorted(p.name for p in root.glob("phase-*"))):
+            if (root / part).exists():
                 archive.add(root / part, arcname=part)
     done = (root / "done").exists()
     print("round finished" if done else "round still running", flush=True)
-    log = (root / "round.log").read_text() if (root / "round.log").is_file() else ""
-    for line in log.splitlines()[-60:]:
+    log = root / ("session.log" if (root / "session.log").is_file() else "round.log")
+    for line in (log.read_text() if log.is_file() else "").splitlines()[-60:]:
         print(line)
+    if phases:  # a session: where its latest phase stands
+        print(f"--- {phases[-1].name}")
+        for line in phases[-1].read_text(errors="replace").splitlines()[-20:]:
+            print(line)
     return 0
 
+
+def copy_tree(root: Path) -> None:
+    """Makes root afresh with a copy of the tree in root/repo: a device call's working tree goes
+    away when the call returns, and what runs in the background outlives the call."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    shutil.copytree(REPO, root / "repo", symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "build", "__pycache__", ".device-stage", ".whl"))
+
+
+# The round's other jobs: benchmarks, examples and the multi-host checks, each a bounded step with a
+# log of its own; and a session, which runs them and rounds one after another in the background.
+
+@dataclass
+class Step:
+    """One bounded job: a Python script of this repository with its arguments, in which {out}
+    stands for the folder its files go to."""
+
+    name: str
+    script: list[str]
+    seconds: int
+    gpus: int = 1
+    default: bool = True  # in `bench` when no names are given
+    needs: str = ""  # what it needs beyond GPUs and jaxgin's cuda extra
+    env: dict[str, str] = field(default_factory=dict)
+    setup: Callable[[IO[str]], dict[str, str]] | None = None  # more environment, found on the machine; gets the log
+    tail: int = 8  # lines of its log printed once it ends
+
+    def command(self, out: Path) -> list[str]:
+        return [sys.executable, *(a.replace("{out}", str(out)) for a in self.script)]
+
+
+def nccl_ep_setup(log) -> dict[str, str]:
+    """NCCL EP's wheels from .device-ncclep/ (the machines reach no package registry; cuda-bindings
+    only where cuda.core does not import with the machine's own), GIN through jaxgin's host
+    transport (no RDMA NIC there), and jaxgin's nvcc for the kernels NCCL EP compiles."""
+    def run(*command):
+        return subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, check=True).stdout
+
+    wheels = sorted((REPO / ".device-ncclep").glob("*.whl"))
+    bindings = [w for w in wheels if w.name.startswith("cuda_bindings-")]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+    if len(wheels) > len(bindings):
+        run(*pip, *(str(w) for w in wheels if w not in bindings))
+    if bindings and subprocess.run([sys.executable, "-c", "import cuda.core"], capture_output=True).returncode:
+        run(*pip, *map(str, bindings))
+    plugin = run(sys.executable, "-m", "jaxgin.transport").strip().removeprefix("export NCCL_RMA_PLUGIN=")
+    nvcc = os.environ.get("NCCL_EP_JIT_NVCC") or run(
+        sys.executable, "-c", "from jaxgin.build import find_nvcc; print(find_nvcc())").strip()
+    return {"NCCL_RMA_PLUGIN": plugin, "NCCL_EP_JIT_NVCC": nvcc}
+
+
+LATENCY_OPS = "ppermute,all_to_all,put_wait,put_wait_from,self_copy"
+BENCHMARKS = {step.name: step for step in [
+    Step("latency", ["benchmarks/collectives.py", "--ops", LATENCY_OPS, "--max-bytes", "64KiB", "--out", "{out}",
+                     "--name", "latency"], 200, gpus=2, tail=40),
+    Step("fused", ["benchmarks/fused.py", "--out", "{out}"], 330, gpus=2, tail=30),
+    Step("chunking", ["benchmarks/fused.py", "--chunking-only", "--out", "{out}"], 200, tail=20),
+    Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 240, tail=30),
+    Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
+    Step("collectives", ["benchmarks/collectives.py", "--out", "{out}"], 540, gpus=2, default=False, tail=40),
+    Step("fused_variants", ["benchmarks/fused.py", "--variants-only", "--out", "{out}"], 300, gpus=2, default=False,
+         tail=20),
+    # every entry local: the HBM side of dispatch and combine alone (benchmarks/results/1xh200/moe_one_gpu.json)
+    Step("moe_one_gpu", ["benchmarks/moe.py", "--tokens", "4096", "--experts", "128", "--only",
+                         "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],
+         300, default=False, tail=40),
+    Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128"], 150, default=False, tail=40),  # times in its log
+    Step("tune_matmul", ["tools/tune_triton_matmul.py", "--out", "{out}"], 400, default=False, needs="torch", tail=12),
+    Step("transport_smoke", ["tools/transport_smoke.py", "--out", "{out}"], 400, default=False,
+         needs="NCCL >= 2.30 (../shared/tools/nccl-stage)"),
+    Step("nccl_ep", ["benchmarks/nccl_ep.py", "--out", "{out}", "--timeout", "320"], 330, gpus=2, default=False,
+         needs="nccl-extensions and its wheels in .device-ncclep/, NCCL 2.30.x (nccl-stage)",
+         env={"NCCL_EP_TIMEOUT_MS": "20000"}, setup=nccl_ep_setup, tail=60),
+]}
+CLUSTER_CHECK = Step("cluster_check", ["tools/cluster_check.py", "--out", "{out}"], 300, tail=60)
+CLUSTER_EXAMPLES = Step("cluster_examples", ["tools/cluster_check.py", "--out", "{out}", "--examples"], 560, tail=40)
+
+
+def example_steps() -> dict[str, Step]:
+    return {p.stem: Step(p.stem, [f"examples/{p.name}"], 300, tail=20) for p in sorted((REPO / "examples").glob("*.py"))}
+
+
+def run_step(step: Step, out: Path) -> dict:
+    """Runs one step in a process group of its own (a benchmark's ranks are its children and go
+    with it at the time limit), its output in out/NAME.log; prints the log's last lines."""
+    log = out / f"{step.name}.log"
+    command = step.command(out)
+    print(f"=== {step.name}", flush=True)
+    began = time.monotonic()
+    with open(log, "w") as sink:
+        try:
+            env = {**os.environ, **step.env, **(step.setup(sink) if step.setup else {})}
+        except (subprocess.CalledProcessError, OSError) as e:
+            print(f"setup failed: {e}", file=sink)
+            code = 1
+        else:
+            proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                code = proc.wait(timeout=step.seconds)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                print(f"stopped after {step.seconds} s", file=sink)
+                code = 124  # what timeout(1) says
+    seconds = time.monotonic() - began
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "warning" not in line.lower()]
+    for line in lines[-step.tail:]:
+        print(line)
+    print(f"--- {step.name}: exit {code} ({seconds:.0f} s)", flush=True)
+    return {"name": step.name, "command": shlex.join(command), "exit": code, "seconds": round(seconds, 1),
+            "log": log.name}
+
+
+def run_steps(kind: str, steps: list[Step], left_out: list[str], args) -> int:
+    """Installs and builds jaxgin as a round does, runs `steps` one after another and writes
+    args.out/KIND.json; with --dry-run only prints what it would run."""
+    shared_environment()
+    # A wait that never ends fails a benchmark in 10 s rather than jaxgin's 30: nothing shares
+    # these GPUs, so a wait that long is lost.
+    os.environ.setdefault("JAXGIN_TIMEOUT", "10")
+    if args.dry_run:
+        for step in steps:
+            extra = "".join(f" {k}={v}" for k, v in step.env.items())
+            print(f"{step.name}:{extra} {shlex.join(step.command(args.out))} (at most {step.seconds} s)")
+        for line in left_out:
+            print(f"left out: {line}")
+        return 0
+    out = args.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    os.environ["JAXGIN_RESULTS_DIR"] = str(out)
+    if not args.no_install:
+        prepare(out)
+    summary = {"machine": machine(), "commit": os.environ.get("ROUND_COMMIT") or git_commit(), "nccl": nccl_version(),
+               "steps": [], "left_out": left_out}
+    for step in steps:
+        summary["steps"].append(run_step(step, out))
+        (out / f"{kind}.json").write_text(json.dumps(summary, indent=1))
+    failed = [s["name"] for s in summary["steps"] if s["exit"] != 0]
+    print(f"{kind}: {len(steps) - len(failed)} of {len(steps)} exited 0" + (f"; not: {', '.join(failed)}" if failed else ""),
+          flush=True)
+    return 1 if failed else 0
+
+
+def steps_parser(command: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"gpu_round.py {command}", description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or f"/tmp/jaxgin-{command}"),
+                        help="where the logs and the results go (default $OUT)")
+    parser.add_argument("--dry-run", action="store_true", help="print each step's command and stop: nothing installed or run")
+    parser.add_argument("--no-install", action="store_true", help="jaxgin is installed and built already")
+    return parser
+
+
+def chosen(parser, names: list[str], steps: dict[str, Step]) -> list[Step]:
+    unknown = [n for n in names if n not in steps]
+    if unknown:
+        parser.error(f"no step {', '.join(unknown)}: choose from {', '.join(steps)}")
+    return [steps[n] for n in names]
+
+
+def bench(argv: list[str]) -> int:
+    table = "\n".join(f"  {'*' if s.default else ' '} {s.name:16} {s.gpus} GPU{'s' if s.gpus > 1 else ''}, at most "
+                      f"{s.seconds} s{'; needs ' + s.needs if s.needs else ''}" for s in BENCHMARKS.values())
+    parser = steps_parser("bench", "The benchmarks and profiles of a round, one after another, each bounded. "
+                          "A device call lasts 10 minutes: name a few, or run them in a session.",
+                          "benchmarks (* the default set):\n" + table)
+    parser.add_argument("names", nargs="*", help="which (default: those of the default set this machine's GPUs allow)")
+    args = parser.parse_args(argv)
+    if args.names:
+        return run_steps("bench", chosen(parser, args.names, BENCHMARKS), [], args)
+    gpus = visible_gpus() if shutil.which("nvidia-smi") or os.environ.get("CUDA_VISIBLE_DEVICES") else 0
+    if gpus == 0 and not args.dry_run:
+        raise SystemExit("no NVIDIA GPU here: nvidia-smi -L lists none (or CUDA_VISIBLE_DEVICES names none)")
+    defaults = [s for s in BENCHMARKS.values() if s.default]
+    return run_steps("bench", [s for s in defaults if s.gpus <= gpus],
+                     [f"{s.name}: needs {s.gpus} GPU{'s' if s.gpus > 1 else ''}, this machine has {gpus}"
+                      for s in defaults if s.gpus > gpus], args)
+
+
+def examples(argv: list[str]) -> int:
+    steps = example_steps()
+    parser = steps_parser("examples", "The examples (examples/*.py) one after another, each bounded; "
+                          "each says what it needs.")
+    parser.add_argument("names", nargs="*", help=f"which (default all: {', '.join(steps)})")
+    args = parser.parse_args(argv)
+    return run_steps("examples", chosen(parser, args.names, steps) or list(steps.values()), [], args)
+
+
+def cluster(argv: list[str]) -> int:
+    parser = steps_parser("cluster", "The multi-host checks (tools/cluster_check.py): the doctor, and "
+                          "jaxgin.pairtest at emulated worlds 2, 4 and 8 and on the mixed mesh, side by side. "
+                          "Needs NCCL >= 2.30 (../shared/tools/nccl-stage).")
+    parser.add_argument("--examples", action="store_true",
+                        help="instead, the quickstart and the MoE example on two emulated hosts")
+    args = parser.parse_args(argv)
+    return run_steps("cluster", [CLUSTER_EXAMPLES if args.examples else CLUSTER_CHECK], [], args)
+
+
+PHASE_COMMANDS = ("run", "bench", "examples", "cluster")  # what a session runs as commands of this tool
+GATE_SECONDS = 1200.0
+
+
+def parse_phase(phase: str) -> tuple[dict[str, str], list[str]]:
+    """A phase's NAME=VALUE words in front, and the rest."""
+    words = shlex.split(phase)
+    env = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
+def phase_problem(phase: str) -> str | None:
+    """What is wrong with a phase, found before the session starts rather than an hour into it."""
+    _, words = parse_phase(phase)
+    if not words:
+        return "nothing to run"
+    if words[0] in ("start", "wait", "session"):
+        return f"{words[0]} inside a session: give run, bench, examples or cluster"
+    if words[0] == "await":
+        usage = "expected: await nccl VERSION [SECONDS] or await file PATH [SECONDS], VERSION like 2.30"
+        if len(words) not in (3, 4) or words[1] not in ("nccl", "file"):
+            return usage
+        numbers = words[3:] + (words[2].split(".")[:2] if words[1] == "nccl" else [])
+        if not all(n.replace(".", "", 1).isdigit() for n in numbers):
+            return usage
+    return None
+
+
+def gate_open(what: str, target: str) -> bool:
+    if what == "file":
+        return Path(target).exists()
+    # a fresh process: nccl-stage installs the wheel while the session runs
+    out = subprocess.run([sys.executable, "-c", "from importlib.metadata import version; "
+                          "print(version('nvidia-nccl-cu13'))"], capture_output=True, text=True).stdout.strip()
+    have = tuple(int(p) for p in out.split(".")[:2] if p.isdigit())
+    return bool(have) and have >= tuple(int(p) for p in target.split(".")[:2])
+
+
+def run_phase(root: Path, number: int, phase: str) -> tuple[int, bool]:
+    """Runs phase `number`: (its exit status, whether the session goes on)."""
+    env, words = parse_phase(phase)
+    if words[0] == "await":
+        seconds = float(words[3]) if len(words) == 4 else GATE_SECONDS
+        until = time.monotonic() + seconds
+        while not gate_open(words[1], words[2]):
+            if time.monotonic() >= until:
+                return 1, False  # the later phases need what never came
+            time.sleep(min(5.0, max(until - time.monotonic(), 0.1)))
+        return 0, True
+    folder = root / f"phase-{number}"
+    folder.mkdir(parents=True, exist_ok=True)
+    if words[0] in PHASE_COMMANDS:
+        command = [sys.executable, str(Path(__file__).resolve()), *words, "--dir" if words[0] == "run" else "--out",
+                   str(folder)]
+    else:
+        command, env = ["bash", "-c", phase], {**env, "RESULTS": str(folder)}
+    with open(root / f"phase-{number}.log", "w") as log:
+        code = subprocess.run(command, cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL).returncode
+    return code, True
+
+
+def session(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gpu_round.py session", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Phases one after another in the background, from a copy of the tree, as start runs a round; "
+                    "read them with: gpu_round.py wait SECONDS [--dir DIR]. Each phase's output goes to "
+                    "DIR/phase-N.log, its files to DIR/phase-N/.",
+        epilog="phases:\n"
+               "  run|bench|examples|cluster [OPTIONS]   a command of this tool\n"
+               "  await nccl VERSION [SECONDS]           until pip's nvidia-nccl-cu13 is VERSION or newer\n"
+               "  await file PATH [SECONDS]              until PATH exists (default 1200 s; if never, the session ends)\n"
+               "  anything else                          a shell command; $RESULTS names its folder\n"
+               "NAME=VALUE words in front of a phase set its environment. For example:\n"
+               "  gpu_round.py session 'bench triton_matmul' 'await nccl 2.30' \\\n"
+               "    'CUDA_VISIBLE_DEVICES=0 JAXGIN_TEST_EMULATED_WORLDS=2,4 run --deadline 600'")
+    parser.add_argument("phases", nargs="+", help="the phases, each one argument (quote it)")
+    parser.add_argument("--dir", type=Path, default=DEFAULT_ROUND_DIR, help="where the session keeps its files")
+    parser.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # the background half
+    args = parser.parse_args(argv)
+    for phase in args.phases:
+        if problem := phase_problem(phase):
+            parser.error(f"phase {phase!r}: {problem}")
+    root = args.dir
+    if args.here:
+        shared_environment()
+        began, codes = time.monotonic(), []
+        for number, phase in enumerate(args.phases, 1):
+            print(f"[{time.monotonic() - began:7.1f} s] phase {number}: {phase}", flush=True)
+            code, go_on = run_phase(root, number, phase)
+            codes.append(code)
+            print(f"[{time.monotonic() - began:7.1f} s] phase {number}: exit {code}"
+                  f"{'' if go_on else '; it never came, so the session ends'}", flush=True)
+            if not go_on:
+                break
+        (root / "done").write_text(" ".join(map(str, codes)))
+        return 1 if any(codes) else 0
+    copy_tree(root)
+    os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
+    with open(root / "session.log", "w") as log:
+        subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), "session", "--here",
+                          "--dir", str(root), *args.phases],
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"session of {len(args.phases)} phases started in {root}; read it with: "
+          f"python3 tools/gpu_round.py wait SECONDS --dir {root}", flush=True)
+    return 0
+
+
+JOB_COMMANDS = {"bench": bench, "examples": examples, "cluster": cluster, "session": session}
 
 if __name__ == "__main__":
     sys.exit(main())

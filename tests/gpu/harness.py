@@ -30,7 +30,7 @@ import job
 def _visible_gpus() -> list[int]:
     """The nvidia-smi indices of the GPUs the tests may use: every GPU, or those CUDA_VISIBLE_DEVICES
     names (by index or UUID), so that a machine's GPUs can be split between test sessions running
-    side by side (tools/emulated-round.sh runs the one-GPU suite on a GPU of its own that way)."""
+    side by side (tools/gpu_round.py gives each test its GPUs that way)."""
     if shutil.which("nvidia-smi") is None:
         return []
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)

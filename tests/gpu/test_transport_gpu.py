@@ -1,6 +1,6 @@
 """jaxgin's host transport on NVIDIA GPUs (issue 8): NCCL's GIN proxy backend over the RMA plugin.
 Every peer is forced through GIN, so LSA carries nothing; the plugin's counters prove the bytes
-went through it. Needs NCCL >= 2.30 (skipped otherwise; tools/gpu-transport-round.sh brings 2.32.3)."""
+went through it. Needs NCCL >= 2.30 (skipped otherwise; ../shared/tools/nccl-stage brings 2.32.3)."""
 
 from pathlib import Path
 
