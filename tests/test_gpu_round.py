@@ -215,17 +215,23 @@ def test_emulated_worlds_can_be_narrowed_for_a_round_on_one_gpu(tmp_path):
         in bad.stdout + bad.stderr
 
 
-def test_smaller_worlds_run_the_spot_cases_in_the_fast_tier(monkeypatch):
-    """The fused and MoE scenarios run every case at the largest world of a family and their spot
-    cases below it in the fast tier (the same code paths, a third of the compiles); the tests
-    expect what the scenarios run."""
+def test_the_fast_tier_runs_every_case_once_per_family(monkeypatch):
+    """The fused and MoE scenarios run every case at one world of a family (the largest with a GPU
+    per rank) and their spot cases elsewhere in the fast tier (the same code paths, a third of the
+    compiles); the tests expect what the scenarios run."""
     from conftest import gpu_scenario
 
     harness, fused, moe = gpu_scenario("harness"), gpu_scenario("fused_scenarios"), gpu_scenario("moe_scenarios")
     monkeypatch.setenv("JAXGIN_TEST_TIER", "fast")
-    assert harness.spot_cases_at(2, [2, 4, 8]) and harness.spot_cases_at(4, [2, 4, 8])
-    assert not harness.spot_cases_at(8, [2, 4, 8])
-    assert harness.spot_cases_at(8, [2, 4, 8], command_buffers=True)  # the plain run takes every case
+    monkeypatch.setattr(harness, "GPUS", 4)
+    # every case once, plain, at the largest world that gives each rank a GPU of its own
+    assert harness.spot_cases_at(2, [2, 4, 8]) and harness.spot_cases_at(8, [2, 4, 8])
+    assert not harness.spot_cases_at(4, [2, 4, 8])
+    assert harness.spot_cases_at(4, [2, 4, 8], command_buffers=True)
+    assert not harness.spot_cases_at(8, [8])  # the mixed mesh: its one world
+    assert not harness.spot_cases_at(4, [2, 4])  # one process over the 4 GPUs (WORLD_SIZES)
+    monkeypatch.setattr(harness, "GPUS", 1)
+    assert not harness.spot_cases_at(2, [2, 4]) and harness.spot_cases_at(4, [2, 4])
     assert harness._spot_worlds([2, 4, 8], 4) == [2, 4] and harness._spot_worlds([2, 4, 8], 8) == [2, 8]
     assert harness._spot_worlds([2, 4], 1) == [2] and harness._spot_worlds([8], 4) == [8]
     monkeypatch.setenv("JAXGIN_TEST_TIER", "soak")
