@@ -21,11 +21,14 @@ and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial produ
   triton_reduce_scatter     jaxgin.fused.matmul_reduce_scatter (its one method)
 
 Beside them, XLA's own partitioning of the two tensor-parallel matmuls (jit with shardings, no
-shard_map) with its windowed einsum on (WINDOWED_EINSUM_FLAGS, in a process of its own since XLA
-reads its flags at start; --gspmd-only is that process):
+shard_map) with its windowed einsum on, on several streams (windowed_*) and on one
+(windowed_one_stream_*), each in a process of its own since XLA reads its flags at start
+(WINDOWED_EINSUM_FLAGS; --gspmd-only is that process):
   windowed_all_gather_matmul     x [M, K] sharded by rows @ w [K, N * devices] sharded by columns
   windowed_matmul_reduce_scatter x [M, K * devices] @ w [K * devices, N], both sharded along K,
                                  the result sharded by rows
+A form whose result is wrong keeps its time, marked *_wrong_result, and gets no ratio; the ratios
+take the fastest right one.
 
 Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output
 (a one-element update of x, the same for every variant, so XLA can neither hoist nor overlap the
@@ -55,8 +58,12 @@ from timing import after, best_seconds
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
 # XLA's collective matmuls: all-gather + dot and dot + reduce-scatter decomposed into loops of
-# collective-permutes overlapped with partial dots, whatever their size, on several streams.
-WINDOWED_EINSUM_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+# collective-permutes overlapped with partial dots, whatever their size, on several streams or one
+# (the multi-stream form gave wrong results on 4 x H100 with jax 0.11.2). Row keys' prefix -> flags.
+WINDOWED_EINSUM_FLAGS = {
+    "windowed": "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true",
+    "windowed_one_stream": "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+}
 
 
 # (x, w, result) partition specs: x sharded by rows and w whole, or (reduce-scatter) both
@@ -196,16 +203,30 @@ def gspmd(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
-def gspmd_in_own_process(args) -> list[dict]:
-    """gspmd() at the issue's shapes in a child process started with WINDOWED_EINSUM_FLAGS (before
-    this process holds the GPUs)."""
+def gspmd_in_own_processes(args) -> list[dict]:
+    """gspmd() at the issue's shapes under each of WINDOWED_EINSUM_FLAGS, each in a child process
+    (XLA reads its flags once; before this process holds the GPUs), merged per shape with the
+    keys' "windowed" replaced by the flags' prefix."""
     import subprocess
 
-    out = args.out / "gspmd"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_EINSUM_FLAGS}".strip()}
-    subprocess.run([sys.executable, __file__, "--gspmd-only", "--out", str(out), "--dtype", args.dtype,
-                    "--repeats", str(args.repeats)], env=env, check=True)
-    return json.loads((out / "fused_gspmd.json").read_text())["shapes"]
+    merged = [{} for _ in ISSUE_SHAPES]
+    for prefix, flags in WINDOWED_EINSUM_FLAGS.items():
+        out = args.out / f"gspmd_{prefix}"
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+        subprocess.run([sys.executable, __file__, "--gspmd-only", "--out", str(out), "--dtype", args.dtype,
+                        "--repeats", str(args.repeats)], env=env, check=True)
+        for row, found in zip(merged, json.loads((out / "fused_gspmd.json").read_text())["shapes"]):
+            row.update({prefix + key[len("windowed"):]: value for key, value in found.items()
+                        if key.startswith("windowed")})
+    return merged
+
+
+def fastest_right_windowed(row: dict, op: str) -> float | None:
+    """The fastest of XLA's windowed-einsum forms of `op` ("all_gather_matmul",
+    "matmul_reduce_scatter") in `row` whose result was right; None if none was."""
+    times = [row[f"{prefix}_{op}_us"] for prefix in WINDOWED_EINSUM_FLAGS
+             if f"{prefix}_{op}_us" in row and not row.get(f"{prefix}_{op}_wrong_result")]
+    return min(times, default=None)
 
 
 def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -353,7 +374,7 @@ def main() -> None:
                         help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
     parser.add_argument("--gspmd-only", action="store_true",
                         help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
-                             "given (fused_gspmd.json; the full run starts this with WINDOWED_EINSUM_FLAGS)")
+                             "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")
     parser.add_argument("--no-windowed", action="store_true", help="without XLA's windowed einsum baseline")
     args = parser.parse_args()
     need, what = ((1, "it times cuBLAS and the fused ops' Triton tile code on them") if args.chunking_only else
@@ -362,7 +383,7 @@ def main() -> None:
     if not (args.no_windowed or args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only):
         # XLA's windowed einsum first, in a process of its own, before this one holds the GPUs
         cli.require_gpus(__file__, need, what, through_jax=False)
-        windowed = gspmd_in_own_process(args)
+        windowed = gspmd_in_own_processes(args)
     cli.require_gpus(__file__, need, what)
     cli.require(__file__, "triton", why="the fused ops' kernels and tile code", install='-e ".[cuda]"')
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
@@ -389,12 +410,12 @@ def main() -> None:
     shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather", "reduce_scatter"))
               for m, k, n in ISSUE_SHAPES]
     for row, xla_own in zip(shapes, windowed):  # the same shapes, XLA's windowed einsum beside
-        row.update({key: value for key, value in xla_own.items() if key.startswith("windowed_")})
-        if "triton_reduce_scatter_us" in row and not row.get("windowed_matmul_reduce_scatter_wrong_result"):
-            row["reduce_scatter_vs_windowed"] = row["windowed_matmul_reduce_scatter_us"] / row["triton_reduce_scatter_us"]
-        if "fused_all_gather_us" in row and not row.get("windowed_all_gather_matmul_wrong_result"):
-            row["all_gather_vs_windowed"] = row["windowed_all_gather_matmul_us"] / min(
-                row["fused_all_gather_us"], row["triton_all_gather_us"])
+        row.update(xla_own)
+        windowed_rs, windowed_ag = (fastest_right_windowed(row, op) for op in ("matmul_reduce_scatter", "all_gather_matmul"))
+        if "triton_reduce_scatter_us" in row and windowed_rs is not None:
+            row["reduce_scatter_vs_windowed"] = windowed_rs / row["triton_reduce_scatter_us"]
+        if "fused_all_gather_us" in row and windowed_ag is not None:
+            row["all_gather_vs_windowed"] = windowed_ag / min(row["fused_all_gather_us"], row["triton_all_gather_us"])
     sweep = [] if args.shapes_only else [
         measure(mesh, int(m), 7168, 2048, dtype, args.repeats, ("all_to_all",)) for m in args.sweep.split(",")]
     report = {

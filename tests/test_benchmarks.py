@@ -107,3 +107,16 @@ def test_a_windowed_einsum_baseline_with_a_wrong_result_gets_no_ratio(monkeypatc
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert "WRONG True True" in out.stdout, out.stderr[-2000:]
     assert "no ratio against it" in out.stderr
+
+
+def test_the_windowed_ratio_takes_the_fastest_right_form():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fused
+    finally:
+        sys.path.pop(0)
+    row = {"windowed_matmul_reduce_scatter_us": 500.0, "windowed_matmul_reduce_scatter_wrong_result": True,
+           "windowed_one_stream_matmul_reduce_scatter_us": 700.0, "windowed_all_gather_matmul_us": 800.0,
+           "windowed_all_gather_matmul_wrong_result": True}
+    assert fused.fastest_right_windowed(row, "matmul_reduce_scatter") == 700.0
+    assert fused.fastest_right_windowed(row, "all_gather_matmul") is None
