@@ -16,6 +16,9 @@ and for all_gather_matmul (M = rows after the gather, each device holding M / de
   xla_all_gather_matmul jax.lax.all_gather(x, tiled) @ w in one jit
   fused_all_gather      jaxgin.fused.all_gather_matmul (method="chunked")
   triton_all_gather     the same op, method="triton"
+  pallas_all_gather_matmul  JAX's Pallas Mosaic GPU collective matmul (all_gather_lhs_matmul), its
+                        fastest right configuration of PALLAS_CONFIGS, or why it could not run;
+                        also at its documented shape (1024 rows per shard, K = N = 4096)
 and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial product; result M / devices rows):
   xla_matmul_reduce_scatter jax.lax.psum_scatter(x @ w, tiled) in one jit
   triton_reduce_scatter     jaxgin.fused.matmul_reduce_scatter (its one method)
@@ -57,6 +60,9 @@ from timing import after, best_seconds
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
+# all_gather_matmul also at the shape JAX's Pallas collective matmul documents: 1024 rows per
+# shard, K = N = 4096 (M below is the gathered rows: 1024 x devices).
+PALLAS_DOCS_ROWS_PER_SHARD, PALLAS_DOCS_K, PALLAS_DOCS_N = 1024, 4096, 4096
 # XLA's collective matmuls: all-gather + dot and dot + reduce-scatter decomposed into loops of
 # collective-permutes overlapped with partial dots, whatever their size, on several streams or one
 # (the multi-stream form gave wrong results on 4 x H100 with jax 0.11.2). Row keys' prefix -> flags.
@@ -72,7 +78,7 @@ ROWS = (P("x"), P(), P("x"))
 K_SHARDED = (P(None, "x"), P("x", None), P("x"))
 
 
-def _chain(mesh, op, specs=ROWS):
+def _chain(mesh, op, specs=ROWS, check_vma=True):
     def body(x, w):
         def step(_, x):
             return after(x, op(x, w))  # call i + 1 waits for call i
@@ -81,11 +87,48 @@ def _chain(mesh, op, specs=ROWS):
         # leave the GPU idle for that time in every variant alike.
         return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[0]))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[0], check_vma=check_vma))
 
 
-def _once(mesh, op, specs=ROWS):
-    return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=specs[:2], out_specs=specs[2]))
+def _once(mesh, op, specs=ROWS, check_vma=True):
+    return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=check_vma))
+
+
+# JAX's own collective matmul (Pallas Mosaic GPU, f16 / bf16): a few of its tuning configurations
+# (tile_m, tile_n, wg_dimension); the fastest right one is the baseline.
+PALLAS_CONFIGS = ((128, 128, "M"), (128, 128, "N"), (256, 128, "N"), (128, 64, "M"))
+
+
+def pallas_all_gather_matmul(mesh, xs, w, expected, repeats: int) -> dict:
+    """jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul on the same
+    operands as all_gather_matmul (x's rows sharded, w whole on every GPU): its fastest right
+    configuration's time, or why it could not run (the import, the process layout, the dtype)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as pallas_cm
+    except Exception as e:  # noqa: BLE001 - an optional baseline: say why it is missing
+        return {"pallas_all_gather_matmul_error": f"{type(e).__name__}: {e}"}
+    best, errors = None, []
+    for tile_m, tile_n, wg in PALLAS_CONFIGS:
+        name = f"tile_m={tile_m},tile_n={tile_n},wg_dimension={wg}"
+        try:
+            config = pallas_cm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                                            grid_tile_width=4, wg_dimension=pallas_cm.MatmulDimension[wg])
+
+            def op(x, w, config=config):
+                return pallas_cm.all_gather_lhs_matmul(x, w, "x", config=config, dtype=x.dtype)
+
+            rel = _rel(_once(mesh, op, check_vma=False)(xs, w), expected)
+            if rel > WRONG_RESULT:
+                errors.append(f"{name}: result {rel:.3g} of the largest value away from XLA's")
+                continue
+            us = best_seconds(_chain(mesh, op, check_vma=False), xs, w, repeats=repeats) / STEPS * 1e6
+        except Exception as e:  # noqa: BLE001 - a configuration the kernel refuses (shared memory, layout)
+            errors.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if best is None or us < best["pallas_all_gather_matmul_us"]:
+            best = {"pallas_all_gather_matmul_us": us, "pallas_all_gather_matmul_rel_err": rel,
+                    "pallas_all_gather_matmul_config": name}
+    return best or {"pallas_all_gather_matmul_error": "; ".join(errors)}
 
 
 # A baseline whose result is further than this from float32's (relative to the largest value) is
@@ -132,6 +175,7 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         row["triton_all_gather_rel_err"] = _rel(_once(mesh, gather_ops["triton_all_gather"])(xs, w), expected)
         for name, op in gather_ops.items():
             row[f"{name}_us"] = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
+        row.update(pallas_all_gather_matmul(mesh, xs, w, expected, repeats))
         row["all_gather_shard"] = list(shard)
     if "reduce_scatter" in kinds and m % devices == 0:
         xr = jax.device_put(jax.random.normal(keys[0], (m, devices * k), dtype), NamedSharding(mesh, P(None, "x")))
@@ -156,6 +200,9 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         row["speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["fused_all_to_all_us"]
         row["fused_over_matmul"] = row["fused_all_to_all_us"] / row["xla_matmul_us"]
         row["triton_speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["triton_all_to_all_us"]
+    if "pallas_all_gather_matmul_us" in row:
+        row["all_gather_vs_pallas"] = row["pallas_all_gather_matmul_us"] / min(row["fused_all_gather_us"],
+                                                                               row["triton_all_gather_us"])
     if "fused_all_gather_us" in row:
         row["all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["fused_all_gather_us"]
         row["triton_all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["triton_all_gather_us"]
@@ -409,6 +456,8 @@ def main() -> None:
         return
     shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather", "reduce_scatter"))
               for m, k, n in ISSUE_SHAPES]
+    shapes.append(measure(mesh, PALLAS_DOCS_ROWS_PER_SHARD * mesh.size, PALLAS_DOCS_K, PALLAS_DOCS_N, dtype,
+                          args.repeats, ("all_gather",)))
     for row, xla_own in zip(shapes, windowed):  # the same shapes, XLA's windowed einsum beside
         row.update(xla_own)
         windowed_rs, windowed_ag = (fastest_right_windowed(row, op) for op in ("matmul_reduce_scatter", "all_gather_matmul"))

@@ -120,3 +120,17 @@ def test_the_windowed_ratio_takes_the_fastest_right_form():
            "windowed_all_gather_matmul_wrong_result": True}
     assert fused.fastest_right_windowed(row, "matmul_reduce_scatter") == 700.0
     assert fused.fastest_right_windowed(row, "all_gather_matmul") is None
+
+
+def test_the_pallas_baseline_says_why_it_cannot_run_instead_of_failing_the_benchmark():
+    """On this CPU machine JAX's Mosaic GPU kernel cannot run: the row says why, and the other
+    baselines go on (fused.pallas_all_gather_matmul on 2 CPU devices)."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import jax, numpy as np, jax.numpy as jnp, fused;"
+            "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P;"
+            "mesh = Mesh(np.array(jax.devices()), ('x',));"
+            "xs = jax.device_put(jnp.ones((256, 64), jnp.bfloat16), NamedSharding(mesh, P('x')));"
+            "w = jax.device_put(jnp.ones((64, 128), jnp.bfloat16), NamedSharding(mesh, P()));"
+            "row = fused.pallas_all_gather_matmul(mesh, xs, w, None, 1); print('ROW', sorted(row), row)")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert "ROW ['pallas_all_gather_matmul_error']" in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
