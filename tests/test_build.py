@@ -22,6 +22,7 @@ import pytest
 
 from jaxgin import build, nccl
 from jaxgin.errors import NcclError, ToolchainError, install_command
+from jaxgin.ffi import op_table
 
 ARCH = "sm_90a"
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
@@ -238,6 +239,27 @@ def test_python_constants_equal_the_backend_ones(built):
     assert exported == python
 
 
+def test_every_compile_sees_the_generated_header_and_the_tables_sources(tmp_path, nvcc, packaged_nccl):
+    """Every nvcc command has the build directory's generated/ on its include path, the backend
+    compiles exactly the table's sources, and the table is part of the cache key."""
+    root = build.sources_dir()
+    include = f"-I{tmp_path / build.GENERATED_DIR}"
+    (device,) = build._device_library_commands(nvcc, packaged_nccl, ARCH, root, tmp_path)
+    compiles, (link,) = build._backend_commands(nvcc, packaged_nccl, ARCH, root, tmp_path)
+    for command in device + compiles:
+        assert include in command, command
+    assert [next(p for p in c if p.endswith(".cu")) for c in compiles] == [str(root / s) for s in op_table.sources()]
+    assert build.BACKEND_SOURCES == op_table.sources()
+    assert build.write_generated(tmp_path).read_text() == op_table.header()
+
+
+def test_cache_key_follows_the_op_table(monkeypatch, nvcc, packaged_nccl):
+    root = build.sources_dir()
+    key = build.cache_key(packaged_nccl, ARCH, nvcc, root)
+    monkeypatch.setattr(op_table, "header", lambda: "// another table\n")
+    assert build.cache_key(packaged_nccl, ARCH, nvcc, root) != key
+
+
 def test_python_reserved_heap_bytes_equal_the_backend_ones(built):
     """The heap layout jaxgin reserves for itself is computed on both sides (Python checks heap sizes
     before a backend exists); the backend's jaxgin_reserved_heap_bytes is the definition."""
@@ -280,8 +302,9 @@ def test_artifacts_layout(built):
         assert artifacts.directory == library
     else:
         assert artifacts.directory != library
-        assert sorted(p.name for p in artifacts.directory.iterdir()) == ["complete", build.BACKEND_LIBRARY]
-        assert sorted(p.name for p in library.iterdir()) == ["complete", "jaxgin_device.cubin", "jaxgin_device.ptx"]
+        assert sorted(p.name for p in artifacts.directory.iterdir()) == ["complete", "generated", build.BACKEND_LIBRARY]
+        assert sorted(p.name for p in library.iterdir()) == ["complete", "generated", "jaxgin_device.cubin",
+                                                             "jaxgin_device.ptx"]
     # No staging directories are left behind.
     assert not [p for p in artifacts.directory.parent.iterdir() if p.name.startswith(".")]
 
