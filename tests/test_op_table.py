@@ -1,8 +1,9 @@
 """jaxgin/ffi/op_table.py is the one place that names what both languages need of an op family:
 the header the build renders from it says everything the rows say, each row names its own slice
-(files that exist, handlers and preload hooks defined there), and csrc spells none of it by hand
-again. Needs no nvcc (tests/test_build.py compiles the header)."""
+(files that exist, handlers and preload hooks defined there), and csrc and the Python ops spell
+none of it by hand again. Needs no nvcc (tests/test_build.py compiles the header)."""
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -154,3 +155,21 @@ def test_the_scan_would_see_a_hand_copy():
     assert _HAND_COPIES["an attribute code's definition"].search("enum ExchangeKind : int64_t { kPpermute = 0 };")
     assert _HAND_COPIES["a tagged op's name"].search('return "jaxgin.put_signal";')
     assert "ffi/mailbox.cu" in _backend_files() and "kernels/mailbox.h" in _backend_files()
+
+
+def test_python_names_no_target_by_hand():
+    """The op modules find their custom-call target through op_table.target_of; no module but the
+    table holds a target's name as a string."""
+    names = {target.name for target in op_table.targets()}
+    found = []
+    for path in sorted((ROOT / "jaxgin").rglob("*.py")):
+        if path == ROOT / "jaxgin" / "ffi" / "op_table.py":
+            continue
+        tree = ast.parse(path.read_text())
+        # A JAX primitive may share its target's name: Primitive("jaxgin_put_signal") names the op in jaxprs.
+        primitive_names = {id(call.args[0]) for call in ast.walk(tree) if isinstance(call, ast.Call) and call.args
+                           and getattr(call.func, "id", getattr(call.func, "attr", None)) == "Primitive"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in primitive_names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not found, found
