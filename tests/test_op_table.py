@@ -96,7 +96,8 @@ def test_names_are_unique():
 
 
 def test_every_row_names_its_own_slice():
-    """A row's files exist, and its handlers and preload hooks are defined in its own csrc files."""
+    """A row's files exist, its handlers and preload hooks are defined in its own csrc files, and
+    csrc has no source, handler or hook that no row names."""
     files = _csrc_files()
     for family in op_table.FAMILIES:
         for module in family.python:
@@ -112,9 +113,15 @@ def test_every_row_names_its_own_slice():
                 assert re.search(rf'extern "C" void\* {symbol}\(void\) \{{', text), (family.name, symbol)
         for hook in family.preload:
             assert re.search(rf"^cudaError_t (jaxgin::)?{hook}\(\) \{{", text, flags=re.MULTILINE), (family.name, hook)
-    # Every CUDA source of the backend is some family's (the device library's own build aside).
+    # Every CUDA source, handler and preload hook is some row's: one the table left out would not
+    # be compiled, registered or called.
     unclaimed = [p for p in files if p.endswith(".cu") and p not in op_table.sources()]
     assert not unclaimed, f"csrc files no row of jaxgin/ffi/op_table.py compiles: {unclaimed}"
+    everything = "".join(files.values())
+    handlers = {s for target in op_table.targets() for s in target.handlers.values()}
+    assert set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+),", everything)) == handlers
+    hooks = {hook for family in op_table.FAMILIES for hook in family.preload}
+    assert set(re.findall(r"^cudaError_t (?:jaxgin::)?(preload_\w+)\(\) \{", everything, flags=re.MULTILINE)) == hooks
 
 
 def test_target_of():
