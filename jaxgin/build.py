@@ -14,6 +14,9 @@ Outputs, in two cache entries:
                         machine without a GPU)
   libjaxgin_backend.so  host runtime + kernels + device library, linked against NCCL's library
                         (loaded by jaxgin itself; build() makes both entries)
+  generated/jaxgin_op_table.h  in each entry: the C++ header rendered from jaxgin/ffi/op_table.py
+                        that its sources compiled with (op tags, targets' handlers, preload hooks,
+                        attribute codes, constants); the table is part of the cache key
 
 Pre-build (for example in a container image) with ``python -m jaxgin.build``.
 
@@ -45,32 +48,17 @@ import jax.ffi
 from jaxgin import nccl as nccl_lib
 from jaxgin import nvidia_packages, settings
 from jaxgin.errors import ToolchainError, install_command
+from jaxgin.ffi import op_table
 
-BACKEND_SOURCES = (
-    "device/library.cu",
-    "runtime/runtime.cu",
-    "runtime/heap_release.cu",
-    "runtime/vmm_ledger.cu",
-    "runtime/cublas_loader.cu",
-    "runtime/constants.cu",
-    "runtime/diagnostics.cu",
-    "runtime/thread_settle.cu",
-    "kernels/selftest_exchange.cu",
-    "kernels/wait_signal.cu",
-    "kernels/exchange.cu",
-    "kernels/line_exchange.cu",
-    "kernels/launch_floor.cu",
-    "kernels/mailbox.cu",
-    "kernels/chunk_handoff.cu",
-    "ffi/launch_pacing.cu",
-    "ffi/collectives.cu",
-    "ffi/mailbox.cu",
-    "ffi/triton_call.cu",
-    "ffi/chunked_matmul.cu",
-)
+# Every csrc file compiled into the backend: the rows of the op table, each op family's slice.
+BACKEND_SOURCES = op_table.sources()
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 BACKEND_LIBRARY = "libjaxgin_backend.so"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
+# Where a build writes what it generates from jaxgin/ffi/op_table.py (op_table.HEADER), inside its
+# own directory (kept in the cache entry: the header that build compiled with); every nvcc command
+# has it on its include path.
+GENERATED_DIR = "generated"
 HEARTBEAT_S = 20.0  # a progress line at least this often while a build compiles
 
 
@@ -175,6 +163,7 @@ def cache_key(nccl: nccl_lib.NcclInstall, arch: str, nvcc: Path, root: Path) -> 
     digest = hashlib.sha256()
     for part in (
         _source_digest(root),
+        op_table.header(),
         _xla_ffi_digest(),
         str(nccl.version),
         str(nccl.include_dir.resolve()),
@@ -199,14 +188,22 @@ def _run(command: list[str], cwd: Path) -> None:
         )
 
 
-def _base_command(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path) -> list[str]:
-    return [str(nvcc), *COMMON_FLAGS, f"-arch={arch}", f"-I{nccl.include_dir}", f"-I{root}"]
+def _base_command(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path, out: Path) -> list[str]:
+    return [str(nvcc), *COMMON_FLAGS, f"-arch={arch}", f"-I{nccl.include_dir}", f"-I{root}", f"-I{out / GENERATED_DIR}"]
+
+
+def write_generated(out: Path) -> Path:
+    """Writes the header generated from the op table into build directory `out`; returns its path."""
+    path = out / GENERATED_DIR / op_table.HEADER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(op_table.header())
+    return path
 
 
 def _device_library_commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path,
                              out: Path) -> list[list[list[str]]]:
     """The device library alone, as PTX and as a relocatable cubin: one stage of two commands."""
-    base, library = _base_command(nvcc, nccl, arch, root), str(root / DEVICE_LIBRARY_SOURCE)
+    base, library = _base_command(nvcc, nccl, arch, root, out), str(root / DEVICE_LIBRARY_SOURCE)
     return [[base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
              base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")]]]
 
@@ -222,7 +219,8 @@ def _gpu_code(arch: str) -> str:
 def _backend_commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path,
                       out: Path) -> list[list[list[str]]]:
     """The backend library: every source compiled (one stage, compile_jobs() at a time), then one link."""
-    base = [_gpu_code(arch) if part == f"-arch={arch}" else part for part in _base_command(nvcc, nccl, arch, root)]
+    base = [_gpu_code(arch) if part == f"-arch={arch}" else part
+            for part in _base_command(nvcc, nccl, arch, root, out)]
     base += [f"-I{xla_ffi_include_dir()}", f"-I{cupti_include_dir(nvcc)}"]
     objects = [str(out / (source.replace("/", "_").removesuffix(".cu") + ".o")) for source in BACKEND_SOURCES]
     compile_stage = [base + ["-c", str(root / source), "-o", obj] for source, obj in zip(BACKEND_SOURCES, objects)]
@@ -312,6 +310,7 @@ def _cached(nccl: nccl_lib.NcclInstall, arch: str, commands, what: str, cache_di
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
         try:
+            write_generated(staging)
             stages = commands(nvcc, nccl, arch, root, staging)
             total = sum(len(stage) for stage in stages)
             report = _Progress(progress)

@@ -22,9 +22,8 @@ from jax.interpreters import ad, batching, mlir
 from jaxgin import runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
-
-_EXCHANGE_TARGET = "jaxgin_exchange"
-_PPERMUTE, _ALL_TO_ALL = 0, 1  # ExchangeKind (csrc/ffi/attribute_codes.h; a test holds them equal)
+from jaxgin.ffi import op_table
+from jaxgin.ffi.op_table import ExchangeKind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,14 +103,14 @@ def _lowering(reference, kind, op):
             return lower_reference(ctx, x, axis_name=axis_name, **params)
         attrs = axes_lib.lowering_attributes(ctx, axis_name, state, op)
         perm = np.array([v for pair in params.get("perm", ()) for v in pair] or [-1, -1], dtype=np.int64)
-        return jax.ffi.ffi_lowering(_EXCHANGE_TARGET)(ctx, x, kind=np.int64(kind), perm=perm, **attrs)
+        return jax.ffi.ffi_lowering(op_table.target_of(op))(ctx, x, kind=np.int64(kind), perm=perm, **attrs)
 
     return lower_reference, lower_cuda
 
 
 for _prim, _ref, _kind, _op in (
-    (ppermute_p, _reference_ppermute, _PPERMUTE, "jaxgin.ppermute"),
-    (all_to_all_p, _reference_all_to_all, _ALL_TO_ALL, "jaxgin.all_to_all"),
+    (ppermute_p, _reference_ppermute, ExchangeKind.PPERMUTE, "jaxgin.ppermute"),
+    (all_to_all_p, _reference_all_to_all, ExchangeKind.ALL_TO_ALL, "jaxgin.all_to_all"),
 ):
     _lower_reference, _lower_cuda = _lowering(_ref, _kind, _op)
     mlir.register_lowering(_prim, _lower_reference)

@@ -70,9 +70,10 @@ from jax.interpreters import batching, mlir
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
+from jaxgin.ffi import op_table
 
-MAILBOX_HEADER_BYTES = 256  # kMailboxHeaderBytes (csrc/kernels/mailbox.h); a test holds them equal
-MAX_AXIS_SIZE = 64  # kMaxExchangePeers (csrc/kernels/exchange.h); likewise
+MAILBOX_HEADER_BYTES = op_table.CONSTANTS["mailbox_header_bytes"]
+MAX_AXIS_SIZE = op_table.CONSTANTS["max_exchange_peers"]
 
 _declared: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
 
@@ -229,7 +230,7 @@ def _lower_put(ctx, x, peer, *, axis_name, size, mailbox, payload_bytes):
     state = op_support.lowering_state("jaxgin.put_signal")
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.put_signal")
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
-    return jax.ffi.ffi_lowering("jaxgin_put_signal", has_side_effect=True)(
+    return jax.ffi.ffi_lowering(op_table.target_of("jaxgin.put_signal"), has_side_effect=True)(
         ctx, x, peer, offset=np.int64(offset), signal_base=np.int64(signal_base), **attrs
     )
 
@@ -239,7 +240,7 @@ def _lower_wait(ctx, *tokens, axis_name, size, shape, dtype, mailbox, count):
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal")
     payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
-    return jax.ffi.ffi_lowering("jaxgin_wait_signal", has_side_effect=True)(
+    return jax.ffi.ffi_lowering(op_table.target_of("jaxgin.wait_signal"), has_side_effect=True)(
         ctx, *tokens, offset=np.int64(offset), signal_base=np.int64(signal_base), count=np.int64(count), **attrs
     )
 
@@ -249,7 +250,7 @@ def _lower_wait_from(ctx, source, *tokens, axis_name, size, shape, dtype, mailbo
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal_from")
     payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
-    return jax.ffi.ffi_lowering("jaxgin_wait_signal_from", has_side_effect=True)(
+    return jax.ffi.ffi_lowering(op_table.target_of("jaxgin.wait_signal_from"), has_side_effect=True)(
         ctx, source, *tokens, offset=np.int64(offset), signal_base=np.int64(signal_base), **attrs
     )
 

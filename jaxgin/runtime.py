@@ -25,7 +25,7 @@ from jaxgin import fault_watch as fault_watch_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import rdma, settings
-from jaxgin.ffi import targets
+from jaxgin.ffi import op_table, targets
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, install_command
 from jaxgin.sizes import parse_size
 
@@ -35,10 +35,9 @@ DEFAULT_HEAP_SIZE = "1GiB"
 # DEFAULT_TIMEOUT_S, DEFAULT_MAX_QUEUED_CALLS and DEFAULT_CHANNEL_SLOT_BYTES are their settings'
 # defaults (jaxgin.settings), parsed.
 DEFAULT_TIMEOUT_S = float(settings.BY_NAME["JAXGIN_TIMEOUT"].default)
-# $JAXGIN_MAX_QUEUED_CALLS's default and largest value (kDefaultMaxQueuedCalls / kMaxQueuedCallsLimit in
-# csrc/runtime/runtime.h; a test holds them equal).
+# $JAXGIN_MAX_QUEUED_CALLS's default and largest value (the op table's, which the C++ compiles with).
 DEFAULT_MAX_QUEUED_CALLS = int(settings.BY_NAME["JAXGIN_MAX_QUEUED_CALLS"].default)
-MAX_QUEUED_CALLS_LIMIT = 1 << 16
+MAX_QUEUED_CALLS_LIMIT = op_table.CONSTANTS["max_queued_calls_limit"]
 MIN_USER_HEAP_BYTES = 1 << 20  # below this no op has room for its buffers
 @dataclasses.dataclass(frozen=True)
 class ChannelShape:
@@ -81,7 +80,7 @@ def channel_shape(world_size: int) -> ChannelShape:
 
 # Small messages between NVLink peers travel as 16-byte lines (8 payload bytes, two flag copies);
 # each sender has `slots` line slots of twice JAXGIN_LINE_MAX_BYTES at every receiver.
-LINE_MAX_BYTES = 8192  # JAXGIN_LINE_MAX_BYTES (csrc/device/impl/context__types.h); a test holds them equal
+LINE_MAX_BYTES = op_table.CONSTANTS["line_max_bytes"]  # JAXGIN_LINE_MAX_BYTES in C++, from the op table
 LINE_SLOT_BYTES = 2 * LINE_MAX_BYTES
 
 

@@ -27,11 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
-
-TARGET = "jaxgin_triton_call"
-
-# Parameter kinds of the handler (ParamKind, csrc/ffi/attribute_codes.h; a test holds them equal).
-_CONTEXT, _OPERAND, _RESULT, _HEAP, _INT32, _INT64, _FLOAT32, _NULL_POINTER = range(8)
+from jaxgin.ffi import op_table
+from jaxgin.ffi.op_table import ParamKind
 
 _TRITON_TYPES = {
     "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
@@ -162,26 +159,26 @@ def triton_call(
     operands = []
     it = iter(runtime_params)
     signature[next(it)] = "*u8"
-    params += [_CONTEXT, 0]
+    params += [ParamKind.CONTEXT, 0]
     for position, arg in enumerate(args):
         name = next(it)
         if isinstance(arg, op_support.SymmetricArray):
             arg.check_live()
             signature[name] = _pointer_type(arg.dtype, f"argument {name!r}")
-            params += [_HEAP, arg.offset]
+            params += [ParamKind.HEAP, arg.offset]
         elif isinstance(arg, (bool, np.bool_)):
             raise TypeError(f"jaxgin.triton_call: argument {name!r} is a bool; pass an int")
         elif isinstance(arg, (int, np.integer)):
             value = int(arg)
             small = -(2**31) <= value < 2**31
             signature[name] = "i32" if small else "i64"
-            params += [_INT32 if small else _INT64, value]
+            params += [ParamKind.INT32 if small else ParamKind.INT64, value]
         elif isinstance(arg, (float, np.floating)):
             signature[name] = "fp32"
-            params += [_FLOAT32, int(np.array(arg, dtype=np.float32).view(np.uint32))]
+            params += [ParamKind.FLOAT32, int(np.array(arg, dtype=np.float32).view(np.uint32))]
         elif _is_array(arg):
             signature[name] = _pointer_type(arg.dtype, f"argument {name!r}")
-            params += [_OPERAND, len(operands)]
+            params += [ParamKind.OPERAND, len(operands)]
             operands.append(arg)
         else:
             raise TypeError(
@@ -191,7 +188,7 @@ def triton_call(
     for index, out in enumerate(out_types):
         name = next(it)
         signature[name] = _pointer_type(out.dtype, f"output {name!r}")
-        params += [_RESULT, index]
+        params += [ParamKind.RESULT, index]
     for name in names:
         if name in constexprs:
             signature[name] = "constexpr"
@@ -207,12 +204,12 @@ def triton_call(
         # is one more XLA result, never returned: XLA owns the memory, and a captured graph replays
         # with the same buffer.
         out_types = out_types + [jax.ShapeDtypeStruct((scratch,), np.uint8)]
-        params += [_RESULT, len(out_types) - 1]
+        params += [ParamKind.RESULT, len(out_types) - 1]
     else:
-        params += [_NULL_POINTER, 0]
-    params += [_NULL_POINTER, 0]  # Triton's profile scratch pointer
+        params += [ParamKind.NULL_POINTER, 0]
+    params += [ParamKind.NULL_POINTER, 0]  # Triton's profile scratch pointer
     cubin = compiled.asm["cubin"]
-    call = jax.ffi.ffi_call(TARGET, out_types, has_side_effect=True)
+    call = jax.ffi.ffi_call(op_table.target_of("jaxgin.triton_call"), out_types, has_side_effect=True)
     if operands:
         # Why the barrier: XLA's dynamic-slice fusion (on by default in the XLA of JAX 0.11) moves a
         # custom call whose operand is a slice into a fusion that reads the slice in place, and

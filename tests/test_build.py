@@ -9,7 +9,7 @@ Each (NCCL, arch) is built once per module and shared by the tests.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import json
 import os
 import re
 import shutil
@@ -22,6 +22,7 @@ import pytest
 
 from jaxgin import build, nccl
 from jaxgin.errors import NcclError, ToolchainError, install_command
+from jaxgin.ffi import op_table
 
 ARCH = "sm_90a"
 EM_CUDA = 190  # ELF e_machine of NVIDIA cubins
@@ -205,37 +206,56 @@ def test_a_broken_gpu_is_reset_only_once_the_other_threads_sleep(built):
     assert after == "1", result.stdout  # NCCL's thread still spins: it does not hold the reset back
 
 
-def test_python_constants_equal_the_backend_ones(built):
-    """Sizes both sides compute with are defined in C and exported (jaxgin_constant); Python's
-    copies (which the reference path needs without a backend) must equal them."""
+_TABLE_PROBE = """
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int64(); constants = {}
+for name in json.loads(sys.argv[2]):
+    assert lib.jaxgin_constant(name.encode(), ctypes.byref(v)) == 0, name
+    constants[name] = v.value
+assert lib.jaxgin_constant(b"no_such_constant", ctypes.byref(v)) == -1
+symbols = {name: hasattr(lib, name) for name in json.loads(sys.argv[3])}
+print(json.dumps([constants, symbols]))
+"""
+
+
+def test_backend_compiled_the_op_table(built):
+    """The build renders jaxgin/ffi/op_table.py into the header its sources compile with: each
+    cache entry keeps the header it used, which is the table's, and the backend exports the
+    table's constants with the table's values and every handler under the table's name."""
     install, artifacts, _ = built
+    for entry in {artifacts.directory, artifacts.ptx.parent}:
+        assert (entry / build.GENERATED_DIR / op_table.HEADER).read_text() == op_table.header()
     if install.library is None:
         pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
-    from jaxgin import collectives, mailbox, runtime
-
-    tc = importlib.import_module("jaxgin.triton_call")  # the package's name triton_call is the function
-
-    python = {"mailbox_header_bytes": mailbox.MAILBOX_HEADER_BYTES, "max_exchange_peers": mailbox.MAX_AXIS_SIZE,
-              "line_max_bytes": runtime.LINE_MAX_BYTES, "default_max_queued_calls": runtime.DEFAULT_MAX_QUEUED_CALLS,
-              "max_queued_calls_limit": runtime.MAX_QUEUED_CALLS_LIMIT,
-              # the custom calls' attribute codes (csrc/ffi/attribute_codes.h)
-              "exchange_kind_ppermute": collectives._PPERMUTE, "exchange_kind_all_to_all": collectives._ALL_TO_ALL,
-              "triton_param_context": tc._CONTEXT, "triton_param_operand": tc._OPERAND,
-              "triton_param_result": tc._RESULT, "triton_param_heap": tc._HEAP, "triton_param_int32": tc._INT32,
-              "triton_param_int64": tc._INT64, "triton_param_float32": tc._FLOAT32,
-              "triton_param_null_pointer": tc._NULL_POINTER}
-    code = (
-        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int64()\n"
-        "for name in sys.argv[2:]:\n"
-        "    assert lib.jaxgin_constant(name.encode(), ctypes.byref(v)) == 0, name\n"
-        "    print(name, v.value)\n"
-        "assert lib.jaxgin_constant(b'no_such_constant', ctypes.byref(v)) == -1"
-    )
-    result = subprocess.run([sys.executable, "-c", code, str(artifacts.backend), *python],
-                            capture_output=True, text=True, timeout=120)
+    symbols = [s for target in op_table.targets() for s in target.handlers.values()]
+    symbols += [s for family in op_table.FAMILIES for state in family.state_types for s in (state.type_id, state.type_info)]
+    result = subprocess.run([sys.executable, "-c", _TABLE_PROBE, str(artifacts.backend), json.dumps(list(op_table.CONSTANTS)),
+                             json.dumps(symbols)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    exported = {name: int(value) for name, value in (line.split() for line in result.stdout.splitlines())}
-    assert exported == python
+    constants, exported = json.loads(result.stdout)
+    assert constants == dict(op_table.CONSTANTS)
+    assert exported == {symbol: True for symbol in symbols}
+
+
+def test_every_compile_sees_the_generated_header_and_the_tables_sources(tmp_path, nvcc, packaged_nccl):
+    """Every nvcc command has the build directory's generated/ on its include path, the backend
+    compiles exactly the table's sources, and the table is part of the cache key."""
+    root = build.sources_dir()
+    include = f"-I{tmp_path / build.GENERATED_DIR}"
+    (device,) = build._device_library_commands(nvcc, packaged_nccl, ARCH, root, tmp_path)
+    compiles, (link,) = build._backend_commands(nvcc, packaged_nccl, ARCH, root, tmp_path)
+    for command in device + compiles:
+        assert include in command, command
+    assert [next(p for p in c if p.endswith(".cu")) for c in compiles] == [str(root / s) for s in op_table.sources()]
+    assert build.BACKEND_SOURCES == op_table.sources()
+    assert build.write_generated(tmp_path).read_text() == op_table.header()
+
+
+def test_cache_key_follows_the_op_table(monkeypatch, nvcc, packaged_nccl):
+    root = build.sources_dir()
+    key = build.cache_key(packaged_nccl, ARCH, nvcc, root)
+    monkeypatch.setattr(op_table, "header", lambda: "// another table\n")
+    assert build.cache_key(packaged_nccl, ARCH, nvcc, root) != key
 
 
 def test_python_reserved_heap_bytes_equal_the_backend_ones(built):
@@ -280,8 +300,9 @@ def test_artifacts_layout(built):
         assert artifacts.directory == library
     else:
         assert artifacts.directory != library
-        assert sorted(p.name for p in artifacts.directory.iterdir()) == ["complete", build.BACKEND_LIBRARY]
-        assert sorted(p.name for p in library.iterdir()) == ["complete", "jaxgin_device.cubin", "jaxgin_device.ptx"]
+        assert sorted(p.name for p in artifacts.directory.iterdir()) == ["complete", "generated", build.BACKEND_LIBRARY]
+        assert sorted(p.name for p in library.iterdir()) == ["complete", "generated", "jaxgin_device.cubin",
+                                                             "jaxgin_device.ptx"]
     # No staging directories are left behind.
     assert not [p for p in artifacts.directory.parent.iterdir() if p.name.startswith(".")]
 

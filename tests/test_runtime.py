@@ -429,7 +429,7 @@ def test_cupti_already_in_the_process_is_not_loaded_twice(monkeypatch, tmp_path)
 def test_custom_calls_are_kept_out_of_command_buffers(monkeypatch):
     """Every jaxgin target is registered without COMMAND_BUFFER_COMPATIBLE: inside XLA's command
     buffers, independent jaxgin calls became parallel graph nodes on a shared exchange channel."""
-    from jaxgin.ffi import targets
+    from jaxgin.ffi import op_table, targets
 
     class FakeBackend:
         path = "/fake/libjaxgin_backend.so"
@@ -448,7 +448,7 @@ def test_custom_calls_are_kept_out_of_command_buffers(monkeypatch):
     monkeypatch.setattr(jax.ffi, "register_ffi_target",
                         lambda name, fn, platform, **kwargs: registered.setdefault(name, (platform, kwargs)))
     targets.register(FakeBackend())
-    assert set(registered) == set(targets.TARGETS)
+    assert set(registered) == {target.name for target in op_table.targets()}
     for name, (platform, kwargs) in registered.items():
         assert platform == "CUDA" and "traits" not in kwargs, (name, kwargs)
     assert targets.command_buffer_compatible is False

@@ -342,10 +342,10 @@ def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
     assert scratch_type.shape[0] > 0 and scratch_type.shape[0] % 8 == 0  # a slice per program
     params = list(seen["attrs"]["params"])
     # ... then Triton's two scratch pointers: the global one is result 1, the profile one null
-    assert params[-4:] == [tc._RESULT, 1, tc._NULL_POINTER, 0]
+    assert params[-4:] == [tc.ParamKind.RESULT, 1, tc.ParamKind.NULL_POINTER, 0]
     plain = tc.triton_call(plain_copy_ctx, src, grid=(8,), out_shape=src, enable_fp_fusion=True, BLOCK=512)
     assert plain.shape == (4096,) and len(seen["out_types"]) == 1
-    assert list(seen["attrs"]["params"])[-4:] == [tc._NULL_POINTER, 0, tc._NULL_POINTER, 0]
+    assert list(seen["attrs"]["params"])[-4:] == [tc.ParamKind.NULL_POINTER, 0, tc.ParamKind.NULL_POINTER, 0]
 
 
 @triton.jit

@@ -259,7 +259,7 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
                              int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation) {
   return guarded([&] {
-    constexpr const char* op = "jaxgin.fused.matmul_all_to_all";
+    const char* op = jaxgin_op_name(JAXGIN_OP_MATMUL_ALL_TO_ALL);
     ChunkedCall call = start_call(op, JAXGIN_OP_MATMUL_ALL_TO_ALL, stream, ordinal, generation, mesh_ranks, mesh_shape,
                                   axes, offset, slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
@@ -316,7 +316,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
                              int64_t slot_bytes, int64_t tf32, int64_t generation) {
   return guarded([&] {
-    constexpr const char* op = "jaxgin.fused.all_gather_matmul";
+    const char* op = jaxgin_op_name(JAXGIN_OP_ALL_GATHER_MATMUL);
     ChunkedCall call = start_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, stream, ordinal, generation, mesh_ranks, mesh_shape,
                                   axes, offset, slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
@@ -372,9 +372,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
       .Attr<int64_t>("offset")                             \
       .Attr<int64_t>("slot_bytes")
 
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_matmul_all_to_all(XLA_FFI_CallFrame* call_frame);
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_all_gather_matmul(XLA_FFI_CallFrame* call_frame);
-
+// Exported under the names the op table gives them (declared in the generated jaxgin_op_table.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_all_to_all, jaxgin::ffi_support::matmul_all_to_all,
                               JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("split_rows")

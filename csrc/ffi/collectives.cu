@@ -1,7 +1,6 @@
 // XLA FFI handler behind jaxgin.ppermute and jaxgin.all_to_all: turns the op's attributes into an
 // exchange plan for this rank and enqueues the exchange kernel on XLA's stream.
 #include "../kernels/exchange.h"
-#include "attribute_codes.h"
 #include "common.h"
 
 namespace jaxgin::ffi_support {
@@ -44,15 +43,14 @@ ffi::Error exchange(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer in, ffi
       add_permute_peers(plan, to >= 0 ? group.ranks[to] : -1, from >= 0 ? group.ranks[from] : -1, src, dst);
     }
     check_launch(launch_exchange(s.context, c, s.lsa_heaps, plan, stream), "launching the exchange kernel", s.device);
-    pace_launches(s, stream, kind == kAllToAll ? "jaxgin.all_to_all" : "jaxgin.ppermute");
+    pace_launches(s, stream, jaxgin_op_name(plan.op));
   });
 }
 
 }  // namespace
 }  // namespace jaxgin::ffi_support
 
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_exchange(XLA_FFI_CallFrame* call_frame);
-
+// Exported under the name the op table gives it (declared in the generated jaxgin_op_table.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_exchange, jaxgin::ffi_support::exchange,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()

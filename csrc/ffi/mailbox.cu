@@ -57,7 +57,7 @@ ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buff
                                  x.size_bytes(), /*slot_per_sender=*/false);
     check_launch(launch_put(m.device.context, m.box, x.untyped_data(), peer.typed_data(), token->typed_data(), stream),
                  "launching the put kernel", m.device.device);
-    pace_launches(m.device, stream, "jaxgin.put_signal");
+    pace_launches(m.device, stream, jaxgin_op_name(JAXGIN_OP_PUT_SIGNAL));
   });
 }
 
@@ -71,7 +71,7 @@ ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::R
                                  out->size_bytes(), /*slot_per_sender=*/true);
     check_launch(launch_wait(m.device.context, m.box, (int32_t)count, out->untyped_data(), stream),
                  "launching the wait kernels", m.device.device);
-    pace_launches(m.device, stream, "jaxgin.wait_signal");
+    pace_launches(m.device, stream, jaxgin_op_name(JAXGIN_OP_WAIT_SIGNAL));
   });
 }
 
@@ -85,7 +85,7 @@ ffi::Error wait_from(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32>
                                  out->size_bytes(), /*slot_per_sender=*/false);
     check_launch(launch_wait_from(m.device.context, m.box, source.typed_data(), out->untyped_data(), stream),
                  "launching the wait_from kernel", m.device.device);
-    pace_launches(m.device, stream, "jaxgin.wait_signal_from");
+    pace_launches(m.device, stream, jaxgin_op_name(JAXGIN_OP_WAIT_SIGNAL_FROM));
   });
 }
 
@@ -100,10 +100,7 @@ ffi::Error wait_from(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32>
       .Attr<int64_t>("offset")                           \
       .Attr<int64_t>("signal_base")
 
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_put(XLA_FFI_CallFrame* call_frame);
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_wait(XLA_FFI_CallFrame* call_frame);
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_wait_from(XLA_FFI_CallFrame* call_frame);
-
+// Exported under the names the op table gives them (declared in the generated jaxgin_op_table.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()

@@ -7,14 +7,13 @@
 // the execute stage only fills the parameters and launches, which CUDA graphs can record.
 //
 // Parameters are described by the `params` attribute, pairs (kind, value) in the kernel's order
-// (ParamKind, attribute_codes.h).
+// (ParamKind, from the op table: jaxgin/ffi/op_table.py).
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "attribute_codes.h"
 #include "common.h"
 
 namespace jaxgin::ffi_support {
@@ -51,7 +50,7 @@ ffi::ErrorOr<std::unique_ptr<TritonKernel>> instantiate(ffi::Span<const int8_t> 
   // go idle: a kernel launched after a communicating one (combine after dispatch) would then wait
   // for it, while it spins on a put that the host transport cannot copy until that wait ends
   // (measured: MoE dispatch over GIN, emulated hosts, hung in the first call). See
-  // csrc/kernels/preload.h for the library's own kernels.
+  // the op table's preload hooks (jaxgin/ffi/op_table.py) for the library's own kernels.
   int previous = 0;
   if (status == cudaSuccess) status = cudaGetDevice(&previous);
   if (status == cudaSuccess) {
@@ -147,11 +146,10 @@ ffi::Error execute(cudaStream_t stream, int32_t ordinal, TritonKernel* kernel, f
 }  // namespace
 }  // namespace jaxgin::ffi_support
 
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_triton_instantiate(XLA_FFI_CallFrame* call_frame);
-extern "C" JAXGIN_API XLA_FFI_Error* jaxgin_ffi_triton_execute(XLA_FFI_CallFrame* call_frame);
+// Exported under the names the op table gives them (declared in the generated jaxgin_op_table.h).
 // For registering the state type with XLA (jax.ffi.register_ffi_type).
-extern "C" JAXGIN_API void* jaxgin_ffi_triton_kernel_type_id(void) { return &jaxgin::ffi_support::TritonKernel::id; }
-extern "C" JAXGIN_API void* jaxgin_ffi_triton_kernel_type_info(void) {
+extern "C" void* jaxgin_ffi_triton_kernel_type_id(void) { return &jaxgin::ffi_support::TritonKernel::id; }
+extern "C" void* jaxgin_ffi_triton_kernel_type_info(void) {
   static XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<jaxgin::ffi_support::TritonKernel>();
   return &info;
 }

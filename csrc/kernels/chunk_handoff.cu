@@ -1,6 +1,6 @@
 #include "chunk_handoff.h"
 
-#include "preload.h"
+#include "jaxgin_op_table.h"  // generated: the preload hook this file defines
 #include "../device/impl/signal__funcs.h"
 
 namespace jaxgin {

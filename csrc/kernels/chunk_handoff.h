@@ -40,6 +40,5 @@ __host__ __device__ constexpr int credit_index(int size, int t) { return size + 
 cudaError_t launch_begin_call(const chunk_handoff& h, uint64_t call, cudaStream_t stream);
 // Waits until index `source` (every other index when -1) has handed over its chunk of `call`.
 cudaError_t launch_await_chunks(const chunk_handoff& h, int source, uint64_t call, cudaStream_t stream);
-cudaError_t preload_chunk_handoff_kernels();
 
 }  // namespace jaxgin

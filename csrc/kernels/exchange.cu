@@ -12,7 +12,7 @@
 // with the transfer, lane by lane. The local part (a rank's message to itself) is one copy.
 #include "exchange.h"
 #include "line_exchange.h"
-#include "preload.h"
+#include "jaxgin_op_table.h"  // generated: the preload hook this file defines
 
 #include "../device/impl/channel__funcs.h"
 #include "../device/impl/put__funcs.h"

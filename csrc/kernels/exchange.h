@@ -9,7 +9,7 @@
 namespace jaxgin {
 
 // Ranks one exchange may involve (kernel parameters carry the whole plan, within CUDA's 4 KiB).
-constexpr int kMaxExchangePeers = 64;
+constexpr int kMaxExchangePeers = JAXGIN_MAX_EXCHANGE_PEERS;  // from the op table
 
 enum exchange_role : int32_t { kSend = 1, kReceive = 2 };
 

@@ -26,6 +26,4 @@ bool fits_line_exchange(const jaxgin_context& host_ctx, const std::vector<char*>
 cudaError_t launch_line_exchange(const jaxgin_context* device_ctx, const jaxgin_context& host_ctx,
                                  const std::vector<char*>& lsa_heaps, const exchange_plan& plan, cudaStream_t stream);
 
-cudaError_t preload_line_exchange_kernels();
-
 }  // namespace jaxgin

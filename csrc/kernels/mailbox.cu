@@ -16,7 +16,7 @@
 //     put from a staging slot) and signals once; the receiver counts a put as arrived when all of
 //     its parts have.
 #include "mailbox.h"
-#include "preload.h"
+#include "jaxgin_op_table.h"  // generated: the preload hook this file defines
 
 #include "../device/impl/line__funcs.h"
 #include "../device/impl/put__funcs.h"

@@ -43,7 +43,7 @@ __host__ __device__ inline bool puts_as_lines(const mailbox_desc& box, int index
   return box.line_slot_bytes > 0 && box.peer_heaps[index] != nullptr;
 }
 
-constexpr uint64_t kMailboxHeaderBytes = 256;  // 2 counters + one arrival flag per sender (<= 64)
+constexpr uint64_t kMailboxHeaderBytes = JAXGIN_MAILBOX_HEADER_BYTES;  // 2 counters + one arrival flag per sender (<= 64)
 
 __host__ __device__ inline uint64_t mailbox_slot_bytes(uint64_t payload_bytes) {
   return payload_bytes == 0 ? 16 : (payload_bytes + 15) / 16 * 16;

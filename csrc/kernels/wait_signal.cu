@@ -1,7 +1,7 @@
 // A wait on a signal, through the device library's bounded wait (jaxgin_wait_signal_on_device).
 #include "../device/jaxgin_device.h"
 #include "diagnostics.h"
-#include "preload.h"
+#include "jaxgin_op_table.h"  // generated: the preload hook this file defines
 
 namespace {
 __global__ void wait_signal_kernel(const void* ctx, uint32_t signal, uint64_t value) {

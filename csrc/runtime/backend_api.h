@@ -57,7 +57,8 @@ typedef struct {
 // Status 2 means a kernel failed on the device (that GPU's CUDA context is unusable afterwards).
 #define JAXGIN_STATUS_DEVICE_FAULT 2
 JAXGIN_API int jaxgin_backend_abi(void);
-// A size Python computes with too, by name (csrc/runtime/constants.cu): 0, or -1 for an unknown name.
+// A constant of the op table (jaxgin/ffi/op_table.py) as this backend compiled it, by name
+// (csrc/runtime/constants.cu): 0, or -1 for an unknown name.
 JAXGIN_API int jaxgin_constant(const char* name, int64_t* value);
 // The heap bytes jaxgin reserves for itself (csrc/runtime/constants.cu), for the test that holds
 // Python's runtime.reserved_bytes equal.

@@ -18,28 +18,12 @@
 #include "heap_release.h"
 #include "thread_settle.h"
 #include "../kernels/chunk_handoff.h"
-#include "../kernels/preload.h"
+#include "jaxgin_op_table.h"  // generated: the op families' preload hooks, op names
 
 namespace jaxgin {
 
 namespace {
 thread_local std::string last_error;
-
-const char* op_name(uint32_t op) {
-  switch (op) {
-    case JAXGIN_OP_DEVICE_CALL: return "a jaxgin device-library call";
-    case JAXGIN_OP_BARRIER: return "jaxgin barrier";
-    case JAXGIN_OP_SELFTEST: return "jaxgin selftest exchange";
-    case JAXGIN_OP_PPERMUTE: return "jaxgin.ppermute";
-    case JAXGIN_OP_ALL_TO_ALL: return "jaxgin.all_to_all";
-    case JAXGIN_OP_PUT_SIGNAL: return "jaxgin.put_signal";
-    case JAXGIN_OP_WAIT_SIGNAL: return "jaxgin.wait_signal";
-    case JAXGIN_OP_WAIT_SIGNAL_FROM: return "jaxgin.wait_signal_from";
-    case JAXGIN_OP_MATMUL_ALL_TO_ALL: return "jaxgin.fused.matmul_all_to_all";
-    case JAXGIN_OP_ALL_GATHER_MATMUL: return "jaxgin.fused.all_gather_matmul";
-    default: return "a jaxgin operation";
-  }
-}
 
 void check_versions() {
   int loaded = 0;
@@ -122,12 +106,8 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   const int dev = s.device;
   JAXGIN_CUDA(cudaSetDevice(dev), dev);
   s.cuda_context = current_context();
-  // Before any kernel can spin: see preload.h.
-  JAXGIN_CUDA(preload_exchange_kernels(), dev);
-  JAXGIN_CUDA(preload_line_exchange_kernels(), dev);
-  JAXGIN_CUDA(preload_mailbox_kernels(), dev);
-  JAXGIN_CUDA(preload_wait_signal_kernel(), dev);
-  JAXGIN_CUDA(preload_chunk_handoff_kernels(), dev);
+  // Before any kernel can spin: every op family's preload hook (see the generated op table header).
+  for (const PreloadHook& hook : kPreloadHooks) check_cuda(hook.load(), std::string(hook.name) + "()", dev);
   // Peers outside this rank's LSA team (other hosts) are reachable only through GIN.
   const ncclTeam_t lsa_team = ncclTeamLsa(s.comm);
   const bool spans_hosts = lsa_team.nRanks < cfg.world_size;
@@ -427,7 +407,7 @@ std::string describe_fault(const DeviceState& s) {
   if (f == nullptr || f->code == JAXGIN_FAULT_NONE) return "";
   const jaxgin_context& c = s.host_context;
   std::string where = "rank " + std::to_string(f->rank) + " (CUDA device " + std::to_string(s.device) +
-                      "), CTA " + std::to_string(f->block) + ", in " + op_name(f->op);
+                      "), CTA " + std::to_string(f->block) + ", in " + jaxgin_op_name(f->op);
   std::string peer = f->peer >= 0 ? ", peer rank " + std::to_string(f->peer) : "";
   const std::string after = " s at ";
   const std::string timeout = "device-side wait timed out after " + std::to_string(c.timeout_ns / 1e9) + after;

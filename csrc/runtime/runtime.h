@@ -18,10 +18,10 @@ namespace jaxgin {
 // NCCL_GIN_TYPE_PROXY (2.29+), NCCL_NET_DEVICE_GIN_PROXY in 2.28's devComm.ginTypes: the same value.
 constexpr int kGinTypeProxy = 2;
 
-// $JAXGIN_MAX_QUEUED_CALLS (csrc/ffi/launch_pacing.cu): its default and largest value, exported
-// through jaxgin_constant for initialize()'s check of the setting.
-constexpr int kDefaultMaxQueuedCalls = 8;
-constexpr int kMaxQueuedCallsLimit = 1 << 16;
+// $JAXGIN_MAX_QUEUED_CALLS (csrc/ffi/launch_pacing.cu): its default and largest value, from the op
+// table (Python's initialize() checks the setting against the same values).
+constexpr int kDefaultMaxQueuedCalls = JAXGIN_DEFAULT_MAX_QUEUED_CALLS;
+constexpr int kMaxQueuedCallsLimit = JAXGIN_MAX_QUEUED_CALLS_LIMIT;
 
 // What an op keeps on one GPU from its first call until the runtime ends (a library handle, a
 // stream, call counts). The runtime knows no op: it holds these in named slots

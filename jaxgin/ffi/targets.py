@@ -1,4 +1,5 @@
-"""Registration of the CUDA backend's XLA FFI handlers as custom-call targets.
+"""Registration of the CUDA backend's XLA FFI handlers as custom-call targets (the targets, their
+handler symbols and the FFI state types are the op table's: jaxgin/ffi/op_table.py).
 
 XLA keeps registrations for the life of the process, so they happen once; a second backend library
 (another NCCL) in the same process cannot re-register the names and is refused.
@@ -11,18 +12,8 @@ import ctypes
 import jax
 
 from jaxgin.errors import JaxginError
+from jaxgin.ffi import op_table
 
-# custom-call target name -> exported handler symbol in libjaxgin_backend.so
-TARGETS = {
-    "jaxgin_exchange": "jaxgin_ffi_exchange",
-    "jaxgin_put_signal": "jaxgin_ffi_put",
-    "jaxgin_wait_signal": "jaxgin_ffi_wait",
-    "jaxgin_wait_signal_from": "jaxgin_ffi_wait_from",
-    "jaxgin_matmul_all_to_all": "jaxgin_ffi_matmul_all_to_all",
-    "jaxgin_all_gather_matmul": "jaxgin_ffi_all_gather_matmul",
-    # jaxgin.triton_call loads its kernel once per executable (instantiate), then launches.
-    "jaxgin_triton_call": {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},
-}
 # No target is marked command-buffer compatible, so XLA runs every jaxgin call as its own step on
 # its stream, in program order, and records only the code around them into CUDA graphs. Inside a
 # command buffer XLA orders commands by the buffers they share and nothing else: XLA's thunk dump
@@ -30,11 +21,6 @@ TARGETS = {
 # nodes. jaxgin's calls share the exchange channel's signals and counters, which assume one call
 # at a time. The fused ops also nest work that CUDA refuses to record as a child graph (cuBLAS
 # calls and peer copies on a second stream; csrc/ffi/chunked_matmul.cu).
-# FFI state types: name -> (exported type-id getter, exported type-info getter)
-STATE_TYPES = {
-    "jaxgin_triton_kernel": ("jaxgin_ffi_triton_kernel_type_id", "jaxgin_ffi_triton_kernel_type_info"),
-}
-
 _registered_from: str | None = None
 # Whether XLA may capture jaxgin's custom calls into CUDA graphs (reported by jaxgin.info()): no,
 # see above.
@@ -51,17 +37,17 @@ def register(backend) -> None:
             f"jaxgin's XLA custom calls are registered from {_registered_from}; this process cannot switch to "
             f"{backend.path} (another NCCL or build). Start a new process"
         )
-    for name, (type_id, type_info) in STATE_TYPES.items():
-        registration = {
-            "type_id": jax.ffi.pycapsule(backend.ffi_address(type_id)),
-            "type_info": jax.ffi.pycapsule(backend.ffi_address(type_info)),
-        }
-        jax.ffi.register_ffi_type(name, registration, platform="CUDA")
-    for target, symbols in TARGETS.items():
-        if isinstance(symbols, str):
-            fn = jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(symbols)))
-        else:
-            fn = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in symbols.items()}
+    for family in op_table.FAMILIES:
+        for state in family.state_types:
+            registration = {
+                "type_id": jax.ffi.pycapsule(backend.ffi_address(state.type_id)),
+                "type_info": jax.ffi.pycapsule(backend.ffi_address(state.type_info)),
+            }
+            jax.ffi.register_ffi_type(state.name, registration, platform="CUDA")
+    for target in op_table.targets():
+        handlers = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in target.handlers.items()}
+        # A handler with one stage registers as itself (XLA's execute stage); several as a dict.
+        fn = handlers["execute"] if list(handlers) == ["execute"] else handlers
         # No traits: not COMMAND_BUFFER_COMPATIBLE (see above).
-        jax.ffi.register_ffi_target(target, fn, platform="CUDA")
+        jax.ffi.register_ffi_target(target.name, fn, platform="CUDA")
     _registered_from = backend.path

@@ -13,12 +13,11 @@ from jax.interpreters import batching, mlir
 from jaxgin import op_support
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
+from jaxgin.ffi import op_table
 from jaxgin.fused import _common
 
 chunked_matmul_p = Primitive("jaxgin_chunked_matmul")
 
-TARGETS = {"jaxgin.fused.matmul_all_to_all": "jaxgin_matmul_all_to_all",
-           "jaxgin.fused.all_gather_matmul": "jaxgin_all_gather_matmul"}
 _SLOT_ALIGN = 256
 
 
@@ -54,7 +53,7 @@ def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None
     offset = _block(state, op, names, size, slot)
     if split_rows is not None:
         attrs.update(split_rows=np.int64(bool(split_rows)), concat_rows=np.int64(bool(concat_rows)))
-    return jax.ffi.ffi_lowering(TARGETS[op], has_side_effect=True)(
+    return jax.ffi.ffi_lowering(op_table.target_of(op), has_side_effect=True)(
         ctx, x, w, offset=np.int64(offset), slot_bytes=np.int64(slot), tf32=np.int64(bool(tf32)), **attrs
     )
 
