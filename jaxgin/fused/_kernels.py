@@ -14,9 +14,10 @@ One launch per op does everything, so consecutive calls never interleave on a GP
   benchmarks/fused.py --variants-only.
 - matmul_reduce_scatter: program (i, tile) computes this GPU's partial of one tile of the chunk
   owned by (me + 1 + i) % P (its own chunk last), rounds it to the dtype and keeps it in its own
-  buffer (slot of the owner), flagged; after them, one program per tile of this GPU's chunk sums
-  the partials of that tile from every source, fetched through NVLink (pull, as above), in float32
-  and source order, into the XLA output.
+  buffer (slot of the owner), flagged; one program per tile of this GPU's chunk sums the partials
+  of that tile from every source, fetched through NVLink (pull, as above), in float32 and source
+  order, into the XLA output, right after that tile's partials in the start order (after every
+  partial in a job with GIN peers).
 - all_gather_matmul: the first SENDERS programs push this GPU's shard of x to every peer's gather
   buffer (nearest destination first, row group by row group, flagging each); the others compute
   output tiles, own shard first, then each peer's as its row groups arrive. No copy-out: every
@@ -420,9 +421,8 @@ def matmul_reduce_scatter_kernel(
     PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
 ):
     """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
-    owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; the first
-    P * TILES programs (in start order) compute partial tiles (_partial_tile), the last TILES
-    reduce this GPU's chunk (_reduce_tile).
+    owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; P * TILES
+    programs compute partial tiles (_partial_tile), TILES reduce this GPU's chunk (_reduce_tile).
 
     A partial for an NVLink owner stays in this GPU's buffer, half `epoch % 2`, slot of the owner,
     with flags[d * TILES + t] = the call counter + 1 once stored; the owner's reducer waits on that
@@ -432,8 +432,13 @@ def matmul_reduce_scatter_kernel(
     the first reducer to need the source waits for its TILES puts (wait_gin_source, claim word
     flags[P * TILES + P + s]) and raises flags[P * TILES + s] for the others.
 
-    Computing programs never wait and come first in the start order, and reducers wait only for
-    them (here or on peers), so the kernels cannot deadlock. Reuse of a half is safe as in
+    Computing programs never wait, and reducers wait only for them (here or on peers), each for
+    programs before it in the start order, so the kernels cannot deadlock. Without GIN the start
+    order puts reducer t right after the P programs of tile t (one per owner, tile-major), so
+    reductions overlap the rest of the matmul instead of trailing it: a source computes tile t of
+    this GPU's chunk in its program (t, step), before reducer t's place on every GPU. With GIN the
+    reducers come last: the first one to need a source waits for all of its TILES puts, which
+    later programs make. Reuse of a half is safe as in
     matmul_all_to_all_kernel: a GPU starts call n only after reading every source's partials of
     call n - 1, so every source has finished call n - 2, whose half call n rewrites."""
     TM: tl.constexpr = (CM + BM - 1) // BM
@@ -441,7 +446,15 @@ def matmul_reduce_scatter_kernel(
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + 2)
-    if pid < P * TILES:
+    if GIN == 0:
+        place = pid % (P + 1)  # groups of P partials of one tile, then that tile's reducer
+        if place < P:
+            _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (pid // (P + 1)) * P + place, me, epoch,
+                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+        else:
+            _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // (P + 1), me, epoch, half,
+                         P, CM, CN, BM, BN, GROUP_M, GIN)
+    elif pid < P * TILES:
         _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
                       N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
     else:
