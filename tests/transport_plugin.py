@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import time
 from ctypes import (
@@ -380,6 +381,23 @@ def _credit_ring(me: Rank, directory: Path, iterations: int, window: int) -> int
     return 0 if ok else 1
 
 
+def _drain_puts_past_a_lost_peer(me: Rank, data_h, signal_h, lost: int, other: int, count: int) -> float:
+    """Posts `count` puts to the `lost` rank and as many to `other`, the way NCCL's proxy posts
+    and tests them (more than NCCL's GPU-to-proxy queue of 32 x maxRecvs = 256 holds), until every
+    one completed; returns the seconds that took. Each put +1s signal word `me.rank` there."""
+    start = time.monotonic()
+    proxy = Proxy(me)
+    for _ in range(count):
+        proxy.post(me.put(data_h, 0, 64, data_h, 0, lost, signal=signal_h, signal_off=8 * me.rank))
+        proxy.post(me.put(data_h, 0, 64, data_h, 64, other, signal=signal_h, signal_off=8 * me.rank))
+        proxy.poll()
+    while proxy.pending:
+        if time.monotonic() > start + 60:
+            raise TimeoutError("puts past a lost peer never completed")
+        proxy.poll()
+    return time.monotonic() - start
+
+
 def main(argv: list[str]) -> int:
     library, directory, rank, nranks, scenario = argv[1], Path(argv[2]), int(argv[3]), int(argv[4]), argv[5]
     table = load(library)
@@ -394,6 +412,9 @@ def main(argv: list[str]) -> int:
     (directory / f"ready.{rank}").write_text("")
     if scenario == "die" and rank == nranks - 1:
         os._exit(3)  # no goodbye: the survivors must notice
+    if scenario == "freeze" and rank == nranks - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # reads nothing more, and its connections stay open
+        time.sleep(3600)
     if scenario == "die":
         deadline = time.monotonic() + 30
         while not me.has_error():
@@ -401,20 +422,34 @@ def main(argv: list[str]) -> int:
                 print("no error reported after a peer died", flush=True)
                 return 1
             time.sleep(0.01)
-        start = time.monotonic()
-        try:
-            me.wait(me.put(data_h, 0, 64, data_h, 0, nranks - 1, signal=signal_h, signal_off=8 * rank))
-            print("a put to the dead rank succeeded", flush=True)
-            return 1
-        except TransportError as e:
-            print(f"put to the dead rank failed with {e.code} after {time.monotonic() - start:.3f} s", flush=True)
-            from jaxgin import transport
+        # Ranks 0..nranks-2 survive; each puts to the dead rank and to another survivor.
+        seconds = _drain_puts_past_a_lost_peer(me, data_h, signal_h, nranks - 1, (rank + 1) % (nranks - 1), 300)
+        survivor = (rank - 1) % (nranks - 1)
+        wait_word(signals, survivor, 300, progress=me)
+        from jaxgin import transport
 
-            print(f"lost peers: {transport.lost_peers(library)}", flush=True)
-            # A survivor that exits also ends its connections without a goodbye; one that read its
-            # lost peers first must not see the other survivors leave. Ranks 0..nranks-2 survive.
-            _barrier(directory, "reported", rank, nranks - 1)
-            return 0 if e.code == REMOTE_ERROR else 1
+        print(f"puts to the dead rank and a survivor completed in {seconds:.3f} s, error reported {me.has_error()}, "
+              f"the survivor's {int(signals[survivor])} arrived; operations dropped: "
+              f"{transport.counters(library)['ops_dropped']}", flush=True)
+        print(f"lost peers: {transport.lost_peers(library)}", flush=True)
+        # A survivor that exits also ends its connections without a goodbye; one that read its
+        # lost peers first must not see the other survivors leave.
+        _barrier(directory, "reported", rank, nranks - 1, progress=me)
+        return 0
+    if scenario == "freeze":
+        while not (directory / f"ready.{nranks - 1}").exists():
+            time.sleep(0.01)
+        time.sleep(0.3)  # the last rank has stopped itself by now
+        start = time.monotonic()
+        proxy = Proxy(me)
+        for _ in range(400):  # 25 MiB: far more than the sockets between them buffer
+            proxy.post(me.put(data_h, 0, len(data), data_h, 0, nranks - 1, signal=signal_h, signal_off=8 * rank))
+            proxy.poll()
+        while proxy.pending:
+            proxy.poll()
+        print(f"puts to the stopped rank completed in {time.monotonic() - start:.1f} s, error reported "
+              f"{me.has_error()}", flush=True)
+        return 0
     # scenario "ring": one round, then a clean close
     right = (rank + 1) % nranks
     data[:1024] = rank + 1

@@ -3,6 +3,8 @@
 // CUDA resources, staging chunks, its own CUDA context), and closing it all again.
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -118,6 +120,12 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
       delete c;
       return rmaRemoteError;
     }
+    // A peer that stops reading (its process stopped, not ended: no goodbye, no end of stream)
+    // must not hold NCCL's proxy thread in a send for good: after the connect timeout the send
+    // fails and the peer counts as gone (send.cc, send_to and deliver).
+    const int ms = connect_timeout_ms();
+    timeval limit{ms / 1000, (ms % 1000) * 1000};
+    setsockopt(c->out[p], SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
     unix_peers += c->same_host[p];
   }
   for (int accepted = 0; accepted < nranks - 1; accepted++) {

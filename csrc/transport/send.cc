@@ -43,8 +43,11 @@ bool send_to(Comm* c, int peer, const Message& m, const void* payload, size_t by
     std::lock_guard<std::mutex> l(c->lock);
     c->peer_gone[peer] = true;
   }
-  fail(c, "sending to rank " + std::to_string(peer) + " failed (" + std::strerror(errno) +
-              "): that process exited or its host is unreachable");
+  const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+  fail(c, "sending to rank " + std::to_string(peer) + " failed (" + std::strerror(errno) + "): " +
+              (timed_out ? "it read nothing for JAXGIN_TRANSPORT_CONNECT_TIMEOUT (its process stopped or hangs)"
+                         : "that process exited or its host is unreachable") +
+              "; what this rank puts to it from now on is dropped");
   return false;
 }
 
@@ -59,9 +62,24 @@ Message signal_message(const Op* op) {
   return m;
 }
 
-// Runs when the op may deliver (the ops it may not overtake have) and its source was read.
+// Whether `peer`'s connection is gone: what is still queued for it is dropped (see deliver).
+bool peer_gone(Comm* c, int peer) {
+  std::lock_guard<std::mutex> g(c->lock);
+  return c->peer_gone[peer];
+}
+
+// Runs when the op may deliver (the ops it may not overtake have) and its source was read. To a
+// peer whose connection is gone the op is dropped, and counts as delivered: an error returned to
+// NCCL's GIN progress thread ends that thread (NCCL's ncclGinProgress returns on the first one),
+// and then no put of this GPU to any peer is read again, so a kernel whose GPU-to-proxy queue
+// fills spins in NCCL's descriptor post for good instead of reaching its bounded wait or flush.
+// queryLastError reports the loss (fail() recorded it), and jaxgin's fault lines name the rank.
 bool deliver(Comm* c, Op* op) {
   const char* read = op->bytes.empty() ? nullptr : op->bytes.data();  // read by the op itself
+  if (op->route != Route::kLocal && peer_gone(c, op->peer)) {
+    counters[kOpsDropped]++;
+    return true;
+  }
   switch (op->route) {
     case Route::kLocal:
       if (op->local_destination)
@@ -71,7 +89,9 @@ bool deliver(Comm* c, Op* op) {
       if (!op->has_signal) return true;
       {
         Message m = signal_message(op);
-        return send_to(c, op->peer, m, nullptr, 0);
+        if (send_to(c, op->peer, m, nullptr, 0)) return true;
+        counters[kOpsDropped]++;  // the peer is gone (send_to recorded it): dropped, as above
+        return peer_gone(c, op->peer);
       }
     case Route::kStaged: {
       Message m = signal_message(op);
@@ -80,7 +100,10 @@ bool deliver(Comm* c, Op* op) {
       m.offset = op->offset;
       m.size = op->size;
       if (!op->has_signal) m.signal_region = kNoRegion;
-      return send_to(c, op->peer, m, read ? read : op->host_source ? op->host_source : op->staging, op->size);
+      if (send_to(c, op->peer, m, read ? read : op->host_source ? op->host_source : op->staging, op->size))
+        return true;
+      counters[kOpsDropped]++;  // as above
+      return peer_gone(c, op->peer);
     }
   }
   return false;
@@ -449,12 +472,11 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
     WARN(c, "rank %d: signal at offset %lu of a %zu-byte region", c->rank, (unsigned long)signal_off, signal->size);
     return rmaInvalidArgument;
   }
-  {
-    std::lock_guard<std::mutex> g(c->lock);
-    if (c->peer_gone[peer]) {
-      WARN(c, "rank %d: put to rank %u, whose connection is gone: %s", c->rank, peer, c->failure.c_str());
-      return rmaRemoteError;
-    }
+  if (static_cast<int>(peer) != c->rank && peer_gone(c, static_cast<int>(peer))) {
+    // Dropped, and done at once (a null request is done): see deliver.
+    counters[kOpsDropped]++;
+    TRACE("rank %d drop ctx %d peer %u size %zu: the peer is gone", c->rank, context, peer, size);
+    return rmaSuccess;
   }
   for (Region* r : {size > 0 ? src : nullptr, size > 0 && static_cast<int>(peer) == c->rank ? dst : nullptr})
     if (r && !r->unreachable.empty()) {

@@ -61,15 +61,17 @@ constexpr int kStagingChunks = 16;        // 64 MiB of pinned memory per communi
 constexpr int kCopyEvents = 1024;         // per RMA context
 
 // What moved, for tests and diagnostics: read through jaxgin_transport_counters().
-// The last four count what the unkind mode did (see Unkind).
+// kSourcesChanged to kCompletionsHeld count what the unkind mode did (see Unkind); kOpsDropped the
+// operations towards ranks whose connection was gone (send.cc, deliver).
 enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
                kCopiesRequeued, kSourcesChanged, kDeliveredOutOfOrder, kCompletedBeforeDelivery, kCompletionsHeld,
-               kCounterCount };
+               kOpsDropped, kCounterCount };
 // Their names, the keys of jaxgin.transport.counters() (read through jaxgin_transport_counter_names).
 constexpr const char* kCounterNames[] = {"puts_mapped",     "puts_staged",     "puts_local",
                                          "bytes_mapped",    "bytes_staged",    "signals_applied",
                                          "regions",         "copies_requeued", "sources_changed",
-                                         "delivered_out_of_order", "completed_before_delivery", "completions_held"};
+                                         "delivered_out_of_order", "completed_before_delivery", "completions_held",
+                                         "ops_dropped"};
 static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kCounterCount, "a name per counter");
 extern std::atomic<uint64_t> counters[kCounterCount];  // support.cc
 

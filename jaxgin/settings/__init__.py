@@ -80,7 +80,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Where the host transport's copies out of GPU memory run: `own` (a CUDA context of its own) or "
             "`shared` (the application's)."),
     Setting("JAXGIN_TRANSPORT_CONNECT_TIMEOUT", "float", "300", "native",
-            "Seconds the host transport waits for peers to connect and register, and for a free staging buffer."),
+            "Seconds the host transport waits for peers to connect and register, for a free staging buffer, and "
+            "for a peer to read what it sends (then the peer counts as gone)."),
     Setting("JAXGIN_TRANSPORT_ADDR", "str", None, "native",
             "The IPv4 address peers on other hosts reach this one at; unset: the first up, non-loopback "
             "interface's."),
