@@ -243,9 +243,11 @@ void report_changed_source(Context* x, Op* op) {
          (unsigned long)op->region, (unsigned long)op->offset);
 }
 
-// kReread: reads the op's source again and compares it with what was read (a source in GPU memory
-// is read on the op's stream; one copied straight into its destination is not checked). True
-// once done. Called with x->lock held.
+// kReread: reads the op's source again and compares it with what was read. A source in GPU memory
+// is read on the op's stream into a second pinned staging chunk (pinned: a copy into pageable
+// memory would hold this thread until the stream gets to it); without a chunk or a copy event
+// free, or for a copy made straight into its destination, the op goes unchecked. True once done.
+// Called with x->lock held.
 bool check_source(Context* x, Op* op) {
   Comm* c = x->comm;
   if (!c->unkind.has(kReread) || op->size == 0 || op->failed) return true;
@@ -255,25 +257,28 @@ bool check_source(Context* x, Op* op) {
   }
   if (!op->staging) return true;
   if (!op->reread_event) {
-    if (x->events.empty()) return true;  // no copy event free: this op goes unchecked
-    op->reread.resize(op->size);
+    if (x->events.empty()) return true;
+    op->reread = pool_get(c);
+    if (!op->reread) return true;
     op->reread_event = x->events.back();
     x->events.pop_back();
-    if (!cuda_ok(c, cudaMemcpyAsync(op->reread.data(), op->copy_source, op->size, cudaMemcpyDefault, op->stream),
-                 "cudaMemcpyAsync(reading a source again)") ||
-        !cuda_ok(c, cudaEventRecord(op->reread_event, op->stream), "cudaEventRecord")) {
-      x->events.push_back(op->reread_event);
-      op->reread_event = nullptr;
-      return true;
-    }
-    return false;
+    if (cuda_ok(c, cudaMemcpyAsync(op->reread, op->copy_source, op->size, cudaMemcpyDefault, op->stream),
+                "cudaMemcpyAsync(reading a source again)") &&
+        cuda_ok(c, cudaEventRecord(op->reread_event, op->stream), "cudaEventRecord"))
+      return false;
+    x->events.push_back(op->reread_event);  // the communicator failed; the chunk is not reused
+    op->reread_event = nullptr;
+    op->reread = nullptr;
+    return true;
   }
   const cudaError_t e = cudaEventQuery(op->reread_event);
   if (e == cudaErrorNotReady) return false;
   x->events.push_back(op->reread_event);
   op->reread_event = nullptr;
-  if (cuda_ok(c, e, "reading a source again") && std::memcmp(op->reread.data(), op->staging, op->size) != 0)
+  if (cuda_ok(c, e, "reading a source again") && std::memcmp(op->reread, op->staging, op->size) != 0)
     report_changed_source(x, op);
+  pool_put(c, op->reread);
+  op->reread = nullptr;
   return true;
 }
 

@@ -234,8 +234,8 @@ struct Op {
   bool copy_waiting = false;  // kLateRead: the copy out of GPU memory is queued at read_at
   char* copy_to = nullptr;
   std::chrono::steady_clock::time_point read_at{}, deliver_at{}, release_at{};
-  // kReread of a source in GPU memory: read again into `reread` on the op's stream.
-  std::vector<char> reread;
+  // kReread of a source in GPU memory: read again into `reread` (a staging chunk) on the op's stream.
+  char* reread = nullptr;
   cudaEvent_t reread_event = nullptr;
   bool checked = false;  // kReread done (or not needed)
   // Who still holds the op: the queue until it delivered, NCCL until test() said done (requests).
