@@ -101,6 +101,29 @@ def choose(request: str, force_gin: bool, nccl_version: int) -> str:
 # application's context. See docs/guide.md ("The host transport").
 COPY_CONTEXTS = ("own", "shared")
 
+# The unkind mode's behaviours (JAXGIN_TRANSPORT_UNKIND: none, all or a comma list of these), in
+# the order of kUnkindNames in csrc/transport/transport_internal.h, where each is explained; see
+# docs/guide.md ("The unkind mode").
+UNKIND_BEHAVIOURS = ("late_read", "reread", "early_completion", "weak_overtake", "pieces", "backpressure", "starve")
+# Under `backpressure`, NCCL's GPU-to-proxy queue per (context, peer) holds this many descriptors
+# (NCCL_GIN_PROXY_QUEUE_SIZE, unless set already; NCCL's own default is 32 x the plugin's maxRecvs).
+UNKIND_PROXY_QUEUE_SIZE = 4
+
+
+def unkind_behaviours() -> tuple[str, ...]:
+    """The behaviours JAXGIN_TRANSPORT_UNKIND turns on (none when unset, empty or `none`)."""
+    value = settings.get("JAXGIN_TRANSPORT_UNKIND") or "none"
+    if value == "none":
+        return ()
+    if value == "all":
+        return UNKIND_BEHAVIOURS
+    names = tuple(value.split(","))
+    unknown = [n for n in names if n not in UNKIND_BEHAVIOURS]
+    if unknown:
+        raise ValueError(f"JAXGIN_TRANSPORT_UNKIND={value!r}: {', '.join(map(repr, unknown))} is no behaviour; expected "
+                         f"none, all or a comma list of {', '.join(UNKIND_BEHAVIOURS)}")
+    return names
+
 
 def enable(library: Path) -> None:
     """Points NCCL at the plugin. Refuses what would silently not work."""
@@ -108,6 +131,7 @@ def enable(library: Path) -> None:
     if copy_context and copy_context not in COPY_CONTEXTS:
         raise ValueError(f"JAXGIN_TRANSPORT_COPY_CONTEXT={copy_context!r}: expected one of {COPY_CONTEXTS} "
                          "(own, the default: the host transport copies in a CUDA context of its own)")
+    unkind = unkind_behaviours()
     current = os.environ.get("NCCL_RMA_PLUGIN")
     if current and Path(current).resolve() != library.resolve():
         raise JaxginError(
@@ -115,6 +139,8 @@ def enable(library: Path) -> None:
             "use gin_transport='nic' to keep that plugin"
         )
     os.environ["NCCL_RMA_PLUGIN"] = str(library)
+    if "backpressure" in unkind:
+        os.environ.setdefault("NCCL_GIN_PROXY_QUEUE_SIZE", str(UNKIND_PROXY_QUEUE_SIZE))
     if not settings.get("JAXGIN_TRANSPORT_QUIET"):
         warnings.warn(
             "jaxgin: GIN traffic goes through the host transport (CUDA copies driven by NCCL's proxy thread, "

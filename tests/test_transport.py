@@ -45,6 +45,38 @@ def table(library):
     return load(library)
 
 
+# The unkind mode (JAXGIN_TRANSPORT_UNKIND; csrc/transport/transport_internal.h, Unkind): what NCCL's
+# GIN semantics allow a NIC to do and the transport otherwise never does. The transport tests
+# below that take the `unkind` fixture run kind, and with every behaviour at once under three
+# seeds; the section at the end tests each behaviour alone.
+UNKIND_BEHAVIOURS = transport.UNKIND_BEHAVIOURS
+UNKIND_MODES = [("none", 1), ("all", 1), ("all", 2), ("all", 3)]
+
+
+def set_unkind(monkeypatch, behaviours: str, seed: int = 1, delay_us: int = 300) -> None:
+    monkeypatch.setenv("JAXGIN_TRANSPORT_UNKIND", behaviours)
+    monkeypatch.setenv("JAXGIN_TRANSPORT_SEED", str(seed))
+    monkeypatch.setenv("JAXGIN_TRANSPORT_UNKIND_DELAY_US", str(delay_us))
+
+
+@pytest.fixture(params=UNKIND_MODES, ids=[f"{b}-seed{s}" if b != "none" else "kind" for b, s in UNKIND_MODES])
+def unkind(request, monkeypatch):
+    """Runs the test with the transport kind, then unkind (every behaviour) under three seeds."""
+    behaviours, seed = request.param
+    set_unkind(monkeypatch, behaviours, seed)
+    return behaviours
+
+
+@pytest.fixture(params=["none", "all"], ids=["kind", "unkind"])
+def unkind_seeded(request, monkeypatch):
+    """For tests of many cases: kind, then every behaviour at once under a seed of the case's own
+    (from its id: the cases meet different seeds, and a rerun of a case the same one)."""
+    import zlib
+
+    set_unkind(monkeypatch, request.param, 1 + zlib.crc32(request.node.nodeid.encode()) % 1000)
+    return request.param
+
+
 def connect_all(table, nranks, contexts=2, log=None):
     ranks = [Rank(table, contexts, log) for _ in range(nranks)]
     handles = [r.handle.raw for r in ranks]
@@ -101,7 +133,8 @@ def test_counters_count_what_moved(table, library):
     signal_h = register_all(ranks, signals, NEVER_RESET)
     before = transport.counters(library)
     assert set(before) == {"puts_mapped", "puts_staged", "puts_local", "bytes_mapped", "bytes_staged",
-                           "signals_applied", "regions", "copies_requeued"}
+                           "signals_applied", "regions", "copies_requeued", "sources_changed",
+                           "delivered_out_of_order", "completed_before_delivery", "completions_held", "ops_dropped"}
     data[0][:1000] = 7
     # handles name the symmetric registration as seen from the rank that puts
     ranks[0].wait(ranks[0].put(data_h[0], 0, 1000, data_h[0], 2000, 1, signal=signal_h[0], signal_off=8, value=1))
@@ -111,13 +144,15 @@ def test_counters_count_what_moved(table, library):
     delta = {k: after[k] - before[k] for k in after}
     # Host memory cannot be mapped across processes: the put travels in a message (staged).
     assert delta == {"puts_mapped": 0, "puts_staged": 1, "puts_local": 0, "bytes_mapped": 0, "bytes_staged": 1000,
-                     "signals_applied": 1, "regions": 0, "copies_requeued": 0}, delta
+                     "signals_applied": 1, "regions": 0, "copies_requeued": 0, "sources_changed": 0,
+                     "delivered_out_of_order": 0, "completed_before_delivery": 0, "completions_held": 0,
+                     "ops_dropped": 0}, delta
     assert (data[1][2000:3000] == 7).all()
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 @pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
-def test_ring_put_signal_many_rounds(table, nranks, tcp, monkeypatch):
+def test_ring_put_signal_many_rounds(table, nranks, tcp, monkeypatch, unkind_seeded):
     if tcp:
         monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
     ranks = connect_all(table, nranks)
@@ -136,12 +171,12 @@ def test_ring_put_signal_many_rounds(table, nranks, tcp, monkeypatch):
                          signal_off=8 * i, value=round_))
         for i in range(nranks):
             left = (i - 1) % nranks
-            wait_word(signals[i], left, round_ * (round_ + 1) // 2)
+            wait_word(signals[i], left, round_ * (round_ + 1) // 2, progress=ranks)
             np.testing.assert_array_equal(data[i][chunk:], sent[left], err_msg=f"round {round_}, rank {i}")
     close_all(ranks)
 
 
-def test_signal_follows_every_earlier_put(table, library):
+def test_signal_follows_every_earlier_put(table, library, unkind):
     """Many puts of assorted sizes (some over the 4 MiB piece size), then one signal without data:
     when the receiver sees the signal, every byte of every earlier put must already be there."""
     ranks = connect_all(table, 2, contexts=1)
@@ -165,7 +200,7 @@ def test_signal_follows_every_earlier_put(table, library):
     close_all(ranks)
 
 
-def test_contexts_and_self_puts(table):
+def test_contexts_and_self_puts(table, unkind):
     ranks = connect_all(table, 2, contexts=3)
     data = [np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)]
     signals = [np.zeros(4, np.uint64), np.zeros(4, np.uint64)]
@@ -173,12 +208,12 @@ def test_contexts_and_self_puts(table):
     signal_h = register_all(ranks, signals, NEVER_RESET)
     # to itself (the local route) on context 2, then to the peer on every context
     ranks[0].wait(ranks[0].put(data_h[0], 0, 16, data_h[0], 32, 0, signal=signal_h[0], signal_off=24, context=2))
-    wait_word(signals[0], 3, 1)
+    wait_word(signals[0], 3, 1, progress=ranks[0])
     np.testing.assert_array_equal(data[0][32:48], np.arange(16))
     for context in range(3):
         ranks[0].wait(ranks[0].put(data_h[0], 0, 64, data_h[1], 0, 1, signal=signal_h[0], signal_off=8 * context,
                                    value=context + 10, context=context))
-        wait_word(signals[1], context, context + 10)
+        wait_word(signals[1], context, context + 10, progress=ranks[0])
     np.testing.assert_array_equal(data[1], data[0])
     close_all(ranks)
 
@@ -253,7 +288,7 @@ def run_processes(library, tmp_path, nranks, scenario, env=None):
 
 
 @pytest.mark.parametrize("env", [{}, {"JAXGIN_TRANSPORT_TCP": "1"}], ids=["unix", "tcp"])
-def test_process_per_rank_ring(library, tmp_path, env):
+def test_process_per_rank_ring(library, tmp_path, env, unkind):
     results = run_processes(library, tmp_path, 3, "ring", env)
     for rank, (code, output) in enumerate(results):
         assert code == 0 and "ring ok" in output, f"rank {rank}: {output}"
@@ -269,17 +304,50 @@ def test_two_hosts_emulated_by_host_ids(library, tmp_path):
 
 
 def test_a_dead_peer_is_reported_not_waited_for(library, tmp_path):
+    """A rank dies without a goodbye: the survivors' transports say so (on stderr, in
+    queryLastError, in the lost peers), and their puts to it are dropped, not failed: an error
+    returned to NCCL's GIN progress thread ends that thread, and then no put of the GPU to any
+    peer is read again, and a kernel whose descriptor queue fills spins in NCCL's post for good
+    (issue 51's fifth risk). So the survivors' proxies drain 300 puts to the dead rank and 300 to
+    each other (more than NCCL's queue of 256 holds), and those between survivors arrive."""
     results = run_processes(library, tmp_path, 3, "die")
     assert results[2][0] == 3  # the rank that exits without a goodbye
     for rank in (0, 1):
         code, output = results[rank]
         assert code == 0, f"rank {rank}: {output}"
         assert "ended without a goodbye" in output  # the plugin's warning names what happened
-        assert f"failed with {REMOTE_ERROR}" in output
+        assert "completed in" in output and "error reported True, the survivor's 300 arrived" in output, output
+        dropped = int(output.split("operations dropped: ")[1].split()[0])
+        assert dropped >= 300, output
         # Said on stderr whatever the log level (before anything else can end the survivor), and
         # kept for jaxgin.device_faults() to name the rank that died.
         assert f"rank {rank}: rank 2's process ended" in output, output
         assert "lost peers: [2]" in output, output
+
+
+def test_a_peer_that_stops_reading_is_given_up_after_the_connect_timeout(library, tmp_path):
+    """A rank that stops (SIGSTOP: no end of its connections, no goodbye) and so reads nothing:
+    once the socket to it is full, a send waits at most JAXGIN_TRANSPORT_CONNECT_TIMEOUT, then
+    the peer counts as gone and what follows is dropped, so NCCL's proxy thread, held in that
+    send, runs again (before, it waited for good, and the GPU's descriptor queue with it)."""
+    import os
+    import signal
+
+    env = {**os.environ, "JAXGIN_TRANSPORT_CONNECT_TIMEOUT": "2"}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "transport_plugin.py"), str(library), str(tmp_path), str(r),
+                               "2", "freeze"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for r in range(2)]
+    try:
+        code = procs[0].wait(timeout=60)
+        output = procs[0].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert code == 0, output
+    assert "puts to the stopped rank completed in" in output and "error reported True" in output, output
+    assert "read nothing for JAXGIN_TRANSPORT_CONNECT_TIMEOUT (its process stopped or hangs)" in output, output
 
 
 # --- choosing the transport (jaxgin.initialize(gin_transport=...)) ------------------------------
@@ -407,19 +475,21 @@ def test_the_library_exports_only_the_plugin_table_and_jaxgins_functions(library
 # --- the proxy's way: many requests in flight, tested in order ----------------------------------
 
 
-def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, seconds=120, before_close=None):
+def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, seconds=120, before_close=None,
+                weak=False, rotate=False):
     """Runs transport_plugin.CreditRing on `nranks` ranks of this process (every rank its own
     communicator, agent thread and connections; one thread drives all their proxies in turn).
-    `kind` is the memory type every region is registered as. Returns the ranks' signal words;
-    raises AssertionError when the ring has not finished within `seconds`. `before_close` runs
-    before the ranks close, whether the ring finished or not."""
+    `kind` is the memory type every region is registered as; `weak` and `rotate` are CreditRing's.
+    Returns the ranks' signal words; raises AssertionError when the ring has not finished within
+    `seconds` or a payload was wrong. `before_close` runs before the ranks close, whether the
+    ring finished or not."""
     ranks = connect_all(table, nranks, contexts=contexts)
     try:
         data = [CreditRing.data_array(window) for _ in ranks]
         signals = [CreditRing.signal_array() for _ in ranks]
         data_h = register_all(ranks, data, kind=kind)
         signal_h = register_all(ranks, signals, NEVER_RESET, kind=kind)
-        rings = [CreditRing(r, data[i], signals[i], data_h[i], signal_h[i], iterations, window)
+        rings = [CreditRing(r, data[i], signals[i], data_h[i], signal_h[i], iterations, window, weak, rotate)
                  for i, r in enumerate(ranks)]
         deadline = time.monotonic() + seconds
         while not all(ring.finished() for ring in rings):
@@ -433,7 +503,7 @@ def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, se
             for ring in rings:
                 ring.proxy.poll()
         for ring in rings:
-            ring.drain(deadline)
+            ring.drain(deadline, progress=ranks)
         time.sleep(0.05)  # a stray extra signal would land by now
         words = [s.tolist() for s in signals]
         errors = [r.has_error() for r in ranks]
@@ -448,7 +518,7 @@ def credit_ring(table, nranks, iterations, window, contexts=3, kind=PTR_HOST, se
 @pytest.mark.parametrize("nranks", [2, 4])
 @pytest.mark.parametrize("window", [1, 4])
 @pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
-def test_credit_ring_with_requests_in_flight(table, nranks, window, tcp, monkeypatch):
+def test_credit_ring_with_requests_in_flight(table, nranks, window, tcp, monkeypatch, unkind_seeded):
     """The loop that lost its 172nd put on GPUs (a put with a data signal per iteration, a bare
     credit back, the next put only after the credit), posted as NCCL's proxy posts it and run well
     past 172 iterations on three contexts: every payload is right when its signal counts it, every
@@ -459,7 +529,7 @@ def test_credit_ring_with_requests_in_flight(table, nranks, window, tcp, monkeyp
     assert credit_ring(table, nranks, iterations, window) == [[iterations] * 4] * nranks
 
 
-def test_credit_ring_process_per_rank_on_emulated_hosts(library, tmp_path):
+def test_credit_ring_process_per_rank_on_emulated_hosts(library, tmp_path, unkind):
     """The same loop with a process per rank, each its own host (TCP) and its own proxy thread, as
     in the GPU worlds of emulated hosts."""
     results = run_processes(library, tmp_path, 4, "credit_ring-400-4",
@@ -506,7 +576,8 @@ def hold_copy(fake_cuda_library, n: int, ms: int) -> None:
 @pytest.mark.parametrize("nranks", [2, 4])
 @pytest.mark.parametrize("window", [1, 4])
 @pytest.mark.parametrize("signals", ["written", "added"])
-def test_credit_ring_through_device_paths(fake_device_table, nranks, window, signals, monkeypatch):
+def test_credit_ring_through_device_paths(fake_device_table, nranks, window, signals, monkeypatch,
+                                          unkind_seeded):
     """The same loop with every region registered as device memory, over the fake CUDA: puts are
     copied into pinned staging on a stream and sent when their event completes, the receiver
     copies them in through its two staging buffers and applies each signal in stream order after
@@ -732,3 +803,269 @@ def test_a_chunk_is_reused_only_after_its_abandoned_copy_ran(fake_cuda_library, 
         assert transport.counters(fake_cuda_library)["copies_requeued"] >= 1
     finally:
         close_all(ranks)
+
+
+# --- the unkind mode, one behaviour at a time ----------------------------------------------------
+# Each test runs with the behaviour off and on: what it checks holds kind and shows otherwise only
+# with the behaviour, so each would fail without it.
+
+
+def test_the_behaviours_are_the_plugins():
+    """jaxgin.transport's list (what enable() checks) is the plugin's kUnkindNames, in order."""
+    import re
+
+    header = (transport.sources_dir() / "transport_internal.h").read_text()
+    names = re.search(r"kUnkindNames\[\] = \{([^}]*)\}", header).group(1)
+    assert tuple(re.findall(r'"(\w+)"', names)) == transport.UNKIND_BEHAVIOURS
+
+
+def test_an_unknown_behaviour_is_refused_naming_the_setting(table, monkeypatch, capfd):
+    monkeypatch.setenv("JAXGIN_TRANSPORT_UNKIND", "late_read,rude")
+    with pytest.raises(TransportError, match="connect"):
+        connect_all(table, 2)
+    assert "JAXGIN_TRANSPORT_UNKIND=late_read,rude: 'rude' is no behaviour" in capfd.readouterr().err
+    with pytest.raises(ValueError, match=r"JAXGIN_TRANSPORT_UNKIND='late_read,rude': 'rude' is no behaviour"):
+        transport.unkind_behaviours()
+    monkeypatch.setenv("JAXGIN_TRANSPORT_UNKIND", "all")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_SEED", "-3")
+    with pytest.raises(TransportError, match="connect"):
+        connect_all(table, 2)
+    assert "JAXGIN_TRANSPORT_SEED=-3: expected a non-negative integer" in capfd.readouterr().err
+
+
+def test_enable_makes_nccls_queues_tiny_under_backpressure(monkeypatch, library):
+    """backpressure's GPU side: NCCL's GPU-to-proxy queues (NCCL_GIN_PROXY_QUEUE_SIZE), unless set."""
+    monkeypatch.delenv("NCCL_RMA_PLUGIN", raising=False)
+    monkeypatch.delenv("NCCL_GIN_PROXY_QUEUE_SIZE", raising=False)
+    monkeypatch.setenv("JAXGIN_TRANSPORT_QUIET", "1")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_UNKIND", "late_read")
+    transport.enable(library)
+    assert "NCCL_GIN_PROXY_QUEUE_SIZE" not in os.environ
+    monkeypatch.setenv("JAXGIN_TRANSPORT_UNKIND", "all")
+    transport.enable(library)
+    assert os.environ["NCCL_GIN_PROXY_QUEUE_SIZE"] == str(transport.UNKIND_PROXY_QUEUE_SIZE)
+    monkeypatch.setenv("NCCL_GIN_PROXY_QUEUE_SIZE", "64")
+    transport.enable(library)
+    assert os.environ["NCCL_GIN_PROXY_QUEUE_SIZE"] == "64"
+
+
+def pair(table, kind=PTR_HOST, contexts=2, size=4096):
+    """Two connected ranks, each with a data region of [source, destination] `size` bytes each and
+    two never-reset signal words."""
+    ranks = connect_all(table, 2, contexts=contexts)
+    data = [np.zeros(2 * size, np.uint8) for _ in ranks]
+    signals = [np.zeros(2, np.uint64) for _ in ranks]
+    return ranks, data, signals, register_all(ranks, data, kind=kind), register_all(ranks, signals, NEVER_RESET, kind)
+
+
+@pytest.mark.parametrize("behaviours", ["none", "late_read"])
+def test_a_late_read_takes_the_source_as_it_is_then(fake_device_table, monkeypatch, behaviours):
+    """late_read: the copy out of GPU memory is queued a while after the put, when the proxy next
+    drives the transport, not at the post. A source rewritten 5 ms after the post (a kernel bug:
+    before its flush) then arrives rewritten; kind, the copy ran at the post (within the fake
+    CUDA's 30 us) and the first bytes arrive."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    set_unkind(monkeypatch, behaviours)
+    size = 4096
+    ranks, data, signals, data_h, signal_h = pair(fake_device_table, PTR_CUDA, size=size)
+    arrived = []
+    try:
+        for k in range(1, 6):
+            data[0][:size] = 1
+            request = ranks[0].put(data_h[0], 0, size, data_h[0], size, 1, signal=signal_h[0])
+            time.sleep(0.005)
+            data[0][:size] = 2
+            ranks[0].wait(request)
+            wait_word(signals[1], 0, k, progress=ranks[0])
+            arrived.append(np.unique(data[1][size:]).tolist())
+    finally:
+        close_all(ranks)
+    assert arrived == [[2] if behaviours == "late_read" else [1]] * 5
+
+
+@pytest.mark.parametrize("behaviours", ["none", "reread"])
+def test_a_source_rewritten_before_its_put_completed_is_reported(fake_cuda_library, fake_device_table, monkeypatch,
+                                                                 capfd, behaviours):
+    """reread: just before a put completes, its source is read again; a change since the first
+    read (the kernel rewrote the source before a flush said it could) is counted and said on
+    stderr: a NIC's retransmission would have sent the new bytes. Kind, nothing notices. A
+    source rewritten after its put completed (as every jaxgin kernel does) is no change."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    set_unkind(monkeypatch, behaviours)
+    size = 4096
+    ranks, data, signals, data_h, signal_h = pair(fake_device_table, PTR_CUDA, size=size)
+    before = transport.counters(fake_cuda_library)["sources_changed"]
+    try:
+        data[0][:size] = 1
+        request = ranks[0].put(data_h[0], 0, size, data_h[0], size, 1, signal=signal_h[0])
+        time.sleep(0.005)  # the copy ran (late_read is off)
+        data[0][:size] = 2  # too early
+        ranks[0].wait(request)
+        wait_word(signals[1], 0, 1, progress=ranks[0])
+        assert (data[1][size:] == 1).all()  # what was read first was sent
+        changed = transport.counters(fake_cuda_library)["sources_changed"] - before
+        ranks[0].wait(ranks[0].put(data_h[0], 0, size, data_h[0], size, 1, signal=signal_h[0]))
+        data[0][:size] = 3  # after the completion: allowed
+        wait_word(signals[1], 0, 2, progress=ranks[0])
+    finally:
+        close_all(ranks)
+    assert changed == (1 if behaviours == "reread" else 0)
+    assert transport.counters(fake_cuda_library)["sources_changed"] - before == changed
+    said = "rank 0: the source of a put of 4096 bytes to rank 1 (region 0, offset 4096) changed after the transport "
+    assert (said in capfd.readouterr().err) == (behaviours == "reread")
+
+
+@pytest.mark.parametrize("behaviours", ["none", "early_completion"])
+def test_a_put_may_complete_before_it_lands(table, library, monkeypatch, behaviours):
+    """early_completion: test() says done (NCCL's flush returns) once the source was read; data
+    and signal land a while later (gin.h: a flush frees the sources, no more). A rank's put to
+    itself lands in the progress call that delivers it, so kind it has landed when test() says
+    done; unkind, some land only later."""
+    set_unkind(monkeypatch, behaviours, delay_us=50_000)
+    ranks, data, signals, data_h, signal_h = pair(table, size=64)
+    before = transport.counters(library)["completed_before_delivery"]
+    landed = []
+    try:
+        for k in range(1, 6):
+            data[0][:64] = k
+            ranks[0].wait(ranks[0].put(data_h[0], 0, 64, data_h[0], 64, 0, signal=signal_h[0]))
+            landed.append(int(signals[0][0]) == k)
+            wait_word(signals[0], 0, k, progress=ranks[0])
+            assert (data[0][64:] == k).all()
+    finally:
+        close_all(ranks)
+    early = transport.counters(library)["completed_before_delivery"] - before
+    if behaviours == "none":
+        assert all(landed) and early == 0
+    else:
+        assert not all(landed) and early == 5, (landed, early)
+
+
+@pytest.mark.parametrize(("behaviours", "weak", "rotate", "right"), [
+    ("late_read", True, False, True),                  # weak signals, delivered in order: right by luck
+    ("late_read,weak_overtake", True, False, False),   # a weak signal lands before the put ahead of it
+    ("late_read,weak_overtake", False, False, True),   # strong signals on one context
+    ("starve", False, False, True),
+    ("starve", False, True, False),                    # strong, but each put on another context
+    ("all", False, False, True),
+], ids=["weak-in-order", "weak-overtaking", "strong-overtaking", "strong-starving", "strong-rotating-starving",
+        "strong-all"])
+def test_counting_signals_as_landings_needs_strong_signals_on_one_context(table, monkeypatch, behaviours, weak,
+                                                                          rotate, right):
+    """The landing rule of jaxgin's exchange kernel, "the data signal reached n + 1, so chunk n
+    landed" (CreditRing's receiver), holds when each put's signal is strong and all the puts go on
+    one context: a strong signal settles every earlier put of its context to that peer. With
+    weak signals (gin.h: they settle only their own put) a later put's signal may land before
+    an earlier put (weak_overtake); with a put's context changing (as an exchange lane's does
+    between calls) a later put on another context may land first (starve). Then the receiver
+    reads a slot before its chunk arrived."""
+    set_unkind(monkeypatch, behaviours, delay_us=2000)
+    if right:
+        assert credit_ring(table, 2, 300, 4, seconds=60, weak=weak, rotate=rotate) == [[300] * 4] * 2
+    else:
+        with pytest.raises(AssertionError, match=r"put \d+ from rank"):
+            credit_ring(table, 2, 300, 4, seconds=60, weak=weak, rotate=rotate)
+
+
+@pytest.mark.parametrize("behaviours", ["none", "pieces"])
+def test_a_later_put_may_land_before_an_earlier_one(table, library, monkeypatch, behaviours):
+    """pieces: every put is written in pieces, in any order, its signal after its own pieces, and
+    nothing before an earlier strong signal. Two puts into the same bytes (the first of 1s, the
+    second of 2s) and then a strong signal: kind, the signal always finds the second's bytes;
+    in pieces, some trials find bytes of the first written over the second's (gin.h orders no
+    puts, only signals after them). Every byte is one of the two: the strong signal settled both."""
+    set_unkind(monkeypatch, behaviours)
+    size = 4096
+    ranks, data, signals, data_h, signal_h = pair(table, contexts=1, size=2 * size)
+    before = transport.counters(library)["delivered_out_of_order"]
+    found = []
+    try:
+        data[0][:size], data[0][size:2 * size] = 1, 2
+        for k in range(1, 21):
+            requests = [ranks[0].put(data_h[0], 0, size, data_h[0], 2 * size, 1),
+                        ranks[0].put(data_h[0], size, size, data_h[0], 2 * size, 1),
+                        ranks[0].put(None, 0, 0, None, 0, 1, signal=signal_h[0], op=SIGNAL_INC)]
+            wait_word(signals[1], 0, k, progress=ranks[0])
+            found.append(set(np.unique(data[1][2 * size:3 * size]).tolist()))
+            for request in requests:
+                ranks[0].wait(request)
+    finally:
+        close_all(ranks)
+    assert all(f <= {1, 2} for f in found), found
+    reordered = transport.counters(library)["delivered_out_of_order"] - before
+    if behaviours == "none":
+        assert found == [{2}] * 20 and reordered == 0
+    else:
+        assert any(1 in f for f in found) and reordered > 0, found
+
+
+@pytest.mark.parametrize("behaviours", ["none", "backpressure"])
+def test_backpressure_makes_a_burst_of_puts_wait_for_room(table, library, monkeypatch, behaviours):
+    """backpressure: at most two operations wait per (context, peer), so a burst of puts posted
+    without a test() in between (as NCCL's proxy posts what the GPU queued) waits in iput for
+    the earlier ones to deliver; and completions are held back a while after delivery. Kind, a
+    burst queues whole and nothing is sent before the proxy drives the transport again."""
+    set_unkind(monkeypatch, behaviours)
+    ranks, data, signals, data_h, signal_h = pair(table, size=64)
+    held = transport.counters(library)["completions_held"]
+    try:
+        requests = [ranks[0].put(data_h[0], 0, 64, data_h[0], 64, 1, signal=signal_h[0]) for _ in range(20)]
+        time.sleep(0.05)  # what was sent has landed by now
+        landed = int(signals[1][0])
+        for request in requests:
+            ranks[0].wait(request)
+        wait_word(signals[1], 0, 20, progress=ranks[0])
+    finally:
+        close_all(ranks)
+    held = transport.counters(library)["completions_held"] - held
+    if behaviours == "none":
+        assert landed == 0 and held == 0
+    else:
+        assert landed >= 20 - 2 and held > 0, (landed, held)
+
+
+@pytest.mark.parametrize("behaviours", ["none", "starve"])
+def test_a_strong_signal_settles_only_the_puts_of_its_context(table, monkeypatch, behaviours):
+    """starve: now and then a (context, peer) queue is left alone for a while. A put on
+    context 0 and then a strong signal on context 1 to the same peer: the signal settles the
+    puts of its own context only (gin.h). Kind, the put always lands first; with contexts
+    starving, some trials find the signal there and the data not (what jaxgin's signal() and
+    barrier() meet when a CTA signals for another CTA's puts)."""
+    set_unkind(monkeypatch, behaviours)
+    size = 4096
+    ranks, data, signals, data_h, signal_h = pair(table, size=size)
+    found = []
+    try:
+        for k in range(1, 21):
+            data[0][:size] = k
+            requests = [ranks[0].put(data_h[0], 0, size, data_h[0], size, 1, context=0),
+                        ranks[0].put(None, 0, 0, None, 0, 1, signal=signal_h[0], op=SIGNAL_INC, context=1)]
+            wait_word(signals[1], 0, k, progress=ranks[0])
+            found.append(bool((data[1][size:] == k).all()))
+            for request in requests:
+                ranks[0].wait(request)
+            deadline = time.monotonic() + 10
+            while not (data[1][size:] == k).all():  # the put lands before the source changes again
+                assert time.monotonic() < deadline
+                ranks[0].progress()
+    finally:
+        close_all(ranks)
+    assert all(found) if behaviours == "none" else not all(found), found
+
+
+@pytest.mark.parametrize("behaviour", UNKIND_BEHAVIOURS)
+def test_each_behaviour_alone_keeps_a_right_ring_right(fake_cuda_library, fake_device_table, monkeypatch, behaviour):
+    """The credit ring through the device paths (strong signals, one context per direction, a
+    source rewritten only once its put completed) stays right under each behaviour alone, with
+    what the behaviour counts."""
+    monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
+    set_unkind(monkeypatch, behaviour)
+    before = transport.counters(fake_cuda_library)
+    assert credit_ring(fake_device_table, 2, 200, 4, kind=PTR_CUDA, seconds=60) == [[200] * 4] * 2
+    after = transport.counters(fake_cuda_library)
+    delta = {k: after[k] - before[k] for k in ("sources_changed", "delivered_out_of_order",
+                                               "completed_before_delivery", "completions_held")}
+    assert delta["sources_changed"] == 0, delta
+    assert (delta["completed_before_delivery"] > 0) == (behaviour == "early_completion"), delta
+    assert (delta["completions_held"] > 0) == (behaviour == "backpressure"), delta
+    assert (delta["delivered_out_of_order"] > 0) == (behaviour == "pieces"), delta

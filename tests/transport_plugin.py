@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import time
 from ctypes import (
@@ -142,13 +143,15 @@ class Rank:
         return handle
 
     def put(self, src, src_off, size, dst, dst_off, peer, *, signal=None, signal_off=0, value=1, op=SIGNAL_ADD,
-            context=0):
+            context=0, strong=True):
+        """A put (iput), or with `signal` a put with a signal (iputSignal), strong (it settles every
+        earlier put of its context to `peer`) or weak (only its own)."""
         request = c_void_p()
         if signal is None:
             code = self.t.iput(self.rma, context, src_off, src, size, dst_off, dst, peer, ctypes.byref(request))
         else:
             code = self.t.iputSignal(self.rma, context, src_off, src, size, dst_off, dst, peer, signal_off, signal,
-                                     value, op, True, ctypes.byref(request))
+                                     value, op, strong, ctypes.byref(request))
         check(code, "iputSignal" if signal is not None else "iput")
         return request
 
@@ -178,11 +181,14 @@ class Rank:
 
 
 def wait_word(array: np.ndarray, index: int, value: int, timeout: float = 30.0, progress=None) -> None:
-    """Polls a host signal word; `progress` (a Rank) is driven meanwhile, as NCCL's proxy thread would."""
+    """Polls a host signal word; `progress` (a Rank, or a list of them) is driven meanwhile, as
+    NCCL's proxy thread would. The sender must be among them: a request that test() said done
+    may not have delivered yet (the unkind mode's early completion), and only progress delivers."""
     deadline = time.monotonic() + timeout
+    ranks = progress if isinstance(progress, (list, tuple)) else [progress] if progress is not None else []
     while int(array[index]) < value:
-        if progress is not None:
-            progress.progress()
+        for rank in ranks:
+            rank.progress()
         if time.monotonic() > deadline:
             raise TimeoutError(f"signal word {index} stayed at {int(array[index])}, expected {value}")
         time.sleep(0.0005)
@@ -227,6 +233,11 @@ class CreditRing:
     it and returns a bare signal as the credit. Each direction's puts use one context, its credits
     another.
 
+    That receiver takes "the data signal reached k" for "put k landed", as jaxgin's exchange
+    kernel does: right only if a put's signal settles the puts before it (strong signals, one
+    context). `weak` sends the data signals weak, and `rotate` puts put k on context k + c (as a
+    lane's context changes between exchange calls): the unkind transport then shows the rule wrong.
+
     Regions: data_array(window) and signal_array(), registered in that order (the signals with
     NEVER_RESET, as NCCL registers its GIN signals). Signal words: [puts arrived in direction 0,
     1, credits returned for direction 0, 1]."""
@@ -243,9 +254,10 @@ class CreditRing:
     def signal_array() -> np.ndarray:
         return np.zeros(4, np.uint64)
 
-    def __init__(self, rank: Rank, data, signals, data_h, signal_h, iterations: int, window: int):
+    def __init__(self, rank: Rank, data, signals, data_h, signal_h, iterations: int, window: int, weak: bool = False,
+                 rotate: bool = False):
         self.r, self.data, self.signals, self.data_h, self.signal_h = rank, data, signals, data_h, signal_h
-        self.iterations, self.window = iterations, window
+        self.iterations, self.window, self.weak, self.rotate = iterations, window, weak, rotate
         self.proxy = Proxy(rank)
         self.sent, self.consumed = [0, 0], [0, 0]
         self.source_busy = [[None] * window for _ in self.STEPS]  # the request that last read each slot
@@ -291,30 +303,34 @@ class CreditRing:
                 self.consumed[d] = k
             # send when the receiver's slot is free and so is the source slot
             k = self.sent[d] + 1
+            if self.rotate:
+                data_context = (i + d + k) % contexts
+            strong = not self.weak
             busy = self.source_busy[d][k % self.window]
             if k <= self.iterations and int(self.signals[2 + d]) >= k - self.window and (busy is None or busy[1]):
                 at, size, inbox = self._source(d, k), self.size_of(k), self._inbox(d, k)
                 self.data[at:at + size] = self.pattern(i, d, k)
                 if k % 3:
                     request = r.put(self.data_h, at, size, self.data_h, inbox, to, signal=self.signal_h,
-                                    signal_off=8 * d, value=1, context=data_context)
+                                    signal_off=8 * d, value=1, context=data_context, strong=strong)
                     self.source_busy[d][k % self.window] = self.proxy.post(request)
                 else:  # the data, then a signal on its own: one context keeps them in order
                     request = r.put(self.data_h, at, size, self.data_h, inbox, to, context=data_context)
                     self.source_busy[d][k % self.window] = self.proxy.post(request)
                     self.proxy.post(r.put(None, 0, 0, None, 0, to, signal=self.signal_h, signal_off=8 * d, value=1,
-                                          context=data_context))
+                                          context=data_context, strong=strong))
                 self.sent[d] = k
 
-    def drain(self, deadline: float) -> None:
-        """After finished(): completes this rank's last requests and waits for its last credits."""
+    def drain(self, deadline: float, progress=None) -> None:
+        """After finished(): completes this rank's last requests and waits for its last credits,
+        driving `progress` (default: this rank) meanwhile: the credits' senders must be among them."""
         while self.proxy.pending:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.state()}: requests never completed")
             self.proxy.poll()
         for word in (2, 3):
             wait_word(self.signals, word, self.iterations, timeout=max(deadline - time.monotonic(), 1),
-                      progress=self.r)
+                      progress=progress or self.r)
 
 
 def _exchange_handles(directory: Path, rank: int, nranks: int, handle: bytes) -> list[bytes]:
@@ -328,12 +344,16 @@ def _exchange_handles(directory: Path, rank: int, nranks: int, handle: bytes) ->
     return [(directory / f"handle.{r}").read_bytes() for r in range(nranks)]
 
 
-def _barrier(directory: Path, name: str, rank: int, nranks: int, timeout: float = 60.0) -> None:
+def _barrier(directory: Path, name: str, rank: int, nranks: int, timeout: float = 60.0, progress=None) -> None:
+    """Waits for every rank to reach `name`, driving `progress` (a Rank) meanwhile: what it has
+    queued may still have to deliver for its peers to get there."""
     (directory / f"{name}.{rank}").write_text("")
     deadline = time.monotonic() + timeout
     while not all((directory / f"{name}.{r}").exists() for r in range(nranks)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"peers did not reach {name}")
+        if progress is not None:
+            progress.progress()
         time.sleep(0.01)
 
 
@@ -350,15 +370,32 @@ def _credit_ring(me: Rank, directory: Path, iterations: int, window: int) -> int
             return 1
         ring.step()
     ring.drain(deadline)
-    _barrier(directory, "drained", me.rank, me.nranks)  # peers' signals to us are all in by now
+    _barrier(directory, "drained", me.rank, me.nranks, progress=me)  # peers' signals to us are all in by now
     time.sleep(0.05)  # a stray extra signal would land by now
     words = signals.tolist()
     error = me.has_error()
-    _barrier(directory, "checked", me.rank, me.nranks)
+    _barrier(directory, "checked", me.rank, me.nranks, progress=me)
     me.close()
     ok = words == [iterations] * 4 and not error
     print(f"credit ring {'ok' if ok else 'wrong'}: signal words {words}, error {error}", flush=True)
     return 0 if ok else 1
+
+
+def _drain_puts_past_a_lost_peer(me: Rank, data_h, signal_h, lost: int, other: int, count: int) -> float:
+    """Posts `count` puts to the `lost` rank and as many to `other`, the way NCCL's proxy posts
+    and tests them (more than NCCL's GPU-to-proxy queue of 32 x maxRecvs = 256 holds), until every
+    one completed; returns the seconds that took. Each put +1s signal word `me.rank` there."""
+    start = time.monotonic()
+    proxy = Proxy(me)
+    for _ in range(count):
+        proxy.post(me.put(data_h, 0, 64, data_h, 0, lost, signal=signal_h, signal_off=8 * me.rank))
+        proxy.post(me.put(data_h, 0, 64, data_h, 64, other, signal=signal_h, signal_off=8 * me.rank))
+        proxy.poll()
+    while proxy.pending:
+        if time.monotonic() > start + 60:
+            raise TimeoutError("puts past a lost peer never completed")
+        proxy.poll()
+    return time.monotonic() - start
 
 
 def main(argv: list[str]) -> int:
@@ -375,6 +412,9 @@ def main(argv: list[str]) -> int:
     (directory / f"ready.{rank}").write_text("")
     if scenario == "die" and rank == nranks - 1:
         os._exit(3)  # no goodbye: the survivors must notice
+    if scenario == "freeze" and rank == nranks - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # reads nothing more, and its connections stay open
+        time.sleep(3600)
     if scenario == "die":
         deadline = time.monotonic() + 30
         while not me.has_error():
@@ -382,30 +422,42 @@ def main(argv: list[str]) -> int:
                 print("no error reported after a peer died", flush=True)
                 return 1
             time.sleep(0.01)
-        start = time.monotonic()
-        try:
-            me.wait(me.put(data_h, 0, 64, data_h, 0, nranks - 1, signal=signal_h, signal_off=8 * rank))
-            print("a put to the dead rank succeeded", flush=True)
-            return 1
-        except TransportError as e:
-            print(f"put to the dead rank failed with {e.code} after {time.monotonic() - start:.3f} s", flush=True)
-            from jaxgin import transport
+        # Ranks 0..nranks-2 survive; each puts to the dead rank and to another survivor.
+        seconds = _drain_puts_past_a_lost_peer(me, data_h, signal_h, nranks - 1, (rank + 1) % (nranks - 1), 300)
+        survivor = (rank - 1) % (nranks - 1)
+        wait_word(signals, survivor, 300, progress=me)
+        from jaxgin import transport
 
-            print(f"lost peers: {transport.lost_peers(library)}", flush=True)
-            # A survivor that exits also ends its connections without a goodbye; one that read its
-            # lost peers first must not see the other survivors leave. Ranks 0..nranks-2 survive.
-            _barrier(directory, "reported", rank, nranks - 1)
-            return 0 if e.code == REMOTE_ERROR else 1
+        print(f"puts to the dead rank and a survivor completed in {seconds:.3f} s, error reported {me.has_error()}, "
+              f"the survivor's {int(signals[survivor])} arrived; operations dropped: "
+              f"{transport.counters(library)['ops_dropped']}", flush=True)
+        print(f"lost peers: {transport.lost_peers(library)}", flush=True)
+        # A survivor that exits also ends its connections without a goodbye; one that read its
+        # lost peers first must not see the other survivors leave.
+        _barrier(directory, "reported", rank, nranks - 1, progress=me)
+        return 0
+    if scenario == "freeze":
+        while not (directory / f"ready.{nranks - 1}").exists():
+            time.sleep(0.01)
+        time.sleep(0.3)  # the last rank has stopped itself by now
+        start = time.monotonic()
+        proxy = Proxy(me)
+        for _ in range(400):  # 25 MiB: far more than the sockets between them buffer
+            proxy.post(me.put(data_h, 0, len(data), data_h, 0, nranks - 1, signal=signal_h, signal_off=8 * rank))
+            proxy.poll()
+        while proxy.pending:
+            proxy.poll()
+        print(f"puts to the stopped rank completed in {time.monotonic() - start:.1f} s, error reported "
+              f"{me.has_error()}", flush=True)
+        return 0
     # scenario "ring": one round, then a clean close
     right = (rank + 1) % nranks
     data[:1024] = rank + 1
     me.wait(me.put(data_h, 0, 1024, data_h, 1024, right, signal=signal_h, signal_off=8 * rank, value=5))
     left = (rank - 1) % nranks
-    wait_word(signals, left, 5)
+    wait_word(signals, left, 5, progress=me)
     ok = bool((data[1024:2048] == left + 1).all())
-    (directory / f"done.{rank}").write_text("")
-    while not all((directory / f"done.{r}").exists() for r in range(nranks)):
-        time.sleep(0.01)
+    _barrier(directory, "done", rank, nranks, progress=me)
     me.close()
     print("ring ok" if ok else "ring data wrong", flush=True)
     return 0 if ok else 1

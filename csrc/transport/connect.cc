@@ -3,6 +3,8 @@
 // CUDA resources, staging chunks, its own CUDA context), and closing it all again.
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -67,6 +69,12 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
     delete c;
     return rmaInvalidArgument;
   }
+  std::string unkind_error;
+  if (!read_unkind(c->unkind, unkind_error)) {
+    WARN(c, "rank %d: %s", rank, unkind_error.c_str());
+    delete c;
+    return rmaInvalidArgument;
+  }
   if (cudaGetDevice(&c->device) != cudaSuccess) {
     cudaGetLastError();
     c->device = -1;  // host memory only (the CPU tests)
@@ -112,6 +120,12 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
       delete c;
       return rmaRemoteError;
     }
+    // A peer that stops reading (its process stopped, not ended: no goodbye, no end of stream)
+    // must not hold NCCL's proxy thread in a send for good: after the connect timeout the send
+    // fails and the peer counts as gone (send.cc, send_to and deliver).
+    const int ms = connect_timeout_ms();
+    timeval limit{ms / 1000, (ms % 1000) * 1000};
+    setsockopt(c->out[p], SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
     unix_peers += c->same_host[p];
   }
   for (int accepted = 0; accepted < nranks - 1; accepted++) {
@@ -164,6 +178,13 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
   INFO(c, "rank %d of %d on CUDA device %d: %d peers on this host (CUDA IPC + Unix sockets), %d over TCP; "
        "signals applied by %s", rank, nranks, c->device, unix_peers, nranks - 1 - unix_peers,
        c->adds_in_stream ? "stream atomic adds" : "stream writes of known values");
+  if (c->unkind.on) {
+    std::string names;
+    for (int i = 0; i < kUnkindCount; i++)
+      if (c->unkind.on & (1u << i)) names += std::string(names.empty() ? "" : ",") + kUnkindNames[i];
+    INFO(c, "rank %d: unkind mode %s, seed %lu, delays up to %ld us", rank, names.c_str(),
+         (unsigned long)c->unkind.seed, (long)c->unkind.delay.count());
+  }
   *coll_comm = c;
   return rmaSuccess;
 }

@@ -50,7 +50,12 @@ rmaResult_t plugin_create_context(void* coll_comm, rmaConfig_t* config, void** r
   auto* x = new Context;
   x->comm = c;
   x->contexts = config->nContexts;
+  // A seed of its own per rank and context, the same in every run with the same seed.
+  std::seed_seq seeds{static_cast<uint64_t>(c->unkind.seed), static_cast<uint64_t>(c->rank),
+                      static_cast<uint64_t>(c->contexts_made++)};
+  x->random.seed(seeds);
   x->queues.resize(static_cast<size_t>(config->nContexts) * c->nranks);
+  x->starved_until.resize(x->queues.size());
   x->streams.assign(c->nranks, nullptr);
   for (int p = 0; p < c->nranks; p++) x->peer_stream.push_back(p);
   if (c->device >= 0) {
@@ -91,8 +96,7 @@ rmaResult_t plugin_destroy_context(void* rma_ctx) {
     if (empty) break;
   }
   for (auto& q : x->queues)
-    for (Op* op : q)
-      if (!op->returned) delete op;
+    for (Op* op : q) release_op(op);  // a request NCCL still holds stays (NCCL no longer tests it)
   for (cudaStream_t s : x->streams)
     if (s) cudaStreamDestroy(s);
   for (cudaEvent_t e : x->all_events) cudaEventDestroy(e);
@@ -104,12 +108,12 @@ rmaResult_t plugin_iput(void* rma_ctx, int context, uint64_t src_off, void* src,
                         void* dst, uint32_t rank, void** request) {
   park_if_asked(static_cast<Context*>(rma_ctx)->comm->device);
   return enqueue(static_cast<Context*>(rma_ctx), context, src_off, static_cast<Region*>(src), size, dst_off,
-                 static_cast<Region*>(dst), rank, nullptr, 0, 0, request);
+                 static_cast<Region*>(dst), rank, nullptr, 0, 0, true, request);
 }
 
 rmaResult_t plugin_iput_signal(void* rma_ctx, int context, uint64_t src_off, void* src, size_t size, uint64_t dst_off,
                                void* dst, uint32_t rank, uint64_t signal_off, void* signal, uint64_t signal_value,
-                               uint32_t signal_op, bool /*strong: every signal here is strong*/, void** request) {
+                               uint32_t signal_op, bool strong, void** request) {
   auto* x = static_cast<Context*>(rma_ctx);
   park_if_asked(x->comm->device);
   if (!signal || (signal_op != RMA_SIGNAL_OP_INC && signal_op != RMA_SIGNAL_OP_ADD)) {
@@ -119,7 +123,7 @@ rmaResult_t plugin_iput_signal(void* rma_ctx, int context, uint64_t src_off, voi
   }
   uint64_t delta = signal_op == RMA_SIGNAL_OP_INC ? 1 : signal_value;
   return enqueue(x, context, src_off, static_cast<Region*>(src), size, dst_off, static_cast<Region*>(dst), rank,
-                 static_cast<Region*>(signal), signal_off, delta, request);
+                 static_cast<Region*>(signal), signal_off, delta, strong, request);
 }
 
 rmaResult_t plugin_iget(void* rma_ctx, int, uint64_t, void*, size_t, uint64_t, void*, uint32_t, void** request) {
@@ -144,10 +148,11 @@ rmaResult_t plugin_test(void* /*coll_comm*/, void* request, int* done) {
   }
   park_if_asked(op->context->comm->device);
   if (op->state == 0) progress(op->context);
-  int state = op->state;
-  *done = state != 0;
-  if (state == 0) return rmaSuccess;
-  delete op;
+  const int state = op->state.load(std::memory_order_acquire);
+  // The unkind mode's kBackpressure holds a completion back a while (release_at, set before state).
+  *done = state != 0 && std::chrono::steady_clock::now() >= op->release_at;
+  if (!*done) return rmaSuccess;
+  release_op(op);
   return state > 0 ? rmaSuccess : rmaRemoteError;
 }
 

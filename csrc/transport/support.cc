@@ -5,6 +5,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "transport_internal.h"
@@ -78,6 +79,50 @@ int hardware_queues() {
   const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   const int n = v && *v ? std::atoi(v) : 8;
   return std::min(std::max(n, 1), 32);
+}
+
+// $JAXGIN_TRANSPORT_UNKIND: none (the default, also when empty), all, or a comma list of
+// kUnkindNames; $JAXGIN_TRANSPORT_SEED (default 1): the random choices' seed; and
+// $JAXGIN_TRANSPORT_UNKIND_DELAY_US (default 2000): the longest delay of a late read, a late
+// delivery or a held completion. Read when a communicator is made.
+bool read_unkind(Unkind& unkind, std::string& error) {
+  unkind = Unkind{};
+  const char* v = std::getenv("JAXGIN_TRANSPORT_UNKIND");
+  const std::string list = v ? v : "";
+  if (list == "all") {
+    unkind.on = (1u << kUnkindCount) - 1;
+  } else if (!list.empty() && list != "none") {
+    for (size_t start = 0; start <= list.size();) {
+      size_t end = list.find(',', start);
+      if (end == std::string::npos) end = list.size();
+      const std::string name = list.substr(start, end - start);
+      int found = -1;
+      for (int i = 0; i < kUnkindCount; i++)
+        if (name == kUnkindNames[i]) found = i;
+      if (found < 0) {
+        error = "JAXGIN_TRANSPORT_UNKIND=" + list + ": '" + name + "' is no behaviour; expected none, all or a comma "
+                "list of late_read, reread, early_completion, weak_overtake, pieces, backpressure, starve";
+        return false;
+      }
+      unkind.on |= 1u << found;
+      start = end + 1;
+    }
+  }
+  const char* seed = std::getenv("JAXGIN_TRANSPORT_SEED");
+  char* rest = nullptr;
+  unkind.seed = seed && *seed ? std::strtoull(seed, &rest, 10) : 1;
+  if (seed && *seed && (*rest || *seed == '-')) {
+    error = std::string("JAXGIN_TRANSPORT_SEED=") + seed + ": expected a non-negative integer";
+    return false;
+  }
+  const char* delay = std::getenv("JAXGIN_TRANSPORT_UNKIND_DELAY_US");
+  const long us = delay && *delay ? std::strtol(delay, &rest, 10) : 2000;
+  if (delay && *delay && (*rest || us < 0)) {
+    error = std::string("JAXGIN_TRANSPORT_UNKIND_DELAY_US=") + delay + ": expected a non-negative integer";
+    return false;
+  }
+  unkind.delay = std::chrono::microseconds(us);
+  return true;
 }
 
 // Every later call of a failed communicator fails again, for the same few reasons (once CUDA was

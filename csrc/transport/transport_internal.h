@@ -15,6 +15,8 @@
 // its agent thread, in stream order after the data of that put, and only once every earlier
 // operation of the same context to that peer has delivered. That FIFO per (context, peer) gives
 // strong signals their meaning (all earlier puts visible first) and weak ones more than they need.
+// That is kinder than a NIC; JAXGIN_TRANSPORT_UNKIND turns on what NCCL's rules allow a NIC to do
+// instead (see Unkind).
 //
 // The files: plugin.cc (NCCL's plugin table, the entry points on RMA contexts and puts, the C
 // functions jaxgin.transport calls), connect.cc (listening, connecting, closing), regions.cc
@@ -34,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -58,11 +61,17 @@ constexpr int kStagingChunks = 16;        // 64 MiB of pinned memory per communi
 constexpr int kCopyEvents = 1024;         // per RMA context
 
 // What moved, for tests and diagnostics: read through jaxgin_transport_counters().
+// kSourcesChanged to kCompletionsHeld count what the unkind mode did (see Unkind); kOpsDropped the
+// operations towards ranks whose connection was gone (send.cc, deliver).
 enum Counter { kPutsMapped, kPutsStaged, kPutsLocal, kBytesMapped, kBytesStaged, kSignalsApplied, kRegions,
-               kCopiesRequeued, kCounterCount };
+               kCopiesRequeued, kSourcesChanged, kDeliveredOutOfOrder, kCompletedBeforeDelivery, kCompletionsHeld,
+               kOpsDropped, kCounterCount };
 // Their names, the keys of jaxgin.transport.counters() (read through jaxgin_transport_counter_names).
-constexpr const char* kCounterNames[] = {"puts_mapped",  "puts_staged",     "puts_local", "bytes_mapped",
-                                         "bytes_staged", "signals_applied", "regions",    "copies_requeued"};
+constexpr const char* kCounterNames[] = {"puts_mapped",     "puts_staged",     "puts_local",
+                                         "bytes_mapped",    "bytes_staged",    "signals_applied",
+                                         "regions",         "copies_requeued", "sources_changed",
+                                         "delivered_out_of_order", "completed_before_delivery", "completions_held",
+                                         "ops_dropped"};
 static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kCounterCount, "a name per counter");
 extern std::atomic<uint64_t> counters[kCounterCount];  // support.cc
 
@@ -89,6 +98,52 @@ struct Plugin {
   uint64_t comm_id;
   rmaLogger_t log;
 };
+
+// The unkind (adversarial) mode, JAXGIN_TRANSPORT_UNKIND: a comma list of behaviours (or all, or
+// none, the default), each something NCCL's GIN semantics (nccl_device/gin.h) allow a NIC to do
+// and this transport otherwise never does. Random choices come from JAXGIN_TRANSPORT_SEED (mixed
+// with the rank and the RMA context's number); delays are up to JAXGIN_TRANSPORT_UNKIND_DELAY_US.
+enum UnkindBehaviour : uint32_t {
+  // The source is read (copied out of GPU memory, or out of host memory) a random while after the
+  // put was posted, never at the post.
+  kLateRead = 1u << 0,
+  // Just before a put completes, its source is read again (as a NIC's retransmission would) and
+  // compared with what was sent: a change means the kernel rewrote a put's source before a flush
+  // said it could; it is counted (sources_changed) and said on stderr.
+  kReread = 1u << 1,
+  // A put completes (test() done: NCCL's flush returns, counters count) once its source is read;
+  // its data and signal reach the peer a random while later. gin.h: a flush only frees sources.
+  kEarlyCompletion = 1u << 2,
+  // A weak signal (and its put) may reach the peer before earlier operations of its queue, weak
+  // signals of earlier puts included. gin.h: a weak signal settles only its own put.
+  kWeakOvertake = 1u << 3,
+  // Every put is written in 2 to 4 pieces, in random order, its signal after the last of them; the
+  // data of later puts may land before that of earlier ones (never before an earlier strong signal).
+  kPieces = 1u << 4,
+  // Completions held back a random while after the put delivered, at most two operations queued
+  // per (context, peer) (iput waits for room), and NCCL's GPU-to-proxy queues made tiny
+  // (jaxgin.transport.enable sets NCCL_GIN_PROXY_QUEUE_SIZE): the GPU meets a full queue.
+  kBackpressure = 1u << 5,
+  // Now and then a (context, peer) queue is left alone for a random while: contexts starve at
+  // random, so operations on different contexts land in any order.
+  kStarve = 1u << 6,
+};
+constexpr const char* kUnkindNames[] = {"late_read",     "reread", "early_completion", "weak_overtake",
+                                        "pieces",        "backpressure", "starve"};
+constexpr int kUnkindCount = sizeof(kUnkindNames) / sizeof(kUnkindNames[0]);
+constexpr size_t kUnkindQueueLimit = 2;  // operations per (context, peer) under kBackpressure
+
+struct Unkind {
+  uint32_t on = 0;
+  uint64_t seed = 0;
+  std::chrono::microseconds delay{2000};
+  bool has(UnkindBehaviour b) const { return (on & b) != 0; }
+  // Whether operations of a queue may deliver out of posting order.
+  bool reorders() const { return has(kWeakOvertake) || has(kPieces); }
+};
+// Reads JAXGIN_TRANSPORT_UNKIND, _SEED and _UNKIND_DELAY_US (support.cc); false with `error` set
+// when one of them is not understood.
+bool read_unkind(Unkind& unkind, std::string& error);
 
 // Logs through NCCL's logger, and warnings on stderr too (support.cc); `file` and `line` are the
 // caller's (the WARN and INFO macros pass them).
@@ -161,10 +216,34 @@ struct Op {
   std::vector<cudaEvent_t> abandoned;
   uint64_t region = 0, offset = 0;
   bool has_signal = false;
+  bool strong = true;  // the signal settles every earlier put of the queue (else only its own put)
   uint64_t signal_region = 0, signal_offset = 0, signal_delta = 0;
-  bool returned = false;    // handed to NCCL as a request: test() frees it
-  std::atomic<int> state{0};  // 0 in flight, 1 delivered, -1 failed
+  // A put is one op or several (its pieces, then in the unkind mode's kPieces an op for its
+  // signal): the last is the request NCCL holds, and every op of the put points at it. The
+  // request counts its put's ops not yet delivered and not yet read from their source; it
+  // completes when none is left to deliver (or, under kEarlyCompletion, to read). Under x->lock.
+  Op* request = nullptr;
+  int undelivered = 0, unread = 0;
+  bool failed = false;     // on the request: an op of its put failed
+  bool completed = false;  // on the request: its state is set
+  bool read = false;       // the source has been read (the copy out of it finished)
+  // Where the source is when the op reads it itself (host memory) or reads it again (kReread),
+  // and what it read there: host-memory sources are read into `bytes` under the unkind mode.
+  const char* source = nullptr;
+  std::vector<char> bytes;
+  bool copy_waiting = false;  // kLateRead: the copy out of GPU memory is queued at read_at
+  char* copy_to = nullptr;
+  std::chrono::steady_clock::time_point read_at{}, deliver_at{}, release_at{};
+  // kReread of a source in GPU memory: read again into `reread` (a staging chunk) on the op's stream.
+  char* reread = nullptr;
+  cudaEvent_t reread_event = nullptr;
+  bool checked = false;  // kReread done (or not needed)
+  // Who still holds the op: the queue until it delivered, NCCL until test() said done (requests).
+  std::atomic<int> holders{1};
+  std::atomic<int> state{0};  // 0 in flight, 1 done, -1 failed
 };
+// Drops one holder of `op`; the last frees it.
+void release_op(Op* op);
 
 // Settings read from the environment (support.cc, where each is explained).
 std::chrono::milliseconds read_stall_report_after();  // $JAXGIN_TRANSPORT_STALL_REPORT_S
@@ -189,6 +268,8 @@ struct Comm {
   std::thread agent;
   int wake[2] = {-1, -1};
   std::atomic<bool> closing{false};
+  Unkind unkind;           // read in connect
+  int contexts_made = 0;   // RMA contexts created: each seeds its random choices with its number
 
   std::mutex lock;  // regions, registrations, failure
   std::condition_variable changed;
@@ -239,6 +320,11 @@ struct Context {
   int next_spare = 0;
   // Staging chunks of delivered puts whose abandoned copies have not run yet, with their events.
   std::vector<std::pair<char*, std::vector<cudaEvent_t>>> parked;
+  // The unkind mode's random choices (under lock), how many reported source changes so far, and
+  // until when each queue starves (kStarve; [context * nranks + peer]).
+  std::mt19937_64 random;
+  int sources_changed_said = 0;
+  std::vector<std::chrono::steady_clock::time_point> starved_until;
 };
 
 // Failures and CUDA calls (support.cc).
@@ -281,10 +367,10 @@ void agent_loop(Comm* c);
 // The sending side (send.cc).
 // Delivers what has finished of the context's queues, in order.
 void progress(Context* x);
-// Queues a put (and its signal) to `peer`; `*request` is what test() is called with.
+// Queues a put (and its signal, strong or weak) to `peer`; `*request` is what test() is called with.
 rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size_t size, uint64_t dst_off,
                     Region* dst, uint32_t peer, Region* signal, uint64_t signal_off, uint64_t signal_delta,
-                    void** request);
+                    bool strong, void** request);
 
 // Entry points of the plugin table (plugin.cc) defined in connect.cc and regions.cc.
 rmaResult_t plugin_listen(void* ctx, int dev, void* handle, void** listen_comm);

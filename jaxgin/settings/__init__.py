@@ -80,7 +80,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Where the host transport's copies out of GPU memory run: `own` (a CUDA context of its own) or "
             "`shared` (the application's)."),
     Setting("JAXGIN_TRANSPORT_CONNECT_TIMEOUT", "float", "300", "native",
-            "Seconds the host transport waits for peers to connect and register, and for a free staging buffer."),
+            "Seconds the host transport waits for peers to connect and register, for a free staging buffer, and "
+            "for a peer to read what it sends (then the peer counts as gone)."),
     Setting("JAXGIN_TRANSPORT_ADDR", "str", None, "native",
             "The IPv4 address peers on other hosts reach this one at; unset: the first up, non-loopback "
             "interface's."),
@@ -96,6 +97,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Set: the host transport's log lines go to stderr when NCCL gives it no logger."),
     Setting("JAXGIN_TRANSPORT_TRACE", "bool", None, "native",
             "Set: one stderr line per host transport request and delivery (debugging only)."),
+    Setting("JAXGIN_TRANSPORT_UNKIND", "str", "none", "both",
+            "The host transport's unkind mode (what NCCL's GIN rules allow a NIC to do): `none`, `all` or a comma "
+            "list of `late_read`, `reread`, `early_completion`, `weak_overtake`, `pieces`, `backpressure`, "
+            "`starve`."),
+    Setting("JAXGIN_TRANSPORT_SEED", "int", "1", "native",
+            "Seed of the unkind mode's random choices (mixed with the rank and the RMA context)."),
+    Setting("JAXGIN_TRANSPORT_UNKIND_DELAY_US", "int", "2000", "native",
+            "The unkind mode's longest delay of a late read, a late delivery or a held completion, in microseconds."),
     # The fake CUDA driver the host transport's tests run on (csrc/transport/fake_cuda.cc).
     Setting("JAXGIN_FAKE_CUDA_DELAY_US", "int", "30", "native",
             "Tests' fake CUDA only: the longest random pause, in microseconds, before a stream runs its work."),

@@ -117,7 +117,10 @@ def put_signal(ctx, dst, src, nbytes, peer, signal):
 @_device_function
 def signal(ctx, peer, signal, value):
     """CTA-collective (synchronises the program first). Adds `value` to `signal` on `peer`, after
-    every store the program made before the call and after this rank's earlier puts to `peer`."""
+    every store the program made before the call and after this program's earlier puts to `peer`;
+    not necessarily after other programs' puts (this kernel's or earlier ones'): over GIN a signal
+    settles only the puts of its own GIN context, which is its program's. Wait for those puts' own
+    signals instead."""
     _externs.signal(ctx, peer, signal, value)
 
 
@@ -181,8 +184,9 @@ def flush(ctx):
 @_device_function
 def barrier(ctx):
     """CTA-collective, on every rank: program p waits for program p of every rank (p below the
-    runtime's barrier slots, 64 by default). Everything before it, puts included, happens before
-    everything after it on all ranks."""
+    runtime's barrier slots, 64 by default). Everything the program did before it, its puts
+    included, happens before everything program p of every rank does after it (other programs'
+    puts: as for ``signal``)."""
     _externs.barrier(ctx)
 
 
