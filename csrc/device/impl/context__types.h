@@ -52,6 +52,12 @@ struct jaxgin_fault {
   uint64_t observed;   // value last read
 };
 
+namespace jaxgin {
+// jaxgin_fault::signal of a JAXGIN_FAULT_FLAG_TIMEOUT in a chunk hand-off (kernels/chunk_handoff.h):
+// which count the wait was about. Here because the runtime's fault report reads it too.
+constexpr uint32_t kWaitedForChunk = 0, kWaitedForCredit = 1;
+}  // namespace jaxgin
+
 struct jaxgin_context {
   ncclDevComm comm;       // NCCL device communicator (by value: kernels never pass it around)
   ncclWindow_t window;    // symmetric heap window, registered with NCCL_WIN_COLL_SYMMETRIC
