@@ -7,7 +7,18 @@
 
 #include <stdint.h>
 #include <nccl.h>
-#include <nccl_device.h>
+// NCCL's device communicator type and host API without NCCL's device functions, so that host code
+// including the context compiles none of them (transport__funcs.h brings them to the device
+// library): nccl_device/host.h in NCCL 2.32, impl/comm__types.h and the core.h it includes before.
+// core.h declares inline device functions that it leaves to the device headers: nvcc warns (#821).
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 821
+#if __has_include(<nccl_device/host.h>)
+#include <nccl_device/host.h>
+#else
+#include <nccl_device/impl/comm__types.h>
+#endif
+#pragma nv_diagnostic pop
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 0)
 #error "jaxgin needs NCCL >= 2.28 (the NCCL Device API)"
