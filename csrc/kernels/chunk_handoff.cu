@@ -1,7 +1,7 @@
 #include "chunk_handoff.h"
 
 #include "preload.h"
-#include "../device/impl/signal__funcs.h"
+#include "../device/jaxgin_inline.h"
 
 namespace jaxgin {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../device/impl/context__types.h"
+#include "../device/jaxgin_types.h"
 
 namespace jaxgin {
 

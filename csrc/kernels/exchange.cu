@@ -14,8 +14,7 @@
 #include "line_exchange.h"
 #include "preload.h"
 
-#include "../device/impl/channel__funcs.h"
-#include "../device/impl/put__funcs.h"
+#include "../device/jaxgin_inline.h"
 
 namespace jaxgin {
 namespace {

@@ -18,8 +18,7 @@
 #include "mailbox.h"
 #include "preload.h"
 
-#include "../device/impl/line__funcs.h"
-#include "../device/impl/put__funcs.h"
+#include "../device/jaxgin_inline.h"
 
 namespace jaxgin {
 namespace {
