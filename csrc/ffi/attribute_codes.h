@@ -1,5 +1,5 @@
 // Integer codes that Python writes into the custom calls' attributes and the handlers read. Plain
-// enums without XLA's headers, so csrc/runtime/constants.cu exports them too and a test holds
+// enums without XLA's headers, so csrc/ffi/constants.cu exports them too and a test holds
 // Python's copies equal (tests/test_build.py::test_python_constants_equal_the_backend_ones).
 #pragma once
 #include <stdint.h>

@@ -1,6 +1,6 @@
 // Launchers of the diagnostic kernels behind jaxgin.selftest(), the exchange-latency tool and the
 // host-callable signal wait. Their C ABI (argument checks, synchronization, fault reports) is in
-// runtime/diagnostics.cu; these only enqueue on `stream`.
+// ffi/diagnostics.cu; these only enqueue on `stream`.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -57,9 +57,9 @@ typedef struct {
 // Status 2 means a kernel failed on the device (that GPU's CUDA context is unusable afterwards).
 #define JAXGIN_STATUS_DEVICE_FAULT 2
 JAXGIN_API int jaxgin_backend_abi(void);
-// A size Python computes with too, by name (csrc/runtime/constants.cu): 0, or -1 for an unknown name.
+// A size Python computes with too, by name (csrc/ffi/constants.cu): 0, or -1 for an unknown name.
 JAXGIN_API int jaxgin_constant(const char* name, int64_t* value);
-// The heap bytes jaxgin reserves for itself (csrc/runtime/constants.cu), for the test that holds
+// The heap bytes jaxgin reserves for itself (csrc/ffi/constants.cu), for the test that holds
 // Python's runtime.reserved_bytes equal.
 JAXGIN_API uint64_t jaxgin_reserved_heap_bytes(uint32_t signal_count, uint32_t barrier_slots, int32_t world,
                                                uint32_t lanes, uint32_t slots, uint64_t slot_bytes);

@@ -2,14 +2,15 @@
 // before a call, the custom calls' attribute codes. Each is defined in C; jaxgin_constant() exports
 // it so that a test holds Python's copy equal
 // (tests/test_build.py::test_python_constants_equal_the_backend_ones).
+// Beside the FFI handlers, above the runtime: the constants are the ops', and the runtime knows no op.
 #include <stdint.h>
 #include <string.h>
 
-#include "backend_api.h"
-#include "../ffi/attribute_codes.h"
+#include "attribute_codes.h"
 #include "../kernels/exchange.h"
 #include "../kernels/mailbox.h"
-#include "runtime.h"
+#include "../runtime/backend_api.h"
+#include "../runtime/runtime.h"
 
 namespace {
 struct Constant {
