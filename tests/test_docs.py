@@ -83,3 +83,41 @@ def test_api_md_signature_is_the_codes(name, text):
     code = [(p.name, _KINDS[p.kind], None if p.default is inspect.Parameter.empty else p.default)
             for p in inspect.signature(_resolve(name)).parameters.values()]
     assert _parameters_of_text(text) == code
+
+
+DESIGN = re.sub(r"^```.*?^```", "", (ROOT / "docs" / "design.md").read_text(), flags=re.MULTILINE | re.DOTALL)
+CSRC_LAYERS = ("device/", "runtime/", "kernels/", "ffi/", "ext/", "transport/")
+TOP_LEVEL = ("csrc/", "jaxgin/", "tritongin/", "tests/", "tools/", "benchmarks/", "docs/", "examples/")
+
+
+def _design_path(token: str) -> Path | None:
+    """The file or directory of this tree a backticked token of design.md names, or None (csrc/'s
+    layers may be named without csrc/; other relative names, such as impl/, are not read)."""
+    if re.fullmatch(r"[\w./-]+", token) is None or not token.startswith(TOP_LEVEL + CSRC_LAYERS):
+        return None
+    return ROOT / "csrc" / token if token.startswith(CSRC_LAYERS) else ROOT / token
+
+
+def test_design_md_names_paths_that_exist():
+    tokens = [t for t in re.findall(r"`([^`]+)`", DESIGN) if _design_path(t) is not None]
+    assert "csrc/device/jaxgin_inline.h" in tokens  # the scan reads the page's paths
+    missing = sorted({t for t in tokens if not _design_path(t).exists()})
+    assert not missing, f"docs/design.md names paths that do not exist: {missing}"
+
+
+def _ppermute_steps() -> list[str]:
+    section = DESIGN.split("### A call, file by file: `jaxgin.ppermute`\n", 1)[1].split("\n## ", 1)[0]
+    return re.split(r"\n(?=\d\. )", section)
+
+
+@pytest.mark.parametrize("step", _ppermute_steps(), ids=lambda s: s.split(",")[0].split(":")[0][:24])
+def test_design_md_ppermute_names_what_its_files_hold(step):
+    """Each step of the worked example names functions and symbols that the files it names hold."""
+    paths = [_design_path(t) for t in re.findall(r"`([^`]+)`", step)]
+    files = [f for p in paths if p is not None for f in ([p] if p.is_file() else sorted(p.glob("*.*")))]
+    text = "\n".join(f.read_text() for f in files)
+    names = [t.split(".")[-1] for t in re.findall(r"`([A-Za-z_][\w.]*)`", step)
+             if not t.startswith(("jax.", "jaxgin.")) and "/" not in t and not t.endswith((".h", ".cu", ".py", ".cc"))]
+    assert files and names, step
+    absent = [n for n in names if re.search(rf"\b{re.escape(n)}\b", text) is None]
+    assert not absent, f"not in {[str(f.relative_to(ROOT)) for f in files]}: {absent}"

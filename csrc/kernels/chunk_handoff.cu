@@ -1,7 +1,7 @@
 #include "chunk_handoff.h"
 
 #include "jaxgin_op_table.h"  // generated: the preload hook this file defines
-#include "../device/impl/signal__funcs.h"
+#include "../device/jaxgin_inline.h"
 
 namespace jaxgin {
 namespace {

@@ -28,9 +28,6 @@ struct chunk_handoff {
 
 constexpr size_t chunk_handoff_words(int size) { return 2 * (size_t)size; }
 
-// Which count a timed-out wait was about, in its fault report (jaxgin_fault::signal).
-constexpr uint32_t kWaitedForChunk = 0, kWaitedForCredit = 1;
-
 // Index of ready[s] / credit[t] among the words.
 __host__ __device__ constexpr int ready_index(int s) { return s; }
 __host__ __device__ constexpr int credit_index(int size, int t) { return size + t; }

@@ -1,12 +1,12 @@
 // Launchers of the diagnostic kernels behind jaxgin.selftest(), the exchange-latency tool and the
 // host-callable signal wait. Their C ABI (argument checks, synchronization, fault reports) is in
-// runtime/diagnostics.cu; these only enqueue on `stream`.
+// ffi/diagnostics.cu; these only enqueue on `stream`.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "../device/impl/context__types.h"
+#include "../device/jaxgin_types.h"
 
 namespace jaxgin {
 

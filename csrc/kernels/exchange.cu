@@ -14,8 +14,7 @@
 #include "line_exchange.h"
 #include "jaxgin_op_table.h"  // generated: the preload hook this file defines
 
-#include "../device/impl/channel__funcs.h"
-#include "../device/impl/put__funcs.h"
+#include "../device/jaxgin_inline.h"
 
 namespace jaxgin {
 namespace {

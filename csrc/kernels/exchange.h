@@ -4,7 +4,7 @@
 #include <stdint.h>
 #include <vector>
 
-#include "../device/impl/context__types.h"
+#include "../device/jaxgin_types.h"
 
 namespace jaxgin {
 

@@ -1,4 +1,4 @@
-// An empty kernel, for the exchange-latency tool (runtime/diagnostics.cu): the launch floor any
+// An empty kernel, for the exchange-latency tool (ffi/diagnostics.cu): the launch floor any
 // one-kernel op pays.
 #include "diagnostics.h"
 

@@ -18,8 +18,7 @@
 #include "mailbox.h"
 #include "jaxgin_op_table.h"  // generated: the preload hook this file defines
 
-#include "../device/impl/line__funcs.h"
-#include "../device/impl/put__funcs.h"
+#include "../device/jaxgin_inline.h"
 
 namespace jaxgin {
 namespace {

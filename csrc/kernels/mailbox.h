@@ -3,8 +3,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "../device/impl/context__types.h"
-#include "../device/impl/line__funcs.h"
+#include "../device/jaxgin_types.h"
 #include "exchange.h"
 
 namespace jaxgin {

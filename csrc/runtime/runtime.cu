@@ -17,8 +17,8 @@
 #include "errors.h"
 #include "heap_release.h"
 #include "thread_settle.h"
-#include "../kernels/chunk_handoff.h"
 #include "jaxgin_op_table.h"  // generated: the op families' preload hooks, op names
+#include "../device/jaxgin_device.h"
 
 namespace jaxgin {
 
@@ -36,12 +36,11 @@ void check_versions() {
 }
 
 // Fills out[peer] with peer's heap base as this GPU maps it, nullptr for peers outside the LSA
-// team. The window's layout is NCCL's device-side business, hence a kernel.
-__global__ void lsa_heaps_kernel(ncclWindow_t window, int rank, int lsa_rank, int lsa_size, int world, char** out) {
-  for (int peer = (int)threadIdx.x; peer < world; peer += (int)blockDim.x) {
-    const int lsa_index = lsa_rank + (peer - rank);
-    out[peer] = 0 <= lsa_index && lsa_index < lsa_size ? static_cast<char*>(ncclGetPeerPointer(window, 0, peer)) : nullptr;
-  }
+// team. The window's layout is NCCL's device-side business, hence a kernel, through the device
+// library (the only code that calls NCCL's device API).
+__global__ void lsa_heaps_kernel(const jaxgin_context* ctx, int world, char** out) {
+  for (int peer = (int)threadIdx.x; peer < world; peer += (int)blockDim.x)
+    out[peer] = static_cast<char*>(jaxgin_peer_ptr(ctx, 0, peer));
 }
 
 // Allocation-handle references NCCL holds on the heap once its window is registered: ncclMemAlloc
@@ -54,7 +53,7 @@ std::vector<char*> lsa_heap_bases(const DeviceState& s, const jaxgin_context& c)
   std::vector<char*> bases((size_t)c.world_size, nullptr);
   char** on_device = nullptr;
   JAXGIN_CUDA(cudaMalloc(&on_device, bases.size() * sizeof(char*)), s.device);
-  lsa_heaps_kernel<<<1, 128>>>(s.window, c.rank, c.lsa_rank, c.lsa_size, c.world_size, on_device);
+  lsa_heaps_kernel<<<1, 128>>>(s.context, c.world_size, on_device);
   cudaError_t launched = cudaGetLastError();
   cudaError_t copied = launched == cudaSuccess
                            ? cudaMemcpy(bases.data(), on_device, bases.size() * sizeof(char*), cudaMemcpyDeviceToHost)
@@ -212,10 +211,10 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
   if (c.rank != s.rank)
     throw Error("NCCL assigned rank " + std::to_string(c.rank) + " where jaxgin asked for " +
                 std::to_string(s.rank));
-  s.lsa_heaps = lsa_heap_bases(s, c);
-  s.heap_mappings = mappings_of_heap(s.heap, s.lsa_heaps, NCCL_HEAP_HANDLE_REFERENCES);
   JAXGIN_CUDA(cudaMalloc(&s.context, sizeof(jaxgin_context)), dev);
   JAXGIN_CUDA(cudaMemcpy(s.context, &c, sizeof(jaxgin_context), cudaMemcpyHostToDevice), dev);
+  s.lsa_heaps = lsa_heap_bases(s, c);
+  s.heap_mappings = mappings_of_heap(s.heap, s.lsa_heaps, NCCL_HEAP_HANDLE_REFERENCES);
   JAXGIN_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), dev);
 }
 

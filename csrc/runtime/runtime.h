@@ -10,7 +10,7 @@
 #include "backend_api.h"
 #include "heap_release.h"
 #include "vmm_ledger.h"
-#include "../device/impl/context__types.h"
+#include "../device/jaxgin_types.h"
 
 namespace jaxgin {
 

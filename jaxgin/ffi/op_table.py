@@ -112,7 +112,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "diagnostics",
         python=("jaxgin/diagnostics.py",),
-        sources=("runtime/diagnostics.cu", "kernels/selftest_exchange.cu", "kernels/wait_signal.cu",
+        sources=("ffi/diagnostics.cu", "kernels/selftest_exchange.cu", "kernels/wait_signal.cu",
                  "kernels/launch_floor.cu"),
         ops=(Op("jaxgin selftest exchange", "SELFTEST"),),
         preload=("preload_wait_signal_kernel",),

@@ -9,13 +9,10 @@
 // the sender writes message n + 1 only after the receiver read message n (a credit).
 #pragma once
 #include "fault__funcs.h"
+#include "line__types.h"
 #include "transport__funcs.h"
 
 namespace jaxgin {
-
-struct alignas(16) line {
-  uint32_t low, flag, high, flag_again;
-};
 
 __device__ __forceinline__ uint32_t line_flag(uint64_t chunk) {
   return (uint32_t)(chunk % 0xFFFFFFFFull) + 1u;  // 1 .. 2^32 - 1, distinct for nearby chunks
@@ -89,8 +86,5 @@ __device__ __forceinline__ line await_line(const jaxgin_context* ctx, const line
 __device__ __forceinline__ bool travels_as_lines(const jaxgin_context* ctx, uint64_t bytes, int peer) {
   return bytes <= JAXGIN_LINE_MAX_BYTES && !routes_through_gin(ctx, peer);
 }
-
-// Lines a message of `bytes` takes (an empty message still takes one, to carry its flag).
-__host__ __device__ inline uint64_t line_count(uint64_t bytes) { return bytes == 0 ? 1 : (bytes + 7) / 8; }
 
 }  // namespace jaxgin

@@ -1,6 +1,8 @@
 // Per-peer transport choice (LSA stores over NVLink, or GIN) and the NCCL-version differences of
 // the GIN signal actions.
 #pragma once
+#include <nccl_device.h>  // NCCL's device functions, for every impl/*__funcs.h
+
 #include "context__types.h"
 
 namespace jaxgin {

@@ -4,13 +4,14 @@
 // with bytes == 0 a chain of empty kernels, the launch floor) and a host-callable signal wait.
 // Each checks its arguments, launches through kernels/diagnostics.h and reports a device fault
 // by what the fault record says.
+// Beside the FFI handlers, above the runtime and the kernels: it launches kernels on the runtime's GPUs.
 #include <string>
 #include <vector>
 
 #include "../kernels/diagnostics.h"
 #include "../kernels/exchange.h"
-#include "errors.h"
-#include "runtime.h"
+#include "../runtime/errors.h"
+#include "../runtime/runtime.h"
 
 namespace {
 
