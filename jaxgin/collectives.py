@@ -19,7 +19,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxgin import runtime
+from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.ffi import op_table
@@ -86,19 +86,13 @@ def _reference_all_to_all(x, *, axis_name):
     return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
-def _use_ffi():
-    """The live state when this lowering should emit the CUDA custom call, None for the reference."""
-    state = runtime.current()
-    return state if state.options.backend == "cuda" else None
-
-
 def _lowering(reference, kind, op):
     def lower_reference(ctx, x, **params):
         runtime.current()  # jaxgin ops need initialize() on every platform, so code moves to GPUs unchanged
         return mlir.lower_fun(lambda v: reference(v, **params), multiple_results=False)(ctx, x)
 
     def lower_cuda(ctx, x, *, axis_name, **params):
-        state = _use_ffi()
+        state = op_support.kernel_state()
         if state is None:
             return lower_reference(ctx, x, axis_name=axis_name, **params)
         attrs = axes_lib.lowering_attributes(ctx, axis_name, state, op)
@@ -182,19 +176,6 @@ def _check_axis_index_groups(groups, size: int, op: str) -> tuple[tuple[int, ...
     return groups
 
 
-def as_varying(x, names):
-    """`x` typed as varying over `names`: what arrives differs per device even when the input is
-    the same everywhere, and shard_map / autodiff must know (a replicated type would let
-    out_specs=P() pick one device's value and would skip summing cotangents)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.11; earlier releases call it `vma`
-    have = manual.varying if manual is not None else getattr(aval, "vma", None)
-    if have is None:  # outside shard_map's type checking
-        return x
-    missing = tuple(n for n in names if n not in have)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _over_vmap_axis(lax_collective, op: str, names):
     """jax.lax's collective, for an axis_name bound by jax.vmap: the batch is on this device, so
     there is nothing for jaxgin to send; lax's vmap rules compute the result."""
@@ -230,7 +211,7 @@ def ppermute(x, axis_name, perm):
         return _over_vmap_axis(lambda: jax.lax.ppermute(x, names, pairs), op, names)
     if not names:  # an axis of size 1: the value stays if perm keeps it, else zeros
         return jax.tree.map(lambda leaf: jnp.asarray(leaf) if pairs else jnp.zeros_like(leaf), x)
-    return jax.tree.map(lambda leaf: ppermute_p.bind(as_varying(jnp.asarray(leaf), names), axis_name=names, perm=pairs), x)
+    return jax.tree.map(lambda leaf: ppermute_p.bind(op_support.same_varying(names, jnp.asarray(leaf))[0], axis_name=names, perm=pairs), x)
 
 
 def _grouped_exchange(y, names, size: int, groups):
@@ -350,7 +331,7 @@ def _all_to_all_leaf(x, names, size_of: tuple[str, int], split_axis, concat_axis
             f"jaxgin.all_to_all: x.shape[{split_axis}] = {x.shape[split_axis]} must equal {what} {size} "
             f"when tiled=False (use tiled=True to split a larger axis into {size} chunks)"
         )
-    x = as_varying(x, names)
+    x = op_support.same_varying(names, x)[0]
     if tiled:
         return _tiled_all_to_all(x, names, size, split_axis, concat_axis, exchange)
     # Same reduction to the tiled case as jax.lax.all_to_all: insert the new axis, exchange, then

@@ -81,9 +81,11 @@ def require_tritongin(op: str) -> None:
 
 
 def same_varying(names, *arrays):
-    """The arrays typed as varying over `names` and over every axis any of them varies over, so a
-    custom_vjp sees one varying type for inputs, outputs and cotangents (autodiff of the casts
-    sums the cotangents of invariant inputs, as it must)."""
+    """The arrays typed as varying over `names` and over every axis any of them varies over: what
+    a collective returns differs per device even when its input is the same everywhere, and
+    shard_map / autodiff must know (a replicated type would let out_specs=P() pick one device's
+    value and skip summing cotangents); a custom_vjp sees one varying type for inputs, outputs
+    and cotangents. Arrays outside shard_map's type checking come back as they are."""
     axes = set(names)
     for a in arrays:
         aval = jax.typeof(a)
