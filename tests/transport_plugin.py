@@ -235,8 +235,9 @@ class CreditRing:
 
     That receiver takes "the data signal reached k" for "put k landed", as jaxgin's exchange
     kernel does: right only if a put's signal settles the puts before it (strong signals, one
-    context). `weak` sends the data signals weak, and `rotate` puts put k on context k + c (as a
-    lane's context changes between exchange calls): the unkind transport then shows the rule wrong.
+    context). `weak` sends the data signals weak, and `rotate` = m > 0 moves the data puts to the
+    next context after every m puts (as an exchange lane's context changed between calls of m
+    chunks when it was its CTA's): the unkind transport then shows the rule wrong.
 
     Regions: data_array(window) and signal_array(), registered in that order (the signals with
     NEVER_RESET, as NCCL registers its GIN signals). Signal words: [puts arrived in direction 0,
@@ -255,7 +256,7 @@ class CreditRing:
         return np.zeros(4, np.uint64)
 
     def __init__(self, rank: Rank, data, signals, data_h, signal_h, iterations: int, window: int, weak: bool = False,
-                 rotate: bool = False):
+                 rotate: int = 0):
         self.r, self.data, self.signals, self.data_h, self.signal_h = rank, data, signals, data_h, signal_h
         self.iterations, self.window, self.weak, self.rotate = iterations, window, weak, rotate
         self.proxy = Proxy(rank)
@@ -304,7 +305,7 @@ class CreditRing:
             # send when the receiver's slot is free and so is the source slot
             k = self.sent[d] + 1
             if self.rotate:
-                data_context = (i + d + k) % contexts
+                data_context = (i + d + (k - 1) // self.rotate) % contexts
             strong = not self.weak
             busy = self.source_busy[d][k % self.window]
             if k <= self.iterations and int(self.signals[2 + d]) >= k - self.window and (busy is None or busy[1]):

@@ -46,7 +46,8 @@ __device__ void send_lane(const jaxgin_context* ctx, const Plan& plan, const exc
       cta_copy(ctx->heap + staging, p.src + begin, bytes);
       __syncthreads();
       if (linear_thread() == 0)  // the staging slot is reused by the next chunk
-        gin_put_and_release_source(ctx, p.rank, ring, staging, bytes, data, (jaxgin_op_tag)plan.op);
+        gin_put_in_stream_and_release_source(ctx, channel_gin_context(ctx, p.rank, lane), p.rank, ring, staging,
+                                             bytes, data, (jaxgin_op_tag)plan.op);
       __syncthreads();
     } else {
       char* dst = lsa_peer_heap(ctx, ring, p.rank);
@@ -70,6 +71,8 @@ __device__ void receive_lane(const jaxgin_context* ctx, const Plan& plan, const 
     const uint64_t n = first + k;
     uint64_t begin, bytes;
     lane_chunk_span(ch, lane, k, plan.bytes, begin, bytes);
+    // n + 1 arrivals: chunks 0 .. n of the lane landed (LSA: the lane's adds come in order, each
+    // releasing its chunk; GIN: strong signals on the lane's one context, channel_gin_context).
     if (linear_thread() == 0) wait_until(ctx, data, n + 1, (jaxgin_op_tag)plan.op, p.rank);
     __syncthreads();
     const uint64_t ring = channel_ring_offset(ctx, p.rank, lane, n % ctx->channel_slots);

@@ -7,8 +7,10 @@
 // counters live in device memory on both sides, so no expected value ever comes from the host and
 // the protocol stays right under CUDA-graph replay and across ops of any size.
 //
-// A lane is driven by one CTA on each side, so chunks of a lane arrive in order; many lanes run
-// in parallel for bandwidth. Both sides derive the chunking from the message size alone.
+// A lane is driven by one CTA on each side, so chunks of a lane are sent in order, and its data
+// signal counts them as landed in order (over GIN: on one context with strong signals,
+// channel_gin_context); many lanes run in parallel for bandwidth. Both sides derive the chunking
+// from the message size alone.
 #pragma once
 #include "line__funcs.h"
 #include "signal__funcs.h"
@@ -55,6 +57,15 @@ __host__ __device__ inline uint32_t channel_data_signal(const jaxgin_context* ct
 
 __host__ __device__ inline uint32_t channel_credit_signal(const jaxgin_context* ctx, int receiver, uint32_t lane) {
   return ctx->channel_signal_base + ((uint32_t)ctx->world_size + (uint32_t)receiver) * ctx->channel_lanes + lane;
+}
+
+// The GIN context that carries every chunk of the stream to `receiver` on `lane`, in every call:
+// the receiver counts the lane's data signal as landings, which holds only while one context (in
+// order, strong signals) carries the whole stream. A CTA's own context (linear_block() % contexts)
+// would change between calls with the plan's lanes and peer order. A peer's lanes still spread
+// over every context, and each context has its own queue per peer.
+__device__ __forceinline__ int channel_gin_context(const jaxgin_context* ctx, int receiver, uint32_t lane) {
+  return (int)(((uint64_t)receiver * ctx->channel_lanes + lane) % (uint64_t)ctx->gin_contexts);
 }
 
 // Heap offset (same on every rank) of ring slot `slot` of `lane` for messages from `sender`.

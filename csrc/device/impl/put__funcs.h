@@ -80,6 +80,22 @@ __device__ __forceinline__ void gin_put_and_release_source(const jaxgin_context*
   bounded_flush(ctx, gin, op, peer);
 }
 
+// One thread: as gin_put_and_release_source, for one put of a stream whose receiver counts its
+// signal as landings ("`signal` reached n + 1, so put n landed"). The put goes on GIN context
+// `context`, which the caller keeps the same for every put of the stream, with a strong signal:
+// its arrival settles every earlier put of that context to `peer` (gin.h), so whichever n + 1 of
+// the stream's signals arrived, puts 0 .. n landed. A weak signal (gin_put_and_release_source's,
+// NCCL >= 2.31) settles only its own put, and another context's puts are not ordered at all.
+__device__ __forceinline__ void gin_put_in_stream_and_release_source(const jaxgin_context* ctx, int context,
+                                                                     int peer, uint64_t dst_offset,
+                                                                     uint64_t src_offset, uint64_t bytes,
+                                                                     uint32_t signal, jaxgin_op_tag op) {
+  ncclGin gin(ctx->comm, context);
+  gin.put(ncclTeamWorld(ctx->comm), peer, ctx->window, dst_offset, ctx->window, src_offset, bytes,
+          GinBareSignal{signal, 1});
+  bounded_flush(ctx, gin, op, peer);
+}
+
 // Any thread: where this GPU loads and stores heap byte `offset` of LSA (NVLink) peer `peer`.
 __device__ __forceinline__ char* lsa_peer_heap(const jaxgin_context* ctx, uint64_t offset, int peer) {
   return static_cast<char*>(ncclGetPeerPointer(ctx->window, offset, peer));

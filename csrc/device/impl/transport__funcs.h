@@ -10,7 +10,8 @@ namespace jaxgin {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 31, 0)
 // A put's own signal only has to cover that put's payload.
 using GinPutSignal = ncclGin_WeakSignalAdd;
-// A bare signal must cover every earlier put to that peer (barriers rely on it).
+// A bare signal, and a put whose signal is counted as a landing of every earlier put of its
+// stream, must cover every earlier put to that peer on its context (barriers rely on it).
 using GinBareSignal = ncclGin_StrongSignalAdd;
 #else
 // Before 2.31 the only add action has the strong semantics, which covers both uses.
