@@ -92,6 +92,39 @@ def test_ptx_defines_every_declared_function(built):
     assert not missing, f"{artifacts.ptx} (NCCL {install.version_string}) lacks definitions of {missing}"
 
 
+
+def ptx_function(ptx: str, name: str) -> str:
+    """The PTX text of function `name`, up to the next function or kernel."""
+    start = re.search(rf"^\.visible\s+\.func\s+(?:\([^)]*\)\s*)?{name}\s*\(", ptx, flags=re.MULTILINE)
+    assert start, f"no function {name}"
+    end = re.search(r"^(?:\.visible|\.weak|\.extern)?\s*\.(?:func|entry)\b", ptx[start.end():], flags=re.MULTILINE)
+    return ptx[start.start():start.end() + (end.start() if end else len(ptx))]
+
+
+# NCCL's GIN backends other than GDAKI, switched off (gin_device_common.h): ncclGin then reaches
+# GDAKI alone.
+GDAKI_ALONE = ["-DNCCL_GIN_PROXY_ENABLE=0", "-DNCCL_GIN_GPI_ENABLE=0", "-DNCCL_GIN_EFA_GDA_ENABLE=0"]
+SYSTEM_RELEASE = re.compile(r"^\s*(?:fence\.(?:acq_rel|release|sc)\.sys|membar\.sys)\s*;", flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("install", INSTALLS, ids=[_id(i) for i in INSTALLS])
+def test_signals_release_at_system_scope_over_gdaki(install, nvcc, tmp_path):
+    """Issue 51, risk 1: jaxgin_signal and jaxgin_barrier order the CTA's earlier writes before
+    their signal at system scope, so NVLink stores through jaxgin_peer_ptr are visible to whoever
+    sees the signal, also when it goes through GIN. NCCL's GDAKI backend on its own releases at
+    GPU scope only (gin_gdaki.h), so the library fences itself. Read in the device library's PTX
+    compiled for GDAKI alone: with NCCL's proxy backend in, the proxy's own system-scope release
+    (it always makes one) would be there either way."""
+    root = build.sources_dir()
+    build.write_generated(tmp_path)
+    out = tmp_path / "jaxgin_device_gdaki.ptx"
+    build._run(build._base_command(nvcc, install, ARCH, root, tmp_path) + GDAKI_ALONE
+               + ["-ptx", str(root / build.DEVICE_LIBRARY_SOURCE), "-o", str(out)], tmp_path)
+    ptx = out.read_text()
+    for name in ("jaxgin_signal", "jaxgin_barrier"):
+        assert SYSTEM_RELEASE.search(ptx_function(ptx, name)), (
+            f"{name} (NCCL {install.version_string}, GDAKI alone) has no system-scope release fence")
+
 def test_cubin_is_a_cuda_elf_with_every_function(built):
     _, artifacts, _ = built
     data = artifacts.cubin.read_bytes()

@@ -38,7 +38,9 @@ __device__ void jaxgin_put_signal(const void* ctx, uint64_t dst_offset, uint64_t
                                   uint64_t bytes, int peer, uint32_t signal);
 
 // CTA-collective (synchronises on entry). Adds `value` to `signal` on `peer`, ordered after every
-// write the CTA made before the call, and after this CTA's earlier puts to `peer` (a strong GIN
+// write the CTA made before the call (a system-scope release over NVLink and GIN alike, so stores
+// through jaxgin_peer_ptr are visible to whoever observes the add), and after this CTA's earlier
+// puts to `peer` (a strong GIN
 // signal settles the earlier puts of its own GIN context only, and a CTA's puts and signals share
 // one context; other CTAs' puts, this kernel's or earlier ones', are ordered by their own signals).
 __device__ void jaxgin_signal(const void* ctx, int peer, uint32_t signal, uint64_t value);
@@ -59,8 +61,9 @@ __device__ void jaxgin_wait_signal_arrivals(const void* ctx, uint32_t signal, ui
 __device__ void jaxgin_flush(const void* ctx);
 
 // CTA-collective, on every rank: CTA b waits for CTA b of every rank (b < the runtime's barrier
-// slots). Everything the CTA did before it, its puts included, happens before everything CTA b
-// of every rank does after it (other CTAs' puts: as for jaxgin_signal).
+// slots). Everything the CTA did before it, its puts and stores through jaxgin_peer_ptr included,
+// happens before everything CTA b of every rank does after it (other CTAs' puts: as for
+// jaxgin_signal).
 __device__ void jaxgin_barrier(const void* ctx);
 
 #ifdef __cplusplus

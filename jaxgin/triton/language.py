@@ -85,7 +85,7 @@ def peer_ptr(ctx, ptr, peer):
     moves with Triton's own ``tl.store``/``tl.load``. `peer` must be in this rank's LSA team (a
     GPU of this host); otherwise the kernel faults naming the peer. Plain stores through it are not
     ordered with a later ``signal`` by themselves: ``signal`` orders them (it synchronises the
-    program and releases)."""
+    program and releases at system scope, also when the signal goes through GIN)."""
     delta = _externs.peer_delta(ctx, peer)
     # Peer mappings of the heap are offsets of whole allocation granules, so the delta keeps `ptr`'s
     # alignment; saying so lets Triton keep its 16-byte vector stores.

@@ -6,9 +6,10 @@
 namespace jaxgin {
 
 // CTA-collective. Orders every memory operation of this CTA before it (its puts included: bare GIN
-// signals are strong, and go on the CTA's own GIN context like its puts) before every memory
-// operation after it of CTA b on all ranks. A strong signal settles only its own context's earlier
-// puts, so other CTAs' puts are not covered.
+// signals are strong, and go on the CTA's own GIN context like its puts; its NVLink stores too:
+// add_signal releases at system scope) before every memory operation after it of CTA b on all
+// ranks. A strong signal settles only its own context's earlier puts, so other CTAs' puts are not
+// covered.
 __device__ __forceinline__ void barrier(const jaxgin_context* ctx) {
   const uint32_t slot = linear_block();
   const uint32_t signal = ctx->signal_count + slot;

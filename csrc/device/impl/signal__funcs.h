@@ -84,14 +84,26 @@ __device__ __forceinline__ void remote_add(uint64_t* remote, uint64_t value, boo
 }
 
 // One thread adds `value` to `signal` on `peer`, ordered after every write this thread has
-// observed (callers synchronise the CTA first, so that covers the whole CTA's writes).
-// `release = false` drops that ordering on the LSA path: use it only where the caller's prior
+// observed (callers synchronise the CTA first, so that covers the whole CTA's writes), at system
+// scope on either path: NVLink stores through peer pointers included, also when the signal goes
+// through GIN. `release = false` drops that ordering: use it only where the caller's prior
 // accesses are reads whose values were already consumed (a credit returned after a copy-out).
 __device__ __forceinline__ void add_signal(const jaxgin_context* ctx, int peer, uint32_t signal,
                                            uint64_t value, bool release = true) {
   if (routes_through_gin(ctx, peer)) {
     ncclGin gin(ctx->comm, gin_context_index(ctx));
-    gin.signal(ncclTeamWorld(ctx->comm), peer, GinBareSignal{signal, value});
+    if (!release) {
+      gin.signal(ncclTeamWorld(ctx->comm), peer, GinBareSignal{signal, value});
+      return;
+    }
+    // Left to itself NCCL's GDAKI backend releases at GPU scope only before the NIC takes the
+    // signal (gin_gdaki.h: system scope only when required), which leaves NVLink stores to the
+    // peer free to arrive after it. So a system-scope release here, and NCCL told that one
+    // happened: given and required scope both system (2.28's signal() takes the two in the
+    // opposite order of 2.32's, and equal values read the same either way).
+    cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
+    gin.signal(ncclTeamWorld(ctx->comm), peer, GinBareSignal{signal, value}, ncclCoopThread(), ncclGin_None{},
+               cuda::thread_scope_system, cuda::thread_scope_system);
     return;
   }
   uint64_t* remote = static_cast<uint64_t*>(
