@@ -459,15 +459,16 @@ def current() -> _State:
     return _state
 
 
-def wait_signal(signal: int, value: int, *, local_index: int = 0) -> None:
-    """Blocks the host until this process's GPU `local_index` sees `signal` >= `value`.
+def block_until_signal(signal: int, value: int, *, local_index: int = 0) -> None:
+    """Blocks the host until this process's GPU `local_index` sees `signal` >= `value` (a raw
+    device signal, for diagnostics and tests; jaxgin.wait_signal is the mailbox op inside jit).
 
     The wait runs on the device with the runtime's timeout; a timeout raises DeviceFault naming
     rank, signal and values (and leaves that GPU's CUDA context unusable, as any device fault).
     """
     state = current()
     if state.options.backend != "cuda":
-        raise JaxginError("wait_signal needs the cuda backend; in reference mode there are no device signals")
+        raise JaxginError("block_until_signal needs the cuda backend; in reference mode there are no device signals")
     call_backend(state.runtime.wait_signal, local_index, signal, value)
 
 

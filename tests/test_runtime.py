@@ -32,6 +32,12 @@ def test_initialize_picks_reference_on_cpu():
     assert runtime.loaded_backends() == []
 
 
+def test_blocking_on_a_raw_signal_needs_the_cuda_backend():
+    jaxgin.initialize()
+    with pytest.raises(JaxginError, match="block_until_signal needs the cuda backend"):
+        runtime.block_until_signal(5, 1)
+
+
 def test_info_fields():
     jaxgin.initialize(heap_size="64MiB", signal_count=100, barrier_slots=20, timeout=5)
     info = jaxgin.info()

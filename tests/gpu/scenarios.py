@@ -86,7 +86,7 @@ def timeout(argv):
     jaxgin.initialize(heap_size="64MiB", timeout=2.0)
     start = time.perf_counter()
     try:
-        runtime.wait_signal(5, 1)  # nobody ever signals 5
+        runtime.block_until_signal(5, 1)  # nobody ever signals 5
     except jaxgin.DeviceFault as e:
         return {"raised": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - start}
     return {"raised": None, "seconds": time.perf_counter() - start}
