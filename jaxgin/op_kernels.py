@@ -33,6 +33,13 @@ import jaxgin.triton.language as tgl
 
 
 @triton.jit
+def rank_of(route, d):
+    """The global rank (tritongin numbering) of axis index `d`, from an axis route
+    (jaxgin.route.axis_route: [this GPU's axis index, then the rank of every index])."""
+    return tl.load(route + 1 + d)
+
+
+@triton.jit
 def gin_route(ctx, route, d, me, GIN: tl.constexpr):
     """1 when axis index `d` (route: [me, rank of axis index 0, 1, ...], jaxgin.axis_route) is
     another GPU reached through GIN, else 0. With GIN = 0 (a job whose GPUs are all NVLink peers,
@@ -40,7 +47,7 @@ def gin_route(ctx, route, d, me, GIN: tl.constexpr):
     away."""
     gin = me * 0  # a runtime int32 either way, so callers branch on it alike
     if GIN:
-        gin = tgl.gin_peer(ctx, tl.load(route + 1 + d))  # 0 for this GPU itself
+        gin = tgl.gin_peer(ctx, rank_of(route, d))  # 0 for this GPU itself
     return gin
 
 

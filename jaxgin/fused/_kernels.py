@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
-from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route, start_order, wait_gin_source
+from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
+                                wait_gin_source)
 
 
 @triton.jit
@@ -212,7 +213,7 @@ def _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P: t
     staged = _gin_tile_slot(gin_tiles, 0, half, d, t, P, TILES, BM, BN)
     tl.store(staged + packed, tile, mask=ok)
     there = _gin_tile_slot(gin_tiles, 1, half, me, t, P, TILES, BM, BN)
-    tgl.put_signal(ctx, there, staged, rows * cols * XB, tl.load(route + 1 + d), sig + half * P + me)
+    tgl.put_signal(ctx, there, staged, rows * cols * XB, rank_of(route, d), sig + half * P + me)
 
 
 @triton.jit
@@ -243,9 +244,9 @@ def _exchange_tile(
     elif PULL:
         tl.store(recv + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
         if PARTS & 2:
-            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
+            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, rank_of(route, me))
     else:
-        peer = tl.load(route + 1 + d)
+        peer = rank_of(route, d)
         slot = tgl.peer_ptr(ctx, recv, peer) + (half * P + me) * (CM * CN)
         tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
         if PARTS & 2:
@@ -253,7 +254,7 @@ def _exchange_tile(
     s = (me + P - step) % P
     if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
         if PULL:
-            source = tl.load(route + 1 + s)
+            source = rank_of(route, s)
             tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
             slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
         else:
@@ -280,7 +281,7 @@ def _copy_out_gin_source(
     if gin_route(ctx, route, s, me, GIN) != 0:
         ready = flags + P * TILES + s
         if k == 0:
-            arrivals_to_flag(ctx, sig + half * P + s, TILES, ready, epoch + 1, tl.load(route + 1 + me))
+            arrivals_to_flag(ctx, sig + half * P + s, TILES, ready, epoch + 1, rank_of(route, me))
         else:
             tgl.wait_flag(ctx, ready, epoch + 1)
         for t in range(k, TILES, COPIERS):
@@ -372,7 +373,7 @@ def _partial_tile(
         _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     else:
         tl.store(partials + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
-        tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, tl.load(route + 1 + me))
+        tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, rank_of(route, me))
 
 
 @triton.jit
@@ -391,7 +392,7 @@ def _reduce_tile(
     c = tj * BN + tl.arange(0, BN)
     ok = (r < CM)[:, None] & (c < CN)[None, :]
     within = r[:, None] * CN + c[None, :]
-    my_rank = tl.load(route + 1 + me)
+    my_rank = rank_of(route, me)
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for s in tl.static_range(P):
         if s == me:
@@ -405,7 +406,7 @@ def _reduce_tile(
             part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok, other=0.0,
                            cache_modifier=".cg")
         else:
-            source = tl.load(route + 1 + s)
+            source = rank_of(route, s)
             tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
             there = tgl.peer_ptr(ctx, partials, source) + (half * P + me) * (CM * CN)
             part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
@@ -514,7 +515,7 @@ def all_gather_matmul_kernel(
                     _copy_rows(own, x, lo, hi, K, SEND_BM, SEND_BK)
                 for j in tl.static_range(1, P):
                     d = (me + j) % P
-                    peer = tl.load(route + 1 + d)
+                    peer = rank_of(route, d)
                     if gin_route(ctx, route, d, me, GIN) != 0:
                         # the same heap offset on d: its slot for this GPU's shard
                         tgl.put_signal(ctx, own + lo * K, own + lo * K, (hi - lo) * K * XB, peer,
@@ -527,7 +528,7 @@ def all_gather_matmul_kernel(
             for item in range(pid, (P - 1) * G, SENDERS):
                 d = (me + 1 + item // G) % P
                 g = item % G
-                peer = tl.load(route + 1 + d)
+                peer = rank_of(route, d)
                 slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
                 _copy_rows(slot, x, g * R * BM, tl.minimum(ML, (g + 1) * R * BM), K, SEND_BM, SEND_BK)
                 tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
@@ -542,7 +543,7 @@ def all_gather_matmul_kernel(
             item = s * G + ti // R
             if gin_route(ctx, route, s, me, GIN) != 0:  # the first program to need the group waits for its put
                 wait_gin_source(ctx, flags + P * G + item, sig + half * P * G + item, 1, flags + item, epoch + 1,
-                                tl.load(route + 1 + me))
+                                rank_of(route, me))
             else:
                 tgl.wait_flag(ctx, flags + item, epoch + 1)
             a = gather + (half * P + s) * (ML * K)

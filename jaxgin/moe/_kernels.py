@@ -72,7 +72,8 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton.language as tgl
-from jaxgin.op_kernels import arrivals_to_flag, call_position, finish_call, gin_route, start_order, wait_gin_source
+from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
+                                wait_gin_source)
 
 
 @triton.jit
@@ -134,7 +135,7 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
         if d != me:
             sl = _column(slots, ps, d)
             go = sl >= 0
-            peer = tl.load(route + 1 + d)
+            peer = rank_of(route, d)
             codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & k_ok[None, :], other=-1)
             # The peer's address once per block and peer: it is a chain of dependent loads in the
             # device library, which the compiler cannot hoist out of the column loop by itself.
@@ -159,7 +160,7 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
     for d in tl.static_range(P):
         if d != me:
             if gin_route(ctx, route, d, me, GIN) == 0:
-                tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, tl.load(route + 1 + d))
+                tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, rank_of(route, d))
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
         s = other + (other >= me).to(tl.int32)
         if gin_route(ctx, route, s, me, GIN) != 0:
             wait_gin_source(ctx, data_ready + P + s, sig + P + s, 3, data_ready + s, epoch + 1,
-                            tl.load(route + 1 + me))
+                            rank_of(route, me))
         else:
             tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
         starts = stage_starts + (half * P + s) * (T + 1) + blk
@@ -273,7 +274,7 @@ def dispatch_kernel(
     # Roles by the order programs started (senders first), so that a placer's waits point only
     # at programs that have started, here and on the peers (jaxgin.op_kernels.start_order).
     pid = start_order(state + 1)
-    my_rank = tl.load(route + 1 + me)
+    my_rank = rank_of(route, me)
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
     es = tl.arange(0, BE)
@@ -282,7 +283,7 @@ def dispatch_kernel(
     # 1. Counts and block starts first.
     if pid == 0:
         for d in tl.static_range(P):
-            peer = tl.load(route + 1 + d)
+            peer = rank_of(route, d)
             counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
             starts = tl.load(before + tl.minimum(bs * BT, T - 1) * P + d, mask=bs < TB)
             starts = tl.where(bs < TB, starts, tl.sum(tl.where(es == EL, counts, 0)))
@@ -325,7 +326,7 @@ def dispatch_kernel(
             if _last_to_arrive(state + 3, NS):
                 for d in tl.static_range(P):
                     if gin_route(ctx, route, d, me, GIN) != 0:
-                        peer = tl.load(route + 1 + d)
+                        peer = rank_of(route, d)
                         n = tl.load(send_counts + d * (EL + 1) + EL).to(tl.int64)
                         src = (half * P + d) * T
                         dst = (half * P + me) * T
@@ -378,7 +379,7 @@ def combine_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me, epoch, half = call_position(route, state)
-    my_rank = tl.load(route + 1 + me)
+    my_rank = rank_of(route, me)
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
@@ -401,7 +402,7 @@ def combine_kernel(
         present = r_ok[:, None] & k_ok[None, :]
         landed = tl.load(pos + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=-1)
         w = tl.load(weights + (s * T + r)[:, None] * K + ks[None, :], mask=present, other=0.0)
-        peer = tl.load(route + 1 + s)
+        peer = rank_of(route, s)
         if gin_route(ctx, route, s, me, GIN) != 0:
             home = send_back
             row = ((half * P + s) * T + r).to(tl.int64)
@@ -430,7 +431,7 @@ def combine_kernel(
     before = tl.atomic_add(state + 1, mine.to(tl.int64), sem="acq_rel", scope="sys")
     if (mine > 0) & (before + mine == ITEMS):
         for d in tl.static_range(P):
-            peer = tl.load(route + 1 + d)
+            peer = rank_of(route, d)
             if gin_route(ctx, route, d, me, GIN) != 0:
                 n = tl.load(rows + d).to(tl.int64)
                 if n > 0:
