@@ -387,12 +387,7 @@ def start(args, argv) -> int:
     """Runs this round in the background in a process session of its own, from a copy of the tree
     (a device call's working tree goes away when the call returns)."""
     root = args.dir
-    copy_tree(root)
-    rest = [a for a in argv if a != "start"]
-    os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
-    with open(root / "round.log", "w") as log:
-        subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), "run", *rest, "--dir", str(root)],
-                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    in_background(root, ["run", *(a for a in argv if a != "start"), "--dir", str(root)], "round.log")
     print(f"round started in {root}; read it with: python3 tools/gpu_round.py wait SECONDS", flush=True)
     return 0
 
@@ -422,6 +417,16 @@ def wait(root: Path, seconds: float) -> int:
         for line in phases[-1].read_text(errors="replace").splitlines()[-20:]:
             print(line)
     return 0
+
+
+def in_background(root: Path, arguments: list[str], log_name: str) -> None:
+    """This tool with `arguments`, run from a fresh copy of the tree in root (copy_tree) in a process
+    session of its own that outlives the device call, its output in root/`log_name`."""
+    copy_tree(root)
+    os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
+    with open(root / log_name, "w") as log:
+        subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def copy_tree(root: Path) -> None:
@@ -727,12 +732,7 @@ def session(argv: list[str]) -> int:
                 break
         (root / "done").write_text(" ".join(map(str, codes)))
         return 1 if any(codes) else 0
-    copy_tree(root)
-    os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
-    with open(root / "session.log", "w") as log:
-        subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), "session", "--here",
-                          "--dir", str(root), *args.phases],
-                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    in_background(root, ["session", "--here", "--dir", str(root), *args.phases], "session.log")
     print(f"session of {len(args.phases)} phases started in {root}; read it with: "
           f"python3 tools/gpu_round.py wait SECONDS --dir {root}", flush=True)
     return 0
