@@ -118,8 +118,10 @@ def selftest(rounds: int = 10, block_bytes: int = 64 * 1024, seed: int | None = 
     try:
         counts = runtime.call_backend(state.runtime.selftest_exchange, rounds, block_bytes, seed, offset, signal_base)
     finally:
-        op_support.release(state, offset, nbytes)
-        state.signals.free(signal_base)
+        try:
+            op_support.release(state, offset, nbytes)
+        finally:
+            state.signals.free(signal_base)
     mismatches = {}
     for local, device in enumerate(state.local_devices):
         receiver = state.devices.index(device)

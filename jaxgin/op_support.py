@@ -217,10 +217,13 @@ class SymmetricArray:
         return DeviceArray(self, info["heap_base"] + self.offset, info["device"])
 
     def free(self) -> None:
-        """Returns the bytes to the heap, zeroed (every rank must free in the same order it allocated)."""
+        """Returns the bytes to the heap, zeroed. On GPUs every rank frees its buffers in the same
+        order: the call waits for this process's GPU work and for every peer's puts to this rank."""
         self.check_live()
-        release(runtime.current(), self.offset, self.nbytes)
-        self.freed = True
+        try:
+            release(runtime.current(), self.offset, self.nbytes)
+        finally:
+            self.freed = True
 
 
 def heap_array(state, shape, dtype) -> SymmetricArray:
@@ -232,13 +235,28 @@ def heap_array(state, shape, dtype) -> SymmetricArray:
 
 
 def release(state, offset: int, nbytes: int) -> None:
-    """Zeroes a heap region and returns it to the allocator (the zero invariant above). A region that
-    cannot be zeroed (the device faulted) is never handed out again."""
+    """Zeroes a heap region and returns it to the allocator (the zero invariant above). On GPUs a
+    collective: every rank frees its regions in the same order, and the zeroing waits until every
+    put any peer made to this rank has landed and every rank's GPU work is done, so no late put
+    makes free bytes nonzero (csrc/ffi/heap_free.cu). After a device fault nothing can be zeroed:
+    the region is never handed out again. A free that fails itself (a peer that never frees)
+    raises, naming the region."""
+    if _faulted(state):
+        return
     try:
         runtime.call_backend(state.runtime.heap_clear, offset, nbytes)
-    except JaxginError:  # DeviceFault included
-        return
+    except JaxginError as e:  # DeviceFault included, and kept as such
+        raise type(e)(f"freeing heap bytes [{offset}, {offset + nbytes}) failed (every rank frees its heap "
+                      f"buffers in the same order, after the programs that use them): {e}") from None
     state.heap.free(offset)
+
+
+def _faulted(state) -> bool:
+    """Whether a device fault was recorded on this process's GPUs (their CUDA contexts are unusable)."""
+    try:
+        return bool(runtime.call_backend(state.runtime.device_faults))
+    except JaxginError:
+        return True
 
 
 def placed(state, key, place: Callable[[], T]) -> T:

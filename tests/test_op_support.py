@@ -13,10 +13,11 @@ from jaxgin.errors import JaxginError
 
 
 class _ClearingRuntime:
-    """Records what the heap clears; `fail` makes clearing fail as a faulted device would."""
+    """Records what the heap clears; `fail` makes clearing fail as a barrier that timed out would,
+    `faults` is what device_faults() says (a fault recorded before)."""
 
     def __init__(self, fail: Exception | None = None):
-        self.cleared, self.fail = [], fail
+        self.cleared, self.fail, self.faults = [], fail, ""
 
     def heap_clear(self, offset, nbytes):
         if self.fail is not None:
@@ -27,7 +28,7 @@ class _ClearingRuntime:
         pass
 
     def device_faults(self):
-        return ""
+        return self.faults
 
 
 @pytest.fixture
@@ -78,15 +79,35 @@ def test_freeing_a_tritongin_buffer_zeroes_it_before_reuse(cuda_state):
 
 
 def test_a_region_that_cannot_be_zeroed_is_never_reused(cuda_state):
+    """After a device fault nothing can be zeroed: free() says nothing more (the fault was raised
+    where it happened) and keeps the region out of the allocator."""
     import tritongin
 
     buf = tritongin.empty((100,), "float32")
     heap_free = cuda_state.heap.available()
-    cuda_state.runtime.fail = RuntimeError("device in error")
+    cuda_state.runtime.faults = "wait timed out on rank 0"
     buf.free()
+    assert cuda_state.runtime.cleared == [] and buf.freed
     assert cuda_state.heap.available() == heap_free  # kept out of the allocator
-    cuda_state.runtime.fail = None
+    cuda_state.runtime.faults = ""
     assert tritongin.empty((100,), "float32").offset != buf.offset
+
+
+def test_a_free_that_fails_names_the_region_and_the_rule(cuda_state):
+    """The zeroing waits for every rank (csrc/ffi/heap_free.cu); a peer that never frees ends it in
+    the barrier's timeout, a device fault that free() raises naming the region and the order rule."""
+    import tritongin
+    from jaxgin import _jaxgin_ext as ext
+
+    buf = tritongin.empty((100,), "float32")
+    heap_free = cuda_state.heap.available()
+    cuda_state.runtime.fail = ext.DeviceFaultError("barrier timed out after 10 s on rank 0")
+    with pytest.raises(jaxgin.DeviceFault, match=rf"freeing heap bytes \[{buf.offset}, {buf.offset + 400}\) failed "
+                       r"\(every rank frees its heap buffers in the same order.*barrier timed out"):
+        buf.free()
+    assert buf.freed and cuda_state.heap.available() == heap_free
+    with pytest.raises(JaxginError, match="freed"):
+        buf.free()
 
 
 def test_lowering_for_kernels_in_reference_mode_names_the_op():

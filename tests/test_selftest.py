@@ -255,14 +255,17 @@ def test_cuda_selftest_frees_on_failure(fake_cuda, fault):
 
 def test_cuda_selftest_keeps_a_region_it_cannot_clear(fake_cuda):
     """Free heap must be zero (mailbox line slots rely on it): when clearing fails (the device
-    faulted), the region is never handed out again; the signals still come back."""
+    faulted in it), selftest raises that, the region is never handed out again, and the signals
+    still come back."""
     from jaxgin import _jaxgin_ext as ext
 
     state = fake_cuda(clear_fails=ext.DeviceFaultError("context lost"))
     heap_free, signals_free = state.heap.available(), state.signals.available()
-    jaxgin.selftest(rounds=1, block_bytes=64, seed=6)
+    with pytest.raises(jaxgin.DeviceFault, match=r"freeing heap bytes .* failed .*context lost"):
+        jaxgin.selftest(rounds=1, block_bytes=64, seed=6)
     assert state.heap.available() == heap_free - 2 * 8 * 64  # the 1 KiB it used stays taken
     assert state.signals.available() == signals_free
+    state.runtime.clear_fails = None
     jaxgin.selftest(rounds=1, block_bytes=64, seed=7)
     assert state.runtime.calls[1]["heap_offset"] != state.runtime.calls[0]["heap_offset"]
 

@@ -603,18 +603,6 @@ int jaxgin_runtime_device_info(const jaxgin_runtime* rt, int32_t local_index, ja
   });
 }
 
-int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes) {
-  return c_api([&] {
-    for (auto& s : rt->devices) {
-      if (offset < s.host_context.user_offset || offset + bytes > s.host_context.heap_bytes)
-        throw Error("heap range [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") is outside the user heap");
-      JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
-      JAXGIN_CUDA(cudaMemsetAsync(static_cast<char*>(s.heap) + offset, 0, bytes, s.stream), s.device);
-      JAXGIN_CUDA(cudaStreamSynchronize(s.stream), s.device);
-    }
-  });
-}
-
 int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity) {
   return c_api([&] {
     std::string all;

@@ -98,9 +98,10 @@ FAMILIES: tuple[Family, ...] = (
         python=("jaxgin/runtime.py", "jaxgin/heap.py"),
         sources=("device/library.cu", "runtime/runtime.cu", "runtime/heap_release.cu", "runtime/vmm_ledger.cu",
                  "runtime/cublas_loader.cu", "runtime/constants.cu", "runtime/thread_settle.cu",
-                 "ffi/launch_pacing.cu"),
+                 "ffi/launch_pacing.cu", "kernels/heap_settle.cu", "ffi/heap_free.cu"),
         ops=(Op("a jaxgin device-library call", "DEVICE_CALL"),  # a jaxgin_* device function called from user code
              Op("jaxgin barrier", "BARRIER")),
+        preload=("preload_heap_settle_kernel",),
         constants={
             # Messages up to this size between LSA peers travel as lines (csrc/device/impl/line__funcs.h).
             "line_max_bytes": 8192,

@@ -105,6 +105,27 @@ def test_triton_call_equals_lax_ppermute_emulated_hosts(world, command_buffers):
         assert result["faults"] == [], result
 
 
+def _check_free_waited(result, devices):
+    assert result["devices"] == devices and result["reused_the_offset"], result
+    # every put landed in the freed buffer, then it was zeroed: nothing of them in the reused bytes
+    assert result["nonzero_words_after_reuse"] == [0] * devices, result
+    assert result["free_seconds"] >= 0.04 and result["faults"] == [], result  # it waited for the 50 ms puts
+
+
+@TWO_GPUS
+def test_free_waits_for_puts_still_to_land():
+    """Issue 51's risk 4 over NVLink: freeing zeroed the region at once while the peer's stores were
+    still to come, leaving them in bytes handed out again as zero."""
+    _check_free_waited(run_scenario(SCENARIOS, ["free_while_puts_land"], 2), devices=2)
+
+
+def test_free_waits_for_puts_still_to_land_emulated_hosts():
+    """The same over GIN (emulated hosts; with the unkind transport a put lands after its flush)."""
+    require_emulated_hosts()
+    for result in run_processes(SCENARIOS, ["free_while_puts_land"], 2, emulated=True):
+        _check_free_waited(result, devices=1)
+
+
 LAUNCHES = by_tier(10, 30)
 LAUNCHES_AT_ONCE = 5  # jobs side by side on the GPU(s), to keep the test within minutes
 

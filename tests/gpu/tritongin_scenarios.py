@@ -171,6 +171,23 @@ def push_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr):
     tl.store(tgl.peer_ptr(ctx, dst, peer) + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
+@triton.jit
+def _global_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["delay_ns"])
+def late_put_kernel(ctx, src, dst, nbytes, sig, delay_ns):
+    """Waits delay_ns on the GPU's clock, then puts src into dst of the next rank and flushes: a put
+    still to come long after the host returned from the launch."""
+    start = _global_ns()
+    now = start
+    while now - start < delay_ns:
+        now = _global_ns()
+    tgl.put_signal(ctx, dst, src, nbytes, (tgl.rank(ctx) + 1) % tgl.world_size(ctx), sig)
+    tgl.flush(ctx)
+
+
 def _setup(argv=()):
     """jax (one of N processes when argv is `RANK N ADDR`), torch and an initialized jaxgin; the
     number of GPUs this process drives."""
@@ -399,6 +416,37 @@ def triton_call(iterations: int, argv=()):
     })
 
 
+def free_while_puts_land(argv=()):
+    """A heap buffer freed right after launching a kernel that puts into the next rank's copy of it
+    (50 ms later, on the GPU): the bytes handed out again must be zero once every put is done, so
+    the free has to wait for the kernels and the peers' puts (jaxgin.op_support.release)."""
+    jax, torch, jaxgin, tritongin, devices = _setup(argv)
+    world, ranks = _ranks(jax)
+    words = 1 << 20  # 4 MiB: a GIN put the unkind transport writes in pieces
+    src = tritongin.empty((words,), "int32")
+    dst = tritongin.empty((words,), "int32")
+    sig = tritongin.signals(1)
+    for d in range(devices):
+        with torch.cuda.device(d):
+            torch.from_dlpack(src.local(d)).fill_(1)
+    _launch_all(torch, tritongin, devices,
+                lambda d, ctx: late_put_kernel[(1,)](ctx, src.local(d), dst.local(d), words * 4, sig[0], 50_000_000))
+    freed_at = dst.offset
+    start = time.perf_counter()
+    dst.free()  # at once: every put into it is still to come
+    free_seconds = time.perf_counter() - start
+    again = tritongin.empty((words,), "int32")
+    _sync(torch, devices)
+    time.sleep(0.2)  # what is still on its way lands (the unkind transport delays by up to 2 ms)
+    nonzero = []
+    for d in range(devices):
+        with torch.cuda.device(d):
+            nonzero.append(int(torch.count_nonzero(torch.from_dlpack(again.local(d))).item()))
+    job.report({"devices": devices, "world": world, "ranks": ranks, "words": words,
+                "reused_the_offset": again.offset == freed_at, "nonzero_words_after_reuse": nonzero,
+                "free_seconds": round(free_seconds, 3), "faults": jaxgin.device_faults()})
+
+
 def bringup(argv=()):
     """Triton and tritongin imported first (this module's top), then initialize / selftest /
     finalize: the launch pattern of every tritongin scenario, alone."""
@@ -422,5 +470,7 @@ if __name__ == "__main__":
         triton_call(int(rest[0]) if rest else 1, rest[1:])
     elif name == "bringup":
         bringup(rest)
+    elif name == "free_while_puts_land":
+        free_while_puts_land(rest)
     else:
         raise SystemExit(f"unknown scenario {name}")

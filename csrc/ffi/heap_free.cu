@@ -1,0 +1,75 @@
+// The C ABI that frees a heap region (jaxgin_heap_clear): waits for this process's GPU work, meets
+// every rank (kernels/heap_settle.h: every earlier put to this rank, on any GIN context, has
+// landed), zeroes the region, and meets every rank again (no rank reuses the region before every
+// rank has zeroed its copy). Free heap bytes are zero (jaxgin/heap.py); a put landing after the
+// zeroing would break that, so the zeroing waits for the peers. Every rank frees in the same
+// order, so the meetings pair up; one that never comes ends in the barrier's bounded wait.
+// Beside the FFI handlers, above the runtime and the kernels: it launches kernels on the runtime's GPUs.
+#include <algorithm>
+#include <string>
+
+#include "../kernels/heap_settle.h"
+#include "../runtime/errors.h"
+#include "../runtime/runtime.h"
+
+namespace {
+
+// Runs `enqueue` on every GPU of the runtime, then waits for all of them; the first GPU whose
+// work failed is named by its fault record, or by CUDA's error when it recorded none.
+template <typename Enqueue>
+void on_every_gpu(jaxgin_runtime* rt, const char* what, Enqueue enqueue) {
+  for (auto& s : rt->devices) {
+    JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
+    JAXGIN_CUDA(enqueue(s), s.device);
+  }
+  std::string failure;
+  for (auto& s : rt->devices) {
+    JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
+    cudaError_t e = cudaStreamSynchronize(s.stream);
+    if (e != cudaSuccess && failure.empty()) {
+      std::string fault = jaxgin::describe_fault(s);
+      failure = std::string(what) + " on CUDA device " + std::to_string(s.device) + " failed: " +
+                (fault.empty() ? jaxgin::cuda_error_text(e) : fault);
+    }
+  }
+  if (!failure.empty()) throw jaxgin::DeviceFaultError(failure);
+}
+
+}  // namespace
+
+extern "C" int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes) {
+  return jaxgin::c_api([&] {
+    for (auto& s : rt->devices) {
+      const jaxgin_context& c = s.host_context;
+      if (offset < c.user_offset || offset + bytes > c.heap_bytes)
+        throw jaxgin::Error("heap range [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                            ") is outside the user heap");
+      if ((uint32_t)std::max(c.gin_contexts, 1) > c.barrier_slots)
+        throw jaxgin::Error("freeing a heap region meets every rank with one barrier CTA per GIN context (" +
+                            std::to_string(c.gin_contexts) + "), but only " + std::to_string(c.barrier_slots) +
+                            " barrier slots exist: initialize with barrier_slots >= " +
+                            std::to_string(c.gin_contexts));
+    }
+    // The kernels that read or write the region were enqueued by XLA or the user on streams of
+    // their own: every one of them finishes first.
+    for (auto& s : rt->devices) {
+      JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
+      cudaError_t e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) {
+        std::string fault = jaxgin::describe_fault(s);
+        throw jaxgin::DeviceFaultError("freeing a heap region: CUDA device " + std::to_string(s.device) +
+                                       " failed before it: " + (fault.empty() ? jaxgin::cuda_error_text(e) : fault));
+      }
+    }
+    auto settle = [](jaxgin::DeviceState& s) {
+      return jaxgin::launch_heap_settle(s.context, std::max(s.host_context.gin_contexts, 1), s.stream);
+    };
+    on_every_gpu(rt, "freeing a heap region: the barrier before zeroing it (every rank frees its heap buffers "
+                     "in the same order)", settle);
+    on_every_gpu(rt, "freeing a heap region: zeroing it", [&](jaxgin::DeviceState& s) {
+      return cudaMemsetAsync(static_cast<char*>(s.heap) + offset, 0, bytes, s.stream);
+    });
+    on_every_gpu(rt, "freeing a heap region: the barrier after zeroing it (every rank frees its heap buffers "
+                     "in the same order)", settle);
+  });
+}
