@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -168,7 +169,17 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
         "JAXGIN_GIN_TRANSPORT": "host",
         "JAXGIN_TRANSPORT_QUIET": "1",
         "JAXGIN_TEST_HEAP": os.environ.get("JAXGIN_TEST_HEAP", EMULATED_HEAP),
+        **unkind_transport_env(),
     }
+
+
+def unkind_transport_env() -> dict:
+    """The host transport of every emulated job as unkind as NCCL's GIN rules allow (every behaviour,
+    jaxgin.transport.UNKIND_BEHAVIOURS), seeded per test so that a round covers several seeds (1 to
+    3); JAXGIN_TRANSPORT_UNKIND and JAXGIN_TRANSPORT_SEED set for pytest win (`none`: the kind one)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0]
+    return {"JAXGIN_TRANSPORT_UNKIND": os.environ.get("JAXGIN_TRANSPORT_UNKIND", "all"),
+            "JAXGIN_TRANSPORT_SEED": os.environ.get("JAXGIN_TRANSPORT_SEED", str(1 + zlib.crc32(test.encode()) % 3))}
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:

@@ -95,7 +95,22 @@ def report(result: dict) -> None:
     from jaxgin import runtime
 
     ran_on = {"jax_platform": jax.default_backend(), "jaxgin_cuda_backends": runtime.loaded_backends()}
+    if os.environ.get("JAXGIN_TEST_EMULATED_HOSTS") == "1":
+        ran_on["host_transport"] = _host_transport()
     print("RESULT:" + json.dumps({**result, "ran_on": ran_on}), flush=True)
+
+
+def _host_transport() -> dict:
+    """An emulated host's transport: its unkind behaviours, seed, and what it did (its counters)."""
+    from jaxgin import transport
+    from jaxgin.errors import JaxginError
+
+    try:
+        counters = transport.counters()
+    except (JaxginError, OSError) as e:
+        counters = {"unreadable": str(e)}
+    return {"unkind": os.environ.get("JAXGIN_TRANSPORT_UNKIND", "none"),
+            "seed": os.environ.get("JAXGIN_TRANSPORT_SEED", "1"), "counters": counters}
 
 
 def meet(name: str, rank: int, ranks, timeout_s: float = 120.0) -> list[int]:
