@@ -561,7 +561,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
              start_copy(x, op, op->staging, from, bytes);
       }
       if (from) {
-        counters[kPutsStaged]++;
+        counters[kPutsStaged] += i == 0;  // a put counts once, whatever pieces it travels in
         counters[kBytesStaged] += bytes;
       }
     } else if (from) {
@@ -572,7 +572,7 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
       } else {
         ok = start_copy(x, op, to, from, bytes);
       }
-      counters[route == Route::kLocal ? kPutsLocal : kPutsMapped]++;
+      counters[route == Route::kLocal ? kPutsLocal : kPutsMapped] += i == 0;
       if (route == Route::kMapped) counters[kBytesMapped] += bytes;
     }
     if (!ok) {
