@@ -135,7 +135,8 @@ def _check_survivors_name_the_dead_rank(finished, world, name):
     """After the last rank of a job died mid-loop: each survivor failed with jaxgin's named timeout
     naming the dead rank's process end, within the timeout, and finalized cleanly; or, where XLA
     still waited for the faulted program, jaxgin's fault watch ended it with the same words on
-    stderr. Any other end (a signal: a crash in finalize() or JAX's coordination service) fails."""
+    stderr. Any other end before a report (a signal: a crash in finalize() or JAX's coordination
+    service) fails."""
     from jaxgin.fault_watch import FAULT_EXIT_CODE
 
     victim = world - 1
@@ -145,7 +146,10 @@ def _check_survivors_name_the_dead_rank(finished, world, name):
     reports = []
     for rank, (code, out, err) in enumerate(finished[:victim]):
         report = {"rank": rank, "exit_code": code, "stderr_names_the_dead_rank": gone in err}
-        if code == 0 and "RESULT:" in out:
+        if "RESULT:" in out:
+            # Reported; then it waited for the others' reports, and a survivor that the fault watch
+            # ended meanwhile may be rank 0, whose exit takes JAX's coordination service along and
+            # aborts those still waiting (SIGABRT; world 8 with the unkind transport, 4 x H100).
             report.update(result(out))
         elif code == FAULT_EXIT_CODE:
             report["ended_by_the_fault_watch"] = "still waits for device results" in err
