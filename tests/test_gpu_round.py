@@ -4,6 +4,7 @@ tests tell it (tests/gpu/round_plan.py), checked without a GPU."""
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -343,3 +344,25 @@ def test_a_session_runs_its_phases_in_the_background_and_wait_brings_them(tmp_pa
     refused = _tool("session", "--dir", str(tmp_path / "refused"), "bench", "await nccl soon")
     assert refused.returncode == 2 and "expected: await nccl VERSION" in refused.stderr
     assert not (tmp_path / "refused").exists()  # refused before anything started
+
+
+def test_a_round_started_after_another_keeps_the_summary_it_goes_on_from(tmp_path, monkeypatch):
+    """`start --skip-passed ROOT/results/gpu-round.json` (the last round's summary) makes ROOT afresh:
+    the summaries it names are read first and handed to the new round under ROOT/earlier/."""
+    root = tmp_path / "round"
+    (root / "results").mkdir(parents=True)
+    summary = root / "results" / "gpu-round.json"
+    summary.write_text('{"tests": [{"name": "a.py::t", "outcome": "passed", "seconds": 3}]}')
+    argv = ["--deadline", "300", "--skip-passed", str(summary), "--durations", str(tmp_path / "missing.json"),
+            "--durations", str(summary), "-k", "x"]
+    kept_argv, kept = gpu_round.keep_earlier_summaries(argv, root)
+    assert kept_argv == ["--deadline", "300", "--skip-passed", str(root / "earlier/0-gpu-round.json"),
+                         "--durations", str(tmp_path / "missing.json"),
+                         "--durations", str(root / "earlier/1-gpu-round.json"), "-k", "x"]
+    monkeypatch.setattr(gpu_round, "copy_tree", lambda r: (shutil.rmtree(r), r.mkdir()))  # no repository copy
+    monkeypatch.setattr(gpu_round, "git_commit", lambda: "abc")
+    monkeypatch.setenv("ROUND_COMMIT", "abc")
+    monkeypatch.setattr(gpu_round.subprocess, "Popen", lambda *a, **k: None)
+    gpu_round.in_background(root, ["run", *kept_argv], "round.log", keep=kept)
+    assert not summary.exists()  # the folder was made afresh ...
+    assert json.loads((root / "earlier/0-gpu-round.json").read_text())["tests"][0]["outcome"] == "passed"  # ... and kept it

@@ -387,7 +387,8 @@ def start(args, argv) -> int:
     """Runs this round in the background in a process session of its own, from a copy of the tree
     (a device call's working tree goes away when the call returns)."""
     root = args.dir
-    in_background(root, ["run", *(a for a in argv if a != "start"), "--dir", str(root)], "round.log")
+    argv, earlier = keep_earlier_summaries([a for a in argv if a != "start"], root)
+    in_background(root, ["run", *argv, "--dir", str(root)], "round.log", keep=earlier)
     print(f"round started in {root}; read it with: python3 tools/gpu_round.py wait SECONDS", flush=True)
     return 0
 
@@ -419,10 +420,31 @@ def wait(root: Path, seconds: float) -> int:
     return 0
 
 
-def in_background(root: Path, arguments: list[str], log_name: str) -> None:
+def keep_earlier_summaries(argv: list[str], root: Path) -> tuple[list[str], dict[str, bytes]]:
+    """argv with each --durations / --skip-passed file that exists read now and named again under
+    root/earlier/, and those files' contents: the next round's folder is made afresh, and the last
+    round left its summary there (root/results/gpu-round.json)."""
+    kept, out, args = {}, [], iter(argv)
+    for arg in args:
+        out.append(arg)
+        if arg in ("--durations", "--skip-passed"):
+            path = Path(next(args, ""))
+            if path.is_file():
+                name = f"earlier/{len(kept)}-{path.name}"
+                kept[name] = path.read_bytes()
+                path = root / name
+            out.append(str(path))
+    return out, kept
+
+
+def in_background(root: Path, arguments: list[str], log_name: str, keep: dict[str, bytes] | None = None) -> None:
     """This tool with `arguments`, run from a fresh copy of the tree in root (copy_tree) in a process
-    session of its own that outlives the device call, its output in root/`log_name`."""
+    session of its own that outlives the device call, its output in root/`log_name`; `keep`: files
+    (path under root: contents) written there first."""
     copy_tree(root)
+    for name, contents in (keep or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(contents)
     os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
     with open(root / log_name, "w") as log:
         subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
