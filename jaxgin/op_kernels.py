@@ -31,12 +31,18 @@ import triton.language as tl
 
 import jaxgin.triton.language as tgl
 
+# An axis route (jaxgin.axis_route): route[AXIS_INDEX] is this GPU's index along the axis,
+# route[RANKS + d] the global rank of axis index d.
+AXIS_INDEX = tl.constexpr(0)
+RANKS = tl.constexpr(1)
+# Word CALLS of every op's state is the call counter; each kernel module names the words after it.
+CALLS = tl.constexpr(0)
+
 
 @triton.jit
 def rank_of(route, d):
-    """The global rank (tritongin numbering) of axis index `d`, from an axis route
-    (jaxgin.route.axis_route: [this GPU's axis index, then the rank of every index])."""
-    return tl.load(route + 1 + d)
+    """The global rank (tritongin numbering) of axis index `d`, from an axis route."""
+    return tl.load(route + RANKS + d)
 
 
 @triton.jit
@@ -79,10 +85,10 @@ def wait_gin_source(ctx, claim, signal, count, flag, value, my_rank):
 
 @triton.jit
 def call_position(route, state):
-    """(this GPU's axis index, the call counter state[0], the half of the two-halved buffers this
-    call uses)."""
-    me = tl.load(route)
-    epoch = tl.load(state)
+    """(this GPU's axis index, the call counter state[CALLS], the half of the two-halved buffers
+    this call uses)."""
+    me = tl.load(route + AXIS_INDEX)
+    epoch = tl.load(state + CALLS)
     return me, epoch, epoch % 2
 
 
@@ -103,12 +109,12 @@ def finish_call(state, finished, epoch, programs, counters, COUNTERS: tl.constex
     """Every program of the grid calls this last, with `finished` a counter word of the op's state
     (zero between calls). The last of `programs` to arrive zeroes it and the op's other per-call
     counters (COUNTERS words from `counters`: every program has made its last claim on them by
-    then), and advances the call counter state[0] (release: every program's work precedes the next
-    call). Zeroed rather than offset by the call number, the counters stay right when calls of one
-    configuration run with different grids."""
+    then), and advances the call counter state[CALLS] (release: every program's work precedes the
+    next call). Zeroed rather than offset by the call number, the counters stay right when calls of
+    one configuration run with different grids."""
     done = tl.atomic_add(finished, 1, sem="acq_rel", scope="gpu")
     if done == programs - 1:
         tl.atomic_xchg(finished, 0, sem="relaxed", scope="gpu")
         for i in tl.static_range(COUNTERS):
             tl.atomic_xchg(counters + i, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state, epoch + 1, sem="release", scope="gpu")
+        tl.atomic_xchg(state + CALLS, epoch + 1, sem="release", scope="gpu")

@@ -143,7 +143,7 @@ def lax_precision(precision):
 class OpBuffers:
     exchange: object  # SymmetricArray: two halves of every peer's slot
     flags: object  # int64 readiness flags, zero at first (see _kernels.py)
-    state: object  # int64[3]: call counter, finished programs, start order (see _kernels.py)
+    state: object  # int64[_kernels.STATE_WORDS]: call counter, finished programs, start order
     gin_area: object = None  # SymmetricArray: GIN staging / receive area (jobs with GIN peers)
     signals: int = 0  # first of the op's signals (jobs with GIN peers)
 
@@ -153,10 +153,12 @@ def op_buffers(state, key, shape, dtype, flags: int, gin_area_shape=None, signal
     start at zero on every GPU, as the kernels need. A job with GIN peers also gets the op's GIN
     area (`gin_area_shape`, if the op needs one beside the exchange buffer) and `signals` signals,
     kept like the buffers: the kernels count arrivals on them for the life of the runtime."""
+    from jaxgin.fused import _kernels  # needs Triton: only the Triton kernels' lowering gets here
+
     return op_support.placed(state, ("fused",) + tuple(key), lambda: OpBuffers(
         op_support.heap_array(state, shape, dtype),
         op_support.heap_array(state, (flags,), np.int64),
-        op_support.heap_array(state, (3,), np.int64),
+        op_support.heap_array(state, (_kernels.STATE_WORDS,), np.int64),
         op_support.heap_array(state, gin_area_shape, dtype) if gin_area_shape is not None else None,
         state.signals.allocate(signals) if signals else 0,
     ))

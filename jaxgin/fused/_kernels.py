@@ -39,12 +39,12 @@ Readiness is announced with flags (tritongin.language.set_flag / wait_flag) hold
 rather than with counting signals: any number of programs can wait for the same flag.
 
 Buffer reuse across calls: the exchange/gather buffers have two halves, picked by the parity of a
-call counter kept on the device (state[0], advanced by the last program to finish; state[1] counts
-finished programs; state[2] hands out places in the start order: jaxgin.op_kernels.call_position,
-finish_call, start_order). A GPU that starts call n has received every peer's data of call n - 1,
-so every peer has started n - 1 and finished n - 2: the half that call n writes (its own when
-pulling, the peers' when pushing) is no longer read. Nothing depends on host values, so
-CUDA-graph replay is right.
+call counter kept on the device (state[CALLS], advanced by the last program to finish;
+state[FINISHED] counts finished programs; state[STARTED] hands out places in the start order:
+jaxgin.op_kernels.call_position, finish_call, start_order). A GPU that starts call n has received
+every peer's data of call n - 1, so every peer has started n - 1 and finished n - 2: the half that
+call n writes (its own when pulling, the peers' when pushing) is no longer read. Nothing depends on
+host values, so CUDA-graph replay is right.
 """
 
 import triton
@@ -53,6 +53,11 @@ import triton.language as tl
 import jaxgin.triton.language as tgl
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
                                 wait_gin_source)
+
+# Every fused op's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), FINISHED, STARTED].
+FINISHED = tl.constexpr(1)
+STARTED = tl.constexpr(2)
+STATE_WORDS = 3  # what _common.op_buffers allocates
 
 
 @triton.jit
@@ -339,7 +344,7 @@ def matmul_all_to_all_kernel(
     TILES: tl.constexpr = TM * TN
     PROGRAMS: tl.constexpr = P * TILES + P * COPIERS  # COPIERS = 0 without GIN
     me, epoch, half = call_position(route, state)
-    pid = start_order(state + 2)  # the program numbers that waits rely on
+    pid = start_order(state + STARTED)  # the program numbers that waits rely on
     if pid < P * TILES:
         _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
@@ -348,7 +353,7 @@ def matmul_all_to_all_kernel(
         if GIN:  # the copy-out programs exist only in a GIN job (compiled away otherwise: COPIERS = 0)
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
                                  P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
-    finish_call(state, state + 1, epoch, PROGRAMS, state + 2, 1)
+    finish_call(state, state + FINISHED, epoch, PROGRAMS, state + STARTED, 1)
 
 
 @triton.jit
@@ -446,7 +451,7 @@ def matmul_reduce_scatter_kernel(
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
-    pid = start_order(state + 2)
+    pid = start_order(state + STARTED)
     if GIN == 0:
         place = pid % (P + 1)  # groups of P partials of one tile, then that tile's reducer
         if place < P:
@@ -461,7 +466,7 @@ def matmul_reduce_scatter_kernel(
     else:
         _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
                      P, CM, CN, BM, BN, GROUP_M, GIN)
-    finish_call(state, state + 1, epoch, P * TILES + TILES, state + 2, 1)
+    finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
 
 
 @triton.jit
@@ -501,7 +506,7 @@ def all_gather_matmul_kernel(
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
-    pid = start_order(state + 2)  # senders start first
+    pid = start_order(state + STARTED)  # senders start first
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
@@ -551,4 +556,4 @@ def all_gather_matmul_kernel(
         c = tj * BN + tl.arange(0, BN)
         ok = (r < ML)[:, None] & (c < N)[None, :]
         tl.store(out + (s * ML + r)[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=ok)
-    finish_call(state, state + 1, epoch, SENDERS + P * TILES, state + 2, 1)
+    finish_call(state, state + FINISHED, epoch, SENDERS + P * TILES, state + STARTED, 1)

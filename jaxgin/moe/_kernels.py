@@ -58,14 +58,15 @@ staging areas with the NVLink stores above, raising their block flags; it needs 
 test, so it is not built yet.
 
 Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/counts areas have two
-halves picked by a device-side call counter (state[0]) that the last program to finish advances; a
-GPU that starts call n + 1 has received a flag of every peer's call n, so every peer finished call
-n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so they need no
-reset. dispatch: state[1] hands out places in the start order, state[2] counts programs done,
-state[3] senders done packing (GIN). combine: state[1] items completed, state[2] items claimed,
-state[3] programs done. Every counter is zero when a call starts (the last program to finish
-zeroes them), so calls of one configuration may run with different grids (modes, capacities).
-Nothing depends on host values, so CUDA-graph replay is right.
+halves picked by a device-side call counter (state[CALLS]) that the last program to finish
+advances; a GPU that starts call n + 1 has received a flag of every peer's call n, so every peer
+finished call n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so
+they need no reset. dispatch: state[DISPATCH_STARTED] hands out places in the start order,
+state[DISPATCH_FINISHED] counts programs done, state[DISPATCH_PACKED] senders done packing (GIN).
+combine: state[COMBINE_COMPLETED] items completed, state[COMBINE_CLAIMED] items claimed,
+state[COMBINE_FINISHED] programs done. Every counter is zero when a call starts (the last program
+to finish zeroes them), so calls of one configuration may run with different grids (modes,
+capacities). Nothing depends on host values, so CUDA-graph replay is right.
 """
 
 import triton
@@ -74,6 +75,16 @@ import triton.language as tl
 import jaxgin.triton.language as tgl
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
                                 wait_gin_source)
+
+# dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED].
+DISPATCH_STARTED = tl.constexpr(1)
+DISPATCH_FINISHED = tl.constexpr(2)
+DISPATCH_PACKED = tl.constexpr(3)
+# combine's: [CALLS, COMPLETED, CLAIMED, FINISHED] (COMPLETED, CLAIMED adjacent: finish_call zeroes both).
+COMBINE_COMPLETED = tl.constexpr(1)
+COMBINE_CLAIMED = tl.constexpr(2)
+COMBINE_FINISHED = tl.constexpr(3)
+STATE_WORDS = 4  # what exchange._buffers allocates for each
 
 
 @triton.jit
@@ -273,7 +284,7 @@ def dispatch_kernel(
     me, epoch, half = call_position(route, state)
     # Roles by the order programs started (senders first), so that a placer's waits point only
     # at programs that have started, here and on the peers (jaxgin.op_kernels.start_order).
-    pid = start_order(state + 1)
+    pid = start_order(state + DISPATCH_STARTED)
     my_rank = rank_of(route, me)
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
@@ -323,7 +334,7 @@ def dispatch_kernel(
         if GIN:
             # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there
             # (the first placer to need them waits for them: _place_block).
-            if _last_to_arrive(state + 3, NS):
+            if _last_to_arrive(state + DISPATCH_PACKED, NS):
                 for d in tl.static_range(P):
                     if gin_route(ctx, route, d, me, GIN) != 0:
                         peer = rank_of(route, d)
@@ -363,7 +374,7 @@ def dispatch_kernel(
         tl.store(out_expert_counts + es, kept, mask=es < EL)
         tl.store(out_rows + ps, rows_from, mask=ps < P)
         tl.store(out_dropped, tl.sum(total) - tl.sum(kept))
-    finish_call(state, state + 2, epoch, nprog, state + 1, 1)
+    finish_call(state, state + DISPATCH_FINISHED, epoch, nprog, state + DISPATCH_STARTED, 1)
 
 
 @triton.jit
@@ -394,7 +405,7 @@ def combine_kernel(
     #    claim fails) and completes ITEMS items.
     ITEMS: tl.constexpr = P * TB
     mine = pid * 0
-    item = tl.atomic_add(state + 2, 1, sem="relaxed", scope="gpu").to(tl.int32)
+    item = tl.atomic_add(state + COMBINE_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
     while item < ITEMS:
         s = item % P  # sources alternate, so NVLink stores and local ones interleave on every SM
         r = (item // P) * BT + tl.arange(0, BT)
@@ -422,13 +433,13 @@ def combine_kernel(
             tl.store(home + row[:, None] * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=r_ok[:, None] & h_ok[None, :])
         mine += 1
-        item = tl.atomic_add(state + 2, 1, sem="relaxed", scope="gpu").to(tl.int32)
+        item = tl.atomic_add(state + COMBINE_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
     # 2. The program that completes the last item raises this GPU's flag on every NVLink GPU and
     #    puts the rows of every GIN GPU (1 arrival there), then raises the flags of the GIN GPUs
     #    whose rows arrived here.
     tl.debug_barrier()  # the whole program's stores precede the release below
-    before = tl.atomic_add(state + 1, mine.to(tl.int64), sem="acq_rel", scope="sys")
+    before = tl.atomic_add(state + COMBINE_COMPLETED, mine.to(tl.int64), sem="acq_rel", scope="sys")
     if (mine > 0) & (before + mine == ITEMS):
         for d in tl.static_range(P):
             peer = rank_of(route, d)
@@ -466,4 +477,4 @@ def combine_kernel(
                 acc += v.to(tl.float32)
             tl.store(out + t[:, None].to(tl.int64) * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=t_ok[:, None] & h_ok[None, :])
-    finish_call(state, state + 3, epoch, nprog, state + 1, 2)
+    finish_call(state, state + COMBINE_FINISHED, epoch, nprog, state + COMBINE_COMPLETED, 2)

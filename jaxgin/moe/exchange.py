@@ -214,6 +214,8 @@ def _buffers(state, plan: Plan):
     at zero on every GPU, as the kernels need. When the job has GIN peers, also the send areas GIN
     puts read from (a NIC reads only the heap), a data flag and a waiter's claim word per source,
     and 3 signals per source: counts, data, combine."""
+    from jaxgin.moe import _kernels  # needs Triton: only the kernels' lowering gets here
+
     gin = op_support.gin_in_job(state)
     key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype, gin)
 
@@ -225,9 +227,9 @@ def _buffers(state, plan: Plan):
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
             stage_starts=sym((2, p, t + 1), np.int32),
             dispatch_flags=sym((p,), np.int64), block_flags=sym((p, t), np.int64),
-            dispatch_state=sym((4,), np.int64),
+            dispatch_state=sym((_kernels.STATE_WORDS,), np.int64),
             back=sym((2, p, t, h), plan.dtype),
-            combine_flags=sym((p,), np.int64), combine_state=sym((4,), np.int64),
+            combine_flags=sym((p,), np.int64), combine_state=sym((_kernels.STATE_WORDS,), np.int64),
         )
         if gin:
             buffers.update(

@@ -135,7 +135,8 @@ def _reference_dispatch(x, ids, weights, plan):
 
 def _kernel_calls() -> dict:
     """How many dispatch and combine kernels have run on each of this process's GPUs: the call
-    counter each kernel's last program advances (state[0] of every MoE configuration's buffers)."""
+    counter each kernel's last program advances (the first word, jaxgin.op_kernels.CALLS, of every MoE
+    configuration's state buffers)."""
     state = jaxgin.runtime.current()
     totals = {"dispatch": [0] * len(state.local_devices), "combine": [0] * len(state.local_devices)}
     for key, buffers in state.placements.items():
