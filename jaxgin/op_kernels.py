@@ -29,7 +29,7 @@ Import only from kernel modules: it needs Triton, an optional dependency.
 import triton
 import triton.language as tl
 
-import jaxgin.triton.language as tgl
+import jaxgin.triton_device.language as tgl
 
 # An axis route (jaxgin.axis_route): route[AXIS_INDEX] is this GPU's index along the axis,
 # route[RANKS + d] the global rank of axis index d.

@@ -134,7 +134,7 @@ def triton_call(
             f"jaxgin.triton_call runs Triton kernels on CUDA GPUs; jaxgin runs in {state.options.backend} mode "
             "here (no GPU). Use a jax.lax / jaxgin reference for CPU runs"
         )
-    from jaxgin.triton import link  # imports jaxgin.build, which `import jaxgin` leaves out (jaxgin.runtime says why)
+    from jaxgin.triton_device import link  # imports jaxgin.build, which `import jaxgin` leaves out (jaxgin.runtime)
 
     link.install()
     names = list(getattr(kernel, "arg_names", []))

@@ -156,7 +156,7 @@ def toolchain(nvcc, packaged_nccl, require):
     library), nvJitLink (linking it in). Returns the packaged NCCL install."""
     pytest.importorskip("triton")
     from jaxgin.errors import ToolchainError
-    from jaxgin.triton import link
+    from jaxgin.triton_device import link
 
     try:
         link.nvjitlink()

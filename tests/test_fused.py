@@ -387,7 +387,7 @@ def test_axis_route_over_a_vmap_axis(init):
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
-    from jaxgin.triton import link
+    from jaxgin.triton_device import link
 
     pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
@@ -418,7 +418,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
-    from jaxgin.triton import link
+    from jaxgin.triton_device import link
 
     pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}

@@ -111,7 +111,7 @@ def test_the_checks_see_imports():
     top, local = _imports("jaxgin.runtime")
     assert "jaxgin.heap" in top and "jaxgin.errors" in top
     assert any("_jaxgin_ext" in text for _, text, _ in local)
-    assert "jaxgin.triton.language" in _imports("tritongin.language")[0]
+    assert "jaxgin.triton_device.language" in _imports("tritongin.language")[0]
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:

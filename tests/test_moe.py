@@ -280,7 +280,7 @@ def test_layer_reports_what_overflows_the_capacity(init):
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.moe import _kernels  # Triton is optional: imported where the test runs
-    from jaxgin.triton import link
+    from jaxgin.triton_device import link
 
     pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
                     send_counts="*i32", route="*i32", stage_x="*bf16", stage_meta="*i32", stage_w="*fp32",

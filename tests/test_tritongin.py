@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 import tritongin  # noqa: E402
 import tritongin.language as tgl  # noqa: E402
 from jaxgin import build  # noqa: E402
-from jaxgin.triton import link  # noqa: E402
+from jaxgin.triton_device import link  # noqa: E402
 
 from conftest import compile_for_sm90  # noqa: E402
 
@@ -76,10 +76,10 @@ def _c_declarations() -> dict[str, tuple[str, list[str]]]:
 
 
 def test_triton_stubs_match_the_c_declarations():
-    """The one table of Triton entry points (jaxgin.triton._externs.FUNCTIONS) agrees with the C
-    header on every symbol's parameter count and kinds and its return type, and language.py wraps
-    every stub."""
-    from jaxgin.triton import _externs
+    """The one table of Triton entry points (jaxgin.triton_device._externs.FUNCTIONS) agrees with
+    the C header on every symbol's parameter count and kinds and its return type, and language.py
+    wraps every stub."""
+    from jaxgin.triton_device import _externs
 
     declared = _c_declarations()
     assert {"jaxgin_tt_put_signal", "jaxgin_rank", "jaxgin_read_signal"} <= declared.keys()  # the parse works

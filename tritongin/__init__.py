@@ -5,10 +5,10 @@
                                          # wait_arrivals, read_signal, flush, barrier, peer_ptr
 
 Kernels are plain ``@triton.jit`` kernels that take the jaxgin context as an argument. Importing
-``tritongin.language`` adds the link step to Triton (see ``jaxgin.triton.link``): kernels that call
-these functions are linked with the device library built for the NCCL in use; other kernels are
-compiled exactly as before. Launch them standalone with ``tritongin.context()`` and heap buffers
-from ``tritongin.empty``, or inside jax.jit with ``jaxgin.triton_call``.
+``tritongin.language`` adds the link step to Triton (see ``jaxgin.triton_device.link``): kernels
+that call these functions are linked with the device library built for the NCCL in use; other
+kernels are compiled exactly as before. Launch them standalone with ``tritongin.context()`` and
+heap buffers from ``tritongin.empty``, or inside jax.jit with ``jaxgin.triton_call``.
 """
 
 from __future__ import annotations

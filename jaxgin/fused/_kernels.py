@@ -50,7 +50,7 @@ host values, so CUDA-graph replay is right.
 import triton
 import triton.language as tl
 
-import jaxgin.triton.language as tgl
+import jaxgin.triton_device.language as tgl
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
                                 wait_gin_source)
 

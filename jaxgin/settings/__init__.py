@@ -57,7 +57,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("JAXGIN_MAX_QUEUED_CALLS", "int", "8", "both",
             "How many jaxgin calls XLA's thread may queue ahead of the GPU per stream under NCCL's proxy GIN, "
             "0 to 65536 (0: no limit)."),
-    # Building the native code (jaxgin/build.py, jaxgin/nccl.py, jaxgin/triton/link.py).
+    # Building the native code (jaxgin/build.py, jaxgin/nccl.py, jaxgin/triton_device/link.py).
     Setting("JAXGIN_CACHE_DIR", "path", None, "python",
             "Where built libraries are cached; unset: `$XDG_CACHE_HOME/jaxgin`, else `~/.cache/jaxgin`."),
     Setting("JAXGIN_NVCC", "path", None, "python",

@@ -44,8 +44,8 @@ except ModuleNotFoundError as e:
         f"tritongin.language needs Triton, which is not installed: {install_command('cuda')} (or pip install "
         "'triton>=3.6')", name="triton") from None
 
-from jaxgin.triton import _externs
-from jaxgin.triton import link as _link
+from jaxgin.triton_device import _externs
+from jaxgin.triton_device import link as _link
 
 
 class _LibraryFunction(JITFunction):
