@@ -49,7 +49,7 @@ def main() -> None:
 
     import jaxgin
     from jaxgin.fused import _kernels
-    from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
+    from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 
     jaxgin.initialize()
     device = jax.devices()[0]

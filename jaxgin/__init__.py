@@ -14,7 +14,7 @@ from jaxgin.runtime import device_faults, finalize, info, initialize, is_initial
 from jaxgin.diagnostics import SelftestReport, selftest
 from jaxgin.collectives import all_to_all, ppermute
 from jaxgin.mailbox import Mailbox, Token, put_signal, wait_signal, wait_signal_from
-from jaxgin.triton_call import triton_call
+from jaxgin.triton_op import triton_call
 from jaxgin.route import axis_route
 from jaxgin import fused, moe
 

@@ -171,7 +171,7 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, nu
     jaxgin.triton_call's own compile step as it compiles jaxgin's kernels (pointers marked 16-byte
     aligned, FMA fusion asked for). `signature` names the runtime parameters; `constexprs` binds
     the rest."""
-    from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, _compile
+    from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, _compile
 
     constexprs = constexprs or {}
     signature = dict(signature) | {name: "constexpr" for name in constexprs if name not in signature}

@@ -309,14 +309,14 @@ def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
     """A kernel that makes tensor descriptors on the device needs Triton's global scratch, a slice
     per program: triton_call hands it over as one more XLA result, the size of the whole grid's
     slices, passes its address where Triton expects it and returns only the kernel's outputs."""
-    import importlib
     import types
 
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    tc = importlib.import_module("jaxgin.triton_call")
+    from jaxgin import triton_op as tc
+
     device = types.SimpleNamespace(compute_capability="9.0")
     state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=3)
     monkeypatch.setattr(tc.runtime, "current", lambda: state)

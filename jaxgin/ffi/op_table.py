@@ -152,7 +152,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "triton_call",  # loads its kernel once per executable (instantiate), then launches it
-        python=("jaxgin/triton_call.py",),
+        python=("jaxgin/triton_op.py",),
         sources=("ffi/triton_call.cu",),
         targets=(Target("jaxgin_triton_call",
                         {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},

@@ -16,7 +16,7 @@ import numpy as np
 from jax._src import distributed
 
 from jaxgin import op_support, settings
-from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
+from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 
 DTYPES = ("bfloat16", "float16", "float32")
 

@@ -13,7 +13,7 @@ import numpy as np
 from jaxgin import op_support
 from jaxgin.collectives import all_to_all
 from jaxgin.route import axis_route
-from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
+from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 

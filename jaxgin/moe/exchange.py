@@ -20,7 +20,7 @@ from jaxgin import op_support, settings
 from jaxgin.collectives import all_to_all
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.route import axis_route
-from jaxgin.triton_call import OWN_KERNELS_FP_FUSION, triton_call
+from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.moe import _routing
 from jaxgin.moe._routing import Plan, SourceRoute
 
