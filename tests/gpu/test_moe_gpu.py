@@ -23,9 +23,12 @@ def _assert_cases(result, ragged_baseline=True, spot=False):
     """Every case of the scenario (its spot cases with `spot`: moe_scenarios.planned_cases)."""
     assert [c["case"] for c in result["cases"]] == [c[0] for c in planned_cases(result["devices"], spot)], result
     assert result["ragged_baseline"] is ragged_baseline, result
-    assert result["rows_only"] == {"dispatch": [1.0], "combine": [0.0]}, result  # one kernel per call
-    turns = result["grids_in_turn"]  # one configuration, other modes and capacities in turn
-    assert turns["calls"] == 9 and turns["mismatches"] == 0.0 and turns["combine_max_diff"] <= 0.125, turns
+    if not spot:  # run where every case runs (moe_scenarios.check)
+        assert result["rows_only"] == {"dispatch": [1.0], "combine": [0.0]}, result  # one kernel per call
+        turns = result["grids_in_turn"]  # one configuration, other modes and capacities in turn
+        assert turns["calls"] == 9 and turns["mismatches"] == 0.0 and turns["combine_max_diff"] <= 0.125, turns
+    else:
+        assert "rows_only" not in result and "grids_in_turn" not in result, result
     for case in result["cases"]:
         f32 = case["dtype"] == "float32"
         assert all(case["dispatch_exact"]), case
