@@ -92,6 +92,19 @@ void validate(const jaxgin_runtime_config& c) {
 }
 
 // Why this communicator cannot have the GIN it needs, and what to do about it.
+// $JAXGIN_GIN_CONTEXTS: the GIN contexts asked of NCCL (default 4), each a queue of its own to every
+// peer; NCCL may grant another number, and the device code works with whatever it granted. Tests
+// run other numbers so that no code relies on the default one.
+int gin_context_count() {
+  const char* v = std::getenv("JAXGIN_GIN_CONTEXTS");
+  if (v == nullptr || *v == '\0') return 4;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1 || n > 64)
+    throw Error(std::string("$JAXGIN_GIN_CONTEXTS must be an integer from 1 to 64, got '") + v + "'");
+  return static_cast<int>(n);
+}
+
 Error gin_unavailable(const jaxgin_runtime_config& cfg, int lsa_ranks, int dev, const std::string& detail) {
   std::string why = cfg.force_gin ? std::string("force_gin was requested")
                                   : "the ranks span several hosts (LSA team of " + std::to_string(lsa_ranks) +
@@ -151,7 +164,7 @@ void setup_device(const jaxgin_runtime_config& cfg, DeviceState& s) {
 #endif
   if (want_gin) {
     reqs.ginSignalCount = (int)signals;
-    reqs.ginContextCount = 4;
+    reqs.ginContextCount = gin_context_count();
   }
   ncclResult_t created = ncclDevCommCreate(s.comm, &reqs, &s.dev_comm);
   if (created != ncclSuccess && want_gin)

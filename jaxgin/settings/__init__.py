@@ -54,6 +54,9 @@ SETTINGS: tuple[Setting, ...] = (
             "0: do not record NCCL's allocations through CUPTI (a fault's cleanup then returns only the heaps)."),
     Setting("JAXGIN_FAULT_GRACE", "float", "30", "python",
             "Seconds after a device fault before a process still waiting for device results is ended."),
+    Setting("JAXGIN_GIN_CONTEXTS", "int", "4", "native",
+            "GIN contexts (queues to every peer) asked of NCCL, 1 to 64; NCCL may grant another number "
+            "(`jaxgin.info()['gin_contexts']` says which)."),
     Setting("JAXGIN_MAX_QUEUED_CALLS", "int", "8", "both",
             "How many jaxgin calls XLA's thread may queue ahead of the GPU per stream under NCCL's proxy GIN, "
             "0 to 65536 (0: no limit)."),

@@ -176,10 +176,12 @@ def emulated_env(rank: int, ranks_per_host: int = 1) -> dict:
 def unkind_transport_env() -> dict:
     """The host transport of every emulated job as unkind as NCCL's GIN rules allow (every behaviour,
     jaxgin.transport.UNKIND_BEHAVIOURS), seeded per test so that a round covers several seeds (1 to
-    3); JAXGIN_TRANSPORT_UNKIND and JAXGIN_TRANSPORT_SEED set for pytest win (`none`: the kind one)."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0]
+    3) and numbers of GIN contexts (4, the default, 1, 3 or 8); JAXGIN_TRANSPORT_UNKIND,
+    JAXGIN_TRANSPORT_SEED and JAXGIN_GIN_CONTEXTS set for pytest win (`none`: the kind transport)."""
+    pick = zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "job").split(" ")[0].encode())
     return {"JAXGIN_TRANSPORT_UNKIND": os.environ.get("JAXGIN_TRANSPORT_UNKIND", "all"),
-            "JAXGIN_TRANSPORT_SEED": os.environ.get("JAXGIN_TRANSPORT_SEED", str(1 + zlib.crc32(test.encode()) % 3))}
+            "JAXGIN_TRANSPORT_SEED": os.environ.get("JAXGIN_TRANSPORT_SEED", str(1 + pick % 3)),
+            "JAXGIN_GIN_CONTEXTS": os.environ.get("JAXGIN_GIN_CONTEXTS", str((4, 1, 3, 8)[pick // 3 % 4]))}
 
 
 def scenario_env(gpus: int, xla_flags: str | None = None) -> dict:

@@ -101,16 +101,23 @@ def report(result: dict) -> None:
 
 
 def _host_transport() -> dict:
-    """An emulated host's transport: its unkind behaviours, seed, and what it did (its counters)."""
-    from jaxgin import transport
+    """An emulated host's transport: its unkind behaviours, seed, GIN contexts, and what it did (its
+    counters)."""
+    from jaxgin import runtime, transport
     from jaxgin.errors import JaxginError
 
     try:
         counters = transport.counters()
     except (JaxginError, OSError) as e:
         counters = {"unreadable": str(e)}
+    try:  # what NCCL granted (JAXGIN_GIN_CONTEXTS asks); unknown once the scenario finalized
+        contexts = [d["gin_contexts"] for d in runtime.info()["local_devices"]] if runtime.is_initialized() else None
+    except (JaxginError, KeyError):
+        contexts = None
     return {"unkind": os.environ.get("JAXGIN_TRANSPORT_UNKIND", "none"),
-            "seed": os.environ.get("JAXGIN_TRANSPORT_SEED", "1"), "counters": counters}
+            "seed": os.environ.get("JAXGIN_TRANSPORT_SEED", "1"),
+            "gin_contexts_asked": os.environ.get("JAXGIN_GIN_CONTEXTS", "4"), "gin_contexts": contexts,
+            "counters": counters}
 
 
 def meet(name: str, rank: int, ranks, timeout_s: float = 120.0) -> list[int]:
