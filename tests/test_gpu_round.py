@@ -362,7 +362,34 @@ def test_a_round_started_after_another_keeps_the_summary_it_goes_on_from(tmp_pat
     monkeypatch.setattr(gpu_round, "copy_tree", lambda r: (shutil.rmtree(r), r.mkdir()))  # no repository copy
     monkeypatch.setattr(gpu_round, "git_commit", lambda: "abc")
     monkeypatch.setenv("ROUND_COMMIT", "abc")
+    monkeypatch.setenv("ROUND_TREE", "def")
     monkeypatch.setattr(gpu_round.subprocess, "Popen", lambda *a, **k: None)
     gpu_round.in_background(root, ["run", *kept_argv], "round.log", keep=kept)
     assert not summary.exists()  # the folder was made afresh ...
     assert json.loads((root / "earlier/0-gpu-round.json").read_text())["tests"][0]["outcome"] == "passed"  # ... and kept it
+
+
+def test_the_summary_names_the_tree_that_ran_even_with_a_stale_git(tmp_path):
+    """A device's copy may carry a .git from an older sync, whose HEAD is not what runs (the round of
+    2026-11-27 said 0cf6e17 for 2ee5fbf): the tree hash of the files themselves is."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (repo / ".gitignore").write_text("build/\n")
+    (repo / "a.py").write_text("one\n")
+    git("add", "-A")
+    git("commit", "-qm", "old")
+    (repo / "a.py").write_text("two\n")
+    (repo / "b.py").write_text("new\n")
+    git("add", "-A")
+    git("commit", "-qm", "new")
+    new_tree = git("rev-parse", "HEAD^{tree}")
+    git("reset", "-q", "--soft", "HEAD~1")  # the .git says "old"; the files are "new"
+    (repo / "build").mkdir()
+    (repo / "build" / "x.o").write_text("ignored\n")
+    assert gpu_round.git_tree(repo) == new_tree
+    (tmp_path / "no_git").mkdir()
+    assert gpu_round.git_tree(tmp_path / "no_git") == "unknown"

@@ -21,12 +21,12 @@ memory or time kernels run first, each with its GPUs to itself; then the rest, l
 the caps allow: --processes in all (each emulated rank and each process-per-GPU scenario is one;
 their proxy threads busy-poll CPU cores) and --ranks-per-gpu on one GPU (GPU memory, and time
 slices: ranks that share a GPU take turns). The summary, gpu-round.json, is rewritten as each
-test ends: {"machine", "commit", "nccl", "tier", "wall_seconds", "tests": [{"name", "outcome",
+test ends: {"machine", "commit", "tree", "nccl", "tier", "wall_seconds", "tests": [{"name", "outcome",
 "seconds", "gpus", "message"}], "not_run": [...]}.
 
 bench, examples and cluster install and build jaxgin as a round does, then run their steps one
 after another, each bounded, its output in --out (default $OUT) as NAME.log, and write
-bench.json (examples.json, cluster.json): {"machine", "commit", "nccl", "steps": [{"name",
+bench.json (examples.json, cluster.json): {"machine", "commit", "tree", "nccl", "steps": [{"name",
 "command", "exit", "seconds", "log"}], "left_out"}; --dry-run prints the steps only. A session
 runs phases one after another in the background, like start: each phase a command of this tool
 (run, bench, examples, cluster; its files in DIR/phase-N), `await nccl VERSION [SECONDS]` or
@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
@@ -184,7 +185,7 @@ class Round:
         self.results.mkdir(parents=True, exist_ok=True)
         self.start = time.monotonic()
         self.summary: dict = {"machine": machine(), "commit": os.environ.get("ROUND_COMMIT") or git_commit(),
-                              "nccl": nccl_version(), "tier": args.tier, "wall_seconds": 0.0, "tests": [],
+                              "tree": os.environ.get("ROUND_TREE") or git_tree(), "nccl": nccl_version(), "tier": args.tier, "wall_seconds": 0.0, "tests": [],
                               "not_run": []}
 
     def say(self, line: str) -> None:
@@ -296,6 +297,18 @@ def visible_gpus() -> int:
 def git_commit() -> str:
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
+
+
+def git_tree(repo: Path = REPO) -> str:
+    """The tree that runs, as git names it: `git write-tree` of every file git does not ignore,
+    through an index of its own. It equals `git rev-parse COMMIT^{tree}` of a clean checkout of
+    COMMIT, which the commit cannot say when the .git that came along is stale (find the commit
+    with `git log --all --format='%H %T' | grep TREE`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(folder) / "index")}
+        added = subprocess.run(["git", "add", "-A"], cwd=repo, env=env, capture_output=True, text=True)
+        tree = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True)
+    return tree.stdout.strip() if added.returncode == 0 and tree.returncode == 0 else "unknown"
 
 
 def nccl_version() -> str:
@@ -445,7 +458,9 @@ def in_background(root: Path, arguments: list[str], log_name: str, keep: dict[st
     for name, contents in (keep or {}).items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(contents)
-    os.environ.setdefault("ROUND_COMMIT", git_commit())  # the copy leaves .git behind
+    for name, read in (("ROUND_COMMIT", git_commit), ("ROUND_TREE", git_tree)):  # the copy leaves .git behind
+        if name not in os.environ:
+            os.environ[name] = read()
     with open(root / log_name, "w") as log:
         subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -588,7 +603,8 @@ def run_steps(kind: str, steps: list[Step], left_out: list[str], args) -> int:
     os.environ["JAXGIN_RESULTS_DIR"] = str(out)
     if not args.no_install:
         prepare(out)
-    summary = {"machine": machine(), "commit": os.environ.get("ROUND_COMMIT") or git_commit(), "nccl": nccl_version(),
+    summary = {"machine": machine(), "commit": os.environ.get("ROUND_COMMIT") or git_commit(),
+               "tree": os.environ.get("ROUND_TREE") or git_tree(), "nccl": nccl_version(),
                "steps": [], "left_out": left_out}
     for step in steps:
         summary["steps"].append(run_step(step, out))
