@@ -4,7 +4,8 @@ many iterations (ITERATIONS); the same kind of kernel through jaxgin.triton_call
 equal to jax.lax.ppermute, with and without XLA command buffers; one-way put_signal latency and
 peer_ptr bandwidth (recorded, asserted against the issue's targets). In emulated-hosts jobs the
 exchanges and triton_call run with every peer through GIN, and back-to-back launches that import
-Triton before jaxgin.initialize() must all come up."""
+Triton before jaxgin.initialize() must all come up. Freeing a heap buffer while peers' puts into
+it are still to come leaves it zero once they land, over NVLink and over GIN."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
