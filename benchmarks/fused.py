@@ -18,7 +18,9 @@ and for all_gather_matmul (M = rows after the gather, each device holding M / de
   triton_all_gather     the same op, method="triton"
   pallas_all_gather_matmul  JAX's Pallas Mosaic GPU collective matmul (all_gather_lhs_matmul), its
                         fastest right configuration of PALLAS_CONFIGS, or why it could not run;
-                        also at its documented shape (1024 rows per shard, K = N = 4096)
+                        also at its documented shape (1024 rows per shard, K = N = 4096); in a job
+                        of one process per GPU of its own (--pallas-only is such a process), the
+                        layout it runs in
 and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial product; result M / devices rows):
   xla_matmul_reduce_scatter jax.lax.psum_scatter(x @ w, tiled) in one jit
   triton_reduce_scatter     jaxgin.fused.matmul_reduce_scatter (its one method)
@@ -104,10 +106,13 @@ WRONG_RESULT = 0.05
 PALLAS_CONFIGS = ((128, 128, "M"), (128, 128, "N"), (256, 128, "N"), (128, 64, "M"))
 
 
-def pallas_all_gather_matmul(mesh, xs, w, expected, repeats: int) -> dict:
+def pallas_all_gather_matmul(mesh, xs, w, expected, repeats: int, rel=None) -> dict:
     """jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul on the same
     operands as all_gather_matmul (x's rows sharded, w whole on every GPU): its fastest right
-    configuration's time, or why it could not run (the import, the process layout, the dtype)."""
+    configuration's time, or why it could not run (the import, the process layout, the dtype).
+    `expected`: XLA's result, or a function that makes it; `rel`: how far a result is from it
+    (default _rel, which reads whole arrays: one process)."""
+    rel_to = rel or _rel
     try:
         from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as pallas_cm
     except Exception as e:  # noqa: BLE001 - an optional baseline: say why it is missing
@@ -122,18 +127,30 @@ def pallas_all_gather_matmul(mesh, xs, w, expected, repeats: int) -> dict:
             def op(x, w, config=config):
                 return pallas_cm.all_gather_lhs_matmul(x, w, "x", config=config, dtype=x.dtype)
 
-            rel = _rel(_once(mesh, op, check_vma=False)(xs, w), expected)
+            result = _once(mesh, op, check_vma=False)(xs, w)
+            expected = expected() if callable(expected) else expected
+            rel = rel_to(result, expected)
             if rel > WRONG_RESULT:
                 errors.append(f"{name}: result {rel:.3g} of the largest value away from XLA's")
                 continue
             us = best_seconds(_chain(mesh, op, check_vma=False), xs, w, repeats=repeats) / STEPS * 1e6
         except Exception as e:  # noqa: BLE001 - a configuration the kernel refuses (shared memory, layout)
-            errors.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            errors.append(f"{name}: {_why(e)}")
             continue
         if best is None or us < best["pallas_all_gather_matmul_us"]:
             best = {"pallas_all_gather_matmul_us": us, "pallas_all_gather_matmul_rel_err": rel,
                     "pallas_all_gather_matmul_config": name}
     return best or {"pallas_all_gather_matmul_error": "; ".join(errors)}
+
+
+def _why(e: Exception) -> str:
+    """An exception in a line: its type and message, or where it was raised when it has none."""
+    import traceback
+
+    if str(e):
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{type(e).__name__} at {Path(frame.filename).name}:{frame.lineno} ({frame.line})"
 
 
 def _rel(a, b) -> float:
@@ -175,7 +192,6 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         row["triton_all_gather_rel_err"] = _rel(_once(mesh, gather_ops["triton_all_gather"])(xs, w), expected)
         for name, op in gather_ops.items():
             row[f"{name}_us"] = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
-        row.update(pallas_all_gather_matmul(mesh, xs, w, expected, repeats))
         row["all_gather_shard"] = list(shard)
     if "reduce_scatter" in kinds and m % devices == 0:
         xr = jax.device_put(jax.random.normal(keys[0], (m, devices * k), dtype), NamedSharding(mesh, P(None, "x")))
@@ -200,9 +216,6 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         row["speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["fused_all_to_all_us"]
         row["fused_over_matmul"] = row["fused_all_to_all_us"] / row["xla_matmul_us"]
         row["triton_speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["triton_all_to_all_us"]
-    if "pallas_all_gather_matmul_us" in row:
-        row["all_gather_vs_pallas"] = row["pallas_all_gather_matmul_us"] / min(row["fused_all_gather_us"],
-                                                                               row["triton_all_gather_us"])
     if "fused_all_gather_us" in row:
         row["all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["fused_all_gather_us"]
         row["triton_all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["triton_all_gather_us"]
@@ -248,6 +261,76 @@ def gspmd(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
                   "away from float32's: no ratio against it", file=sys.stderr, flush=True)
     print(json.dumps(row), flush=True)
     return row
+
+
+def all_gather_shapes(devices: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every all_gather_matmul row: the issue's shapes and the Pallas docs' one."""
+    return ISSUE_SHAPES + [(PALLAS_DOCS_ROWS_PER_SHARD * devices, PALLAS_DOCS_K, PALLAS_DOCS_N)]
+
+
+def pallas_job(args) -> None:
+    """--pallas-only: this process's part of a job of one process per GPU (the layout JAX's Mosaic
+    GPU collective matmul runs in): pallas_all_gather_matmul at all_gather_shapes, checked against
+    XLA's all_gather then matmul; process 0 writes fused_pallas.json."""
+    from jax.experimental import multihost_utils
+
+    process, count, coordinator = args.pallas_only.split(",", 2)
+    jax.distributed.initialize(coordinator, int(count), int(process))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    dtype = jnp.dtype(args.dtype)
+
+    def rel(a, b) -> float:  # _rel over every process's shards
+        ours = [np.abs(np.asarray(x.data, np.float64) - np.asarray(y.data, np.float64)).max()
+                for x, y in zip(a.addressable_shards, b.addressable_shards)]
+        scale = [np.abs(np.asarray(y.data, np.float64)).max() for y in b.addressable_shards]
+        both = multihost_utils.process_allgather(np.array([max(ours), max(scale)]))
+        return float(np.max(both[..., 0]) / max(np.max(both[..., 1]), 1e-30))
+
+    rows = []
+    for m, k, n in all_gather_shapes(mesh.size):
+        rng = np.random.default_rng(m + k + n)  # the same operands in every process
+        host_x, host_w = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+        xs = jax.make_array_from_callback((m, k), NamedSharding(mesh, P("x")), lambda i: host_x[i])
+        w = jax.make_array_from_callback((k, n), NamedSharding(mesh, P()), lambda i: host_w[i])
+        expected = lambda xs=xs, w=w: _once(mesh, lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w)(xs, w)  # noqa: E731
+        row = {"m": m, "k": k, "n": n, **pallas_all_gather_matmul(mesh, xs, w, expected, args.repeats, rel)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if jax.process_index() == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fused_pallas.json").write_text(json.dumps({"processes": mesh.size, "shapes": rows}, indent=1))
+
+
+def pallas_in_own_processes(args, gpus: int, timeout: float = 900) -> dict[tuple[int, int, int], dict]:
+    """pallas_job in `gpus` processes, one GPU each, before this process holds the GPUs: its row
+    keys per (M, K, N) of all_gather_shapes, or for every shape why the job could not run."""
+    import socket
+    import subprocess
+
+    out = args.out / "pallas"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [g for g in named.split(",") if g.strip()] if named else [str(g) for g in range(gpus)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--pallas-only", f"{i},{gpus},127.0.0.1:{port}",
+                               "--out", str(out), "--dtype", args.dtype, "--repeats", str(args.repeats)],
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": visible[i]}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(gpus)]
+    try:
+        ended = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        ended = [p.communicate() for p in procs]
+    summary = out / "fused_pallas.json"
+    if all(p.returncode == 0 for p in procs) and summary.is_file():
+        return {(r["m"], r["k"], r["n"]): {k: v for k, v in r.items() if k not in ("m", "k", "n")}
+                for r in json.loads(summary.read_text())["shapes"]}
+    failed = next(i for i, p in enumerate(procs) if p.returncode != 0) if any(p.returncode for p in procs) else 0
+    why = (f"the job of one process per GPU failed (exit codes {[p.returncode for p in procs]}); process "
+           f"{failed}: {ended[failed][1].strip()[-600:]}")
+    return {shape: {"pallas_all_gather_matmul_error": why} for shape in all_gather_shapes(gpus)}
 
 
 def gspmd_in_own_processes(args) -> list[dict]:
@@ -423,14 +506,24 @@ def main() -> None:
                         help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
                              "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")
     parser.add_argument("--no-windowed", action="store_true", help="without XLA's windowed einsum baseline")
+    parser.add_argument("--no-pallas", action="store_true", help="without JAX's Pallas collective matmul baseline")
+    parser.add_argument("--pallas-only", metavar="PROCESS,COUNT,HOST:PORT",
+                        help="only the Pallas baseline, as process PROCESS of a job of COUNT, one GPU each "
+                             "(fused_pallas.json; the full run starts this job itself)")
     args = parser.parse_args()
+    if args.pallas_only:
+        pallas_job(args)
+        return
     need, what = ((1, "it times cuBLAS and the fused ops' Triton tile code on them") if args.chunking_only else
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
-    windowed = []
-    if not (args.no_windowed or args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only):
-        # XLA's windowed einsum first, in a process of its own, before this one holds the GPUs
-        cli.require_gpus(__file__, need, what, through_jax=False)
-        windowed = gspmd_in_own_processes(args)
+    windowed, pallas = [], {}
+    full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only)
+    if full and not (args.no_windowed and args.no_pallas):
+        # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
+        # this one holds the GPUs
+        gpus = cli.require_gpus(__file__, need, what, through_jax=False)
+        windowed = [] if args.no_windowed else gspmd_in_own_processes(args)
+        pallas = {} if args.no_pallas else pallas_in_own_processes(args, gpus)
     cli.require_gpus(__file__, need, what)
     cli.require(__file__, "triton", why="the fused ops' kernels and tile code", install='-e ".[cuda]"')
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
@@ -456,8 +549,12 @@ def main() -> None:
         return
     shapes = [measure(mesh, m, k, n, dtype, args.repeats, ("all_to_all", "all_gather", "reduce_scatter"))
               for m, k, n in ISSUE_SHAPES]
-    shapes.append(measure(mesh, PALLAS_DOCS_ROWS_PER_SHARD * mesh.size, PALLAS_DOCS_K, PALLAS_DOCS_N, dtype,
-                          args.repeats, ("all_gather",)))
+    shapes.append(measure(mesh, *all_gather_shapes(mesh.size)[-1], dtype, args.repeats, ("all_gather",)))
+    for row in shapes:  # JAX's Pallas kernel beside all_gather_matmul, from its own job
+        row.update(pallas.get((row["m"], row["k"], row["n"]), {}))
+        if "pallas_all_gather_matmul_us" in row and "fused_all_gather_us" in row:
+            row["all_gather_vs_pallas"] = row["pallas_all_gather_matmul_us"] / min(row["fused_all_gather_us"],
+                                                                                   row["triton_all_gather_us"])
     for row, xla_own in zip(shapes, windowed):  # the same shapes, XLA's windowed einsum beside
         row.update(xla_own)
         windowed_rs, windowed_ag = (fastest_right_windowed(row, op) for op in ("matmul_reduce_scatter", "all_gather_matmul"))

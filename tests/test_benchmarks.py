@@ -3,6 +3,7 @@ GPUs and how many, and exits with jaxgin.cli.EXIT_TOO_FEW_GPUS, before touching 
 devices for real work (no traceback)."""
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -134,3 +135,28 @@ def test_the_pallas_baseline_says_why_it_cannot_run_instead_of_failing_the_bench
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert "ROW ['pallas_all_gather_matmul_error']" in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+
+
+def test_the_pallas_baseline_runs_in_a_job_of_one_process_per_gpu(tmp_path, monkeypatch):
+    """JAX's Mosaic GPU collective matmul runs with one device per process: fused.py starts such a
+    job (--pallas-only) and takes each shape's row from it; here, on CPU, each row says why the
+    kernel could not run, and a job that fails says which process and why."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fused
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    args = types.SimpleNamespace(out=tmp_path, dtype="bfloat16", repeats=1)
+    rows = fused.pallas_in_own_processes(args, 2, timeout=240)
+    assert sorted(rows) == sorted(fused.all_gather_shapes(2)), rows
+    assert json.loads((tmp_path / "pallas" / "fused_pallas.json").read_text())["processes"] == 2
+    for row in rows.values():  # the job ran; the kernel itself cannot run on CPU
+        assert set(row) == {"pallas_all_gather_matmul_error"} and row["pallas_all_gather_matmul_error"], rows
+    args.dtype, args.out = "no_such_dtype", tmp_path / "failing"
+    rows = fused.pallas_in_own_processes(args, 2, timeout=240)
+    assert all("the job of one process per GPU failed (exit codes [1, 1]); process 0" in r["pallas_all_gather_matmul_error"]
+               and "no_such_dtype" in r["pallas_all_gather_matmul_error"] for r in rows.values()), rows
