@@ -449,6 +449,43 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             times[name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_all_to_all_us"] / t}
         row["tiles"][str(dataclasses.astuple(tiles))] = times
         print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **times}), flush=True)
+    row["reduce_scatter"] = reduce_scatter_variants(mesh, m, k, n, dtype, repeats)
+    return row
+
+
+# matmul_reduce_scatter's reducers: tiles of slack behind the partials they wait for (LAG; "all"
+# puts every reducer after every partial) and whether one waits for every source before loading.
+REDUCER_LAGS = (0, 2, 8, 32, "all")
+
+
+def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """matmul_reduce_scatter's kernel under each reducer placement and order, each checked against
+    the reference's reduction order, next to XLA's matmul then psum_scatter."""
+    import importlib
+
+    fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    state = jaxgin.runtime.current()
+    keys = jax.random.split(jax.random.key(3))
+    x = jax.device_put(jax.random.normal(keys[0], (m, mesh.size * k), dtype), NamedSharding(mesh, P(None, "x")))
+    w = jax.device_put(jax.random.normal(keys[1], (mesh.size * k, n), dtype), NamedSharding(mesh, P("x", None)))
+    plan = fused_rs._Plan(("x",), mesh.size, m, n, k, True, None, None)
+
+    def unfused(x, w):
+        return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
+
+    expected = _once(mesh, lambda x, w: fused_rs.reference(x, w, plan), K_SHARDED)(x, w)
+    row = {"xla_matmul_reduce_scatter_us": best_seconds(_chain(mesh, unfused, K_SHARDED), x, w,
+                                                        repeats=repeats) / STEPS * 1e6, "layouts": {}}
+    for lag in REDUCER_LAGS:
+        for wait_first in (False, True):
+            def op(x, w, lag=lag, wait_first=wait_first):
+                return fused_rs._kernel(state, x, w, plan, 1 << 30 if lag == "all" else lag, wait_first)
+
+            name = f"lag={lag}{', wait first' if wait_first else ''}"
+            rel = _rel(_once(mesh, op, K_SHARDED)(x, w), expected)
+            t = best_seconds(_chain(mesh, op, K_SHARDED), x, w, repeats=repeats) / STEPS * 1e6
+            row["layouts"][name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
+            print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]}), flush=True)
     return row
 
 
@@ -501,7 +538,8 @@ def main() -> None:
                         help="only the matmuls alone (cuBLAS, Triton) over 1/2/4/8 row chunks of the issue's shapes "
                              "(fused_chunking.json; one GPU is enough)")
     parser.add_argument("--variants-only", action="store_true",
-                        help="only matmul_all_to_all under each tile configuration and exchange layout (variants.json)")
+                        help="only matmul_all_to_all under each tile configuration and exchange layout, and "
+                             "matmul_reduce_scatter under each reducer layout (fused_variants.json)")
     parser.add_argument("--gspmd-only", action="store_true",
                         help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
                              "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")

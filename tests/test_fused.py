@@ -424,13 +424,54 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=gin, XB=2))
+        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False))
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in ptx
     calls = set(link.library_calls(ptx))
     assert {"jaxgin_tt_set_flag", "jaxgin_tt_wait_flag", "jaxgin_tt_wait_peer_flag", "jaxgin_tt_peer_delta"} <= calls
     gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_wait_arrivals"}
     assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
+
+
+@pytest.mark.parametrize(("lag", "wait_first"), [(4, False), (0, True), (16, True)])
+def test_matmul_reduce_scatter_reducer_layouts_compile_for_sm90a(toolchain, lag, wait_first):
+    """The reducer placements and orders benchmarks/fused.py --variants-only compares (LAG tiles of
+    slack, every source waited for first) compile with the NVLink paths."""
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_device import link
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
+        M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
+        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first))
+    assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in kernel.asm["ptx"]
+    assert {"jaxgin_tt_wait_flag", "jaxgin_tt_wait_peer_flag"} <= set(link.library_calls(kernel.asm["ptx"]))
+
+
+def test_reducer_places_cover_every_program_once():
+    """matmul_reduce_scatter_kernel's start-order layout, in plain Python: for every LAG every
+    partial and reducer has one place, and reducer t comes after the P partials of tile t (the
+    deadlock-freedom argument) and after those of tile t + LAG where there is one."""
+    def layout(pid, tiles, p, lag):
+        q = pid - lag * p
+        block, place = q // (p + 1), q % (p + 1)
+        if pid < lag * p:
+            return ("partial", pid)
+        if block < tiles - lag and place < p:
+            return ("partial", (block + lag) * p + place)
+        return ("reduce", block if block < tiles - lag else tiles - lag + q - (tiles - lag) * (p + 1))
+
+    for tiles, p in ((6, 2), (16, 4), (5, 8)):
+        for lag in range(tiles + 1):
+            order = [layout(pid, tiles, p, lag) for pid in range(tiles * p + tiles)]
+            assert sorted(order) == sorted([("partial", i) for i in range(tiles * p)] +
+                                           [("reduce", t) for t in range(tiles)]), (tiles, p, lag)
+            where = {item: i for i, item in enumerate(order)}
+            for t in range(tiles):
+                assert all(where[("partial", t * p + s)] < where[("reduce", t)] for s in range(p))
+                if t + lag < tiles:
+                    assert where[("partial", (t + lag) * p + p - 1)] < where[("reduce", t)]
 
 
 def test_own_kernels_ask_for_fma_fusion_by_name(monkeypatch):

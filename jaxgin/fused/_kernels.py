@@ -385,10 +385,11 @@ def _partial_tile(
 def _reduce_tile(
     ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
     P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    GROUP_M: tl.constexpr, GIN: tl.constexpr,
+    GROUP_M: tl.constexpr, GIN: tl.constexpr, WAIT_FIRST: tl.constexpr,
 ):
     """Reducer t of matmul_reduce_scatter_kernel: tile t of this GPU's chunk, the sum of every
-    source's partial in float32, source 0 first (the same bits on every run)."""
+    source's partial in float32, source 0 first (the same bits on every run); with WAIT_FIRST
+    every source waited for before any is loaded."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -397,26 +398,38 @@ def _reduce_tile(
     c = tj * BN + tl.arange(0, BN)
     ok = (r < CM)[:, None] & (c < CN)[None, :]
     within = r[:, None] * CN + c[None, :]
-    my_rank = rank_of(route, me)
     total = tl.zeros((BM, BN), dtype=tl.float32)
+    if WAIT_FIRST:
+        for s in tl.static_range(P):
+            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
     for s in tl.static_range(P):
+        if not WAIT_FIRST:
+            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
         if s == me:
-            tgl.wait_flag(ctx, flags + me * TILES + t, epoch + 1)
             part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0, cache_modifier=".cg")
         elif gin_route(ctx, route, s, me, GIN) != 0:
-            # the first reducer to need source s waits for its TILES puts of this call (one claim per call)
-            wait_gin_source(ctx, flags + P * TILES + P + s, sig + half * P + s, TILES, flags + P * TILES + s,
-                            epoch + 1, my_rank)
             packed, _, _ = _packed_tile(ti, tj, CM, CN, BM, BN)
             part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok, other=0.0,
                            cache_modifier=".cg")
         else:
-            source = rank_of(route, s)
-            tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
-            there = tgl.peer_ptr(ctx, partials, source) + (half * P + me) * (CM * CN)
+            there = tgl.peer_ptr(ctx, partials, rank_of(route, s)) + (half * P + me) * (CM * CN)
             part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
         total += part.to(tl.float32)
     tl.store(out + within, total.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P: tl.constexpr, TILES: tl.constexpr,
+                 GIN: tl.constexpr):
+    """Until source s's partial of this GPU's tile t is here (own, on an NVLink peer, or put over GIN)."""
+    if s == me:
+        tgl.wait_flag(ctx, flags + me * TILES + t, epoch + 1)
+    elif gin_route(ctx, route, s, me, GIN) != 0:
+        # the first reducer to need source s waits for its TILES puts of this call (one claim per call)
+        wait_gin_source(ctx, flags + P * TILES + P + s, sig + half * P + s, TILES, flags + P * TILES + s,
+                        epoch + 1, rank_of(route, me))
+    else:
+        tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, rank_of(route, s))
 
 
 @triton.jit
@@ -424,7 +437,7 @@ def matmul_reduce_scatter_kernel(
     ctx, x, w, route, partials, flags, state, gin_tiles, sig, out,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
 ):
     """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
     owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; P * TILES
@@ -440,9 +453,12 @@ def matmul_reduce_scatter_kernel(
 
     Computing programs never wait, and reducers wait only for them (here or on peers), each for
     programs before it in the start order, so the kernels cannot deadlock. Without GIN the start
-    order puts reducer t right after the P programs of tile t (one per owner, tile-major), so
-    reductions overlap the rest of the matmul instead of trailing it: a source computes tile t of
-    this GPU's chunk in its program (t, step), before reducer t's place on every GPU. With GIN the
+    order puts reducer t right after the P programs of tile t + LAG (one per owner, tile-major;
+    LAG <= TILES, the last LAG reducers at the end), so reductions overlap the rest of the matmul
+    instead of trailing it: a source computes tile t of this GPU's chunk in its program (t, step),
+    before reducer t's place on every GPU; LAG gives slower peers that many tiles of slack before
+    a reducer waits for them. WAIT_FIRST: a reducer waits for every source before it loads any
+    (the loads then overlap), instead of waiting and loading source by source. With GIN the
     reducers come last: the first one to need a source waits for all of its TILES puts, which
     later programs make. Reuse of a half is safe as in
     matmul_all_to_all_kernel: a GPU starts call n only after reading every source's partials of
@@ -452,20 +468,24 @@ def matmul_reduce_scatter_kernel(
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)
-    if GIN == 0:
-        place = pid % (P + 1)  # groups of P partials of one tile, then that tile's reducer
-        if place < P:
-            _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (pid // (P + 1)) * P + place, me, epoch,
-                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
-        else:
-            _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // (P + 1), me, epoch, half,
-                         P, CM, CN, BM, BN, GROUP_M, GIN)
-    elif pid < P * TILES:
+    # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
+    # tile t + LAG and reducer t; then the last LAG reducers (with GIN: every partial, then every
+    # reducer, which is LAG = TILES).
+    LEAD: tl.constexpr = TILES if GIN else LAG
+    BLOCKS: tl.constexpr = TILES - LEAD
+    q = pid - LEAD * P
+    block = q // (P + 1)
+    place = q % (P + 1)
+    if pid < LEAD * P:
         _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
                       N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+    elif (block < BLOCKS) & (place < P):
+        _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (block + LEAD) * P + place, me, epoch,
+                      half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
     else:
-        _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
-                     P, CM, CN, BM, BN, GROUP_M, GIN)
+        t = tl.where(block < BLOCKS, block, BLOCKS + q - BLOCKS * (P + 1))
+        _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
+                     P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST)
     finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
 
 

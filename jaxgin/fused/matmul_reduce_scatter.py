@@ -113,7 +113,9 @@ def reference(x, w, plan: _Plan):
     return reduce_in_order(arrived, x.dtype)
 
 
-def _kernel(state, x, w, plan: _Plan):
+def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False):
+    """The Triton kernel; `lag` and `wait_first` place and order its reducers (LAG and WAIT_FIRST of
+    _kernels.matmul_reduce_scatter_kernel; benchmarks/fused.py --variants-only compares them)."""
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
@@ -140,7 +142,7 @@ def _kernel(state, x, w, plan: _Plan):
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        GIN=int(gin), XB=np.dtype(dtype).itemsize,
+        GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,
     )
 
 
