@@ -406,6 +406,8 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     plan_local = experts // n
     dest = mine // plan_local
     sent_rows = sum(len(set(row.tolist()) & set(remote)) for row in dest)
+    # once per destination host instead of per destination GPU: what hierarchical routing would send
+    host_rows = sum(len({d // per_host for d in set(row.tolist()) & set(remote)}) for row in dest)
     counts_bytes = len(remote) * (plan_local + 1) * 4
     dispatch_min = sent_rows * hidden * itemsize + counts_bytes
     received = np.asarray(_host(rows_back(x, ids, weights))).reshape(n, n)[me]  # rows from each source
@@ -416,9 +418,11 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     combine = {k: both[k] - dispatch[k] for k in both}
     return {
         "tokens": tokens, "hidden": hidden, "top_k": top_k, "experts": experts, "mode": mode, "rank": me,
-        "remote_gpus": len(remote),
+        "remote_gpus": len(remote), "remote_hosts": len({r // per_host for r in remote}),
         "dispatch": dispatch, "dispatch_minimum_bytes": dispatch_min, "dispatch_metadata_bytes": metadata,
         "dispatch_ratio": dispatch["bytes"] / max(dispatch_min, 1),
+        "dispatch_rows_rank_minimum_bytes": sent_rows * hidden * itemsize,
+        "dispatch_rows_host_minimum_bytes": host_rows * hidden * itemsize,
         "combine": combine, "combine_minimum_bytes": combine_min,
         "combine_ratio": combine["bytes"] / max(combine_min, 1),
     }

@@ -104,6 +104,9 @@ def _assert_traffic(result, remote_gpus):
         assert d["bytes"] <= 1.05 * t["dispatch_minimum_bytes"], t
         assert c["bytes"] == t["combine_minimum_bytes"], t
         assert d["puts"] == 5 * remote_gpus and c["puts"] == remote_gpus, t
+        # what hierarchical routing (issue 46) would leave of the rows: one per destination host
+        hosts_apart = t["dispatch_rows_host_minimum_bytes"] < t["dispatch_rows_rank_minimum_bytes"]
+        assert hosts_apart if t["remote_gpus"] > t["remote_hosts"] else not hosts_apart, t
 
 
 @TWO_GPUS
