@@ -14,8 +14,18 @@
 
 namespace {
 
+// One barrier CTA per GIN context (one without GIN): each settles its own context's puts.
+int settle_ctas(const jaxgin_context& c) { return std::max(c.gin_contexts, 1); }
+
+// What failed on GPU `s`: its fault record, or CUDA's error `e` when it recorded none.
+std::string gpu_failure(const char* what, const jaxgin::DeviceState& s, cudaError_t e) {
+  std::string fault = jaxgin::describe_fault(s);
+  return std::string(what) + " on CUDA device " + std::to_string(s.device) + " failed: " +
+         (fault.empty() ? jaxgin::cuda_error_text(e) : fault);
+}
+
 // Runs `enqueue` on every GPU of the runtime, then waits for all of them; the first GPU whose
-// work failed is named by its fault record, or by CUDA's error when it recorded none.
+// work failed is named.
 template <typename Enqueue>
 void on_every_gpu(jaxgin_runtime* rt, const char* what, Enqueue enqueue) {
   for (auto& s : rt->devices) {
@@ -26,11 +36,7 @@ void on_every_gpu(jaxgin_runtime* rt, const char* what, Enqueue enqueue) {
   for (auto& s : rt->devices) {
     JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
     cudaError_t e = cudaStreamSynchronize(s.stream);
-    if (e != cudaSuccess && failure.empty()) {
-      std::string fault = jaxgin::describe_fault(s);
-      failure = std::string(what) + " on CUDA device " + std::to_string(s.device) + " failed: " +
-                (fault.empty() ? jaxgin::cuda_error_text(e) : fault);
-    }
+    if (e != cudaSuccess && failure.empty()) failure = gpu_failure(what, s, e);
   }
   if (!failure.empty()) throw jaxgin::DeviceFaultError(failure);
 }
@@ -44,25 +50,22 @@ extern "C" int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t b
       if (offset < c.user_offset || offset + bytes > c.heap_bytes)
         throw jaxgin::Error("heap range [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
                             ") is outside the user heap");
-      if ((uint32_t)std::max(c.gin_contexts, 1) > c.barrier_slots)
+      if ((uint32_t)settle_ctas(c) > c.barrier_slots)
         throw jaxgin::Error("freeing a heap region meets every rank with one barrier CTA per GIN context (" +
-                            std::to_string(c.gin_contexts) + "), but only " + std::to_string(c.barrier_slots) +
+                            std::to_string(settle_ctas(c)) + "), but only " + std::to_string(c.barrier_slots) +
                             " barrier slots exist: initialize with barrier_slots >= " +
-                            std::to_string(c.gin_contexts));
+                            std::to_string(settle_ctas(c)));
     }
     // The kernels that read or write the region were enqueued by XLA or the user on streams of
     // their own: every one of them finishes first.
     for (auto& s : rt->devices) {
       JAXGIN_CUDA(cudaSetDevice(s.device), s.device);
       cudaError_t e = cudaDeviceSynchronize();
-      if (e != cudaSuccess) {
-        std::string fault = jaxgin::describe_fault(s);
-        throw jaxgin::DeviceFaultError("freeing a heap region: CUDA device " + std::to_string(s.device) +
-                                       " failed before it: " + (fault.empty() ? jaxgin::cuda_error_text(e) : fault));
-      }
+      if (e != cudaSuccess)
+        throw jaxgin::DeviceFaultError(gpu_failure("freeing a heap region: the work before it", s, e));
     }
     auto settle = [](jaxgin::DeviceState& s) {
-      return jaxgin::launch_heap_settle(s.context, std::max(s.host_context.gin_contexts, 1), s.stream);
+      return jaxgin::launch_heap_settle(s.context, settle_ctas(s.host_context), s.stream);
     };
     on_every_gpu(rt, "freeing a heap region: the barrier before zeroing it (every rank frees its heap buffers "
                      "in the same order)", settle);

@@ -91,7 +91,6 @@ void validate(const jaxgin_runtime_config& c) {
                 " signals, " + std::to_string(c.barrier_slots) + " barrier slots and the exchange channel");
 }
 
-// Why this communicator cannot have the GIN it needs, and what to do about it.
 // $JAXGIN_GIN_CONTEXTS: the GIN contexts asked of NCCL (default 4), each a queue of its own to every
 // peer; NCCL may grant another number, and the device code works with whatever it granted. Tests
 // run other numbers so that no code relies on the default one.
@@ -105,6 +104,7 @@ int gin_context_count() {
   return static_cast<int>(n);
 }
 
+// Why this communicator cannot have the GIN it needs, and what to do about it.
 Error gin_unavailable(const jaxgin_runtime_config& cfg, int lsa_ranks, int dev, const std::string& detail) {
   std::string why = cfg.force_gin ? std::string("force_gin was requested")
                                   : "the ranks span several hosts (LSA team of " + std::to_string(lsa_ranks) +
