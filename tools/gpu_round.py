@@ -184,9 +184,8 @@ class Round:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
         self.start = time.monotonic()
-        self.summary: dict = {"machine": machine(), "commit": os.environ.get("ROUND_COMMIT") or git_commit(),
-                              "tree": os.environ.get("ROUND_TREE") or git_tree(), "nccl": nccl_version(), "tier": args.tier, "wall_seconds": 0.0, "tests": [],
-                              "not_run": []}
+        self.summary: dict = {"machine": machine(), **provenance(), "nccl": nccl_version(), "tier": args.tier,
+                              "wall_seconds": 0.0, "tests": [], "not_run": []}
 
     def say(self, line: str) -> None:
         print(f"[{time.monotonic() - self.start:7.1f} s] {line}", flush=True)
@@ -309,6 +308,12 @@ def git_tree(repo: Path = REPO) -> str:
         added = subprocess.run(["git", "add", "-A"], cwd=repo, env=env, capture_output=True, text=True)
         tree = subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True)
     return tree.stdout.strip() if added.returncode == 0 and tree.returncode == 0 else "unknown"
+
+
+def provenance() -> dict[str, str]:
+    """What ran: the commit and the tree (ROUND_COMMIT / ROUND_TREE, set by in_background before
+    the copy that leaves .git behind, else read here)."""
+    return {"commit": os.environ.get("ROUND_COMMIT") or git_commit(), "tree": os.environ.get("ROUND_TREE") or git_tree()}
 
 
 def nccl_version() -> str:
@@ -458,9 +463,8 @@ def in_background(root: Path, arguments: list[str], log_name: str, keep: dict[st
     for name, contents in (keep or {}).items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(contents)
-    for name, read in (("ROUND_COMMIT", git_commit), ("ROUND_TREE", git_tree)):  # the copy leaves .git behind
-        if name not in os.environ:
-            os.environ[name] = read()
+    made = provenance()  # read here: the copy leaves .git behind
+    os.environ["ROUND_COMMIT"], os.environ["ROUND_TREE"] = made["commit"], made["tree"]
     with open(root / log_name, "w") as log:
         subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -603,8 +607,7 @@ def run_steps(kind: str, steps: list[Step], left_out: list[str], args) -> int:
     os.environ["JAXGIN_RESULTS_DIR"] = str(out)
     if not args.no_install:
         prepare(out)
-    summary = {"machine": machine(), "commit": os.environ.get("ROUND_COMMIT") or git_commit(),
-               "tree": os.environ.get("ROUND_TREE") or git_tree(), "nccl": nccl_version(),
+    summary = {"machine": machine(), **provenance(), "nccl": nccl_version(),
                "steps": [], "left_out": left_out}
     for step in steps:
         summary["steps"].append(run_step(step, out))
