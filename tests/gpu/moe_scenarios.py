@@ -405,9 +405,10 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     mine = np.asarray(_host(ids)).reshape(n, tokens, top_k)[me]
     plan_local = experts // n
     dest = mine // plan_local
-    sent_rows = sum(len(set(row.tolist()) & set(remote)) for row in dest)
+    remote_dests = [set(row.tolist()) & set(remote) for row in dest]  # each token's GPUs on other hosts
+    sent_rows = sum(map(len, remote_dests))
     # once per destination host instead of per destination GPU: what hierarchical routing would send
-    host_rows = sum(len({d // per_host for d in set(row.tolist()) & set(remote)}) for row in dest)
+    host_rows = sum(len({d // per_host for d in dests}) for dests in remote_dests)
     counts_bytes = len(remote) * (plan_local + 1) * 4
     dispatch_min = sent_rows * hidden * itemsize + counts_bytes
     received = np.asarray(_host(rows_back(x, ids, weights))).reshape(n, n)[me]  # rows from each source
