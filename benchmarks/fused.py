@@ -23,7 +23,8 @@ and for all_gather_matmul (M = rows after the gather, each device holding M / de
                         layout it runs in
 and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial product; result M / devices rows):
   xla_matmul_reduce_scatter jax.lax.psum_scatter(x @ w, tiled) in one jit
-  triton_reduce_scatter     jaxgin.fused.matmul_reduce_scatter (its one method)
+  fused_reduce_scatter      jaxgin.fused.matmul_reduce_scatter (method="chunked", the default)
+  triton_reduce_scatter     the same op, method="triton"
 
 Beside them, XLA's own partitioning of the two tensor-parallel matmuls (jit with shardings, no
 shard_map) with its windowed einsum on, on several streams (windowed_*) and on one
@@ -198,14 +199,17 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         wr = jax.device_put(jax.random.normal(keys[1], (devices * k, n), dtype), NamedSharding(mesh, P("x", None)))
         rs_ops = {
             "xla_matmul_reduce_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True),
-            "triton_reduce_scatter": lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x"),
+            "fused_reduce_scatter": lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x"),
+            "triton_reduce_scatter": lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x",
+                                                                                      method="triton"),
         }
         expected = _once(mesh, rs_ops["xla_matmul_reduce_scatter"], K_SHARDED)(xr, wr)
-        row["triton_reduce_scatter_rel_err"] = _rel(_once(mesh, rs_ops["triton_reduce_scatter"], K_SHARDED)(xr, wr),
-                                                    expected)
+        for name, prefix in (("fused_reduce_scatter", "reduce_scatter"), ("triton_reduce_scatter", "triton_reduce_scatter")):
+            row[f"{prefix}_rel_err"] = _rel(_once(mesh, rs_ops[name], K_SHARDED)(xr, wr), expected)
         for name, op in rs_ops.items():
             row[f"{name}_us"] = best_seconds(_chain(mesh, op, K_SHARDED), xr, wr, repeats=repeats) / STEPS * 1e6
-        row["reduce_scatter_speedup"] = row["xla_matmul_reduce_scatter_us"] / row["triton_reduce_scatter_us"]
+        row["reduce_scatter_speedup"] = row["xla_matmul_reduce_scatter_us"] / row["fused_reduce_scatter_us"]
+        row["triton_reduce_scatter_speedup"] = row["xla_matmul_reduce_scatter_us"] / row["triton_reduce_scatter_us"]
     for name, op in ops.items():
         row[f"{name}_us"] = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
     flops = 2 * m * k * n
@@ -468,7 +472,7 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
     keys = jax.random.split(jax.random.key(3))
     x = jax.device_put(jax.random.normal(keys[0], (m, mesh.size * k), dtype), NamedSharding(mesh, P(None, "x")))
     w = jax.device_put(jax.random.normal(keys[1], (mesh.size * k, n), dtype), NamedSharding(mesh, P("x", None)))
-    plan = fused_rs._Plan(("x",), mesh.size, m, n, k, True, None, None)
+    plan = fused_rs._Plan(("x",), mesh.size, m, n, k, True, None, None, "triton")
 
     def unfused(x, w):
         return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
@@ -476,16 +480,21 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
     expected = _once(mesh, lambda x, w: fused_rs.reference(x, w, plan), K_SHARDED)(x, w)
     row = {"xla_matmul_reduce_scatter_us": best_seconds(_chain(mesh, unfused, K_SHARDED), x, w,
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
-    for lag in REDUCER_LAGS:
-        for wait_first in (False, True):
-            def op(x, w, lag=lag, wait_first=wait_first):
+    layouts = {f"lag={lag}{', wait first' if wait_first else ''}": (lag, wait_first)
+               for lag in REDUCER_LAGS for wait_first in (False, True)}
+    layouts["chunked"] = None  # the cuBLAS-per-chunk method, for scale
+    for name, layout in layouts.items():
+        if layout is None:
+            def op(x, w):
+                return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"))
+        else:
+            def op(x, w, lag=layout[0], wait_first=layout[1]):
                 return fused_rs._kernel(state, x, w, plan, 1 << 30 if lag == "all" else lag, wait_first)
 
-            name = f"lag={lag}{', wait first' if wait_first else ''}"
-            rel = _rel(_once(mesh, op, K_SHARDED)(x, w), expected)
-            t = best_seconds(_chain(mesh, op, K_SHARDED), x, w, repeats=repeats) / STEPS * 1e6
-            row["layouts"][name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
-            print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]}), flush=True)
+        rel = _rel(_once(mesh, op, K_SHARDED)(x, w), expected)
+        t = best_seconds(_chain(mesh, op, K_SHARDED), x, w, repeats=repeats) / STEPS * 1e6
+        row["layouts"][name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
+        print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]}), flush=True)
     return row
 
 
@@ -596,8 +605,9 @@ def main() -> None:
     for row, xla_own in zip(shapes, windowed):  # the same shapes, XLA's windowed einsum beside
         row.update(xla_own)
         windowed_rs, windowed_ag = (fastest_right_windowed(row, op) for op in ("matmul_reduce_scatter", "all_gather_matmul"))
-        if "triton_reduce_scatter_us" in row and windowed_rs is not None:
-            row["reduce_scatter_vs_windowed"] = windowed_rs / row["triton_reduce_scatter_us"]
+        if "fused_reduce_scatter_us" in row and windowed_rs is not None:
+            row["reduce_scatter_vs_windowed"] = windowed_rs / min(row["fused_reduce_scatter_us"],
+                                                                  row["triton_reduce_scatter_us"])
         if "fused_all_gather_us" in row and windowed_ag is not None:
             row["all_gather_vs_windowed"] = windowed_ag / min(row["fused_all_gather_us"], row["triton_all_gather_us"])
     sweep = [] if args.shapes_only else [

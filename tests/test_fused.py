@@ -10,6 +10,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -197,11 +198,13 @@ def test_varying_weights_get_their_own_gradient(init):
          "out of range"),
         (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=True), TypeError,
          "must be an int"),
-        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", method="chunked"), ValueError,
-         "method='chunked'; use one of 'triton'"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", method="nccl"), ValueError,
+         "method='nccl'; use one of 'chunked', 'triton'"),
+        (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", tiles=TileConfig(64, 64, 32)),
+         ValueError, "pass method='triton' with it"),
     ],
     ids=["indivisible", "rank", "k", "dtypes", "int8", "axis", "float axis", "axis name", "method", "tiles",
-         "rs rows", "rs columns", "rs dimension", "rs bool dimension", "rs method"],
+         "rs rows", "rs columns", "rs dimension", "rs bool dimension", "rs method", "rs tiles"],
 )
 def test_bad_arguments_are_named(init, call, error, message):
     mesh = _mesh(4)
@@ -296,7 +299,7 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     size, dtype = 4, jnp.bfloat16
     x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
     state = _HeapOnlyState()
-    plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None)
+    plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None, "triton")
     module._kernel(state, x, w, plan)
     ((kernel, args, kw),) = calls
     from jaxgin.fused import _kernels
@@ -311,6 +314,72 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     assert buffers.exchange.shape == (2, size, cm, cn)
     assert buffers.flags.shape == (size * count + 2 * size * gin,)
     _check_gin_tile_area(state, buffers, args, gin, size, count, tiles)
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+@pytest.mark.parametrize("rows", [True, False], ids=["scatter_rows", "scatter_columns"])
+def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, gin, rows):
+    """method="chunked" in an NVLink-only job: one chunked custom call under the op's own name
+    (its errors and faults name matmul_reduce_scatter) returning this GPU's chunk of every source's
+    partial stacked by source, then their sum in float32 in source order, rounded once to the
+    dtype. In a job with GIN peers the Triton kernel runs instead."""
+    import importlib
+
+    from jaxgin import op_support
+    from jaxgin.fused import _chunked
+
+    module = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    size, dtype = 4, jnp.bfloat16
+    cm, cn = (512 // size, 384) if rows else (512, 384 // size)
+    # Partials whose float32 sum in source order differs from a bfloat16 running sum.
+    partials = (jnp.arange(size * cm * cn, dtype=jnp.float32).reshape(size * cm, cn) % 7 + 1000.0
+                + 0.5 * jnp.arange(size * cm, dtype=jnp.float32)[:, None] % 3).astype(dtype)
+    binds = []
+
+    def bind(x, w, **params):
+        binds.append(params)
+        return partials
+
+    monkeypatch.setattr(_chunked.chunked_matmul_p, "bind", bind)
+    triton = []
+    monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: triton.append(kernel))
+    x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
+    plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None, "chunked")
+    got = module._kernel(_HeapOnlyState(), x, w, plan)
+    if gin:
+        assert binds == [] and len(triton) == 1
+        return
+    ((params),) = binds
+    assert triton == []
+    assert params["op"] == "jaxgin.fused.matmul_reduce_scatter" and params["split_rows"] is rows
+    assert params["out_shape"] == (size * cm, cn) and params["size"] == size
+    assert params["slot"] >= cm * cn * 2 and params["slot"] % 256 == 0
+    stacked = partials.reshape(size, cm, cn).astype(jnp.float32)
+    want = (((stacked[0] + stacked[1]) + stacked[2]) + stacked[3]).astype(dtype)
+    assert got.shape == (cm, cn) and got.dtype == dtype
+    assert jnp.array_equal(got, want)
+    assert not jnp.array_equal(got, jnp.sum(partials.reshape(size, cm, cn), axis=0, dtype=dtype))
+
+
+def test_every_chunked_target_has_its_handler_in_csrc():
+    """Each chunked op's custom-call target names an exported handler that csrc defines, bound
+    with the attributes its lowering passes (the reduce-scatter takes no concat_rows: its partials
+    are always stacked by source)."""
+    from jaxgin.ffi import op_table
+
+    source = (Path(__file__).parents[1] / "csrc" / "ffi" / "chunked_matmul.cu").read_text()
+    (family,) = [f for f in op_table.FAMILIES if f.name == "fused"]
+    for target in family.targets:
+        symbol = target.handlers["execute"]
+        start = source.index(f"XLA_FFI_DEFINE_HANDLER_SYMBOL({symbol},")
+        binding = source[start:source.index(";", start)]
+        assert '"split_rows"' in binding if "all_gather" not in symbol else '"split_rows"' not in binding
+        assert ('"concat_rows"' in binding) == ("all_to_all" in symbol), binding
+    assert {op.name for t in family.targets for op in t.ops} == {
+        "jaxgin.fused.matmul_all_to_all", "jaxgin.fused.all_gather_matmul", "jaxgin.fused.matmul_reduce_scatter"}
 
 
 def _check_gin_tile_area(state, buffers, args, gin, size, count, tiles):

@@ -8,6 +8,9 @@
 // t = me+1, me+2, ..., so each peer hands this GPU its chunk in the order they are awaited; the own
 // chunk comes last, written by cuBLAS straight into the result, and hides the last copy.
 //
+// matmul_reduce_scatter: the same exchange of this GPU's partial chunks, stacked by source; the
+// owner's sum over sources follows in XLA (one fused pass over the stacked partials).
+//
 // all_gather_matmul (push): the second stream copies this GPU's shard into every peer's slot[me]
 // and hands it over; XLA's stream multiplies the own shard into the result, then each peer's shard
 // from its slot as it arrives, and returns a credit once that matmul read it.
@@ -254,14 +257,19 @@ Placement place(char* out, int index, int64_t cm, int64_t cn, int size, int64_t 
   return {out + (size_t)(index * cn) * elt, cn * size};
 }
 
-ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
-                             ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
-                             int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation) {
+// Chunk t of x @ w (a block of its rows or columns) computed here and delivered to index t, every
+// index's chunk of this call placed in the result by source: the exchange both matmul_all_to_all
+// and matmul_reduce_scatter (whose partial chunks the caller then sums) are made of. `tag` names
+// the user's op in errors and faults.
+ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
+                           ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                           int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32,
+                           int64_t generation) {
   return guarded([&] {
-    const char* op = jaxgin_op_name(JAXGIN_OP_MATMUL_ALL_TO_ALL);
-    ChunkedCall call = start_call(op, JAXGIN_OP_MATMUL_ALL_TO_ALL, stream, ordinal, generation, mesh_ranks, mesh_shape,
-                                  axes, offset, slot_bytes);
+    const char* op = jaxgin_op_name(tag);
+    ChunkedCall call = start_call(op, tag, stream, ordinal, generation, mesh_ranks, mesh_shape, axes, offset,
+                                  slot_bytes);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
     const Matmul mm = matmul_of(x, w, tf32);
     const size_t elt = mm.elt;
@@ -311,6 +319,24 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   });
 }
 
+ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
+                             ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                             int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation) {
+  return exchange_chunks(JAXGIN_OP_MATMUL_ALL_TO_ALL, stream, ordinal, x, w, out, mesh_ranks, mesh_shape, axes, offset,
+                         slot_bytes, split_rows, concat_rows, tf32, generation);
+}
+
+// The partial chunks of a reduce-scatter, stacked by source ([size, cm, cn]); the sum over sources
+// follows in the same program (jaxgin/fused/_chunked.py).
+ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                 ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
+                                 ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
+                                 int64_t slot_bytes, int64_t split_rows, int64_t tf32, int64_t generation) {
+  return exchange_chunks(JAXGIN_OP_MATMUL_REDUCE_SCATTER, stream, ordinal, x, w, out, mesh_ranks, mesh_shape, axes,
+                         offset, slot_bytes, split_rows, /*concat_rows=*/1, tf32, generation);
+}
+
 ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                              ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
@@ -358,7 +384,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 }  // namespace ffi_support
 }  // namespace jaxgin
 
-// What both handlers bind: XLA's stream and device, x, w, the result, the axis and the heap block.
+// What every handler here binds: XLA's stream and device, x, w, the result, the axis and the heap block.
 #define JAXGIN_CHUNKED_BINDING                             \
   xla::ffi::Ffi::Bind()                                    \
       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()      \
@@ -377,6 +403,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_all_to_all, jaxgin::ffi_support:
                               JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("split_rows")
                                   .Attr<int64_t>("concat_rows")
+                                  .Attr<int64_t>("tf32")
+                                  .Attr<int64_t>("generation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_reduce_scatter, jaxgin::ffi_support::matmul_reduce_scatter,
+                              JAXGIN_CHUNKED_BINDING
+                                  .Attr<int64_t>("split_rows")
                                   .Attr<int64_t>("tf32")
                                   .Attr<int64_t>("generation"));
 

@@ -147,7 +147,9 @@ FAMILIES: tuple[Family, ...] = (
         targets=(Target("jaxgin_matmul_all_to_all", {"execute": "jaxgin_ffi_matmul_all_to_all"},
                         (Op("jaxgin.fused.matmul_all_to_all", "MATMUL_ALL_TO_ALL"),)),
                  Target("jaxgin_all_gather_matmul", {"execute": "jaxgin_ffi_all_gather_matmul"},
-                        (Op("jaxgin.fused.all_gather_matmul", "ALL_GATHER_MATMUL"),))),
+                        (Op("jaxgin.fused.all_gather_matmul", "ALL_GATHER_MATMUL"),)),
+                 Target("jaxgin_matmul_reduce_scatter", {"execute": "jaxgin_ffi_matmul_reduce_scatter"},
+                        (Op("jaxgin.fused.matmul_reduce_scatter", "MATMUL_REDUCE_SCATTER"),))),
         preload=("preload_chunk_handoff_kernels",),
     ),
     Family(

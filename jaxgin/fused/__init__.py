@@ -4,17 +4,17 @@
     z = jaxgin.fused.all_gather_matmul(x, w, axis_name="x")   # == lax.all_gather(x, "x", tiled=True) @ w
     s = jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x")  # == lax.psum_scatter(x @ w, "x", tiled=True)
 
-matmul_reduce_scatter is one Triton kernel (its only method): each partial tile leaves for the GPU
-that owns its rows from the matmul's epilogue, and the owner sums the partials in float32 in the
-order of the axis, so its result does not change from run to run.
+matmul_reduce_scatter's owner sums the partials it receives in float32 in the order of the axis,
+so its result does not change from run to run.
 
 On GPUs, method="chunked" (the default) is one XLA custom call that multiplies chunk by chunk with
-cuBLAS while the copy engine moves finished chunks (matmul_all_to_all) or this GPU's shard
-(all_gather_matmul) over NVLink on a second stream, so communication hides under compute and
-takes no SMs from it (_chunked.py, csrc/ffi/chunked_matmul.cu). method="triton" is one Triton kernel
-(tritongin) run by jaxgin.triton_call: output tiles leave for their destination the moment they are
-computed, or peers' shards are consumed as they arrive. In reference mode (CPU) both compute the
-same chunk placement in plain JAX.
+cuBLAS while the copy engine moves finished chunks (matmul_all_to_all, and the partial chunks of
+matmul_reduce_scatter, summed by XLA after the call) or this GPU's shard (all_gather_matmul) over
+NVLink on a second stream, so communication hides under compute and takes no SMs from it
+(_chunked.py, csrc/ffi/chunked_matmul.cu). method="triton" is one Triton kernel (tritongin) run by
+jaxgin.triton_call: output tiles leave for their destination the moment they are computed, or
+peers' shards are consumed as they arrive. In reference mode (CPU) both compute the same chunk
+placement in plain JAX.
 
 Gradients go through jax.custom_vjp and equal those of the unfused compositions. The backward
 passes are unfused on purpose: there the communication precedes the matmuls (matmul_all_to_all's

@@ -1,6 +1,7 @@
 """The chunked implementation of the fused ops (method="chunked"): one cuBLAS matmul per peer's chunk,
 each chunk handed over by the GPU's copy engine while the next one is computed, all inside one XLA
-custom call (csrc/ffi/chunked_matmul.cu). The copies take no SMs from the matmuls, and the matmuls
+custom call (csrc/ffi/chunked_matmul.cu); matmul_reduce_scatter then sums the partials it received
+(XLA, one pass). The copies take no SMs from the matmuls, and the matmuls
 are cuBLAS's own, so the op costs about the matmul alone once the exchange hides under it."""
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None
     attrs = axes_lib.lowering_attributes(ctx, names, state, op)
     offset = _block(state, op, names, size, slot)
     if split_rows is not None:
-        attrs.update(split_rows=np.int64(bool(split_rows)), concat_rows=np.int64(bool(concat_rows)))
+        attrs.update(split_rows=np.int64(bool(split_rows)))
+    if concat_rows is not None:
+        attrs.update(concat_rows=np.int64(bool(concat_rows)))
     return jax.ffi.ffi_lowering(op_table.target_of(op), has_side_effect=True)(
         ctx, x, w, offset=np.int64(offset), slot_bytes=np.int64(slot), tf32=np.int64(bool(tf32)), **attrs
     )
@@ -89,3 +92,15 @@ def all_gather_matmul(x, w, plan):
         tf32=_tf32(x.dtype, plan.precision),
     )
 
+
+def reduce_scatter_partials(x, w, plan):
+    """[size, cm, cn]: chunk `me` of every source's partial product x @ w, stacked by source (the
+    caller sums them: matmul_reduce_scatter.reduce_in_order). Chunks are computed and exchanged as
+    matmul_all_to_all's are."""
+    cm, cn = plan.chunk
+    stacked = chunked_matmul_p.bind(
+        x, w, op="jaxgin.fused.matmul_reduce_scatter", names=plan.names, size=plan.size,
+        out_shape=(plan.size * cm, cn), slot=slot_bytes((cm, cn), x.dtype), tf32=_tf32(x.dtype, plan.precision),
+        split_rows=plan.scatter_rows,
+    )
+    return stacked.reshape(plan.size, cm, cn)

@@ -1,6 +1,7 @@
 """matmul_reduce_scatter: jax.lax.psum_scatter(x @ w, ..., tiled=True), the way out of a
-tensor-parallel block, with each partial tile sent to the GPU that owns its rows from the matmul's
-epilogue and the arriving partials reduced by their owner in float32 (kernel: _kernels.py)."""
+tensor-parallel block: each partial chunk sent to the GPU that owns it while the next is computed
+(cuBLAS chunks and the copy engine, _chunked.py; or one Triton kernel's epilogue, _kernels.py) and
+the arriving partials reduced by their owner in float32."""
 
 from __future__ import annotations
 
@@ -15,12 +16,9 @@ from jaxgin import op_support
 from jaxgin.route import axis_route
 from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.ffi import axes as axes_lib
-from jaxgin.fused import _common
+from jaxgin.fused import _chunked, _common
 
 OP = "jaxgin.fused.matmul_reduce_scatter"
-# One Triton kernel. A cuBLAS-per-chunk variant would need a reduction kernel of its own after the
-# copies, which is what XLA's unfused composition already is.
-METHODS = ("triton",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +31,7 @@ class _Plan:
     scatter_rows: bool  # scatter_dimension == 0: axis index d owns rows d*cm.. of x @ w; else columns d*cn..
     precision: object
     tiles: _common.TileConfig | None
+    method: str = "chunked"
 
     @property
     def chunk(self) -> tuple[int, int]:
@@ -40,7 +39,7 @@ class _Plan:
 
 
 def matmul_reduce_scatter(x, w, *, axis_name, scatter_dimension: int = 0, precision=None, tiles=None,
-                          method: str = "triton"):
+                          method: str = "chunked"):
     """Inside shard_map: equals ``jax.lax.psum_scatter(x @ w, axis_name,
     scatter_dimension=scatter_dimension, tiled=True)`` for x [M, K] and w [K, N] of one dtype
     (bfloat16, float16 or float32), each GPU holding a partial product (x and w sharded along K).
@@ -50,17 +49,21 @@ def matmul_reduce_scatter(x, w, *, axis_name, scatter_dimension: int = 0, precis
     float32 in the order of the axis (0, 1, ...), so the result is the same on every run and
     equals the reference mode's bit for bit where the products are the same.
 
-    On GPUs one Triton kernel computes this GPU's partial of each peer's chunk, next peer first,
-    and hands every finished tile over from the epilogue: an NVLink peer fetches it from this
-    GPU's heap, a peer on another host gets a GIN put; then the owner reduces its chunk's tiles as
-    they arrive. `precision` is jax's (None follows jax_default_matmul_precision); `tiles` fixes the
-    kernel's TileConfig instead of tuning. Differentiable: the backward pass is the transpose,
-    an all_gather of the cotangent then two matmuls (XLA).
+    On GPUs, method="chunked" (default) computes this GPU's partial of each peer's chunk with
+    cuBLAS, next peer first, and the peer's copy engine fetches it over NVLink while the next chunk
+    is computed (as matmul_all_to_all's chunked method); the owner then sums the partials it got in
+    one pass. method="triton" is one Triton kernel that hands every finished tile over from the
+    epilogue (an NVLink peer fetches it from this GPU's heap, a peer on another host gets a GIN
+    put) and reduces its chunk's tiles as they arrive. A job with GPUs on other hosts runs the
+    Triton kernel for either method. `precision` is jax's (None follows
+    jax_default_matmul_precision); `tiles` fixes the Triton kernel's TileConfig instead of tuning
+    (method="triton" only). Differentiable: the backward pass is the transpose, an all_gather of
+    the cotangent then two matmuls (XLA).
     """
     names = axes_lib.axis_names(axis_name, OP)
     size = axes_lib.axis_size(names, OP)
     x, w = _common.check_operands(OP, x, w)
-    _common.check_method(OP, method, tiles, METHODS)
+    method = _common.check_method(OP, method, tiles)
     if not isinstance(scatter_dimension, (int, np.integer)) or isinstance(scatter_dimension, bool):
         raise TypeError(f"{OP}: scatter_dimension must be an int, got {scatter_dimension!r}")
     if not -2 <= scatter_dimension < 2:
@@ -74,7 +77,7 @@ def matmul_reduce_scatter(x, w, *, axis_name, scatter_dimension: int = 0, precis
             f"{OP}: scatter_dimension={scatter_dimension} splits {along[1]} = {along[0]} into {size} chunks (the "
             f"size of axis {axis_name!r}), which does not divide it; pad it to a multiple of {size}"
         )
-    plan = _Plan(names, size, m, n, k, rows, _common.lax_precision(precision), tiles)
+    plan = _Plan(names, size, m, n, k, rows, _common.lax_precision(precision), tiles, method)
     x, w = op_support.same_varying(names, x, w)
     return _fused(x, w, plan)
 
@@ -114,12 +117,16 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False):
-    """The Triton kernel; `lag` and `wait_first` place and order its reducers (LAG and WAIT_FIRST of
-    _kernels.matmul_reduce_scatter_kernel; benchmarks/fused.py --variants-only compares them)."""
+    """The op on GPUs: the chunked custom call and the sum of the partials it exchanged, or the
+    Triton kernel, whose reducers `lag` and `wait_first` place and order (LAG and WAIT_FIRST of
+    _kernels.matmul_reduce_scatter_kernel; benchmarks/fused.py --variants-only compares them). A
+    job with GPUs on other hosts runs the Triton kernel for either method (_common.run_on_triton)."""
+    gin = op_support.gin_in_job(state)
+    if not _common.run_on_triton(plan.method, gin):
+        return reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan), x.dtype)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
-    gin = op_support.gin_in_job(state)
     size, dtype = plan.size, x.dtype
     cm, cn = plan.chunk
     precision = _common.dot_precision(dtype, plan.precision)

@@ -3,9 +3,8 @@
     python tests/gpu/fused_scenarios.py check              # one process, all visible GPUs
     python tests/gpu/fused_scenarios.py check RANK WORLD COORDINATOR   # one process per GPU
 
-Every case runs for each implementation its op has (method="chunked": cuBLAS per chunk and
-copy-engine exchange; method="triton": one Triton kernel; matmul_reduce_scatter has only the
-latter). Comparisons per case:
+Every case runs for each implementation of its op (method="chunked": cuBLAS per chunk and
+copy-engine exchange; method="triton": one Triton kernel). Comparisons per case:
 - exact (triton): the fused op equals the unfused composition of the *same* tile code
   (jaxgin.fused._common.matmul, one Triton matmul kernel) and XLA's collective, bit for bit: the
   products are computed identically, so any difference is a tile sent to the wrong place, lost,
@@ -79,7 +78,7 @@ def reduce_scatter_cases(n):
 
 
 METHODS = ("chunked", "triton")
-OP_METHODS = {"a2a": METHODS, "ag": METHODS, "rs": ("triton",)}
+OP_METHODS = {"a2a": METHODS, "ag": METHODS, "rs": METHODS}
 
 
 # The cases of cases() a scenario at a smaller world runs (job.spot_cases): even tiles in bfloat16,
