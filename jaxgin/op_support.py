@@ -64,8 +64,7 @@ def gin_in_job(state) -> bool:
     forced). Every process gets the same answer, so what ops place in the heap because of it
     (staging areas for puts) stays at the same offsets everywhere; which peers of a given GPU go
     through GIN is decided per peer on the device (``tritongin.language.gin_peer``)."""
-    info = state.runtime.device_info(0)
-    return info["gin_contexts"] > 0 and (state.options.force_gin or info["lsa_size"] < state.world_size)
+    return runtime.gin_in_job(state)
 
 
 def require_tritongin(op: str) -> None:

@@ -418,13 +418,21 @@ def finalize() -> None:
     until no other thread of the process still runs: XLA may be finishing the faulted program on a
     thread of its own, and a reset under it crashed the process (SIGSEGV) where ranks shared CPU
     cores. If some thread keeps running, the GPU is not reset and finalize() raises JaxginError
-    naming those threads: that GPU's memory then stays allocated until the process exits."""
+    naming those threads: that GPU's memory then stays allocated until the process exits.
+
+    In a job with GIN peers (other hosts, or ``force_gin``), finalize() is a collective: every
+    process calls it, and each meets the others before releasing its heaps, since a peer's last
+    puts and signals may still be on their way (a NIC fails a put into a released region). A peer
+    that never calls it ends the meeting after the timeout (JAXGIN_TIMEOUT), like any device wait."""
     global _state
     state, _state = _state, None
     if state is not None and state.fault_watch is not None:
         state.fault_watch.stop()  # it reads the fault records that destroy() frees
     if state is not None and state.runtime is not None:
         faults = [line for line in state.runtime.device_faults().splitlines() if line]
+        unsettled = None if faults else _settle_before_release(state)
+        if unsettled is not None:  # the meeting's bounded wait may have faulted the GPU
+            faults = [line for line in state.runtime.device_faults().splitlines() if line]
         try:
             state.runtime.destroy()
         except RuntimeError as e:
@@ -443,6 +451,30 @@ def finalize() -> None:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        elif unsettled is not None:
+            warnings.warn(f"jaxgin.finalize(): {unsettled}; a peer's last puts to this rank may fail when they land",
+                          RuntimeWarning, stacklevel=2)
+
+
+def gin_in_job(state: _State) -> bool:
+    """Whether some GPU of the job reaches some other through GIN (it spans hosts, or GIN is
+    forced); the same answer in every process."""
+    info = state.runtime.device_info(0)
+    return info["gin_contexts"] > 0 and (state.options.force_gin or info["lsa_size"] < state.world_size)
+
+
+def _settle_before_release(state: _State) -> str | None:
+    """In a job with GIN peers, meets every rank before the heaps and signals are released: a
+    peer's last puts and signals to this rank (a credit nobody waits for) may still be in flight
+    after its kernels ended, and one landing in a released region fails on a NIC. Every process
+    calls finalize(), so the meeting pairs up; one that never comes ends in the barrier's bounded
+    wait (JAXGIN_TIMEOUT). None, or why the meeting failed."""
+    try:
+        if gin_in_job(state):
+            call_backend(state.runtime.settle)
+    except JaxginError as e:  # DeviceFault included
+        return f"the meeting of every rank before releasing the heaps failed: {e}"
+    return None
 
 
 def is_initialized() -> bool:

@@ -157,9 +157,21 @@ def test_bad_block_bytes(block_bytes):
 
 
 class _FakeRuntime:
-    def __init__(self, world, fail=None, counts=None, clear_fails=None):
+    def __init__(self, world, fail=None, counts=None, clear_fails=None, gin_contexts=0, settle_fails=None):
         self.world, self.fail, self.counts, self.calls = world, fail, counts, []
         self.clear_fails, self.cleared = clear_fails, []
+        # finalize(): a job with GIN peers meets every rank (settle) before releasing (destroy)
+        self.gin_contexts, self.settle_fails, self.events = gin_contexts, settle_fails, []
+
+    def device_info(self, local_index):
+        return {"gin_contexts": self.gin_contexts, "lsa_size": 1 if self.gin_contexts else self.world}
+
+    def settle(self):
+        self.events.append("settle")
+        if self.settle_fails is not None:
+            fault, error = self.settle_fails
+            self.faults = fault
+            raise error
 
     def heap_clear(self, offset, nbytes):
         if self.clear_fails is not None:
@@ -174,7 +186,7 @@ class _FakeRuntime:
         return self.counts if self.counts is not None else [0] * (self.world * self.world)
 
     def destroy(self):  # jaxgin.finalize() releases the runtime
-        pass
+        self.events.append("destroy")
 
     faults = ""
 
@@ -312,3 +324,51 @@ def test_finalize_without_faults_is_quiet(fake_cuda, recwarn):
     fake_cuda()
     jaxgin.finalize()
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("gin_contexts", [0, 4], ids=["nvlink_only_job", "job_with_gin_peers"])
+def test_finalize_meets_every_rank_before_releasing_in_a_gin_job(fake_cuda, recwarn, gin_contexts):
+    """In a job with GIN peers finalize() meets every rank (Runtime.settle) before releasing the
+    heaps: a peer's last signals (a credit nobody waits for) may still be in flight, and one that
+    lands in a released region fails. An NVLink-only job has nothing in flight and does not meet."""
+    state = fake_cuda(gin_contexts=gin_contexts)
+    runtime = state.runtime
+    jaxgin.finalize()
+    assert runtime.events == (["settle", "destroy"] if gin_contexts else ["destroy"])
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_finalize_after_a_fault_does_not_meet(fake_cuda):
+    """After a device fault the context is unusable: no meeting, straight to the reset."""
+    state = fake_cuda(gin_contexts=4)
+    runtime = state.runtime
+    runtime.faults = "device-side wait timed out after 5 s at rank 0\n"
+    with pytest.warns(RuntimeWarning, match="device-side wait timed out"):
+        jaxgin.finalize()
+    assert runtime.events == ["destroy"]
+
+
+def test_a_meeting_that_times_out_resets_and_names_the_fault(fake_cuda):
+    """A peer that never calls finalize(): the meeting's bounded wait faults this GPU, which is
+    then reset like after any fault, the warning naming the barrier's timeout."""
+    from jaxgin.errors import DeviceFault
+
+    fault = "device-side wait timed out after 60 s at rank 0 (CUDA device 0), CTA 0, in jaxgin barrier, peer rank 1"
+    state = fake_cuda(gin_contexts=4, settle_fails=(fault + "\n", DeviceFault("finalize(): the barrier failed")))
+    runtime = state.runtime
+    with pytest.warns(RuntimeWarning, match=r"was reset to release its memory.*The fault: " + re.escape(fault)):
+        jaxgin.finalize()
+    assert runtime.events == ["settle", "destroy"] and not jaxgin.is_initialized()
+
+
+def test_a_meeting_that_fails_without_a_fault_says_so(fake_cuda):
+    """A meeting refused before it started (too few barrier slots): released normally, with a
+    warning that names why the peers' last puts may fail."""
+    from jaxgin.errors import JaxginError
+
+    state = fake_cuda(gin_contexts=8, settle_fails=("", JaxginError("only 4 barrier slots exist")))
+    runtime = state.runtime
+    with pytest.warns(RuntimeWarning, match="meeting of every rank before releasing the heaps failed: only 4 barrier "
+                                            "slots exist; a peer's last puts to this rank may fail"):
+        jaxgin.finalize()
+    assert runtime.events == ["settle", "destroy"]

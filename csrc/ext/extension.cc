@@ -40,6 +40,7 @@ struct BackendApi {
   decltype(&jaxgin_ffi_calls) ffi_calls;
   decltype(&jaxgin_device_faults) device_faults;
   decltype(&jaxgin_heap_clear) heap_clear;
+  decltype(&jaxgin_runtime_settle) runtime_settle;
   decltype(&jaxgin_exchange_latency) exchange_latency;
 };
 
@@ -72,6 +73,7 @@ class Backend {
     resolve(handle_, "jaxgin_ffi_calls", api_.ffi_calls, path);
     resolve(handle_, "jaxgin_device_faults", api_.device_faults, path);
     resolve(handle_, "jaxgin_heap_clear", api_.heap_clear, path);
+    resolve(handle_, "jaxgin_runtime_settle", api_.runtime_settle, path);
     resolve(handle_, "jaxgin_exchange_latency", api_.exchange_latency, path);
     if (api_.backend_abi() != JAXGIN_BACKEND_ABI)
       throw std::runtime_error("jaxgin backend " + path + " has ABI " + std::to_string(api_.backend_abi()) +
@@ -243,6 +245,15 @@ class Runtime {
     backend_.check(status);
   }
 
+  void settle() {
+    int status;
+    {
+      nb::gil_scoped_release release;
+      status = backend_.api().runtime_settle(live());
+    }
+    backend_.check(status);
+  }
+
   std::vector<double> exchange_latency(uint64_t bytes, int iterations, bool use_graph, bool generic_kernel) {
     std::vector<double> us((size_t)local_count_, 0.0);
     int status;
@@ -322,6 +333,8 @@ NB_MODULE(_jaxgin_ext, m) {
            "us per ring exchange of a chain, per local GPU (diagnostic, no XLA)")
       .def("device_faults", &Runtime::device_faults, "descriptions of recorded device faults, '' when none")
       .def("heap_clear", &Runtime::heap_clear, nb::arg("offset"), nb::arg("bytes"),
-           "zero a heap range on every local GPU (synchronously)")
+           "free a heap range: zero it on every local GPU once every rank's puts to it landed (a collective)")
+      .def("settle", &Runtime::settle,
+           "meet every rank once this process's GPU work is done; nothing sent earlier is still in flight (a collective)")
       .def("wait_signal", &Runtime::wait_signal, nb::arg("local_index"), nb::arg("signal"), nb::arg("value"));
 }

@@ -1,5 +1,5 @@
-// The meeting of every rank that freeing a heap region needs (jaxgin_heap_clear,
-// ffi/heap_free.cu): one CTA per GIN context, each in the device library's barrier. A CTA's
+// The meeting of every rank that freeing a heap region and finalize() need (jaxgin_heap_clear,
+// jaxgin_runtime_settle; ffi/heap_free.cu): one CTA per GIN context, each in the device library's barrier. A CTA's
 // barrier signals are strong and go on its own context, so once every CTA of this rank has met
 // its peers, every put any peer made to this rank earlier, on any context, has landed.
 #include "../device/jaxgin_device.h"

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define JAXGIN_BACKEND_ABI 5
+#define JAXGIN_BACKEND_ABI 6
 #define JAXGIN_UNIQUE_ID_BYTES 128
 
 // The backend is linked with hidden visibility; only these entry points are exported.
@@ -96,9 +96,13 @@ JAXGIN_API int jaxgin_ffi_calls(uint64_t* exchange, uint64_t* put, uint64_t* wai
 // exchange kernel; us_per_op[local_index] receives the time per exchange (a diagnostic).
 JAXGIN_API int jaxgin_exchange_latency(jaxgin_runtime* rt, uint64_t bytes, int32_t iterations, int32_t use_graph,
                                        int32_t generic_kernel, double* us_per_op);
-// Zeroes heap bytes [offset, offset + bytes) on every local GPU and waits for it (used once when a
-// mailbox is placed, for its local bookkeeping header).
+// Frees heap bytes [offset, offset + bytes): a collective that zeroes them on every local GPU once
+// every rank's earlier puts to this rank landed (csrc/ffi/heap_free.cu).
 JAXGIN_API int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t bytes);
+// Meets every rank once this process's GPU work is done, after which nothing any rank sent earlier
+// is still on its way to this one (csrc/ffi/heap_free.cu); finalize() calls it before releasing
+// what peers' puts and signals may still reach. A collective.
+JAXGIN_API int jaxgin_runtime_settle(jaxgin_runtime* rt);
 JAXGIN_API int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity);
 // The wait before a broken GPU is reset (thread_settle.h), for tests through ctypes; the extension
 // does not call it. 1: every other thread of the process was seen asleep; 0: the timeout came,

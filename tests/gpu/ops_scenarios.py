@@ -269,14 +269,18 @@ def iterations(argv):
     x = _global(jax, mesh, (n * 4, 4096), jnp.float32, 1)
     calls_before = _ffi_calls(jaxgin)
     # Per device, the iterations whose checks failed, counted on the device and gathered once (a
-    # gather per iteration would dominate a multi-process run).
+    # gather per iteration would dominate a multi-process run). The first call finishes before the
+    # counting programs are compiled, and the last before the gather's: over the host transport,
+    # XLA loading a program while a jaxgin program runs can stall both (docs/guide.md).
     count = jax.jit(lambda failed, ok: failed + (~ok).astype(jnp.int32))
-    failed, ran = None, 0
+    ok = jax.block_until_ready(f(x, jnp.int32(0)))
+    failed = jax.block_until_ready(count(jnp.zeros_like(ok, dtype=jnp.int32), ok))
+    ran = 1
     start = time.perf_counter()
-    for i in range(ITERATIONS):
-        ok = f(x, jnp.int32(i))
-        failed = count(jnp.zeros_like(ok, dtype=jnp.int32) if failed is None else failed, ok)
+    for i in range(1, ITERATIONS):
+        failed = count(failed, f(x, jnp.int32(i)))
         ran += 1
+    jax.block_until_ready(failed)
     bad = int(_gather(jax, failed).sum())
     elapsed = time.perf_counter() - start
     calls = {k: v - calls_before[k] for k, v in _ffi_calls(jaxgin).items()}
