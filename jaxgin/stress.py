@@ -140,6 +140,9 @@ class Stress:
         """`ops` random programs; by_op counts every op run since warm-up, this_run this call's."""
         keys = self.menu()
         total = jnp.zeros((self.n,), jnp.int32, device=NamedSharding(self.mesh, P("x")))
+        # The sum and the reset below compiled before any program runs: over jaxgin's host
+        # transport, XLA loading a program while a jaxgin program runs can stall both.
+        total = jax.block_until_ready((total + total) * 0)
         mismatches, this_run = 0, dict.fromkeys(self.ops, 0)
         for i in range(ops):
             key = keys[self.rng.integers(len(keys))]
@@ -155,7 +158,8 @@ class Stress:
 def _host(x):
     if jax.process_count() == 1:
         return np.asarray(x)
-    return multihost_utils.process_allgather(x, tiled=True)
+    # the gather compiles a program of its own: the programs behind x finish first (see run())
+    return multihost_utils.process_allgather(jax.block_until_ready(x), tiled=True)
 
 
 def memory_in_use() -> dict:

@@ -73,7 +73,9 @@ def _gather(jax, x):
 
     if jax.process_count() == 1:
         return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    # The gather compiles a program of its own: the jaxgin programs behind x finish first (over
+    # the host transport, XLA loading a program while one runs can stall both; docs/guide.md).
+    return np.asarray(multihost_utils.process_allgather(jax.block_until_ready(x), tiled=True))
 
 
 def correctness(argv):
