@@ -482,11 +482,12 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
     layouts = {f"lag={lag}{', wait first' if wait_first else ''}": (lag, wait_first)
                for lag in REDUCER_LAGS for wait_first in (False, True)}
-    layouts["chunked"] = None  # the cuBLAS-per-chunk method, for scale
+    # the cuBLAS-per-chunk method: a call per peer's chunk (the op), or the peers' chunks merged
+    layouts["chunked"] = layouts["chunked, peers merged"] = None
     for name, layout in layouts.items():
         if layout is None:
-            def op(x, w):
-                return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"))
+            def op(x, w, merge=name.endswith("merged")):
+                return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"), merge_peers=merge)
         else:
             def op(x, w, lag=layout[0], wait_first=layout[1]):
                 return fused_rs._kernel(state, x, w, plan, 1 << 30 if lag == "all" else lag, wait_first)

@@ -316,9 +316,10 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     _check_gin_tile_area(state, buffers, args, gin, size, count, tiles)
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["a_call_per_peer", "peers_merged"])
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
 @pytest.mark.parametrize("rows", [True, False], ids=["scatter_rows", "scatter_columns"])
-def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, gin, rows):
+def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, gin, rows, merge):
     """method="chunked" in an NVLink-only job: one chunked custom call under the op's own name
     (its errors and faults name matmul_reduce_scatter) returning this GPU's chunk of every source's
     partial stacked by source, then their sum in float32 in source order, rounded once to the
@@ -348,13 +349,14 @@ def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, 
     monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: triton.append(kernel))
     x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
     plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None, "chunked")
-    got = module._kernel(_HeapOnlyState(), x, w, plan)
+    got = module._kernel(_HeapOnlyState(), x, w, plan, merge_peers=merge)
     if gin:
         assert binds == [] and len(triton) == 1
         return
     ((params),) = binds
     assert triton == []
     assert params["op"] == "jaxgin.fused.matmul_reduce_scatter" and params["split_rows"] is rows
+    assert params["merge_peers"] is merge
     assert params["out_shape"] == (size * cm, cn) and params["size"] == size
     assert params["slot"] >= cm * cn * 2 and params["slot"] % 256 == 0
     stacked = partials.reshape(size, cm, cn).astype(jnp.float32)
@@ -378,6 +380,7 @@ def test_every_chunked_target_has_its_handler_in_csrc():
         binding = source[start:source.index(";", start)]
         assert '"split_rows"' in binding if "all_gather" not in symbol else '"split_rows"' not in binding
         assert ('"concat_rows"' in binding) == ("all_to_all" in symbol), binding
+        assert ('"merge_peers"' in binding) == ("reduce_scatter" in symbol), binding
     assert {op.name for t in family.targets for op in t.ops} == {
         "jaxgin.fused.matmul_all_to_all", "jaxgin.fused.all_gather_matmul", "jaxgin.fused.matmul_reduce_scatter"}
 

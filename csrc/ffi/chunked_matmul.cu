@@ -260,12 +260,15 @@ Placement place(char* out, int index, int64_t cm, int64_t cn, int size, int64_t 
 // Chunk t of x @ w (a block of its rows or columns) computed here and delivered to index t, every
 // index's chunk of this call placed in the result by source: the exchange both matmul_all_to_all
 // and matmul_reduce_scatter (whose partial chunks the caller then sums) are made of. `tag` names
-// the user's op in errors and faults.
+// the user's op in errors and faults. With `merge_peers` (row chunks in slots without padding
+// only), the peers' chunks are multiplied in at most two cuBLAS calls, the runs of indices after and
+// before this GPU's (contiguous rows of x and contiguous slots), each run handed over when its call
+// is done: fewer, larger matmuls against later hand-overs (benchmarks/fused.py --variants-only).
 ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                            ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
                            int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32,
-                           int64_t generation) {
+                           int64_t generation, int64_t merge_peers = 0) {
   return guarded([&] {
     const char* op = jaxgin_op_name(tag);
     ChunkedCall call = start_call(op, tag, stream, ordinal, generation, mesh_ranks, mesh_shape, axes, offset,
@@ -279,19 +282,30 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
     const char* ws = static_cast<const char*>(w.untyped_data());
     char* result = static_cast<char*>(out->untyped_data());
     const ChunkedMatmulState& c = call.chunked;
-    // Operands of chunk `index`: a block of x's rows, or a block of w's columns (row stride n).
-    auto gemm = [&](int index, void* into, int64_t ldc) {
+    // Operands of chunks `index` .. `index + count - 1`: a block of x's rows, or (count 1) a block
+    // of w's columns (row stride n).
+    auto gemm = [&](int index, void* into, int64_t ldc, int count = 1) {
       const char* a = split_rows ? xs + (size_t)(index * cm * mm.k) * elt : xs;
       const char* b = split_rows ? ws : ws + (size_t)(index * cn) * elt;
-      blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)cm, (int)cn, (int)mm.k, a, (int)mm.k, b, (int)mm.n, into,
-                           (int)ldc, op);
+      blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)(cm * count), (int)cn, (int)mm.k, a, (int)mm.k, b,
+                           (int)mm.n, into, (int)ldc, op);
     };
     const chunk_handoff& h = call.handoff;
     if (size > 1) check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
-    for (int i = 1; i < size; i++) {
-      const int to = (me + i) % size;
-      gemm(to, call.slots + slot_bytes * to, cn);
-      hand_over(call, to, stream);
+    if (merge_peers && split_rows && slot_bytes == (int64_t)(cm * cn * elt)) {
+      auto run = [&](int first, int count) {  // indices first .. first + count - 1, one call
+        if (count <= 0) return;
+        gemm(first, call.slots + slot_bytes * first, cn, count);
+        for (int t = first; t < first + count; t++) hand_over(call, t, stream);
+      };
+      run(me + 1, size - 1 - me);
+      run(0, me);
+    } else {
+      for (int i = 1; i < size; i++) {
+        const int to = (me + i) % size;
+        gemm(to, call.slots + slot_bytes * to, cn);
+        hand_over(call, to, stream);
+      }
     }
     const Placement own = place(result, me, cm, cn, size, concat_rows, elt);
     gemm(me, own.base, own.ld);
@@ -332,9 +346,10 @@ ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
 ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                  ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                                  ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
-                                 int64_t slot_bytes, int64_t split_rows, int64_t tf32, int64_t generation) {
+                                 int64_t slot_bytes, int64_t split_rows, int64_t tf32, int64_t generation,
+                                 int64_t merge_peers) {
   return exchange_chunks(JAXGIN_OP_MATMUL_REDUCE_SCATTER, stream, ordinal, x, w, out, mesh_ranks, mesh_shape, axes,
-                         offset, slot_bytes, split_rows, /*concat_rows=*/1, tf32, generation);
+                         offset, slot_bytes, split_rows, /*concat_rows=*/1, tf32, generation, merge_peers);
 }
 
 ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -410,7 +425,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_reduce_scatter, jaxgin::ffi_supp
                               JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("split_rows")
                                   .Attr<int64_t>("tf32")
-                                  .Attr<int64_t>("generation"));
+                                  .Attr<int64_t>("generation")
+                                  .Attr<int64_t>("merge_peers"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support::all_gather_matmul,
                               JAXGIN_CHUNKED_BINDING

@@ -48,7 +48,7 @@ def _block(state, op: str, names, size: int, slot: int) -> int:
                              lambda: state.heap.allocate(slot * size + words))
 
 
-def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None, concat_rows=None):
+def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None, concat_rows=None, merge_peers=None):
     state = op_support.lowering_state(op)
     attrs = axes_lib.lowering_attributes(ctx, names, state, op)
     offset = _block(state, op, names, size, slot)
@@ -56,6 +56,8 @@ def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None
         attrs.update(split_rows=np.int64(bool(split_rows)))
     if concat_rows is not None:
         attrs.update(concat_rows=np.int64(bool(concat_rows)))
+    if merge_peers is not None:
+        attrs.update(merge_peers=np.int64(bool(merge_peers)))
     return jax.ffi.ffi_lowering(op_table.target_of(op), has_side_effect=True)(
         ctx, x, w, offset=np.int64(offset), slot_bytes=np.int64(slot), tf32=np.int64(bool(tf32)), **attrs
     )
@@ -93,14 +95,15 @@ def all_gather_matmul(x, w, plan):
     )
 
 
-def reduce_scatter_partials(x, w, plan):
+def reduce_scatter_partials(x, w, plan, merge_peers: bool = False):
     """[size, cm, cn]: chunk `me` of every source's partial product x @ w, stacked by source (the
     caller sums them: matmul_reduce_scatter.reduce_in_order). Chunks are computed and exchanged as
-    matmul_all_to_all's are."""
+    matmul_all_to_all's are; `merge_peers` multiplies the peers' row chunks in at most two cuBLAS
+    calls instead of one each (a layout benchmarks/fused.py --variants-only compares)."""
     cm, cn = plan.chunk
     stacked = chunked_matmul_p.bind(
         x, w, op="jaxgin.fused.matmul_reduce_scatter", names=plan.names, size=plan.size,
         out_shape=(plan.size * cm, cn), slot=slot_bytes((cm, cn), x.dtype), tf32=_tf32(x.dtype, plan.precision),
-        split_rows=plan.scatter_rows,
+        split_rows=plan.scatter_rows, merge_peers=merge_peers,
     )
     return stacked.reshape(plan.size, cm, cn)
