@@ -482,12 +482,11 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
     layouts = {f"lag={lag}{', wait first' if wait_first else ''}": (lag, wait_first)
                for lag in REDUCER_LAGS for wait_first in (False, True)}
-    # the cuBLAS-per-chunk method: a call per peer's chunk (the op), or the peers' chunks merged
-    layouts["chunked"] = layouts["chunked, peers merged"] = None
+    layouts["chunked"] = None  # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
     for name, layout in layouts.items():
         if layout is None:
-            def op(x, w, merge=name.endswith("merged")):
-                return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"), merge_peers=merge)
+            def op(x, w):
+                return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"))
         else:
             def op(x, w, lag=layout[0], wait_first=layout[1]):
                 return fused_rs._kernel(state, x, w, plan, 1 << 30 if lag == "all" else lag, wait_first)
@@ -496,6 +495,65 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
         t = best_seconds(_chain(mesh, op, K_SHARDED), x, w, repeats=repeats) / STEPS * 1e6
         row["layouts"][name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
         print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]}), flush=True)
+    return row
+
+
+# The chunked method's layouts (how the peers' chunks are split into cuBLAS calls) at the sweep's
+# smaller shapes, where the default falls below XLA's composition, and at the issue's shapes.
+CHUNKED_LAYOUT_SHAPES = [(512, 7168, 2048), (1024, 7168, 2048), (2048, 7168, 2048), *ISSUE_SHAPES]
+
+
+def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """matmul_all_to_all and matmul_reduce_scatter (method="chunked") under each chunk layout
+    (jaxgin.fused._chunked.LAYOUTS; the ops use the first), each checked against XLA, next to XLA's
+    unfused compositions and its matmul alone (M rows per device; reduce-scatter: x [M, K] per
+    device, sharded along K)."""
+    import importlib
+
+    from jaxgin.fused import _chunked
+
+    fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    state = jaxgin.runtime.current()
+    devices = mesh.size
+    keys = jax.random.split(jax.random.key(m + k + n))
+    x = jax.device_put(jax.random.normal(keys[0], (devices * m, k), dtype), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    xr = jax.device_put(jax.random.normal(keys[0], (m, devices * k), dtype), NamedSharding(mesh, P(None, "x")))
+    wr = jax.device_put(jax.random.normal(keys[1], (devices * k, n), dtype), NamedSharding(mesh, P("x", None)))
+    a2a_plan = fused_a2a._Plan(("x",), devices, m, n, k, True, True, None, None, "chunked")
+    rs_plan = fused_rs._Plan(("x",), devices, m, n, k, True, None, None, "chunked")
+
+    def unfused_a2a(x, w):
+        return jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
+
+    def unfused_rs(x, w):
+        return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
+
+    def timed(op, a, b, specs=ROWS):
+        return best_seconds(_chain(mesh, op, specs), a, b, repeats=repeats) / STEPS * 1e6
+
+    row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w),
+           "xla_matmul_all_to_all_us": timed(unfused_a2a, x, w),
+           "xla_matmul_reduce_scatter_us": timed(unfused_rs, xr, wr, K_SHARDED), "all_to_all": {}, "reduce_scatter": {}}
+    a2a_expected = _once(mesh, unfused_a2a)(x, w)
+    rs_expected = _once(mesh, unfused_rs, K_SHARDED)(xr, wr)
+    for layout in _chunked.LAYOUTS:
+        def a2a(x, w, layout=layout):
+            return fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout)
+
+        def rs(x, w, layout=layout):
+            return fused_rs._kernel(state, x, w, rs_plan, chunk_layout=layout)
+
+        t = timed(a2a, x, w)
+        row["all_to_all"][layout] = {"us": t, "rel_err": _rel(_once(mesh, a2a)(x, w), a2a_expected),
+                                     "speedup_vs_unfused": row["xla_matmul_all_to_all_us"] / t}
+        if m % devices == 0:
+            t = timed(rs, xr, wr, K_SHARDED)
+            row["reduce_scatter"][layout] = {"us": t, "rel_err": _rel(_once(mesh, rs, K_SHARDED)(xr, wr), rs_expected),
+                                             "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
+        print(json.dumps({"m": m, "k": k, "n": n, "layout": layout, "all_to_all": row["all_to_all"][layout],
+                          "reduce_scatter": row["reduce_scatter"].get(layout)}), flush=True)
     return row
 
 
@@ -550,6 +608,9 @@ def main() -> None:
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout, and "
                              "matmul_reduce_scatter under each reducer layout (fused_variants.json)")
+    parser.add_argument("--chunked-layouts-only", action="store_true",
+                        help="only the chunked method of matmul_all_to_all and matmul_reduce_scatter under each "
+                             "chunk layout, at CHUNKED_LAYOUT_SHAPES (fused_chunked_layouts.json)")
     parser.add_argument("--gspmd-only", action="store_true",
                         help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
                              "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")
@@ -565,7 +626,8 @@ def main() -> None:
     need, what = ((1, "it times cuBLAS and the fused ops' Triton tile code on them") if args.chunking_only else
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
     windowed, pallas = [], {}
-    full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only)
+    full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only
+                or args.chunked_layouts_only)
     if full and not (args.no_windowed and args.no_pallas):
         # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
         # this one holds the GPUs
@@ -577,16 +639,20 @@ def main() -> None:
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     dtype = jnp.dtype(args.dtype)
-    # Modes that measure one thing at the issue's shapes and write it alone: (measure, file, extra keys).
+    # Modes that measure one thing (at the issue's shapes unless they name theirs) and write it
+    # alone: (measure, file, extra keys, shapes).
     only = {
         "chunking_only": (chunking, "fused_chunking.json",
-                          {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}),
-        "gspmd_only": (gspmd, "fused_gspmd.json", {}),
-        "variants_only": (variants, "fused_variants.json", {}),
+                          {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}, ISSUE_SHAPES),
+        "gspmd_only": (gspmd, "fused_gspmd.json", {}, ISSUE_SHAPES),
+        "variants_only": (variants, "fused_variants.json", {}, ISSUE_SHAPES),
+        "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json",
+                                 {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__},
+                                 CHUNKED_LAYOUT_SHAPES),
     }
-    for mode, (measure_one, name, extra) in only.items():
+    for mode, (measure_one, name, extra, shapes) in only.items():
         if getattr(args, mode):
-            rows = [measure_one(mesh, m, k, n, dtype, args.repeats) for m, k, n in ISSUE_SHAPES]
+            rows = [measure_one(mesh, m, k, n, dtype, args.repeats) for m, k, n in shapes]
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / name).write_text(json.dumps({"devices": mesh.size, **extra, "shapes": rows}, indent=1))
             jaxgin.finalize()

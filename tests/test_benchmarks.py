@@ -110,6 +110,31 @@ def test_a_windowed_einsum_baseline_with_a_wrong_result_gets_no_ratio(monkeypatc
     assert "no ratio against it" in out.stderr
 
 
+def test_the_chunked_layouts_mode_times_every_layout_of_both_ops():
+    """fused.chunked_layouts: each of the chunked method's layouts of matmul_all_to_all and
+    matmul_reduce_scatter reaches the op's kernel by name, is checked against XLA's composition and
+    gets a ratio to it (4 CPU devices, the ops' kernels stood in for by their references)."""
+    code = (
+        "import sys, json; sys.path.insert(0, 'benchmarks'); import jax, numpy as np, jax.numpy as jnp, jaxgin, fused;"
+        "import importlib; a2a, rs = (importlib.import_module(f'jaxgin.fused.{m}') for m in"
+        " ('matmul_all_to_all', 'matmul_reduce_scatter'));"
+        "from jax.sharding import Mesh; fused.STEPS = 1; seen = [];"
+        "a2a._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('a2a', chunk_layout)), a2a.reference(x, w, plan))[1];"
+        "rs._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('rs', chunk_layout)), rs.reference(x, w, plan))[1];"
+        "jaxgin.initialize();"
+        "row = fused.chunked_layouts(Mesh(np.array(jax.devices()), ('x',)), 64, 32, 16, jnp.float32, 1);"
+        "print('ROW', json.dumps({op: {k: v['rel_err'] < 1e-5 and v['speedup_vs_unfused'] > 0 for k, v in row[op].items()}"
+        " for op in ('all_to_all', 'reduce_scatter')}), sorted(set(seen)))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("ROW ")), None)
+    assert line is not None, out.stderr[-2000:]
+    layouts = ("chunk_per_peer", "peers_merged", "whole")
+    assert json.loads(line[4:line.index("} [") + 1]) == {op: dict.fromkeys(layouts, True)
+                                                         for op in ("all_to_all", "reduce_scatter")}, line
+    assert line.endswith(str(sorted((op, layout) for op in ("a2a", "rs") for layout in layouts))), line
+
+
 def test_the_windowed_ratio_takes_the_fastest_right_form():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

@@ -246,7 +246,7 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
     monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
     calls = []
     monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: calls.append(("triton", args, kw)))
-    monkeypatch.setattr(_chunked, op, lambda x, w, plan: calls.append(("chunked", (), {})))
+    monkeypatch.setattr(_chunked, op, lambda x, w, plan, *layout: calls.append(("chunked", (), {})))
     size, dtype = 4, jnp.bfloat16
     x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
     state = _HeapOnlyState()
@@ -316,10 +316,10 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     _check_gin_tile_area(state, buffers, args, gin, size, count, tiles)
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["a_call_per_peer", "peers_merged"])
+@pytest.mark.parametrize("layout", ["chunk_per_peer", "peers_merged", "whole"])
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
 @pytest.mark.parametrize("rows", [True, False], ids=["scatter_rows", "scatter_columns"])
-def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, gin, rows, merge):
+def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, gin, rows, layout):
     """method="chunked" in an NVLink-only job: one chunked custom call under the op's own name
     (its errors and faults name matmul_reduce_scatter) returning this GPU's chunk of every source's
     partial stacked by source, then their sum in float32 in source order, rounded once to the
@@ -349,14 +349,14 @@ def test_matmul_reduce_scatter_chunked_sums_the_exchanged_partials(monkeypatch, 
     monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: triton.append(kernel))
     x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
     plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None, "chunked")
-    got = module._kernel(_HeapOnlyState(), x, w, plan, merge_peers=merge)
+    got = module._kernel(_HeapOnlyState(), x, w, plan, chunk_layout=layout)
     if gin:
         assert binds == [] and len(triton) == 1
         return
     ((params),) = binds
     assert triton == []
     assert params["op"] == "jaxgin.fused.matmul_reduce_scatter" and params["split_rows"] is rows
-    assert params["merge_peers"] is merge
+    assert params["layout"] == layout
     assert params["out_shape"] == (size * cm, cn) and params["size"] == size
     assert params["slot"] >= cm * cn * 2 and params["slot"] % 256 == 0
     stacked = partials.reshape(size, cm, cn).astype(jnp.float32)
@@ -380,9 +380,23 @@ def test_every_chunked_target_has_its_handler_in_csrc():
         binding = source[start:source.index(";", start)]
         assert '"split_rows"' in binding if "all_gather" not in symbol else '"split_rows"' not in binding
         assert ('"concat_rows"' in binding) == ("all_to_all" in symbol), binding
-        assert ('"merge_peers"' in binding) == ("reduce_scatter" in symbol), binding
+        # the exchange's cuBLAS calls laid out by the op table's ChunkLayout code
+        assert ('"layout"' in binding) == ("all_gather" not in symbol), binding
     assert {op.name for t in family.targets for op in t.ops} == {
         "jaxgin.fused.matmul_all_to_all", "jaxgin.fused.all_gather_matmul", "jaxgin.fused.matmul_reduce_scatter"}
+
+
+def test_a_chunk_layout_is_named_from_the_op_table():
+    """The chunked ops' `layout` attribute: the op table's ChunkLayout code for a known name, and a
+    clear error naming the choices otherwise."""
+    from jaxgin.ffi import op_table
+    from jaxgin.fused import _chunked
+
+    assert _chunked.LAYOUTS == ("chunk_per_peer", "peers_merged", "whole")
+    assert [int(op_table.ChunkLayout[name.upper()]) for name in _chunked.LAYOUTS] == [0, 1, 2]
+    assert "enum ChunkLayout : int64_t { kChunkPerPeer = 0, kPeersMerged = 1, kWhole = 2 };" in op_table.header()
+    with pytest.raises(ValueError, match="chunk layout 'rows': expected one of chunk_per_peer, peers_merged, whole"):
+        _chunked._layout("rows")
 
 
 def _check_gin_tile_area(state, buffers, args, gin, size, count, tiles):

@@ -260,15 +260,17 @@ Placement place(char* out, int index, int64_t cm, int64_t cn, int size, int64_t 
 // Chunk t of x @ w (a block of its rows or columns) computed here and delivered to index t, every
 // index's chunk of this call placed in the result by source: the exchange both matmul_all_to_all
 // and matmul_reduce_scatter (whose partial chunks the caller then sums) are made of. `tag` names
-// the user's op in errors and faults. With `merge_peers` (row chunks in slots without padding
-// only), the peers' chunks are multiplied in at most two cuBLAS calls, the runs of indices after and
-// before this GPU's (contiguous rows of x and contiguous slots), each run handed over when its call
-// is done: fewer, larger matmuls against later hand-overs (benchmarks/fused.py --variants-only).
+// the user's op in errors and faults. `layout` (row chunks in slots without padding only; otherwise
+// a call per peer) trades fewer, larger matmuls against later hand-overs, for
+// benchmarks/fused.py --chunked-layouts-only: kChunkPerPeer, a cuBLAS call per peer's chunk (the
+// ops' layout); kPeersMerged, the peers' chunks in at most two calls, the runs of indices after and
+// before this GPU's, each run handed over when its call is done; kWhole, one call for every chunk,
+// all handed over at its end, the own chunk then copied from its slot into the result.
 ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                            ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
                            int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32,
-                           int64_t generation, int64_t merge_peers = 0) {
+                           int64_t generation, int64_t layout) {
   return guarded([&] {
     const char* op = jaxgin_op_name(tag);
     ChunkedCall call = start_call(op, tag, stream, ordinal, generation, mesh_ranks, mesh_shape, axes, offset,
@@ -292,23 +294,32 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
     };
     const chunk_handoff& h = call.handoff;
     if (size > 1) check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
-    if (merge_peers && split_rows && slot_bytes == (int64_t)(cm * cn * elt)) {
-      auto run = [&](int first, int count) {  // indices first .. first + count - 1, one call
-        if (count <= 0) return;
-        gemm(first, call.slots + slot_bytes * first, cn, count);
-        for (int t = first; t < first + count; t++) hand_over(call, t, stream);
-      };
-      run(me + 1, size - 1 - me);
-      run(0, me);
-    } else {
-      for (int i = 1; i < size; i++) {
-        const int to = (me + i) % size;
-        gemm(to, call.slots + slot_bytes * to, cn);
-        hand_over(call, to, stream);
-      }
-    }
+    const bool slots_are_rows = split_rows && slot_bytes == (int64_t)(cm * cn * elt);
     const Placement own = place(result, me, cm, cn, size, concat_rows, elt);
-    gemm(me, own.base, own.ld);
+    if (layout == kWhole && slots_are_rows) {
+      gemm(0, call.slots, cn, size);
+      for (int i = 1; i < size; i++) hand_over(call, (me + i) % size, stream);
+      check_launch(cudaMemcpy2DAsync(own.base, (size_t)own.ld * elt, call.slots + slot_bytes * me, (size_t)cn * elt,
+                                     (size_t)cn * elt, (size_t)cm, cudaMemcpyDeviceToDevice, stream),
+                   "copying this GPU's own chunk", dev);
+    } else {
+      if (layout == kPeersMerged && slots_are_rows) {
+        auto run = [&](int first, int count) {  // indices first .. first + count - 1, one call
+          if (count <= 0) return;
+          gemm(first, call.slots + slot_bytes * first, cn, count);
+          for (int t = first; t < first + count; t++) hand_over(call, t, stream);
+        };
+        run(me + 1, size - 1 - me);
+        run(0, me);
+      } else {
+        for (int i = 1; i < size; i++) {
+          const int to = (me + i) % size;
+          gemm(to, call.slots + slot_bytes * to, cn);
+          hand_over(call, to, stream);
+        }
+      }
+      gemm(me, own.base, own.ld);
+    }
     if (size > 1) {
       // The bounded wait for every chunk (see the top of this file).
       check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
@@ -336,9 +347,10 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
 ffi::Error matmul_all_to_all(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                              ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
-                             int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation) {
+                             int64_t slot_bytes, int64_t split_rows, int64_t concat_rows, int64_t tf32, int64_t generation,
+                             int64_t layout) {
   return exchange_chunks(JAXGIN_OP_MATMUL_ALL_TO_ALL, stream, ordinal, x, w, out, mesh_ranks, mesh_shape, axes, offset,
-                         slot_bytes, split_rows, concat_rows, tf32, generation);
+                         slot_bytes, split_rows, concat_rows, tf32, generation, layout);
 }
 
 // The partial chunks of a reduce-scatter, stacked by source ([size, cm, cn]); the sum over sources
@@ -347,9 +359,9 @@ ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyB
                                  ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                                  ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
                                  int64_t slot_bytes, int64_t split_rows, int64_t tf32, int64_t generation,
-                                 int64_t merge_peers) {
+                                 int64_t layout) {
   return exchange_chunks(JAXGIN_OP_MATMUL_REDUCE_SCATTER, stream, ordinal, x, w, out, mesh_ranks, mesh_shape, axes,
-                         offset, slot_bytes, split_rows, /*concat_rows=*/1, tf32, generation, merge_peers);
+                         offset, slot_bytes, split_rows, /*concat_rows=*/1, tf32, generation, layout);
 }
 
 ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -419,14 +431,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_all_to_all, jaxgin::ffi_support:
                                   .Attr<int64_t>("split_rows")
                                   .Attr<int64_t>("concat_rows")
                                   .Attr<int64_t>("tf32")
-                                  .Attr<int64_t>("generation"));
+                                  .Attr<int64_t>("generation")
+                                  .Attr<int64_t>("layout"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_reduce_scatter, jaxgin::ffi_support::matmul_reduce_scatter,
                               JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("split_rows")
                                   .Attr<int64_t>("tf32")
                                   .Attr<int64_t>("generation")
-                                  .Attr<int64_t>("merge_peers"));
+                                  .Attr<int64_t>("layout"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support::all_gather_matmul,
                               JAXGIN_CHUNKED_BINDING

@@ -33,6 +33,15 @@ class ExchangeKind(enum.IntEnum):
     ALL_TO_ALL = 1
 
 
+class ChunkLayout(enum.IntEnum):
+    """The chunked fused ops' `layout` attribute: how the peers' chunks are split into cuBLAS calls
+    (csrc/ffi/chunked_matmul.cu; benchmarks/fused.py --chunked-layouts-only compares them)."""
+
+    CHUNK_PER_PEER = 0  # a call per peer's chunk, each handed over when done (the ops' layout)
+    PEERS_MERGED = 1  # the peers' row chunks in at most two calls
+    WHOLE = 2  # one call for every chunk, then every hand-over
+
+
 class ParamKind(enum.IntEnum):
     """jaxgin_triton_call's `params`: pairs (kind, value) in the kernel's parameter order."""
 
@@ -150,6 +159,7 @@ FAMILIES: tuple[Family, ...] = (
                         (Op("jaxgin.fused.all_gather_matmul", "ALL_GATHER_MATMUL"),)),
                  Target("jaxgin_matmul_reduce_scatter", {"execute": "jaxgin_ffi_matmul_reduce_scatter"},
                         (Op("jaxgin.fused.matmul_reduce_scatter", "MATMUL_REDUCE_SCATTER"),))),
+        codes=(ChunkLayout,),
         preload=("preload_chunk_handoff_kernels",),
     ),
     Family(

@@ -48,7 +48,7 @@ def _block(state, op: str, names, size: int, slot: int) -> int:
                              lambda: state.heap.allocate(slot * size + words))
 
 
-def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None, concat_rows=None, merge_peers=None):
+def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None, concat_rows=None, layout=None):
     state = op_support.lowering_state(op)
     attrs = axes_lib.lowering_attributes(ctx, names, state, op)
     offset = _block(state, op, names, size, slot)
@@ -56,8 +56,8 @@ def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None
         attrs.update(split_rows=np.int64(bool(split_rows)))
     if concat_rows is not None:
         attrs.update(concat_rows=np.int64(bool(concat_rows)))
-    if merge_peers is not None:
-        attrs.update(merge_peers=np.int64(bool(merge_peers)))
+    if layout is not None:
+        attrs.update(layout=np.int64(op_table.ChunkLayout[layout.upper()]))
     return jax.ffi.ffi_lowering(op_table.target_of(op), has_side_effect=True)(
         ctx, x, w, offset=np.int64(offset), slot_bytes=np.int64(slot), tf32=np.int64(bool(tf32)), **attrs
     )
@@ -75,15 +75,26 @@ def _tf32(dtype, precision) -> bool:
     return _common.dot_precision(dtype, precision) == "tf32"
 
 
-def matmul_all_to_all(x, w, plan):
+# How the peers' chunks are split into cuBLAS calls (op_table.ChunkLayout; row chunks only): the
+# ops use "chunk_per_peer"; benchmarks/fused.py --chunked-layouts-only weighs the others.
+LAYOUTS = tuple(layout.name.lower() for layout in op_table.ChunkLayout)
+
+
+def matmul_all_to_all(x, w, plan, layout: str = "chunk_per_peer"):
     """The result of chunk d of x @ w sent to axis index d, chunks placed by source (see
     matmul_all_to_all.reference)."""
     cm, cn = plan.chunk
     return chunked_matmul_p.bind(
         x, w, op="jaxgin.fused.matmul_all_to_all", names=plan.names, size=plan.size, out_shape=plan.out_shape,
         slot=slot_bytes((cm, cn), x.dtype), tf32=_tf32(x.dtype, plan.precision),
-        split_rows=plan.split_rows, concat_rows=plan.concat_rows,
+        split_rows=plan.split_rows, concat_rows=plan.concat_rows, layout=_layout(layout),
     )
+
+
+def _layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"chunk layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    return layout
 
 
 def all_gather_matmul(x, w, plan):
@@ -95,15 +106,14 @@ def all_gather_matmul(x, w, plan):
     )
 
 
-def reduce_scatter_partials(x, w, plan, merge_peers: bool = False):
+def reduce_scatter_partials(x, w, plan, layout: str = "chunk_per_peer"):
     """[size, cm, cn]: chunk `me` of every source's partial product x @ w, stacked by source (the
     caller sums them: matmul_reduce_scatter.reduce_in_order). Chunks are computed and exchanged as
-    matmul_all_to_all's are; `merge_peers` multiplies the peers' row chunks in at most two cuBLAS
-    calls instead of one each (a layout benchmarks/fused.py --variants-only compares)."""
+    matmul_all_to_all's are, in the same layouts."""
     cm, cn = plan.chunk
     stacked = chunked_matmul_p.bind(
         x, w, op="jaxgin.fused.matmul_reduce_scatter", names=plan.names, size=plan.size,
         out_shape=(plan.size * cm, cn), slot=slot_bytes((cm, cn), x.dtype), tf32=_tf32(x.dtype, plan.precision),
-        split_rows=plan.scatter_rows, merge_peers=merge_peers,
+        split_rows=plan.scatter_rows, layout=_layout(layout),
     )
     return stacked.reshape(plan.size, cm, cn)

@@ -111,15 +111,17 @@ def reference(x, w, plan: _Plan):
     return jnp.swapaxes(arrived, 0, 1).reshape(cm, plan.size * cn).astype(x.dtype)
 
 
-def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True):
-    """The op on GPUs: the chunked custom call, or the fused Triton kernel, whose `parts`, `interleave`
-    and `pull` select variants for benchmarks/fused.py (the defaults are the op: see
+def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True,
+            chunk_layout: str = "chunk_per_peer"):
+    """The op on GPUs: the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
+    _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`, `interleave` and `pull` select
+    variants; benchmarks/fused.py compares the non-defaults (the defaults are the op: see
     _kernels.matmul_all_to_all_kernel). A job with GPUs on other hosts runs the Triton kernel for
     either method: its tiles go to such GPUs by GIN puts from the matmul's epilogue, while the
     chunked method's copy engine reaches NVLink peers only (_common.run_on_triton)."""
     gin = op_support.gin_in_job(state)
     if not _common.run_on_triton(plan.method, gin):
-        return _chunked.matmul_all_to_all(x, w, plan)
+        return _chunked.matmul_all_to_all(x, w, plan, chunk_layout)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 

@@ -116,15 +116,15 @@ def reference(x, w, plan: _Plan):
     return reduce_in_order(arrived, x.dtype)
 
 
-def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, merge_peers: bool = False):
-    """The op on GPUs: the chunked custom call and the sum of the partials it exchanged (its peers'
-    chunks in fewer cuBLAS calls with `merge_peers`), or the Triton kernel, whose reducers `lag` and
-    `wait_first` place and order (LAG and WAIT_FIRST of _kernels.matmul_reduce_scatter_kernel).
-    benchmarks/fused.py --variants-only compares these layouts. A job with GPUs on other hosts runs
-    the Triton kernel for either method (_common.run_on_triton)."""
+def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer"):
+    """The op on GPUs: the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
+    _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
+    `lag` and `wait_first` place and order (LAG and WAIT_FIRST of
+    _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults. A job
+    with GPUs on other hosts runs the Triton kernel for either method (_common.run_on_triton)."""
     gin = op_support.gin_in_job(state)
     if not _common.run_on_triton(plan.method, gin):
-        return reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, merge_peers), x.dtype)
+        return reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
