@@ -22,6 +22,12 @@ def _run(*argv):
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
+def _on_cpu_devices(code: str, devices: int):
+    """`code` run by Python in the repo root with JAX on `devices` CPU devices."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.parametrize("script, args, gpus", [
     ("benchmarks/collectives.py", [], 2),
     ("benchmarks/collectives.py", ["--max-bytes", "64KiB", "--ops", "ppermute"], 2),
@@ -104,8 +110,7 @@ def test_a_windowed_einsum_baseline_with_a_wrong_result_gets_no_ratio(monkeypatc
             "from jax.sharding import Mesh; fused.STEPS = 1; fused._rel = lambda a, b: 1.3;"
             "row = fused.gspmd(Mesh(np.array(jax.devices()), ('x',)), 64, 32, 16, jnp.float32, 1);"
             "print('WRONG', row['windowed_all_gather_matmul_wrong_result'], row['windowed_matmul_reduce_scatter_wrong_result'])")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    out = _on_cpu_devices(code, 4)
     assert "WRONG True True" in out.stdout, out.stderr[-2000:]
     assert "no ratio against it" in out.stderr
 
@@ -125,8 +130,7 @@ def test_the_chunked_layouts_mode_times_every_layout_of_both_ops():
         "row = fused.chunked_layouts(Mesh(np.array(jax.devices()), ('x',)), 64, 32, 16, jnp.float32, 1);"
         "print('ROW', json.dumps({op: {k: v['rel_err'] < 1e-5 and v['speedup_vs_unfused'] > 0 for k, v in row[op].items()}"
         " for op in ('all_to_all', 'reduce_scatter')}), sorted(set(seen)))")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    out = _on_cpu_devices(code, 4)
     line = next((x for x in out.stdout.splitlines() if x.startswith("ROW ")), None)
     assert line is not None, out.stderr[-2000:]
     layouts = ("chunk_per_peer", "peers_merged", "whole")
@@ -157,8 +161,7 @@ def test_the_pallas_baseline_says_why_it_cannot_run_instead_of_failing_the_bench
             "xs = jax.device_put(jnp.ones((256, 64), jnp.bfloat16), NamedSharding(mesh, P('x')));"
             "w = jax.device_put(jnp.ones((64, 128), jnp.bfloat16), NamedSharding(mesh, P()));"
             "row = fused.pallas_all_gather_matmul(mesh, xs, w, None, 1); print('ROW', sorted(row), row)")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    out = _on_cpu_devices(code, 2)
     assert "ROW ['pallas_all_gather_matmul_error']" in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
 
 
