@@ -29,7 +29,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgin
@@ -45,7 +44,7 @@ LOOP_CALLS, FOLD_EVERY = by_tier(20, 200), 20
 
 
 def _host(a) -> np.ndarray:
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True), np.float64)
+    return job.gathered(a).astype(np.float64)
 
 
 def _rel(a, b) -> float:

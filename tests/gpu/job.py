@@ -44,6 +44,20 @@ def join(argv) -> tuple[int, int] | None:
     return rank, world
 
 
+def gathered(a):
+    """Every process's shards of the global array `a`, as one numpy array on this host, once the
+    programs behind `a` finished: the gather compiles a program of its own, and over the host
+    transport XLA loading a program while a jaxgin program runs can stall both (docs/guide.md)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    a = jax.block_until_ready(a)
+    if jax.process_count() == 1:
+        return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
 def exit_together(name: str, timeout_s: float = 600.0) -> None:
     """Waits until every process of the job got here, then returns (at once in a one-process
     scenario). Scenarios that end without jax.distributed's shutdown (after a device fault) call

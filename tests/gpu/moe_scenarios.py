@@ -36,7 +36,6 @@ if __name__ == "__main__" and len(sys.argv) > 3:  # one process per GPU: XLA nee
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import device_read
@@ -54,9 +53,7 @@ RAGGED_BASELINE = not job.emulated()
 
 
 def _host(a) -> np.ndarray:
-    # the gather compiles a program of its own: the jaxgin programs behind `a` finish first
-    # (over the host transport, XLA loading a program while one runs can stall both)
-    return np.asarray(multihost_utils.process_allgather(jax.block_until_ready(a), tiled=True))
+    return job.gathered(a)
 
 
 def _rel(a, b) -> float:

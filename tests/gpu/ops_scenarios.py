@@ -64,18 +64,7 @@ def _all_equal(jax, mesh, fn, *args):
         return ok[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * len(args), out_specs=P("x")))
-    return f, lambda *a: bool(_gather(jax, f(*a)).all())
-
-
-def _gather(jax, x):
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    if jax.process_count() == 1:
-        return np.asarray(x)
-    # The gather compiles a program of its own: the jaxgin programs behind x finish first (over
-    # the host transport, XLA loading a program while one runs can stall both; docs/guide.md).
-    return np.asarray(multihost_utils.process_allgather(jax.block_until_ready(x), tiled=True))
+    return f, lambda *a: bool(job.gathered(f(*a)).all())
 
 
 def correctness(argv):
@@ -148,7 +137,7 @@ def correctness(argv):
         ("ppermute", lambda v: jaxgin.ppermute(v, "x", ring), lambda v: jax.lax.ppermute(v, "x", ring)),
         ("all_to_all", lambda v: jaxgin.all_to_all(v, "x", 1, 1, tiled=True), lambda v: jax.lax.all_to_all(v, "x", 1, 1, tiled=True)),
     ):
-        a, b = _gather(jax, loss(ours)(x, w)), _gather(jax, loss(theirs)(x, w))
+        a, b = job.gathered(loss(ours)(x, w)), job.gathered(loss(theirs)(x, w))
         checks[f"grad/{name}"] = bool(np.allclose(a, b, rtol=1e-6, atol=1e-6))
 
     # Split phase: the ring with put_signal / wait_signal equals ppermute; data-dependent peer.
@@ -282,8 +271,7 @@ def iterations(argv):
     for i in range(1, ITERATIONS):
         failed = count(failed, f(x, jnp.int32(i)))
         ran += 1
-    jax.block_until_ready(failed)
-    bad = int(_gather(jax, failed).sum())
+    bad = int(job.gathered(failed).sum())
     elapsed = time.perf_counter() - start
     calls = {k: v - calls_before[k] for k, v in _ffi_calls(jaxgin).items()}
     job.report({"devices": n, "processes": jax.process_count(), "iterations": ran, "mismatches": bad,
@@ -331,7 +319,7 @@ def graph_replay(argv):
     before = _ffi_calls(jaxgin)
     for i in range(runs):
         x = inputs[i % len(inputs)]  # new data every run, from a few distinct buffers
-        bad += int(not np.array_equal(_gather(jax, ours(x)), _gather(jax, reference(x))))
+        bad += int(not np.array_equal(job.gathered(ours(x)), job.gathered(reference(x))))
     calls = _ffi_calls(jaxgin)["exchange"] - before["exchange"]
     executed = runs * ops_per_run * len(jax.local_devices())
     job.report({"devices": n, "runs": runs, "mismatches": bad, "ops_executed": executed,

@@ -79,7 +79,7 @@ def memory_model(argv):
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         dummy = ops_scenarios._global(jax, mesh, (1,), jnp.uint32, 0) * 0  # zeros XLA cannot fold
         start = time.perf_counter()
-        counts = ops_scenarios._gather(jax, f(dummy))  # [n, 2]: per device, mismatched elements and payloads compared
+        counts = job.gathered(f(dummy))  # [n, 2]: per device, mismatched elements and payloads compared
         report["paths"][path] = {"payload_bytes": elements * 4, "mismatched_elements": int(counts[:, 0].sum()),
                                  "elements_checked": int(counts[:, 1].sum()) * elements,
                                  "seconds": time.perf_counter() - start}

@@ -369,7 +369,6 @@ def ring_call_kernel(ctx, x, send, recv, data_sig, credit_sig, out, WORDS: tl.co
 def triton_call(iterations: int, argv=()):
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     jax, torch, jaxgin, tritongin, _ = _setup(argv)
@@ -380,8 +379,7 @@ def triton_call(iterations: int, argv=()):
     sig = tritongin.signals(2)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     ring = [(i, (i + 1) % devices) for i in range(devices)]
-    gather = ((lambda a: np.asarray(a)) if jax.process_count() == 1 else
-              (lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))))
+    gather = job.gathered
 
     def body(x):
         ours = jaxgin.triton_call(ring_call_kernel, x, send, recv, sig[0], sig[1], grid=(1,), out_shape=x,
@@ -403,7 +401,7 @@ def triton_call(iterations: int, argv=()):
     for i in range(1, iterations):
         equal, ours = step(x + i)
         failed = count(failed, equal)
-    mismatches = int(np.sum(gather(jax.block_until_ready(failed))))
+    mismatches = int(np.sum(gather(failed)))
     elapsed = time.perf_counter() - start
     expected = np.roll(host.reshape(devices, words), 1, axis=0).ravel()
     hlo = step.lower(x).as_text()
