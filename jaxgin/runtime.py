@@ -429,10 +429,10 @@ def finalize() -> None:
     if state is not None and state.fault_watch is not None:
         state.fault_watch.stop()  # it reads the fault records that destroy() frees
     if state is not None and state.runtime is not None:
-        faults = [line for line in state.runtime.device_faults().splitlines() if line]
+        faults = _recorded_faults(state)
         unsettled = None if faults else _settle_before_release(state)
         if unsettled is not None:  # the meeting's bounded wait may have faulted the GPU
-            faults = [line for line in state.runtime.device_faults().splitlines() if line]
+            faults = _recorded_faults(state)
         try:
             state.runtime.destroy()
         except RuntimeError as e:
@@ -454,6 +454,11 @@ def finalize() -> None:
         elif unsettled is not None:
             warnings.warn(f"jaxgin.finalize(): {unsettled}; a peer's last puts to this rank may fail when they land",
                           RuntimeWarning, stacklevel=2)
+
+
+def _recorded_faults(state: _State) -> list[str]:
+    """The device faults the backend recorded on this process's GPUs, a line each."""
+    return [line for line in state.runtime.device_faults().splitlines() if line]
 
 
 def gin_in_job(state: _State) -> bool:
@@ -515,7 +520,7 @@ def device_faults() -> list[str]:
         return []
     from jaxgin import transport as transport_lib  # see the note above initialize()
 
-    faults = [line for line in state.runtime.device_faults().splitlines() if line]
+    faults = _recorded_faults(state)
     # A peer that died shows on the survivors as waits that starve, each naming whom it waited
     # for; where the host transport saw which process ended, say so after them.
     return faults + transport_lib.lost_peer_lines() if faults else faults

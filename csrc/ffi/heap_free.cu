@@ -18,6 +18,11 @@ namespace {
 // One barrier CTA per GIN context (one without GIN): each settles its own context's puts.
 int settle_ctas(const jaxgin_context& c) { return std::max(c.gin_contexts, 1); }
 
+// Enqueues GPU `s`'s part of the meeting of every rank (kernels/heap_settle.h).
+cudaError_t launch_meeting(jaxgin::DeviceState& s) {
+  return jaxgin::launch_heap_settle(s.context, settle_ctas(s.host_context), s.stream);
+}
+
 // What failed on GPU `s`: its fault record, or CUDA's error `e` when it recorded none.
 std::string gpu_failure(const char* what, const jaxgin::DeviceState& s, cudaError_t e) {
   std::string fault = jaxgin::describe_fault(s);
@@ -61,9 +66,7 @@ void settle(jaxgin_runtime* rt, const std::string& what, const std::string& meet
     cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) throw jaxgin::DeviceFaultError(gpu_failure((what + ": the work before it").c_str(), s, e));
   }
-  on_every_gpu(rt, meeting.c_str(), [](jaxgin::DeviceState& s) {
-    return jaxgin::launch_heap_settle(s.context, settle_ctas(s.host_context), s.stream);
-  });
+  on_every_gpu(rt, meeting.c_str(), launch_meeting);
 }
 
 }  // namespace
@@ -82,10 +85,7 @@ extern "C" int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t b
     on_every_gpu(rt, "freeing a heap region: zeroing it", [&](jaxgin::DeviceState& s) {
       return cudaMemsetAsync(static_cast<char*>(s.heap) + offset, 0, bytes, s.stream);
     });
-    on_every_gpu(rt, ("freeing a heap region: the barrier after zeroing it" + order).c_str(),
-                 [](jaxgin::DeviceState& s) {
-                   return jaxgin::launch_heap_settle(s.context, settle_ctas(s.host_context), s.stream);
-                 });
+    on_every_gpu(rt, ("freeing a heap region: the barrier after zeroing it" + order).c_str(), launch_meeting);
   });
 }
 
