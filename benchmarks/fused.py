@@ -81,6 +81,25 @@ ROWS = (P("x"), P(), P("x"))
 K_SHARDED = (P(None, "x"), P("x", None), P("x"))
 
 
+def _operands(mesh, keys, m: int, k: int, n: int, dtype, specs=ROWS):
+    """Random x and w placed by `specs`: x [M * devices, K] by rows and w [K, N] whole (ROWS), or
+    x [M, K * devices] and w [K * devices, N], both sharded along K (K_SHARDED)."""
+    d = mesh.size
+    x_shape, w_shape = ((d * m, k), (k, n)) if specs is ROWS else ((m, d * k), (d * k, n))
+    return (jax.device_put(jax.random.normal(keys[0], x_shape, dtype), NamedSharding(mesh, specs[0])),
+            jax.device_put(jax.random.normal(keys[1], w_shape, dtype), NamedSharding(mesh, specs[1])))
+
+
+def xla_matmul_all_to_all(x, w):
+    """XLA's unfused composition of matmul_all_to_all (split and concat by rows)."""
+    return jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
+
+
+def xla_matmul_reduce_scatter(x, w):
+    """XLA's unfused composition of matmul_reduce_scatter (scattered by rows)."""
+    return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
+
+
 def _chain(mesh, op, specs=ROWS, check_vma=True):
     def body(x, w):
         def step(_, x):
@@ -166,15 +185,14 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
     # triton_matmul: the tile code of the fused all_to_all alone, in that op's configuration.
     tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None, "exchange")
     keys = jax.random.split(jax.random.key(m + k + n))
-    x = jax.device_put(jax.random.normal(keys[0], (devices * m, k), dtype), NamedSharding(mesh, P("x")))
-    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    x, w = _operands(mesh, keys, m, k, n, dtype)
     row = {"m": m, "k": k, "n": n, "dtype": np.dtype(dtype).name, "tiles": tiles.__dict__}
     ops = {
         "xla_matmul": lambda x, w: x @ w,
         "triton_matmul": lambda x, w: _common.matmul(x, w, tiles, precision),
     }
     if "all_to_all" in kinds:
-        ops["xla_matmul_all_to_all"] = lambda x, w: jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
+        ops["xla_matmul_all_to_all"] = xla_matmul_all_to_all
         ops["fused_all_to_all"] = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x")
         ops["triton_all_to_all"] = lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", method="triton")
         expected = _once(mesh, ops["xla_matmul_all_to_all"])(x, w)
@@ -195,10 +213,9 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
             row[f"{name}_us"] = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
         row["all_gather_shard"] = list(shard)
     if "reduce_scatter" in kinds and m % devices == 0:
-        xr = jax.device_put(jax.random.normal(keys[0], (m, devices * k), dtype), NamedSharding(mesh, P(None, "x")))
-        wr = jax.device_put(jax.random.normal(keys[1], (devices * k, n), dtype), NamedSharding(mesh, P("x", None)))
+        xr, wr = _operands(mesh, keys, m, k, n, dtype, K_SHARDED)
         rs_ops = {
-            "xla_matmul_reduce_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True),
+            "xla_matmul_reduce_scatter": xla_matmul_reduce_scatter,
             "fused_reduce_scatter": lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x"),
             "triton_reduce_scatter": lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x",
                                                                                       method="triton"),
@@ -370,9 +387,7 @@ def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
 
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")  # the module, not the function
     state = jaxgin.runtime.current()
-    keys = jax.random.split(jax.random.key(1))
-    x = jax.device_put(jax.random.normal(keys[0], (mesh.size * m, k), dtype), NamedSharding(mesh, P("x")))
-    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    x, w = _operands(mesh, jax.random.split(jax.random.key(1)), m, k, n, dtype)
     names = {0: "matmul only (same kernel)", 1: "+ remote tile stores", 3: "+ flags", 7: "+ copy-out (the op)"}
     row = {"m": m, "k": k, "n": n}
     for parts, name in names.items():
@@ -426,15 +441,10 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
 
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
     state = jaxgin.runtime.current()
-    keys = jax.random.split(jax.random.key(2))
-    x = jax.device_put(jax.random.normal(keys[0], (mesh.size * m, k), dtype), NamedSharding(mesh, P("x")))
-    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
-
-    def unfused(x, w):
-        return jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
-
-    expected = _once(mesh, unfused)(x, w)
-    row = {"m": m, "k": k, "n": n, "xla_matmul_all_to_all_us": best_seconds(_chain(mesh, unfused), x, w, repeats=repeats) / STEPS * 1e6,
+    x, w = _operands(mesh, jax.random.split(jax.random.key(2)), m, k, n, dtype)
+    expected = _once(mesh, xla_matmul_all_to_all)(x, w)
+    row = {"m": m, "k": k, "n": n,
+           "xla_matmul_all_to_all_us": best_seconds(_chain(mesh, xla_matmul_all_to_all), x, w, repeats=repeats) / STEPS * 1e6,
            "xla_matmul_us": best_seconds(_chain(mesh, lambda x, w: x @ w), x, w, repeats=repeats) / STEPS * 1e6, "tiles": {}}
     for tiles in VARIANT_TILES:
         plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, tiles, "triton")
@@ -469,16 +479,10 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
 
     fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
     state = jaxgin.runtime.current()
-    keys = jax.random.split(jax.random.key(3))
-    x = jax.device_put(jax.random.normal(keys[0], (m, mesh.size * k), dtype), NamedSharding(mesh, P(None, "x")))
-    w = jax.device_put(jax.random.normal(keys[1], (mesh.size * k, n), dtype), NamedSharding(mesh, P("x", None)))
+    x, w = _operands(mesh, jax.random.split(jax.random.key(3)), m, k, n, dtype, K_SHARDED)
     plan = fused_rs._Plan(("x",), mesh.size, m, n, k, True, None, None, "triton")
-
-    def unfused(x, w):
-        return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
-
     expected = _once(mesh, lambda x, w: fused_rs.reference(x, w, plan), K_SHARDED)(x, w)
-    row = {"xla_matmul_reduce_scatter_us": best_seconds(_chain(mesh, unfused, K_SHARDED), x, w,
+    row = {"xla_matmul_reduce_scatter_us": best_seconds(_chain(mesh, xla_matmul_reduce_scatter, K_SHARDED), x, w,
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
     layouts = {f"lag={lag}{', wait first' if wait_first else ''}": (lag, wait_first)
                for lag in REDUCER_LAGS for wait_first in (False, True)}
@@ -517,27 +521,19 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     state = jaxgin.runtime.current()
     devices = mesh.size
     keys = jax.random.split(jax.random.key(m + k + n))
-    x = jax.device_put(jax.random.normal(keys[0], (devices * m, k), dtype), NamedSharding(mesh, P("x")))
-    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
-    xr = jax.device_put(jax.random.normal(keys[0], (m, devices * k), dtype), NamedSharding(mesh, P(None, "x")))
-    wr = jax.device_put(jax.random.normal(keys[1], (devices * k, n), dtype), NamedSharding(mesh, P("x", None)))
+    x, w = _operands(mesh, keys, m, k, n, dtype)
+    xr, wr = _operands(mesh, keys, m, k, n, dtype, K_SHARDED)
     a2a_plan = fused_a2a._Plan(("x",), devices, m, n, k, True, True, None, None, "chunked")
     rs_plan = fused_rs._Plan(("x",), devices, m, n, k, True, None, None, "chunked")
-
-    def unfused_a2a(x, w):
-        return jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
-
-    def unfused_rs(x, w):
-        return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
 
     def timed(op, a, b, specs=ROWS):
         return best_seconds(_chain(mesh, op, specs), a, b, repeats=repeats) / STEPS * 1e6
 
     row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w),
-           "xla_matmul_all_to_all_us": timed(unfused_a2a, x, w),
-           "xla_matmul_reduce_scatter_us": timed(unfused_rs, xr, wr, K_SHARDED), "all_to_all": {}, "reduce_scatter": {}}
-    a2a_expected = _once(mesh, unfused_a2a)(x, w)
-    rs_expected = _once(mesh, unfused_rs, K_SHARDED)(xr, wr)
+           "xla_matmul_all_to_all_us": timed(xla_matmul_all_to_all, x, w),
+           "xla_matmul_reduce_scatter_us": timed(xla_matmul_reduce_scatter, xr, wr, K_SHARDED), "all_to_all": {}, "reduce_scatter": {}}
+    a2a_expected = _once(mesh, xla_matmul_all_to_all)(x, w)
+    rs_expected = _once(mesh, xla_matmul_reduce_scatter, K_SHARDED)(xr, wr)
     for layout in _chunked.LAYOUTS:
         def a2a(x, w, layout=layout):
             return fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout)
