@@ -34,7 +34,8 @@ shard_map) with its windowed einsum on, on several streams (windowed_*) and on o
   windowed_matmul_reduce_scatter x [M, K * devices] @ w [K * devices, N], both sharded along K,
                                  the result sharded by rows
 A form whose result is wrong keeps its time, marked *_wrong_result, and gets no ratio; the ratios
-take the fastest right one.
+take the fastest right one. The same programs under XLA's default flags (gspmd_default_*) are the
+control for that check, never a baseline. --windowed-only runs these processes alone.
 
 Timing: one jitted fori_loop of STEPS calls, each call's input depending on the previous output
 (a one-element update of x, the same for every variant, so XLA can neither hoist nor overlap the
@@ -73,6 +74,9 @@ WINDOWED_EINSUM_FLAGS = {
     "windowed": "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true",
     "windowed_one_stream": "--xla_gpu_threshold_for_windowed_einsum_mib=0",
 }
+# The same programs under XLA's default flags (no windowed einsum): a control for the check that
+# calls a windowed result wrong. Never a baseline (fastest_right_windowed reads the prefixes above).
+GSPMD_CONTROL_FLAGS = {"gspmd_default": ""}
 
 
 # (x, w, result) partition specs: x sharded by rows and w whole, or (reduce-scatter) both
@@ -355,13 +359,13 @@ def pallas_in_own_processes(args, gpus: int, timeout: float = 900) -> dict[tuple
 
 
 def gspmd_in_own_processes(args) -> list[dict]:
-    """gspmd() at the issue's shapes under each of WINDOWED_EINSUM_FLAGS, each in a child process
-    (XLA reads its flags once; before this process holds the GPUs), merged per shape with the
-    keys' "windowed" replaced by the flags' prefix."""
+    """gspmd() at the issue's shapes under each of WINDOWED_EINSUM_FLAGS and GSPMD_CONTROL_FLAGS, each
+    in a child process (XLA reads its flags once; before this process holds the GPUs), merged per
+    shape with the keys' "windowed" replaced by the flags' prefix."""
     import subprocess
 
     merged = [{} for _ in ISSUE_SHAPES]
-    for prefix, flags in WINDOWED_EINSUM_FLAGS.items():
+    for prefix, flags in {**WINDOWED_EINSUM_FLAGS, **GSPMD_CONTROL_FLAGS}.items():
         out = args.out / f"gspmd_{prefix}"
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
         subprocess.run([sys.executable, __file__, "--gspmd-only", "--out", str(out), "--dtype", args.dtype,
@@ -503,20 +507,25 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
 
 
 # The chunked method's layouts (how the peers' chunks are split into cuBLAS calls) at the sweep's
-# smaller shapes, where the default falls below XLA's composition, and at the issue's shapes.
-CHUNKED_LAYOUT_SHAPES = [(512, 7168, 2048), (1024, 7168, 2048), (2048, 7168, 2048), *ISSUE_SHAPES]
+# smaller shapes, where the default falls below XLA's composition, at the issue's shapes and (for
+# all_gather_matmul) at the Pallas docs' shape.
+CHUNKED_LAYOUT_SHAPES = [(512, 7168, 2048), (2048, 7168, 2048), *ISSUE_SHAPES,
+                         (PALLAS_DOCS_ROWS_PER_SHARD, PALLAS_DOCS_K, PALLAS_DOCS_N)]
 
 
 def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
-    """matmul_all_to_all and matmul_reduce_scatter (method="chunked") under each chunk layout
-    (jaxgin.fused._chunked.LAYOUTS; the ops use the first), each checked against XLA, next to XLA's
-    unfused compositions and its matmul alone (M rows per device; reduce-scatter: x [M, K] per
-    device, sharded along K)."""
+    """The three chunked ops (method="chunked") under each chunk layout (jaxgin.fused._chunked.LAYOUTS;
+    the ops use the first), each checked against XLA, next to XLA's unfused compositions and its
+    matmul alone. M rows per device: x [M, K] by rows for matmul_all_to_all, a shard of M rows for
+    all_gather_matmul (M * devices gathered), x [M, K] per device sharded along K for
+    matmul_reduce_scatter. Where matmul_reduce_scatter's time goes: the exchange of partials alone
+    and XLA's sum of them alone."""
     import importlib
 
     from jaxgin.fused import _chunked
 
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
     fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
     state = jaxgin.runtime.current()
     devices = mesh.size
@@ -524,33 +533,58 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     x, w = _operands(mesh, keys, m, k, n, dtype)
     xr, wr = _operands(mesh, keys, m, k, n, dtype, K_SHARDED)
     a2a_plan = fused_a2a._Plan(("x",), devices, m, n, k, True, True, None, None, "chunked")
+    ag_plan = fused_ag._Plan(("x",), devices, m, n, k, None, None, "chunked")
     rs_plan = fused_rs._Plan(("x",), devices, m, n, k, True, None, None, "chunked")
 
     def timed(op, a, b, specs=ROWS):
         return best_seconds(_chain(mesh, op, specs), a, b, repeats=repeats) / STEPS * 1e6
 
+    def xla_all_gather_matmul(x, w):
+        return jax.lax.all_gather(x, "x", tiled=True) @ w
+
     row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w),
            "xla_matmul_all_to_all_us": timed(xla_matmul_all_to_all, x, w),
-           "xla_matmul_reduce_scatter_us": timed(xla_matmul_reduce_scatter, xr, wr, K_SHARDED), "all_to_all": {}, "reduce_scatter": {}}
-    a2a_expected = _once(mesh, xla_matmul_all_to_all)(x, w)
-    rs_expected = _once(mesh, xla_matmul_reduce_scatter, K_SHARDED)(xr, wr)
+           "xla_all_gather_matmul_us": timed(xla_all_gather_matmul, x, w),
+           "xla_matmul_reduce_scatter_us": timed(xla_matmul_reduce_scatter, xr, wr, K_SHARDED),
+           "all_to_all": {}, "all_gather": {}, "reduce_scatter": {}}
+    expected = {"all_to_all": _once(mesh, xla_matmul_all_to_all)(x, w),
+                "all_gather": _once(mesh, xla_all_gather_matmul)(x, w),
+                "reduce_scatter": _once(mesh, xla_matmul_reduce_scatter, K_SHARDED)(xr, wr)}
+
+    def record(op, layout, fn, a, b, specs=ROWS):
+        t = timed(fn, a, b, specs)
+        row[op][layout] = {"us": t, "rel_err": _rel(_once(mesh, fn, specs)(a, b), expected[op]),
+                           "speedup_vs_unfused": row[f"xla_{XLA_NAMES[op]}_us"] / t}
+
     for layout in _chunked.LAYOUTS:
-        def a2a(x, w, layout=layout):
-            return fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout)
-
-        def rs(x, w, layout=layout):
-            return fused_rs._kernel(state, x, w, rs_plan, chunk_layout=layout)
-
-        t = timed(a2a, x, w)
-        row["all_to_all"][layout] = {"us": t, "rel_err": _rel(_once(mesh, a2a)(x, w), a2a_expected),
-                                     "speedup_vs_unfused": row["xla_matmul_all_to_all_us"] / t}
+        record("all_to_all", layout,
+               lambda x, w, layout=layout: fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout), x, w)
+        record("all_gather", layout,
+               lambda x, w, layout=layout: fused_ag._kernel(state, x, w, ag_plan, chunk_layout=layout), x, w)
         if m % devices == 0:
-            t = timed(rs, xr, wr, K_SHARDED)
-            row["reduce_scatter"][layout] = {"us": t, "rel_err": _rel(_once(mesh, rs, K_SHARDED)(xr, wr), rs_expected),
-                                             "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
-        print(json.dumps({"m": m, "k": k, "n": n, "layout": layout, "all_to_all": row["all_to_all"][layout],
-                          "reduce_scatter": row["reduce_scatter"].get(layout)}), flush=True)
+            record("reduce_scatter", layout,
+                   lambda x, w, layout=layout: fused_rs._kernel(state, x, w, rs_plan, chunk_layout=layout),
+                   xr, wr, K_SHARDED)
+        print(json.dumps({"m": m, "k": k, "n": n, "layout": layout,
+                          **{op: row[op].get(layout) for op in ("all_to_all", "all_gather", "reduce_scatter")}}),
+              flush=True)
+    if m % devices == 0:
+        cm, cn = rs_plan.chunk
+        stacked = jax.device_put(jax.random.normal(keys[0], (devices * devices, cm, cn), dtype),
+                                 NamedSharding(mesh, P("x")))
+        row["reduce_scatter_parts"] = {
+            "exchange_only_us": timed(lambda x, w: _chunked.reduce_scatter_partials(x, w, rs_plan), xr, wr, K_SHARDED),
+            # the partials of every source stacked [devices, cm, cn] on each device, w unused
+            "sum_only_us": timed(lambda s, _: fused_rs.reduce_in_order(s, dtype), stacked, wr,
+                                 (P("x"), K_SHARDED[1])),
+        }
+        print(json.dumps({"m": m, "k": k, "n": n, "reduce_scatter_parts": row["reduce_scatter_parts"]}), flush=True)
     return row
+
+
+# chunked_layouts' ops -> the name of XLA's composition in its row ("xla_<name>_us")
+XLA_NAMES = {"all_to_all": "matmul_all_to_all", "all_gather": "all_gather_matmul",
+             "reduce_scatter": "matmul_reduce_scatter"}
 
 
 def plot(report: dict, path: Path) -> Path:
@@ -610,6 +644,9 @@ def main() -> None:
     parser.add_argument("--gspmd-only", action="store_true",
                         help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
                              "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")
+    parser.add_argument("--windowed-only", action="store_true",
+                        help="only XLA's windowed einsum and its control (XLA's default flags), each in a process of "
+                             "its own, at the issue's shapes (fused_windowed.json)")
     parser.add_argument("--no-windowed", action="store_true", help="without XLA's windowed einsum baseline")
     parser.add_argument("--no-pallas", action="store_true", help="without JAX's Pallas collective matmul baseline")
     parser.add_argument("--pallas-only", metavar="PROCESS,COUNT,HOST:PORT",
@@ -618,6 +655,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.pallas_only:
         pallas_job(args)
+        return
+    if args.windowed_only:
+        cli.require_gpus(__file__, 2, "XLA partitions the matmuls over them", through_jax=False)
+        rows = [{"m": m, "k": k, "n": n, **found} for (m, k, n), found in zip(ISSUE_SHAPES, gspmd_in_own_processes(args))]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fused_windowed.json").write_text(json.dumps({"shapes": rows}, indent=1))
+        print(json.dumps(rows))
         return
     need, what = ((1, "it times cuBLAS and the fused ops' Triton tile code on them") if args.chunking_only else
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))

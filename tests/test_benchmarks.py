@@ -115,28 +115,67 @@ def test_a_windowed_einsum_baseline_with_a_wrong_result_gets_no_ratio(monkeypatc
     assert "no ratio against it" in out.stderr
 
 
-def test_the_chunked_layouts_mode_times_every_layout_of_both_ops():
-    """fused.chunked_layouts: each of the chunked method's layouts of matmul_all_to_all and
-    matmul_reduce_scatter reaches the op's kernel by name, is checked against XLA's composition and
-    gets a ratio to it (4 CPU devices, the ops' kernels stood in for by their references)."""
+def test_the_chunked_layouts_mode_times_every_layout_of_the_three_ops():
+    """fused.chunked_layouts: each of the chunked method's layouts of matmul_all_to_all,
+    all_gather_matmul and matmul_reduce_scatter reaches the op's kernel by name, is checked against
+    XLA's composition and gets a ratio to it; the reduce-scatter's exchange and sum are timed
+    apart (4 CPU devices, the ops' kernels and the exchange stood in for by their references)."""
     code = (
         "import sys, json; sys.path.insert(0, 'benchmarks'); import jax, numpy as np, jax.numpy as jnp, jaxgin, fused;"
-        "import importlib; a2a, rs = (importlib.import_module(f'jaxgin.fused.{m}') for m in"
-        " ('matmul_all_to_all', 'matmul_reduce_scatter'));"
+        "import importlib; a2a, ag, rs = (importlib.import_module(f'jaxgin.fused.{m}') for m in"
+        " ('matmul_all_to_all', 'all_gather_matmul', 'matmul_reduce_scatter'));"
+        "from jaxgin.fused import _chunked;"
         "from jax.sharding import Mesh; fused.STEPS = 1; seen = [];"
         "a2a._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('a2a', chunk_layout)), a2a.reference(x, w, plan))[1];"
+        "ag._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('ag', chunk_layout)), ag.reference(x, w, plan))[1];"
         "rs._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('rs', chunk_layout)), rs.reference(x, w, plan))[1];"
+        "_chunked.reduce_scatter_partials = lambda x, w, plan: (seen.append(('rs', 'exchange')),"
+        " jax.lax.all_to_all(rs.partial_chunks(x @ w, plan), 'x', 0, 0, tiled=True))[1];"
         "jaxgin.initialize();"
         "row = fused.chunked_layouts(Mesh(np.array(jax.devices()), ('x',)), 64, 32, 16, jnp.float32, 1);"
         "print('ROW', json.dumps({op: {k: v['rel_err'] < 1e-5 and v['speedup_vs_unfused'] > 0 for k, v in row[op].items()}"
-        " for op in ('all_to_all', 'reduce_scatter')}), sorted(set(seen)))")
+        " for op in ('all_to_all', 'all_gather', 'reduce_scatter')}), json.dumps(sorted(row['reduce_scatter_parts'])),"
+        " all(v > 0 for v in row['reduce_scatter_parts'].values()), sorted(set(seen)))")
     out = _on_cpu_devices(code, 4)
     line = next((x for x in out.stdout.splitlines() if x.startswith("ROW ")), None)
     assert line is not None, out.stderr[-2000:]
     layouts = ("chunk_per_peer", "peers_merged", "whole")
     assert json.loads(line[4:line.index("} [") + 1]) == {op: dict.fromkeys(layouts, True)
-                                                         for op in ("all_to_all", "reduce_scatter")}, line
-    assert line.endswith(str(sorted((op, layout) for op in ("a2a", "rs") for layout in layouts))), line
+                                                         for op in ("all_to_all", "all_gather", "reduce_scatter")}, line
+    assert '["exchange_only_us", "sum_only_us"] True' in line, line
+    ops = sorted((op, layout) for op in ("a2a", "ag", "rs") for layout in layouts)
+    assert line.endswith(str(sorted(ops + [("rs", "exchange")]))), line
+
+
+def test_the_windowed_processes_include_the_default_flags_control(tmp_path, monkeypatch):
+    """gspmd_in_own_processes: one child per windowed-einsum flag set and one under XLA's default
+    flags, each row key renamed by its prefix; the control is never taken as the baseline."""
+    import subprocess
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fused
+    finally:
+        sys.path.pop(0)
+    flags_seen = []
+
+    def child(cmd, env, check):
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        flags_seen.append(env["XLA_FLAGS"])
+        wrong = "windowed_einsum" in env["XLA_FLAGS"]
+        rows = [{"windowed_matmul_reduce_scatter_us": 100.0 + len(flags_seen),
+                 **({"windowed_matmul_reduce_scatter_wrong_result": True} if wrong else {})} for _ in fused.ISSUE_SHAPES]
+        (out / "fused_gspmd.json").write_text(json.dumps({"shapes": rows}))
+
+    monkeypatch.setattr(subprocess, "run", child)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    rows = fused.gspmd_in_own_processes(types.SimpleNamespace(out=tmp_path, dtype="bfloat16", repeats=1))
+    assert flags_seen == [f"--xla_dump_to=/tmp/x {f}" for f in fused.WINDOWED_EINSUM_FLAGS.values()] + ["--xla_dump_to=/tmp/x"]
+    assert rows[0]["gspmd_default_matmul_reduce_scatter_us"] == 103.0
+    assert "gspmd_default_matmul_reduce_scatter_wrong_result" not in rows[0]
+    assert fused.fastest_right_windowed(rows[0], "matmul_reduce_scatter") is None
 
 
 def test_the_windowed_ratio_takes_the_fastest_right_form():

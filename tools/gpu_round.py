@@ -530,8 +530,10 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 240, tail=30),
     Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
     Step("collectives", ["benchmarks/collectives.py", "--out", "{out}"], 540, gpus=2, default=False, tail=40),
-    Step("chunked_layouts", ["benchmarks/fused.py", "--chunked-layouts-only", "--out", "{out}"], 240, gpus=2,
+    Step("chunked_layouts", ["benchmarks/fused.py", "--chunked-layouts-only", "--out", "{out}"], 420, gpus=2,
          default=False, tail=20),
+    Step("windowed", ["benchmarks/fused.py", "--windowed-only", "--out", "{out}"], 240, gpus=2, default=False,
+         tail=20),
     Step("fused_variants", ["benchmarks/fused.py", "--variants-only", "--out", "{out}"], 300, gpus=2, default=False,
          tail=20),
     # every entry local: the HBM side of dispatch and combine alone (benchmarks/results/1xh200/moe_one_gpu.json)

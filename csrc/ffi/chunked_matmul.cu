@@ -364,10 +364,16 @@ ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyB
                          offset, slot_bytes, split_rows, /*concat_rows=*/1, tf32, generation, layout);
 }
 
+// The gathered product, its cuBLAS calls laid out by `layout` (shards of one size stacked in their
+// slots only; otherwise a call per shard): kChunkPerPeer, the own shard, then each peer's shard as
+// it arrives (the op's layout); kPeersMerged, the own shard, then the peers' shards in at most two
+// calls, the run of indices before this GPU's (which arrives first) and the run after it, each
+// once all of it arrived; kWhole, the own shard copied into its slot beside the pushes, then one
+// call for every shard once all arrived (the unfused order, for scale).
 ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
                              ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> axes, int64_t offset,
-                             int64_t slot_bytes, int64_t tf32, int64_t generation) {
+                             int64_t slot_bytes, int64_t tf32, int64_t generation, int64_t layout) {
   return guarded([&] {
     const char* op = jaxgin_op_name(JAXGIN_OP_ALL_GATHER_MATMUL);
     ChunkedCall call = start_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, stream, ordinal, generation, mesh_ranks, mesh_shape,
@@ -378,10 +384,13 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     if ((int64_t)shard_bytes > slot_bytes) throw Error(std::string(op) + ": shard larger than its slot");
     char* result = static_cast<char*>(out->untyped_data());
     const ChunkedMatmulState& c = call.chunked;
-    auto gemm = [&](const void* shard, int index) {
-      blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)mm.m, (int)mm.n, (int)mm.k, shard, (int)mm.k,
+    // Shards `index` .. `index + count - 1`, stacked from `shards`, into their rows of the result.
+    auto gemm = [&](const void* shards, int index, int count = 1) {
+      blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)(mm.m * count), (int)mm.n, (int)mm.k, shards, (int)mm.k,
                            w.untyped_data(), (int)mm.n, result + (size_t)(index * mm.m * mm.n) * mm.elt, (int)mm.n, op);
     };
+    const bool stacked = slot_bytes == (int64_t)shard_bytes && size > 1;
+    const int chosen = stacked ? (int)layout : kChunkPerPeer;
     const chunk_handoff& h = call.handoff;
     if (size > 1) {
       // Everything for the copy stream is enqueued before the first matmul: its pushes depend on no
@@ -395,13 +404,40 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                      "copying this shard to a peer", dev);
         hand_over(call, to, c.side);
       }
+      if (chosen == kWhole)
+        check_launch(cudaMemcpyAsync(call.slots + slot_bytes * me, x.untyped_data(), shard_bytes,
+                                     cudaMemcpyDeviceToDevice, c.side),
+                     "copying this shard into its own slot", dev);
+    }
+    auto give_credits = [&](int first, int count) {
+      for (int from = first; from < first + count; from++) return_credit(call, from, stream);
+    };
+    if (chosen == kWhole) {
+      join_copy_stream(call, stream);  // the own shard in its slot
+      check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
+      gemm(call.slots, 0, size);
+      for (int from = 0; from < size; from++)
+        if (from != me) return_credit(call, from, stream);
+      return;
     }
     gemm(x.untyped_data(), me);
-    for (int i = 1; i < size; i++) {
-      const int from = (me - i + size) % size;
-      check_launch(launch_await_chunks(h, from, call.number, stream), kLaunching, dev);
-      gemm(call.slots + slot_bytes * from, from);
-      return_credit(call, from, stream);
+    if (chosen == kPeersMerged) {
+      auto run = [&](int first, int count) {  // indices first .. first + count - 1, one call
+        if (count <= 0) return;
+        for (int from = first; from < first + count; from++)
+          check_launch(launch_await_chunks(h, from, call.number, stream), kLaunching, dev);
+        gemm(call.slots + slot_bytes * first, first, count);
+        give_credits(first, count);
+      };
+      run(0, me);
+      run(me + 1, size - 1 - me);
+    } else {
+      for (int i = 1; i < size; i++) {
+        const int from = (me - i + size) % size;
+        check_launch(launch_await_chunks(h, from, call.number, stream), kLaunching, dev);
+        gemm(call.slots + slot_bytes * from, from);
+        return_credit(call, from, stream);
+      }
     }
     if (size > 1) join_copy_stream(call, stream);
   });
@@ -444,4 +480,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_matmul_reduce_scatter, jaxgin::ffi_supp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support::all_gather_matmul,
                               JAXGIN_CHUNKED_BINDING
                                   .Attr<int64_t>("tf32")
-                                  .Attr<int64_t>("generation"));
+                                  .Attr<int64_t>("generation")
+                                  .Attr<int64_t>("layout"));

@@ -97,12 +97,13 @@ def _layout(layout: str) -> str:
     return layout
 
 
-def all_gather_matmul(x, w, plan):
-    """Every shard of x times w, stacked by source (see all_gather_matmul.reference)."""
+def all_gather_matmul(x, w, plan, layout: str = "chunk_per_peer"):
+    """Every shard of x times w, stacked by source (see all_gather_matmul.reference); the shards'
+    cuBLAS calls laid out by `layout` (chunked_matmul.cu's all_gather_matmul)."""
     return chunked_matmul_p.bind(
         x, w, op="jaxgin.fused.all_gather_matmul", names=plan.names, size=plan.size,
         out_shape=(plan.size * plan.m, plan.n), slot=slot_bytes((plan.m, plan.k), x.dtype),
-        tf32=_tf32(x.dtype, plan.precision),
+        tf32=_tf32(x.dtype, plan.precision), layout=_layout(layout),
     )
 
 

@@ -78,10 +78,13 @@ def reference(x, w, plan: _Plan):
     ).astype(x.dtype)
 
 
-def _kernel(state, x, w, plan: _Plan):
+def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
+    """The op on GPUs: the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
+    _chunked.LAYOUTS; benchmarks/fused.py compares them) or the Triton kernel (a job with GPUs on
+    other hosts runs it for either method)."""
     gin = op_support.gin_in_job(state)
     if not _common.run_on_triton(plan.method, gin):
-        return _chunked.all_gather_matmul(x, w, plan)
+        return _chunked.all_gather_matmul(x, w, plan, chunk_layout)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
