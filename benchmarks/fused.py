@@ -506,15 +506,21 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
     return row
 
 
-# The chunked method's layouts (how the peers' chunks are split into cuBLAS calls) at the sweep's
-# smaller shapes, where the default falls below XLA's composition, at the issue's shapes and (for
-# all_gather_matmul) at the Pallas docs' shape.
-CHUNKED_LAYOUT_SHAPES = [(512, 7168, 2048), (2048, 7168, 2048), *ISSUE_SHAPES,
-                         (PALLAS_DOCS_ROWS_PER_SHARD, PALLAS_DOCS_K, PALLAS_DOCS_N)]
+# The chunked method's layouts (how the peers' chunks are split into cuBLAS calls) with the ops
+# each shape times: matmul_all_to_all over the sweep (K = 7168, N = 2048; the default is below
+# XLA's composition up to M = 2048), all three at the issue's shapes, all_gather_matmul at the
+# Pallas docs' shape.
+LAYOUT_OPS = ("all_to_all", "all_gather", "reduce_scatter")
+CHUNKED_LAYOUT_SHAPES = [
+    *(((m, 7168, 2048), ("all_to_all",)) for m in (512, 1024, 2048)),
+    *((shape, LAYOUT_OPS) for shape in ISSUE_SHAPES),
+    ((8192, 7168, 2048), ("all_to_all",)),
+    ((PALLAS_DOCS_ROWS_PER_SHARD, PALLAS_DOCS_K, PALLAS_DOCS_N), ("all_gather",)),
+]
 
 
-def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
-    """The three chunked ops (method="chunked") under each chunk layout (jaxgin.fused._chunked.LAYOUTS;
+def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOUT_OPS) -> dict:
+    """The chunked ops named by `ops` (method="chunked") under each chunk layout (jaxgin.fused._chunked.LAYOUTS;
     the ops use the first), each checked against XLA, next to XLA's unfused compositions and its
     matmul alone. M rows per device: x [M, K] by rows for matmul_all_to_all, a shard of M rows for
     all_gather_matmul (M * devices gathered), x [M, K] per device sharded along K for
@@ -542,33 +548,36 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     def xla_all_gather_matmul(x, w):
         return jax.lax.all_gather(x, "x", tiled=True) @ w
 
-    row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w),
-           "xla_matmul_all_to_all_us": timed(xla_matmul_all_to_all, x, w),
-           "xla_all_gather_matmul_us": timed(xla_all_gather_matmul, x, w),
-           "xla_matmul_reduce_scatter_us": timed(xla_matmul_reduce_scatter, xr, wr, K_SHARDED),
-           "all_to_all": {}, "all_gather": {}, "reduce_scatter": {}}
-    expected = {"all_to_all": _once(mesh, xla_matmul_all_to_all)(x, w),
-                "all_gather": _once(mesh, xla_all_gather_matmul)(x, w),
-                "reduce_scatter": _once(mesh, xla_matmul_reduce_scatter, K_SHARDED)(xr, wr)}
+    compositions = {"all_to_all": (xla_matmul_all_to_all, x, w, ROWS), "all_gather": (xla_all_gather_matmul, x, w, ROWS),
+                    "reduce_scatter": (xla_matmul_reduce_scatter, xr, wr, K_SHARDED)}
+    row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w)}
+    expected = {}
+    for op in ops:
+        fn, a, b, specs = compositions[op]
+        row[f"xla_{XLA_NAMES[op]}_us"] = timed(fn, a, b, specs)
+        expected[op] = _once(mesh, fn, specs)(a, b)
+        row[op] = {}
 
     def record(op, layout, fn, a, b, specs=ROWS):
         t = timed(fn, a, b, specs)
         row[op][layout] = {"us": t, "rel_err": _rel(_once(mesh, fn, specs)(a, b), expected[op]),
                            "speedup_vs_unfused": row[f"xla_{XLA_NAMES[op]}_us"] / t}
 
+    rs = "reduce_scatter" in ops and m % devices == 0
     for layout in _chunked.LAYOUTS:
-        record("all_to_all", layout,
-               lambda x, w, layout=layout: fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout), x, w)
-        record("all_gather", layout,
-               lambda x, w, layout=layout: fused_ag._kernel(state, x, w, ag_plan, chunk_layout=layout), x, w)
-        if m % devices == 0:
+        if "all_to_all" in ops:
+            record("all_to_all", layout,
+                   lambda x, w, layout=layout: fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout), x, w)
+        if "all_gather" in ops:
+            record("all_gather", layout,
+                   lambda x, w, layout=layout: fused_ag._kernel(state, x, w, ag_plan, chunk_layout=layout), x, w)
+        if rs:
             record("reduce_scatter", layout,
                    lambda x, w, layout=layout: fused_rs._kernel(state, x, w, rs_plan, chunk_layout=layout),
                    xr, wr, K_SHARDED)
-        print(json.dumps({"m": m, "k": k, "n": n, "layout": layout,
-                          **{op: row[op].get(layout) for op in ("all_to_all", "all_gather", "reduce_scatter")}}),
+        print(json.dumps({"m": m, "k": k, "n": n, "layout": layout, **{op: row[op].get(layout) for op in ops}}),
               flush=True)
-    if m % devices == 0:
+    if rs:
         cm, cn = rs_plan.chunk
         stacked = jax.device_put(jax.random.normal(keys[0], (devices * devices, cm, cn), dtype),
                                  NamedSharding(mesh, P("x")))
@@ -679,20 +688,20 @@ def main() -> None:
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "4GiB"))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     dtype = jnp.dtype(args.dtype)
-    # Modes that measure one thing (at the issue's shapes unless they name theirs) and write it
-    # alone: (measure, file, extra keys, shapes).
+    # Modes that measure one thing and write it alone: (measure, file, extra keys, the calls'
+    # (shape, extra arguments); the issue's shapes unless they name theirs).
+    kind = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}
+    issue_shapes = [(shape, ()) for shape in ISSUE_SHAPES]
     only = {
-        "chunking_only": (chunking, "fused_chunking.json",
-                          {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}, ISSUE_SHAPES),
-        "gspmd_only": (gspmd, "fused_gspmd.json", {}, ISSUE_SHAPES),
-        "variants_only": (variants, "fused_variants.json", {}, ISSUE_SHAPES),
-        "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json",
-                                 {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__},
-                                 CHUNKED_LAYOUT_SHAPES),
+        "chunking_only": (chunking, "fused_chunking.json", kind, issue_shapes),
+        "gspmd_only": (gspmd, "fused_gspmd.json", {}, issue_shapes),
+        "variants_only": (variants, "fused_variants.json", {}, issue_shapes),
+        "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
+                                 [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
     }
-    for mode, (measure_one, name, extra, shapes) in only.items():
+    for mode, (measure_one, name, extra, calls) in only.items():
         if getattr(args, mode):
-            rows = [measure_one(mesh, m, k, n, dtype, args.repeats) for m, k, n in shapes]
+            rows = [measure_one(mesh, *shape, dtype, args.repeats, *more) for shape, more in calls]
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / name).write_text(json.dumps({"devices": mesh.size, **extra, "shapes": rows}, indent=1))
             jaxgin.finalize()
