@@ -3,25 +3,28 @@
 // computed, so the exchange runs beside the matmul instead of after it and takes no SMs from it.
 //
 // matmul_all_to_all (pull): this GPU computes the chunk bound for index t into its own heap slot[t]
-// and hands it over (t's ready count); t's second stream waits for that count and copies the chunk
-// over NVLink straight into t's result, then returns a credit. Chunks are computed in the order
-// t = me+1, me+2, ..., so each peer hands this GPU its chunk in the order they are awaited; the own
-// chunk comes last, written by cuBLAS straight into the result, and hides the last copy.
+// and hands it over (t's ready count); t's copy stream for this GPU waits for that count and copies
+// the chunk over NVLink straight into t's result, then returns a credit. Chunks are computed in the
+// order t = me+1, me+2, ..., so each peer hands this GPU its chunk in the order they are awaited; the
+// own chunk comes last, written by cuBLAS straight into the result, and hides the last copy.
 //
 // matmul_reduce_scatter: the same exchange of this GPU's partial chunks, stacked by source; the
 // owner's sum over sources follows in XLA (one fused pass over the stacked partials).
 //
-// all_gather_matmul (push): the second stream copies this GPU's shard into every peer's slot[me]
-// and hands it over; XLA's stream multiplies the own shard into the result, then each peer's shard
-// from its slot as it arrives, and returns a credit once that matmul read it.
+// all_gather_matmul (push): each peer's copy stream copies this GPU's shard into that peer's
+// slot[me] and hands it over; XLA's stream multiplies the own shard into the result, then each
+// peer's shard from its slot as it arrives, and returns a credit once that matmul read it.
+//
+// Each peer position has its own copy stream, so the copies to or from different peers overlap (on
+// different copy engines) instead of running one after another.
 //
 // Hand-overs and credits are stream memory writes (cuStreamWriteValue64 into the peer's count).
-// The second stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
+// A copy stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
 // waiting kernel needs an SM, and while cuBLAS holds every SM it is not scheduled until the matmul
 // ends, which serialised the copy after it (2 x H200, 8192 x 4096 x 4096: 84 us over the matmul
 // alone). Such a wait has no timeout, so XLA's stream also waits for every chunk with a bounded
 // kernel after the last matmul: a peer that never delivers faults the call there, with the error
-// naming it, and the fault ends the copy stream's wait with the context.
+// naming it, and the fault ends the copy streams' waits with the context.
 //
 // Slots are reused from call to call; a call waits (begin_call) until every peer returned the credit
 // for the previous one. The counts a call waits for come from the host, which sees every call:
@@ -42,14 +45,16 @@
 namespace jaxgin {
 
 // What the chunked matmul ops keep per GPU (an OpState of the runtime), made on their first call: a
-// cuBLAS handle and its workspace, a second stream with the events that fork it from XLA's stream
-// and join it back (for the copies that run beside the matmuls), and the calls made so far of each
-// op configuration (by heap offset of its block).
+// cuBLAS handle and its workspace, a copy stream per peer position with the events that fork them
+// from XLA's stream and join them back (for the copies that run beside the matmuls; one per peer so
+// they overlap), and the calls made so far of each op configuration (by heap offset of its block).
 struct ChunkedMatmulState : OpState {
   void* blas = nullptr;
   void* workspace = nullptr;
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaStream_t sides[kMaxExchangePeers] = {};
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t joins[kMaxExchangePeers] = {};
+  int priority = 0;  // the copy streams' (the highest)
   std::map<int64_t, uint64_t> calls;
 
   std::string release() override {
@@ -60,11 +65,14 @@ struct ChunkedMatmulState : OpState {
     if (blas) note(blas::api().destroy(blas) != 0, "cublasDestroy failed");
     if (workspace) note(cudaFree(workspace) != cudaSuccess, "cudaFree(cuBLAS workspace) failed");
     if (fork) note(cudaEventDestroy(fork) != cudaSuccess, "cudaEventDestroy failed");
-    if (join) note(cudaEventDestroy(join) != cudaSuccess, "cudaEventDestroy failed");
-    if (side) note(cudaStreamDestroy(side) != cudaSuccess, "cudaStreamDestroy(side stream) failed");
+    for (int i = 0; i < kMaxExchangePeers; i++) {
+      if (joins[i]) note(cudaEventDestroy(joins[i]) != cudaSuccess, "cudaEventDestroy failed");
+      if (sides[i]) note(cudaStreamDestroy(sides[i]) != cudaSuccess, "cudaStreamDestroy(side stream) failed");
+      sides[i] = nullptr;
+      joins[i] = nullptr;
+    }
     blas = workspace = nullptr;
-    side = nullptr;
-    fork = join = nullptr;
+    fork = nullptr;
     calls.clear();
     return first;
   }
@@ -93,7 +101,7 @@ void check_memory_op(CUresult r, const char* name, int device) {
                 std::to_string(device));
 }
 
-// The copy stream waits until `word` >= value without taking an SM.
+// A copy stream waits until `word` >= value without taking an SM.
 void stream_wait_at_least(cudaStream_t stream, const uint64_t* word, uint64_t value, int device) {
   static const StreamValueFn wait = stream_memory_op("cuStreamWaitValue64");
   check_memory_op(wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
@@ -102,8 +110,8 @@ void stream_wait_at_least(cudaStream_t stream, const uint64_t* word, uint64_t va
 }
 
 // Sets a peer's handoff count to `value` once the stream's earlier work is done, without taking an
-// SM, so a hand-over on the copy stream never queues behind cuBLAS for one (with more than one
-// peer, the next push would wait with it). Each count has one writer, this GPU, and the host
+// SM, so a hand-over on a copy stream never queues behind cuBLAS for one (and holds back that
+// stream's next copy with it). Each count has one writer, this GPU, and the host
 // knows its value for every call, so a plain write replaces an atomic add. The write's default
 // flags put a system-scope memory barrier before it: what the stream wrote (a copy, a matmul)
 // is visible to the peer before the count that announces it.
@@ -125,12 +133,9 @@ ChunkedMatmulState& chunked_state(DeviceState& s) {
   try {
     const blas::Api& api = blas::api();
     // The highest priority: the few small kernels on it are scheduled before the matmul's next CTAs.
-    int least = 0, greatest = 0;
-    check_launch(cudaDeviceGetStreamPriorityRange(&least, &greatest), "querying stream priorities", s.device);
-    check_launch(cudaStreamCreateWithPriority(&c.side, cudaStreamNonBlocking, greatest), "creating the copy stream",
-                 s.device);
+    int least = 0;
+    check_launch(cudaDeviceGetStreamPriorityRange(&least, &c.priority), "querying stream priorities", s.device);
     check_launch(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming), "creating an event", s.device);
-    check_launch(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming), "creating an event", s.device);
     check_launch(cudaMalloc(&c.workspace, kBlasWorkspaceBytes), "allocating the cuBLAS workspace", s.device);
     if (api.create(&c.blas) != 0) throw Error("cublasCreate failed on CUDA device " + std::to_string(s.device));
     if (api.set_workspace(c.blas, c.workspace, kBlasWorkspaceBytes) != 0) throw Error("cublasSetWorkspace failed");
@@ -141,6 +146,22 @@ ChunkedMatmulState& chunked_state(DeviceState& s) {
   }
   check_launch(cudaThreadExchangeStreamCaptureMode(&mode), "leaving relaxed capture mode", s.device);
   return c;
+}
+
+// The first `count` copy streams and their join events, made on first use (an axis of P GPUs uses
+// P - 1).
+void make_copy_streams(ChunkedMatmulState& c, int count, int device) {
+  std::lock_guard<std::mutex> lock(make_mutex);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;  // as in chunked_state
+  check_launch(cudaThreadExchangeStreamCaptureMode(&mode), "entering relaxed capture mode", device);
+  cudaError_t failed = cudaSuccess;
+  for (int i = 0; i < count && failed == cudaSuccess; i++) {
+    if (c.sides[i] == nullptr) failed = cudaStreamCreateWithPriority(&c.sides[i], cudaStreamNonBlocking, c.priority);
+    if (failed == cudaSuccess && c.joins[i] == nullptr)
+      failed = cudaEventCreateWithFlags(&c.joins[i], cudaEventDisableTiming);
+  }
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  check_launch(failed, "creating a copy stream and its event", device);
 }
 
 cudaDataType blas_type(ffi::DataType type) {
@@ -200,6 +221,7 @@ ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, i
                                                        : " is outside this GPU's NVLink domain"));
   }
   ChunkedMatmulState& chunked = chunked_state(s);
+  make_copy_streams(chunked, size - 1, s.device);
   ChunkedCall call{s, chunked, std::move(group), ++chunked.calls[offset], c.heap + offset, {}, {}};
   chunk_handoff& h = call.handoff;
   h.ctx = s.context;
@@ -220,11 +242,14 @@ ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, i
   return call;
 }
 
-// XLA's stream waits for everything enqueued on the copy stream so far.
-void join_copy_stream(const ChunkedCall& call, cudaStream_t stream) {
+// XLA's stream waits for everything enqueued so far on the first `count` copy streams (those this
+// call used, one per peer).
+void join_copy_streams(const ChunkedCall& call, cudaStream_t stream, int count) {
   const int dev = call.device.device;
-  check_launch(cudaEventRecord(call.chunked.join, call.chunked.side), "recording an event", dev);
-  check_launch(cudaStreamWaitEvent(stream, call.chunked.join), "joining the copy stream", dev);
+  for (int i = 0; i < count; i++) {
+    check_launch(cudaEventRecord(call.chunked.joins[i], call.chunked.sides[i]), "recording an event", dev);
+    check_launch(cudaStreamWaitEvent(stream, call.chunked.joins[i]), "joining a copy stream", dev);
+  }
 }
 
 int compute_type(ffi::DataType type, int64_t tf32) {
@@ -323,23 +348,24 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
     if (size > 1) {
       // The bounded wait for every chunk (see the top of this file).
       check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
-      // The copy stream, from begin_call on: each peer's chunk copied into the result as soon as
-      // that peer hands it over, in the order the peers compute them; credits once all are read.
-      // Enqueued after every kernel of this call: a kernel's first launch may load its module,
-      // which waits for the whole GPU, and so for a copy stream waiting on a peer that is itself
-      // waiting in such a load; with the waits enqueued last, every hand-over they wait for has
-      // been enqueued before them on both sides.
-      check_launch(cudaStreamWaitEvent(c.side, c.fork), "ordering the copy stream", dev);
+      // A copy stream per peer, from begin_call on: the peer's chunk copied into the result as soon
+      // as that peer hands it over, then its credit (it only tells the peer its chunk was read), so
+      // the peers' copies overlap. Enqueued after every kernel of this call: a kernel's first launch
+      // may load its module, which waits for the whole GPU, and so for a copy stream waiting on a
+      // peer that is itself waiting in such a load; with the waits enqueued last, every hand-over
+      // they wait for has been enqueued before them on both sides.
       for (int i = 1; i < size; i++) {
         const int from = (me - i + size) % size;
-        stream_wait_at_least(c.side, h.words + ready_index(from), call.number, dev);
+        cudaStream_t side = c.sides[i - 1];
+        check_launch(cudaStreamWaitEvent(side, c.fork), "ordering a copy stream", dev);
+        stream_wait_at_least(side, h.words + ready_index(from), call.number, dev);
         const Placement dst = place(result, from, cm, cn, size, concat_rows, elt);
         check_launch(cudaMemcpy2DAsync(dst.base, (size_t)dst.ld * elt, call.peer_slots[(size_t)from] + slot_bytes * me,
-                                       (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, c.side),
+                                       (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, side),
                      "copying a peer's chunk", dev);
+        return_credit(call, from, side);
       }
-      for (int i = 1; i < size; i++) return_credit(call, (me - i + size) % size, c.side);
-      join_copy_stream(call, stream);
+      join_copy_streams(call, stream, size - 1);
     }
   });
 }
@@ -393,27 +419,28 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     const int chosen = stacked ? (int)layout : kChunkPerPeer;
     const chunk_handoff& h = call.handoff;
     if (size > 1) {
-      // Everything for the copy stream is enqueued before the first matmul: its pushes depend on no
-      // kernel of this call but begin_call.
+      // Everything for the copy streams is enqueued before the first matmul: their pushes depend on
+      // no kernel of this call but begin_call. One stream per peer, so the pushes overlap.
       check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
-      check_launch(cudaStreamWaitEvent(c.side, c.fork), "ordering the copy stream", dev);
       for (int i = 1; i < size; i++) {
         const int to = (me + i) % size;
+        cudaStream_t side = c.sides[i - 1];
+        check_launch(cudaStreamWaitEvent(side, c.fork), "ordering a copy stream", dev);
         check_launch(cudaMemcpyAsync(call.peer_slots[(size_t)to] + slot_bytes * me, x.untyped_data(), shard_bytes,
-                                     cudaMemcpyDefault, c.side),
+                                     cudaMemcpyDefault, side),
                      "copying this shard to a peer", dev);
-        hand_over(call, to, c.side);
+        hand_over(call, to, side);
       }
-      if (chosen == kWhole)
+      if (chosen == kWhole)  // after the first peer's push, on its stream
         check_launch(cudaMemcpyAsync(call.slots + slot_bytes * me, x.untyped_data(), shard_bytes,
-                                     cudaMemcpyDeviceToDevice, c.side),
+                                     cudaMemcpyDeviceToDevice, c.sides[0]),
                      "copying this shard into its own slot", dev);
     }
     auto give_credits = [&](int first, int count) {
       for (int from = first; from < first + count; from++) return_credit(call, from, stream);
     };
     if (chosen == kWhole) {
-      join_copy_stream(call, stream);  // the own shard in its slot
+      join_copy_streams(call, stream, size - 1);  // the own shard in its slot, the pushes
       check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
       gemm(call.slots, 0, size);
       for (int from = 0; from < size; from++)
@@ -439,7 +466,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
         return_credit(call, from, stream);
       }
     }
-    if (size > 1) join_copy_stream(call, stream);
+    if (size > 1) join_copy_streams(call, stream, size - 1);
   });
 }
 
