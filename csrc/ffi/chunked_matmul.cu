@@ -11,12 +11,13 @@
 // matmul_reduce_scatter: the same exchange of this GPU's partial chunks, stacked by source; the
 // owner's sum over sources follows in XLA (one fused pass over the stacked partials).
 //
-// all_gather_matmul (push): each peer's copy stream copies this GPU's shard into that peer's
-// slot[me] and hands it over; XLA's stream multiplies the own shard into the result, then each
-// peer's shard from its slot as it arrives, and returns a credit once that matmul read it.
+// all_gather_matmul (push): one copy stream copies this GPU's shard into every peer's slot[me], the
+// next peer first, and hands it over; XLA's stream multiplies the own shard into the result, then
+// each peer's shard from its slot as it arrives, and returns a credit once that matmul read it.
 //
-// Each peer position has its own copy stream, so the copies to or from different peers overlap (on
-// different copy engines) instead of running one after another.
+// The pulls of the exchange run on a copy stream per peer position, so the copies from different
+// peers overlap (on different copy engines) instead of queueing behind each other; the pushes of
+// all_gather_matmul share one, so that the shard each peer needs first lands first.
 //
 // Hand-overs and credits are stream memory writes (cuStreamWriteValue64 into the peer's count).
 // A copy stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
@@ -419,28 +420,30 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     const int chosen = stacked ? (int)layout : kChunkPerPeer;
     const chunk_handoff& h = call.handoff;
     if (size > 1) {
-      // Everything for the copy streams is enqueued before the first matmul: their pushes depend on
-      // no kernel of this call but begin_call. One stream per peer, so the pushes overlap.
+      // Everything for the copy stream is enqueued before the first matmul: its pushes depend on no
+      // kernel of this call but begin_call. One stream for every push, in the order the peers need
+      // the shard: pushes side by side all land late, and each peer's first matmul waits for its
+      // (measured: docs/measurements.md, eighth session).
+      cudaStream_t side = c.sides[0];
       check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
+      check_launch(cudaStreamWaitEvent(side, c.fork), "ordering the copy stream", dev);
       for (int i = 1; i < size; i++) {
         const int to = (me + i) % size;
-        cudaStream_t side = c.sides[i - 1];
-        check_launch(cudaStreamWaitEvent(side, c.fork), "ordering a copy stream", dev);
         check_launch(cudaMemcpyAsync(call.peer_slots[(size_t)to] + slot_bytes * me, x.untyped_data(), shard_bytes,
                                      cudaMemcpyDefault, side),
                      "copying this shard to a peer", dev);
         hand_over(call, to, side);
       }
-      if (chosen == kWhole)  // after the first peer's push, on its stream
+      if (chosen == kWhole)
         check_launch(cudaMemcpyAsync(call.slots + slot_bytes * me, x.untyped_data(), shard_bytes,
-                                     cudaMemcpyDeviceToDevice, c.sides[0]),
+                                     cudaMemcpyDeviceToDevice, side),
                      "copying this shard into its own slot", dev);
     }
     auto give_credits = [&](int first, int count) {
       for (int from = first; from < first + count; from++) return_credit(call, from, stream);
     };
     if (chosen == kWhole) {
-      join_copy_streams(call, stream, size - 1);  // the own shard in its slot, the pushes
+      join_copy_streams(call, stream, 1);  // the own shard in its slot
       check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
       gemm(call.slots, 0, size);
       for (int from = 0; from < size; from++)
@@ -466,7 +469,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
         return_credit(call, from, stream);
       }
     }
-    if (size > 1) join_copy_streams(call, stream, size - 1);
+    if (size > 1) join_copy_streams(call, stream, 1);
   });
 }
 
