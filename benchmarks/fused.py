@@ -10,11 +10,12 @@ Per device and per shape (M x K x N, x [M, K] @ w [K, N]):
   xla_matmul            x @ w (cuBLAS through XLA)
   triton_matmul         the fused all_to_all's tile code alone (same tile configuration)
   xla_matmul_all_to_all jax.lax.all_to_all(x @ w, tiled) in one jit
-  fused_all_to_all      jaxgin.fused.matmul_all_to_all (method="chunked", the default)
+  fused_all_to_all      jaxgin.fused.matmul_all_to_all (the default method, "auto": chunked or
+                        unfused by the matmul's size; *_default_method says which ran and why)
   triton_all_to_all     the same op, method="triton"
 and for all_gather_matmul (M = rows after the gather, each device holding M / devices):
   xla_all_gather_matmul jax.lax.all_gather(x, tiled) @ w in one jit
-  fused_all_gather      jaxgin.fused.all_gather_matmul (method="chunked")
+  fused_all_gather      jaxgin.fused.all_gather_matmul (the default method)
   triton_all_gather     the same op, method="triton"
   pallas_all_gather_matmul  JAX's Pallas Mosaic GPU collective matmul (all_gather_lhs_matmul), its
                         fastest right configuration of PALLAS_CONFIGS, or why it could not run;
@@ -23,7 +24,7 @@ and for all_gather_matmul (M = rows after the gather, each device holding M / de
                         layout it runs in
 and for matmul_reduce_scatter (each device: x [M, K] @ w [K, N], a partial product; result M / devices rows):
   xla_matmul_reduce_scatter jax.lax.psum_scatter(x @ w, tiled) in one jit
-  fused_reduce_scatter      jaxgin.fused.matmul_reduce_scatter (method="chunked", the default)
+  fused_reduce_scatter      jaxgin.fused.matmul_reduce_scatter (the default method, "auto")
   triton_reduce_scatter     the same op, method="triton"
 
 Beside them, XLA's own partitioning of the two tensor-parallel matmuls (jit with shardings, no
@@ -191,6 +192,12 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
     keys = jax.random.split(jax.random.key(m + k + n))
     x, w = _operands(mesh, keys, m, k, n, dtype)
     row = {"m": m, "k": k, "n": n, "dtype": np.dtype(dtype).name, "tiles": tiles.__dict__}
+    # what the default method (auto) runs for each op timed here (fused_*), and why
+    shapes = {"all_to_all": ("matmul_all_to_all", (m, k)), "all_gather": ("all_gather_matmul", (m // devices, k)),
+              "reduce_scatter": ("matmul_reduce_scatter", (m, k))}
+    for kind in kinds:
+        op, x_shape = shapes[kind]
+        row[f"{kind}_default_method"] = str(jaxgin.fused.explain(op, x_shape, (k, n), dtype, axis_size=devices))
     ops = {
         "xla_matmul": lambda x, w: x @ w,
         "triton_matmul": lambda x, w: _common.matmul(x, w, tiles, precision),

@@ -6,9 +6,10 @@ Needs: on a machine without GPUs nothing beyond pip install -e . (reference mode
 pip install -e ".[cuda]" (JAX's CUDA plugin, NCCL, nvcc, Triton). A missing one ends it with one
 line that names it and the pip command (exit status 3).
 
-On NVIDIA GPUs (2 or more) it runs the default method="chunked" (cuBLAS chunks, copy-engine
-exchange) on every GPU of this process; without them it runs the reference path on 4 virtual CPU
-devices (same results, no speed claim).
+On NVIDIA GPUs (2 or more) it runs the default method="auto" on every GPU of this process, which
+at this shape is "chunked" (cuBLAS chunks, copy-engine exchange); it prints which method ran and
+why (jaxgin.fused.explain). Without GPUs it runs the reference path on 4 virtual CPU devices (same
+results, no speed claim).
 
     python examples/fused_matmul_all_to_all.py
 """
@@ -69,6 +70,8 @@ def main() -> None:
     got, want = np.asarray(once(fused)(x, w), np.float32), np.asarray(once(unfused)(x, w), np.float32)
     err = np.abs(got - want).max() / np.abs(want).max()
     print(f"{n} x {jax.devices()[0].device_kind}, x [{m}, {k}] @ w [{k}, {nn}] per device, bf16")
+    print(jaxgin.fused.explain("matmul_all_to_all", (m, k), (k, nn), dtype, axis_size=n)
+          if on_gpu else "reference mode: plain JAX stands in for every method")
     print(f"matmul_all_to_all vs lax.all_to_all(x @ w): max relative difference {err:.2e}")
 
     loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)  # noqa: E731

@@ -10,6 +10,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 from __future__ import annotations
 
 import re
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import jax
@@ -187,7 +188,7 @@ def test_varying_weights_get_their_own_gradient(init):
         (lambda x, w: jaxgin.fused.matmul_all_to_all(x, w, axis_name="x", concat_axis=0.5), TypeError, "int"),
         (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="nope"), NameError, "not bound"),
         (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", method="cutlass"), ValueError,
-         "method='cutlass'; use one of 'chunked', 'triton'"),
+         "method='cutlass'; use one of 'auto', 'chunked', 'triton', 'unfused'"),
         (lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", tiles=TileConfig(64, 64, 32)),
          ValueError, "pass method='triton' with it"),
         (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x"), ValueError,
@@ -199,7 +200,7 @@ def test_varying_weights_get_their_own_gradient(init):
         (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", scatter_dimension=True), TypeError,
          "must be an int"),
         (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", method="nccl"), ValueError,
-         "method='nccl'; use one of 'chunked', 'triton'"),
+         "method='nccl'; use one of 'auto', 'chunked', 'triton', 'unfused'"),
         (lambda x, w: jaxgin.fused.matmul_reduce_scatter(x, w, axis_name="x", tiles=TileConfig(64, 64, 32)),
          ValueError, "pass method='triton' with it"),
     ],
@@ -277,6 +278,124 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
         assert buffers.flags.shape == (size * groups * (1 + gin),)  # GIN: a waiter's claim word per flag
         assert args[6] == buffers.signals
     assert buffers.state.shape == (3,)  # call counter, finished programs, start order
+
+
+def _plan_of(module, op, size, m, k, n, method, dtype=jnp.bfloat16):
+    if op == "matmul_all_to_all":
+        return module._Plan(("x",), size, m, n, k, True, True, None, None, method)
+    if op == "matmul_reduce_scatter":
+        return module._Plan(("x",), size, m, n, k, True, None, None, method)
+    return module._Plan(("x",), size, m, n, k, None, None, method)
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+@pytest.mark.parametrize("big", [False, True], ids=["short_matmul", "long_matmul"])
+@pytest.mark.parametrize("method", ["auto", "chunked", "triton", "unfused"])
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "all_gather_matmul", "matmul_reduce_scatter"])
+def test_each_method_lowers_to_what_explain_says(monkeypatch, op, method, big, gin):
+    """What a fused op runs on GPUs: "auto" takes the chunked call for a matmul of at least
+    AUTO_CHUNKED_MIN_FLOP and XLA's composition below it, the Triton kernel in a job with GIN peers
+    ("chunked" too); "triton" and "unfused" run as asked. jaxgin.fused.explain names the same
+    method, with the matmul's size in its reason."""
+    import importlib
+
+    from jaxgin import op_support
+    from jaxgin.fused import _chunked, _common
+
+    module = importlib.import_module(f"jaxgin.fused.{op}")
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    calls = []
+    monkeypatch.setattr(module, "triton_call", lambda kernel, *args, **kw: calls.append("triton"))
+    chunked = "reduce_scatter_partials" if op == "matmul_reduce_scatter" else op
+    monkeypatch.setattr(_chunked, chunked, lambda x, w, plan, *layout: calls.append("chunked") or jnp.zeros((4, 128, 384)))
+    unfused = "reference" if op == "matmul_reduce_scatter" else "unfused"
+    monkeypatch.setattr(module, unfused, lambda x, w, plan: calls.append("unfused"))
+    size, m, k, n = 4, 512, 256, 384
+    flop = 2.0 * m * k * n * (size if op == "all_gather_matmul" else 1)
+    # the threshold just above or at this matmul's size
+    monkeypatch.setattr(_common, "AUTO_CHUNKED_MIN_FLOP", flop if big else flop * 1.01)
+    module._kernel(_HeapOnlyState(), jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16),
+                   _plan_of(module, op, size, m, k, n, method))
+    if method in ("triton", "unfused"):
+        expected = method
+    elif gin:
+        expected = "triton"
+    else:
+        expected = "chunked" if method == "chunked" or big else "unfused"
+    assert calls == [expected]
+    choice = jaxgin.fused.explain(op, (m, k), (k, n), axis_size=size, method=method, gin_in_job=gin)
+    assert (choice.op, choice.asked, choice.method) == (f"jaxgin.fused.{op}", method, expected)
+    if method == "auto" and not gin:
+        assert f"the matmul is {flop / 1e9:.3g} GFLOP per device (bfloat16)" in choice.reason
+    assert str(choice).startswith(f"jaxgin.fused.{op}: method={method!r} runs {expected!r}: ")
+
+
+def test_auto_weighs_a_float32_matmul_by_its_precision():
+    """A float32 matmul runs slower than a 16-bit one of the same size (tf32 at half the rate,
+    IEEE float32 on CUDA cores), so auto takes the chunked method for it at fewer FLOP."""
+    from jaxgin.fused import _common
+
+    flop = _common.AUTO_CHUNKED_MIN_FLOP / 4  # 16-bit: unfused
+    m, k, n = 1024, 1024, int(flop / (2 * 1024 * 1024))
+    explain = jaxgin.fused.explain
+    assert explain("matmul_all_to_all", (m, k), (k, n), "bfloat16", axis_size=4, gin_in_job=False).method == "unfused"
+    assert explain("matmul_all_to_all", (m, k), (k, n), "float32", axis_size=4, gin_in_job=False).method == "unfused"
+    assert explain("matmul_all_to_all", (m, k), (k, n), "float32", axis_size=4, precision=jax.lax.Precision.HIGH,
+                   gin_in_job=False).method == "chunked"
+    highest = explain("matmul_all_to_all", (m, k), (k, n), "float32", axis_size=4, precision="highest",
+                      gin_in_job=False)
+    assert highest.method == "chunked" and "in 16-bit terms" in highest.reason
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    (dict(op="matmul"), ValueError, "op='matmul'; use one of 'matmul_all_to_all', 'all_gather_matmul'"),
+    (dict(x_shape=(8, 16, 2)), ValueError, r"x_shape \[8, 16, 2\] \(x \[M, K\] of this device\) and w_shape"),
+    (dict(w_shape=(8, 4)), ValueError, "must be 2-D with the same K"),
+    (dict(axis_size=0), ValueError, "axis_size must be a positive int"),
+    (dict(dtype="int8"), TypeError, "dtype int8; supported: bfloat16, float16, float32"),
+    (dict(method="fast"), ValueError, "method='fast'; use one of 'auto', 'chunked', 'triton', 'unfused'"),
+])
+def test_explain_names_a_bad_argument(kwargs, error, message):
+    args = dict(op="matmul_all_to_all", x_shape=(8, 16), w_shape=(16, 4), axis_size=4) | kwargs
+    op = args.pop("op")
+    with pytest.raises(error, match=message):
+        jaxgin.fused.explain(op, args.pop("x_shape"), args.pop("w_shape"), args.pop("dtype", "bfloat16"), **args)
+
+
+def test_explain_without_a_runtime_assumes_no_gin_peers():
+    """Outside a jaxgin runtime on GPUs (none started, or reference mode) explain says what an
+    NVLink-only job would run."""
+    choice = jaxgin.fused.explain("all_gather_matmul", (1024, 4096), (4096, 4096), axis_size=4)
+    assert choice.method == "chunked" and "137 GFLOP per device" in choice.reason
+
+
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "all_gather_matmul", "matmul_reduce_scatter"])
+def test_the_unfused_method_equals_the_reference(op):
+    """method="unfused" (XLA's matmul and collective, what auto runs for short matmuls) computes
+    the op: the same values as the reference path on 4 CPU devices (float32, HIGHEST precision;
+    matmul_reduce_scatter's unfused path is its reference, the same ordered sum)."""
+    import importlib
+
+    module = importlib.import_module(f"jaxgin.fused.{op}")
+    mesh = _mesh(4)
+    m, k, n = 16, 24, 8
+    plan = dataclasses_replace(_plan_of(module, op, 4, m, k, n, "unfused"), precision=jax.lax.Precision.HIGHEST)
+    key_x, key_w = jax.random.split(jax.random.key(5))
+    specs = (P(None, "x"), P("x", None), P("x")) if op == "matmul_reduce_scatter" else (P("x"), P(), P("x"))
+    shapes = ((m, 4 * k), (4 * k, n)) if op == "matmul_reduce_scatter" else ((4 * m, k), (k, n))
+    x, w = jax.random.normal(key_x, shapes[0], jnp.float32), jax.random.normal(key_w, shapes[1], jnp.float32)
+    run = lambda f: jax.jit(jax.shard_map(lambda x, w: f(x, w, plan), mesh=mesh, in_specs=specs[:2],  # noqa: E731
+                                          out_specs=specs[2]))(x, w)
+    unfused = module.reference if op == "matmul_reduce_scatter" else module.unfused
+    np.testing.assert_allclose(np.asarray(run(unfused)), np.asarray(run(module.reference)), rtol=1e-5, atol=1e-5)
+    lax = {"matmul_all_to_all": lambda x, w: jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True),
+           "all_gather_matmul": lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,
+           "matmul_reduce_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)}[op]
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(np.asarray(run(unfused)), np.asarray(run(lambda x, w, _: lax(x, w))),
+                                   rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])

@@ -7,14 +7,20 @@
 matmul_reduce_scatter's owner sums the partials it receives in float32 in the order of the axis,
 so its result does not change from run to run.
 
-On GPUs, method="chunked" (the default) is one XLA custom call that multiplies chunk by chunk with
+On GPUs, method="chunked" is one XLA custom call that multiplies chunk by chunk with
 cuBLAS while the copy engine moves finished chunks (matmul_all_to_all, and the partial chunks of
 matmul_reduce_scatter, summed by XLA after the call) or this GPU's shard (all_gather_matmul) over
-NVLink on a second stream, so communication hides under compute and takes no SMs from it
+NVLink on side streams, so communication hides under compute and takes no SMs from it
 (_chunked.py, csrc/ffi/chunked_matmul.cu). method="triton" is one Triton kernel (tritongin) run by
 jaxgin.triton_call: output tiles leave for their destination the moment they are computed, or
-peers' shards are consumed as they arrive. In reference mode (CPU) both compute the same chunk
-placement in plain JAX.
+peers' shards are consumed as they arrive. method="unfused" is XLA's matmul then XLA's
+collective. method="auto" (the default) runs "chunked" where the matmul is long enough to hide the
+exchange and "unfused" below that (and the Triton kernel in a job with GPUs on other hosts):
+
+    print(jaxgin.fused.explain("matmul_all_to_all", (512, 7168), (7168, 2048), axis_size=4))
+
+says which runs and why. In reference mode (CPU) every method computes the same chunk placement
+in plain JAX.
 
 Gradients go through jax.custom_vjp and equal those of the unfused compositions. The backward
 passes are unfused on purpose: there the communication precedes the matmuls (matmul_all_to_all's
@@ -31,9 +37,10 @@ Every mesh axis must be manual in the shard_map (the kernels find their peers' r
 device's whole mesh position, see jaxgin.axis_route).
 """
 
-from jaxgin.fused._common import TileConfig
+from jaxgin.fused._common import MethodChoice, TileConfig
 from jaxgin.fused.all_gather_matmul import all_gather_matmul
+from jaxgin.fused.explain import explain
 from jaxgin.fused.matmul_all_to_all import matmul_all_to_all
 from jaxgin.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
-__all__ = ["TileConfig", "all_gather_matmul", "matmul_all_to_all", "matmul_reduce_scatter"]
+__all__ = ["MethodChoice", "TileConfig", "all_gather_matmul", "explain", "matmul_all_to_all", "matmul_reduce_scatter"]

@@ -75,13 +75,38 @@ EXCHANGE_CANDIDATES = {
 }
 
 
-METHODS = ("chunked", "triton")
+METHODS = ("auto", "chunked", "triton", "unfused")
+
+# method="auto" runs the chunked method where its exchange hides under the matmul and XLA's
+# unfused composition where the matmul is too short for that: the chunked call's fixed costs (its
+# bounded waits, stream hand-overs, per-peer cuBLAS calls) came to 30-50 us on 4 x H100, and below
+# about 1e11 FLOP of 16-bit matmul per device (~150 us) XLA's composition was as fast or faster,
+# whatever the chunk layout (docs/measurements.md, eighth session).
+AUTO_CHUNKED_MIN_FLOP = 1e11
+# How many 16-bit FLOP a float32 one costs on tensor cores, by jax's matmul precision
+# (dot_precision): tf32 runs at half the 16-bit rate, 3 x tf32 a sixth, IEEE float32 on the CUDA
+# cores about a sixteenth.
+FLOAT32_COST = {"tf32": 2, "tf32x3": 6, "ieee": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodChoice:
+    """Which implementation a fused op runs on GPUs, and why (jaxgin.fused.explain)."""
+
+    op: str
+    asked: str  # the op's `method` argument
+    method: str  # what runs: "chunked", "triton" or "unfused"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.op}: method={self.asked!r} runs {self.method!r}: {self.reason}"
 
 
 def check_method(op: str, method, tiles, methods=METHODS) -> str:
-    """The implementation a fused op runs on GPUs, one of the op's `methods`: "chunked" (cuBLAS
-    per chunk, copy-engine exchange; _chunked.py) or "triton" (one Triton kernel; _kernels.py).
-    Tiles are Triton's."""
+    """The implementation a fused op was asked for, one of the op's `methods`: "auto" (the default:
+    see choose_method), "chunked" (cuBLAS per chunk, copy-engine exchange; _chunked.py), "triton"
+    (one Triton kernel; _kernels.py) or "unfused" (XLA's matmul, then XLA's collective). Tiles are
+    Triton's."""
     if method not in methods:
         raise ValueError(f"{op}: method={method!r}; use one of {', '.join(map(repr, methods))}")
     if tiles is not None and method != "triton":
@@ -90,12 +115,29 @@ def check_method(op: str, method, tiles, methods=METHODS) -> str:
     return method
 
 
-def run_on_triton(method: str, gin_in_job: bool) -> bool:
-    """Whether a fused op runs its Triton kernel: asked for, or the job has GPUs on other hosts.
-    The chunked method hands chunks over with the copy engine, which reaches NVLink peers only; the
-    Triton kernel picks each peer's path on the device (GIN puts or NVLink stores), so a user never
-    gets an error because a peer is on another host."""
-    return method == "triton" or gin_in_job
+def choose_method(op: str, asked: str, flop: float, dtype, precision, gin_in_job: bool) -> MethodChoice:
+    """What a fused op asked for `asked` runs, for a matmul of `flop` FLOP per device in `dtype`.
+    A job with GPUs on other hosts runs the Triton kernel for "chunked" and "auto": it picks each
+    peer's path on the device (GIN puts or NVLink stores), while the chunked method's copy engine
+    reaches NVLink peers only, so a user never gets an error because a peer is on another host."""
+    def choice(method, reason):
+        return MethodChoice(op, asked, method, reason)
+
+    if asked in ("triton", "unfused"):
+        return choice(asked, "asked for")
+    if gin_in_job:
+        return choice("triton", "the job has GPUs on other hosts; the Triton kernel reaches them by GIN puts, "
+                                "the chunked method's copy engine only NVLink peers")
+    if asked == "chunked":
+        return choice("chunked", "asked for")
+    cost = flop * (FLOAT32_COST[dot_precision(dtype, precision)] if np.dtype(dtype) == np.float32 else 1)
+    size = f"the matmul is {flop / 1e9:.3g} GFLOP per device ({np.dtype(dtype).name}" + (
+        f", {cost / 1e9:.3g} in 16-bit terms)" if cost != flop else ")")
+    if cost >= AUTO_CHUNKED_MIN_FLOP:
+        return choice("chunked", f"{size}, enough for the chunked exchange to hide under it "
+                                 f"(auto takes it from {AUTO_CHUNKED_MIN_FLOP / 1e9:.3g} GFLOP)")
+    return choice("unfused", f"{size}, below the {AUTO_CHUNKED_MIN_FLOP / 1e9:.3g} GFLOP from which the chunked "
+                             "exchange hides under it; XLA's matmul then its collective is as fast there")
 
 
 # Programs per source that copy a GIN source's tiles out of the receive area after the matmul (see

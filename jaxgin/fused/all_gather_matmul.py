@@ -35,20 +35,25 @@ class _Plan:
     k: int
     precision: object
     tiles: _common.TileConfig | None
-    method: str = "chunked"
+    method: str = "auto"
+
+    @property
+    def flop(self) -> float:
+        return 2.0 * self.size * self.m * self.k * self.n
 
 
-def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: str = "chunked"):
+def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: str = "auto"):
     """Inside shard_map: equals ``jax.lax.all_gather(x, axis_name, tiled=True) @ w`` for a shard
     x [M, K] and w [K, N] of one dtype (bfloat16, float16 or float32; float32 accumulation); the
     result is [axis size * M, N], rows of axis index s at s*M.
 
-    On GPUs, method="chunked" (default) pushes this GPU's shard into every peer's heap with the copy
+    On GPUs, method="chunked" pushes this GPU's shard into every peer's heap with the copy
     engine while cuBLAS multiplies the own shard, then each peer's shard as it arrives.
     method="triton" is one Triton kernel: a few programs push the shard (NVLink stores, flagged per
     row group) while the others compute; peers on other hosts get the shard by GIN puts, row group
-    by row group (a job with such peers runs the Triton kernel for either method). `precision`, `tiles`
-    and `method` as in matmul_all_to_all. Differentiable: the backward pass is XLA's (all_gather of x for dw,
+    by row group (a job with such peers runs the Triton kernel for "chunked" and "auto").
+    method="unfused" is jax.lax.all_gather then XLA's matmul; "auto" (default) as in
+    matmul_all_to_all, for the matmul of the gathered rows. `precision` and `tiles` as there. Differentiable: the backward pass is XLA's (all_gather of x for dw,
     reduce-scatter of the x cotangent).
     """
     names = axes_lib.axis_names(axis_name, OP)
@@ -78,12 +83,25 @@ def reference(x, w, plan: _Plan):
     ).astype(x.dtype)
 
 
+def unfused(x, w, plan: _Plan):
+    """XLA's composition: jax.lax.all_gather, then one matmul of the gathered rows."""
+    gathered = jax.lax.all_gather(x, plan.names, tiled=True)
+    return jnp.matmul(gathered, w, precision=plan.precision).astype(x.dtype)
+
+
+def choice(plan: _Plan, dtype, gin: bool) -> _common.MethodChoice:
+    return _common.choose_method(OP, plan.method, plan.flop, dtype, plan.precision, gin)
+
+
 def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
-    """The op on GPUs: the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
-    _chunked.LAYOUTS; benchmarks/fused.py compares them) or the Triton kernel (a job with GPUs on
-    other hosts runs it for either method)."""
+    """The op on GPUs, as choice() picks it: XLA's composition, the chunked custom call (its cuBLAS
+    calls laid out by `chunk_layout`, _chunked.LAYOUTS; benchmarks/fused.py compares them) or the
+    Triton kernel."""
     gin = op_support.gin_in_job(state)
-    if not _common.run_on_triton(plan.method, gin):
+    method = choice(plan, x.dtype, gin).method
+    if method == "unfused":
+        return unfused(x, w, plan)
+    if method == "chunked":
         return _chunked.all_gather_matmul(x, w, plan, chunk_layout)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)

@@ -31,11 +31,15 @@ class _Plan:
     concat_rows: bool  # concat_axis == 0: the chunk from s lands at rows s*cm..; else columns s*cn..
     precision: object
     tiles: _common.TileConfig | None
-    method: str = "chunked"
+    method: str = "auto"
 
     @property
     def chunk(self) -> tuple[int, int]:
         return (self.m // self.size, self.n) if self.split_rows else (self.m, self.n // self.size)
+
+    @property
+    def flop(self) -> float:
+        return 2.0 * self.m * self.k * self.n
 
     @property
     def out_shape(self) -> tuple[int, int]:
@@ -52,18 +56,20 @@ def _axis(value, name: str) -> int:
 
 
 def matmul_all_to_all(x, w, *, axis_name, split_axis: int = 0, concat_axis: int = 0, precision=None, tiles=None,
-                      method: str = "chunked"):
+                      method: str = "auto"):
     """Inside shard_map: equals ``jax.lax.all_to_all(x @ w, axis_name, split_axis, concat_axis,
     tiled=True)`` for x [M, K] and w [K, N] of one dtype (bfloat16, float16 or float32; float32
     accumulation). The dimension of x @ w named by `split_axis` must be divisible by the axis size.
 
-    On GPUs, method="chunked" (default) computes each peer's chunk with cuBLAS, next peer first, and
+    On GPUs, method="chunked" computes each peer's chunk with cuBLAS, next peer first, and
     the peer's copy engine fetches it over NVLink into its result while the next chunk is computed;
     the own chunk is written into the result directly. method="triton" is one Triton kernel that
     stores each output tile for its destination and flags it; destinations fetch tiles during the
     kernel. Peers on other hosts are reached by GIN puts of each finished tile from the kernel; a job
-    with such peers runs the Triton kernel for either method (the copy engine reaches NVLink peers
-    only). `precision` is
+    with such peers runs the Triton kernel for "chunked" and "auto" (the copy engine reaches NVLink
+    peers only). method="unfused" is XLA's matmul then jax.lax.all_to_all. method="auto" (default)
+    takes "chunked" for matmuls long enough to hide the exchange and "unfused" below that;
+    jaxgin.fused.explain says which runs and why. `precision` is
     jax's (None follows jax_default_matmul_precision); `tiles` fixes the Triton kernel's TileConfig
     instead of tuning (method="triton" only).
     Differentiable: the backward pass is the swapped all_to_all (jaxgin.all_to_all) then two
@@ -111,16 +117,28 @@ def reference(x, w, plan: _Plan):
     return jnp.swapaxes(arrived, 0, 1).reshape(cm, plan.size * cn).astype(x.dtype)
 
 
+def unfused(x, w, plan: _Plan):
+    """XLA's composition: the whole matmul, then jax.lax.all_to_all."""
+    y = jnp.matmul(x, w, precision=plan.precision).astype(x.dtype)
+    return jax.lax.all_to_all(y, plan.names, 1 - plan.split_rows, 1 - plan.concat_rows, tiled=True)
+
+
+def choice(plan: _Plan, dtype, gin: bool) -> _common.MethodChoice:
+    return _common.choose_method(OP, plan.method, plan.flop, dtype, plan.precision, gin)
+
+
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True,
             chunk_layout: str = "chunk_per_peer"):
-    """The op on GPUs: the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
-    _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`, `interleave` and `pull` select
-    variants; benchmarks/fused.py compares the non-defaults (the defaults are the op: see
-    _kernels.matmul_all_to_all_kernel). A job with GPUs on other hosts runs the Triton kernel for
-    either method: its tiles go to such GPUs by GIN puts from the matmul's epilogue, while the
-    chunked method's copy engine reaches NVLink peers only (_common.run_on_triton)."""
+    """The op on GPUs, as choice() picks it: XLA's composition, the chunked custom call (its cuBLAS
+    calls laid out by `chunk_layout`, _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`,
+    `interleave` and `pull` select variants; benchmarks/fused.py compares the non-defaults (the
+    defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
+    the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
     gin = op_support.gin_in_job(state)
-    if not _common.run_on_triton(plan.method, gin):
+    method = choice(plan, x.dtype, gin).method
+    if method == "unfused":
+        return unfused(x, w, plan)
+    if method == "chunked":
         return _chunked.matmul_all_to_all(x, w, plan, chunk_layout)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)

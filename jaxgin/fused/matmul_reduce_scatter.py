@@ -31,7 +31,11 @@ class _Plan:
     scatter_rows: bool  # scatter_dimension == 0: axis index d owns rows d*cm.. of x @ w; else columns d*cn..
     precision: object
     tiles: _common.TileConfig | None
-    method: str = "chunked"
+    method: str = "auto"
+
+    @property
+    def flop(self) -> float:
+        return 2.0 * self.m * self.k * self.n
 
     @property
     def chunk(self) -> tuple[int, int]:
@@ -39,7 +43,7 @@ class _Plan:
 
 
 def matmul_reduce_scatter(x, w, *, axis_name, scatter_dimension: int = 0, precision=None, tiles=None,
-                          method: str = "chunked"):
+                          method: str = "auto"):
     """Inside shard_map: equals ``jax.lax.psum_scatter(x @ w, axis_name,
     scatter_dimension=scatter_dimension, tiled=True)`` for x [M, K] and w [K, N] of one dtype
     (bfloat16, float16 or float32), each GPU holding a partial product (x and w sharded along K).
@@ -49,13 +53,15 @@ def matmul_reduce_scatter(x, w, *, axis_name, scatter_dimension: int = 0, precis
     float32 in the order of the axis (0, 1, ...), so the result is the same on every run and
     equals the reference mode's bit for bit where the products are the same.
 
-    On GPUs, method="chunked" (default) computes this GPU's partial of each peer's chunk with
+    On GPUs, method="chunked" computes this GPU's partial of each peer's chunk with
     cuBLAS, next peer first, and the peer's copy engine fetches it over NVLink while the next chunk
     is computed (as matmul_all_to_all's chunked method); the owner then sums the partials it got in
     one pass. method="triton" is one Triton kernel that hands every finished tile over from the
     epilogue (an NVLink peer fetches it from this GPU's heap, a peer on another host gets a GIN
     put) and reduces its chunk's tiles as they arrive. A job with GPUs on other hosts runs the
-    Triton kernel for either method. `precision` is jax's (None follows
+    Triton kernel for "chunked" and "auto". method="unfused" is XLA's matmul, then
+    jax.lax.all_to_all of the partial chunks and the same ordered sum (not psum_scatter, whose
+    order is NCCL's); "auto" (default) as in matmul_all_to_all. `precision` is jax's (None follows
     jax_default_matmul_precision); `tiles` fixes the Triton kernel's TileConfig instead of tuning
     (method="triton" only). Differentiable: the backward pass is the transpose, an all_gather of
     the cotangent then two matmuls (XLA).
@@ -116,14 +122,21 @@ def reference(x, w, plan: _Plan):
     return reduce_in_order(arrived, x.dtype)
 
 
+def choice(plan: _Plan, dtype, gin: bool) -> _common.MethodChoice:
+    return _common.choose_method(OP, plan.method, plan.flop, dtype, plan.precision, gin)
+
+
 def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer"):
-    """The op on GPUs: the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
+    """The op on GPUs, as choice() picks it: XLA's matmul and all_to_all with the ordered sum (the
+    reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
     `lag` and `wait_first` place and order (LAG and WAIT_FIRST of
-    _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults. A job
-    with GPUs on other hosts runs the Triton kernel for either method (_common.run_on_triton)."""
+    _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
     gin = op_support.gin_in_job(state)
-    if not _common.run_on_triton(plan.method, gin):
+    method = choice(plan, x.dtype, gin).method
+    if method == "unfused":
+        return reference(x, w, plan)
+    if method == "chunked":
         return reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype)
     op_support.require_tritongin(OP)
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)

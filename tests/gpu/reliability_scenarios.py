@@ -119,7 +119,7 @@ def _matmul_all_to_all(jax, jaxgin, mesh):
 
     def step(v):
         eye = jnp.eye(v.shape[1], dtype=v.dtype)
-        return jaxgin.fused.matmul_all_to_all(v, eye, axis_name="x") + 1
+        return jaxgin.fused.matmul_all_to_all(v, eye, axis_name="x", method="chunked") + 1
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
