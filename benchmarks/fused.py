@@ -657,6 +657,9 @@ def main() -> None:
     parser.add_argument("--chunked-layouts-only", action="store_true",
                         help="only the chunked method of matmul_all_to_all and matmul_reduce_scatter under each "
                              "chunk layout, at CHUNKED_LAYOUT_SHAPES (fused_chunked_layouts.json)")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="only the sweep of matmul_all_to_all (--sweep; the default method, recorded per row, and "
+                             "the Triton kernel against XLA's composition; fused_sweep.json)")
     parser.add_argument("--gspmd-only", action="store_true",
                         help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
                              "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")
@@ -683,7 +686,7 @@ def main() -> None:
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
     windowed, pallas = [], {}
     full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only
-                or args.chunked_layouts_only)
+                or args.chunked_layouts_only or args.sweep_only)
     if full and not (args.no_windowed and args.no_pallas):
         # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
         # this one holds the GPUs
@@ -705,6 +708,8 @@ def main() -> None:
         "variants_only": (variants, "fused_variants.json", {}, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
+        "sweep_only": (measure, "fused_sweep.json", kind,
+                       [((int(m), 7168, 2048), (("all_to_all",),)) for m in args.sweep.split(",")]),
     }
     for mode, (measure_one, name, extra, calls) in only.items():
         if getattr(args, mode):

@@ -534,6 +534,8 @@ BENCHMARKS = {step.name: step for step in [
          default=False, tail=20),
     Step("windowed", ["benchmarks/fused.py", "--windowed-only", "--out", "{out}"], 240, gpus=2, default=False,
          tail=20),
+    Step("fused_sweep", ["benchmarks/fused.py", "--sweep-only", "--out", "{out}"], 240, gpus=2, default=False,
+         tail=12),
     Step("fused_variants", ["benchmarks/fused.py", "--variants-only", "--out", "{out}"], 300, gpus=2, default=False,
          tail=20),
     # every entry local: the HBM side of dispatch and combine alone (benchmarks/results/1xh200/moe_one_gpu.json)
