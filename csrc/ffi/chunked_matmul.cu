@@ -395,7 +395,7 @@ ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyB
 // slots only; otherwise a call per shard): kChunkPerPeer, the own shard, then each peer's shard as
 // it arrives (the op's layout); kPeersMerged, the own shard, then the peers' shards in at most two
 // calls, the run of indices before this GPU's (which arrives first) and the run after it, each
-// once all of it arrived; kWhole, the own shard copied into its slot beside the pushes, then one
+// once all of it arrived; kWhole, the own shard copied into its slot after the pushes, then one
 // call for every shard once all arrived (the unfused order, for scale).
 ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> mesh_ranks,
