@@ -140,6 +140,11 @@ def choose_method(op: str, asked: str, flop: float, dtype, precision, gin_in_job
                              "exchange hides under it; XLA's matmul then its collective is as fast there")
 
 
+def plan_method(op: str, plan, dtype, gin_in_job: bool) -> MethodChoice:
+    """choose_method for an op's plan (its method, precision and `flop`: its matmul per device)."""
+    return choose_method(op, plan.method, plan.flop, dtype, plan.precision, gin_in_job)
+
+
 # Programs per source that copy a GIN source's tiles out of the receive area after the matmul (see
 # _kernels.matmul_all_to_all_kernel): enough together to fill the GPU, at least one per source.
 GIN_COPY_PROGRAMS = 128

@@ -89,16 +89,12 @@ def unfused(x, w, plan: _Plan):
     return jnp.matmul(gathered, w, precision=plan.precision).astype(x.dtype)
 
 
-def choice(plan: _Plan, dtype, gin: bool) -> _common.MethodChoice:
-    return _common.choose_method(OP, plan.method, plan.flop, dtype, plan.precision, gin)
-
-
 def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
-    """The op on GPUs, as choice() picks it: XLA's composition, the chunked custom call (its cuBLAS
-    calls laid out by `chunk_layout`, _chunked.LAYOUTS; benchmarks/fused.py compares them) or the
-    Triton kernel."""
+    """The op on GPUs, as _common.plan_method picks it: XLA's composition, the chunked custom call
+    (its cuBLAS calls laid out by `chunk_layout`, _chunked.LAYOUTS; benchmarks/fused.py compares
+    them) or the Triton kernel."""
     gin = op_support.gin_in_job(state)
-    method = choice(plan, x.dtype, gin).method
+    method = _common.plan_method(OP, plan, x.dtype, gin).method
     if method == "unfused":
         return unfused(x, w, plan)
     if method == "chunked":

@@ -7,13 +7,13 @@ import numpy as np
 
 from jaxgin import op_support
 from jaxgin.errors import NotInitializedError
-from jaxgin.fused import _common, all_gather_matmul, matmul_all_to_all, matmul_reduce_scatter
+from jaxgin.fused import _common
 
-# op name -> (its module, whose choice() decides; how its x is laid out per device)
+# op name -> how its x is laid out per device (the ops' plans weigh the same matmuls: `flop`)
 _OPS = {
-    "matmul_all_to_all": (matmul_all_to_all, "x [M, K] of this device"),
-    "all_gather_matmul": (all_gather_matmul, "x [M, K]: this device's shard"),
-    "matmul_reduce_scatter": (matmul_reduce_scatter, "x [M, K] of this device, sharded along K"),
+    "matmul_all_to_all": "x [M, K] of this device",
+    "all_gather_matmul": "x [M, K]: this device's shard",
+    "matmul_reduce_scatter": "x [M, K] of this device, sharded along K",
 }
 
 
@@ -27,7 +27,7 @@ def explain(op: str, x_shape, w_shape, dtype="bfloat16", *, axis_size: int, meth
     method computes the reference; this says what the GPUs would run."""
     if op not in _OPS:
         raise ValueError(f"jaxgin.fused.explain: op={op!r}; use one of {', '.join(map(repr, _OPS))}")
-    module, layout = _OPS[op]
+    layout = _OPS[op]
     name = f"jaxgin.fused.{op}"
     x_shape, w_shape = tuple(x_shape), tuple(w_shape)
     if len(x_shape) != 2 or len(w_shape) != 2 or x_shape[1] != w_shape[0]:

@@ -123,19 +123,15 @@ def unfused(x, w, plan: _Plan):
     return jax.lax.all_to_all(y, plan.names, 1 - plan.split_rows, 1 - plan.concat_rows, tiled=True)
 
 
-def choice(plan: _Plan, dtype, gin: bool) -> _common.MethodChoice:
-    return _common.choose_method(OP, plan.method, plan.flop, dtype, plan.precision, gin)
-
-
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True,
             chunk_layout: str = "chunk_per_peer"):
-    """The op on GPUs, as choice() picks it: XLA's composition, the chunked custom call (its cuBLAS
-    calls laid out by `chunk_layout`, _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`,
+    """The op on GPUs, as _common.plan_method picks it: XLA's composition, the chunked custom call
+    (its cuBLAS calls laid out by `chunk_layout`, _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`,
     `interleave` and `pull` select variants; benchmarks/fused.py compares the non-defaults (the
     defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
     the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
     gin = op_support.gin_in_job(state)
-    method = choice(plan, x.dtype, gin).method
+    method = _common.plan_method(OP, plan, x.dtype, gin).method
     if method == "unfused":
         return unfused(x, w, plan)
     if method == "chunked":

@@ -122,18 +122,14 @@ def reference(x, w, plan: _Plan):
     return reduce_in_order(arrived, x.dtype)
 
 
-def choice(plan: _Plan, dtype, gin: bool) -> _common.MethodChoice:
-    return _common.choose_method(OP, plan.method, plan.flop, dtype, plan.precision, gin)
-
-
 def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer"):
-    """The op on GPUs, as choice() picks it: XLA's matmul and all_to_all with the ordered sum (the
-    reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
+    """The op on GPUs, as _common.plan_method picks it: XLA's matmul and all_to_all with the
+    ordered sum (the reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
     `lag` and `wait_first` place and order (LAG and WAIT_FIRST of
     _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
     gin = op_support.gin_in_job(state)
-    method = choice(plan, x.dtype, gin).method
+    method = _common.plan_method(OP, plan, x.dtype, gin).method
     if method == "unfused":
         return reference(x, w, plan)
     if method == "chunked":
