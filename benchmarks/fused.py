@@ -100,6 +100,11 @@ def xla_matmul_all_to_all(x, w):
     return jax.lax.all_to_all(x @ w, "x", 0, 0, tiled=True)
 
 
+def xla_all_gather_matmul(x, w):
+    """XLA's unfused composition of all_gather_matmul (the shards gathered by rows, then one matmul)."""
+    return jax.lax.all_gather(x, "x", tiled=True) @ w
+
+
 def xla_matmul_reduce_scatter(x, w):
     """XLA's unfused composition of matmul_reduce_scatter (scattered by rows)."""
     return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
@@ -213,7 +218,7 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
         shard = (m // devices, k)
         xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
         gather_ops = {
-            "xla_all_gather_matmul": lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,
+            "xla_all_gather_matmul": xla_all_gather_matmul,
             "fused_all_gather": lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x"),
             "triton_all_gather": lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x", method="triton"),
         }
@@ -324,7 +329,7 @@ def pallas_job(args) -> None:
         host_x, host_w = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
         xs = jax.make_array_from_callback((m, k), NamedSharding(mesh, P("x")), lambda i: host_x[i])
         w = jax.make_array_from_callback((k, n), NamedSharding(mesh, P()), lambda i: host_w[i])
-        expected = lambda xs=xs, w=w: _once(mesh, lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w)(xs, w)  # noqa: E731
+        expected = lambda xs=xs, w=w: _once(mesh, xla_all_gather_matmul)(xs, w)  # noqa: E731
         row = {"m": m, "k": k, "n": n, **pallas_all_gather_matmul(mesh, xs, w, expected, args.repeats, rel)}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -552,9 +557,6 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOU
     def timed(op, a, b, specs=ROWS):
         return best_seconds(_chain(mesh, op, specs), a, b, repeats=repeats) / STEPS * 1e6
 
-    def xla_all_gather_matmul(x, w):
-        return jax.lax.all_gather(x, "x", tiled=True) @ w
-
     compositions = {"all_to_all": (xla_matmul_all_to_all, x, w, ROWS), "all_gather": (xla_all_gather_matmul, x, w, ROWS),
                     "reduce_scatter": (xla_matmul_reduce_scatter, xr, wr, K_SHARDED)}
     row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w)}
@@ -655,8 +657,9 @@ def main() -> None:
                         help="only matmul_all_to_all under each tile configuration and exchange layout, and "
                              "matmul_reduce_scatter under each reducer layout (fused_variants.json)")
     parser.add_argument("--chunked-layouts-only", action="store_true",
-                        help="only the chunked method of matmul_all_to_all and matmul_reduce_scatter under each "
-                             "chunk layout, at CHUNKED_LAYOUT_SHAPES (fused_chunked_layouts.json)")
+                        help="only the chunked method of the three fused ops under each chunk layout, with the "
+                             "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
+                             "(fused_chunked_layouts.json)")
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the sweep of matmul_all_to_all (--sweep; the default method, recorded per row, and "
                              "the Triton kernel against XLA's composition; fused_sweep.json)")

@@ -53,8 +53,9 @@ def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: st
     row group) while the others compute; peers on other hosts get the shard by GIN puts, row group
     by row group (a job with such peers runs the Triton kernel for "chunked" and "auto").
     method="unfused" is jax.lax.all_gather then XLA's matmul; "auto" (default) as in
-    matmul_all_to_all, for the matmul of the gathered rows. `precision` and `tiles` as there. Differentiable: the backward pass is XLA's (all_gather of x for dw,
-    reduce-scatter of the x cotangent).
+    matmul_all_to_all, for the matmul of the gathered rows. `precision` and `tiles` as there.
+    Differentiable: the backward pass is XLA's (all_gather of x for dw, reduce-scatter of the x
+    cotangent).
     """
     names = axes_lib.axis_names(axis_name, OP)
     size = axes_lib.axis_size(names, OP)
