@@ -348,7 +348,9 @@ def initialize(
             state.fault_cleanup = f"the heaps only: NCCL's calls were not recorded, {unavailable}"
 
         targets.register(backend_lib)
-        state.fault_watch = fault_watch_lib.FaultWatch(state.runtime.device_faults, grace_s).start()
+        state.fault_watch = fault_watch_lib.FaultWatch(
+            state.runtime.device_faults, grace_s, read_communicator_errors=state.runtime.communicator_errors,
+            timeout_s=options.timeout_s).start()
         atexit.unregister(_report_faults_at_exit)  # once per process, however often initialize() runs
         atexit.register(_report_faults_at_exit)
     user_offset = reserved_bytes(options.signal_count, options.barrier_slots, len(devices), options.channel)

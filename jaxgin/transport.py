@@ -101,6 +101,11 @@ def choose(request: str, force_gin: bool, nccl_version: int) -> str:
 # application's context. See docs/guide.md ("The host transport").
 COPY_CONTEXTS = ("own", "shared")
 
+# What the plugin does with a put to a peer whose connection is gone (JAXGIN_TRANSPORT_PEER_LOSS):
+# "drop" completes it; "fail" fails it, as a NIC's plugin does, which ends NCCL's GIN progress
+# thread (what jaxgin.fault_watch then bounds). See peer_loss_mode in csrc/transport/support.cc.
+PEER_LOSS_MODES = ("drop", "fail")
+
 # The unkind mode's behaviours (JAXGIN_TRANSPORT_UNKIND: none, all or a comma list of these), in
 # the order of kUnkindNames in csrc/transport/transport_internal.h, where each is explained; see
 # docs/guide.md ("The unkind mode").
@@ -131,6 +136,10 @@ def enable(library: Path) -> None:
     if copy_context and copy_context not in COPY_CONTEXTS:
         raise ValueError(f"JAXGIN_TRANSPORT_COPY_CONTEXT={copy_context!r}: expected one of {COPY_CONTEXTS} "
                          "(own, the default: the host transport copies in a CUDA context of its own)")
+    peer_loss = settings.get("JAXGIN_TRANSPORT_PEER_LOSS")
+    if peer_loss and peer_loss not in PEER_LOSS_MODES:
+        raise ValueError(f"JAXGIN_TRANSPORT_PEER_LOSS={peer_loss!r}: expected one of {PEER_LOSS_MODES} "
+                         "(drop, the default: a put to a peer that is gone completes without an error)")
     unkind = unkind_behaviours()
     current = os.environ.get("NCCL_RMA_PLUGIN")
     if current and Path(current).resolve() != library.resolve():

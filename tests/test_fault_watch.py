@@ -59,6 +59,64 @@ def test_no_fault_no_report():
     assert ended == []  # (the watch's own thread would end the process: recorded here, asserted here)
 
 
+NCCL_ERROR = ("rank 1 (CUDA device 0): NCCL's communicator reports an asynchronous error, remote process exited "
+              "or there was a network error: its GIN backend may have stopped taking this GPU's puts")
+
+
+def _run_behind_nccl(body: str, fault_after: float | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    """`body` in a fresh process whose watch reads NCCL's error from 0.2 s on (timeout 1 s, grace
+    1 s), and a device fault from `fault_after` seconds on (never when None)."""
+    script = textwrap.dedent("""
+        import time
+        from jaxgin import fault_watch
+        start = time.monotonic()
+        faults = lambda: FAULT if FAULT_AFTER is not None and time.monotonic() - start > FAULT_AFTER else ""
+        nccl = lambda: NCCL_ERROR if time.monotonic() - start > 0.2 else ""
+        watch = fault_watch.FaultWatch(faults, grace_s=1.0, poll_s=0.05, read_communicator_errors=nccl,
+                                       timeout_s=1.0).start()
+    """).replace("FAULT_AFTER", repr(fault_after)).replace("FAULT", repr(FAULT)).replace(
+        "NCCL_ERROR", repr(NCCL_ERROR)) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+
+
+WAIT_FOR_GOOD = """
+    def block_until_ready():  # a kernel spins inside NCCL: the result never comes
+        time.sleep(60)
+    block_until_ready()
+"""
+
+
+def test_a_wait_behind_nccls_error_with_no_device_fault_ends_the_process_naming_it():
+    """Issue 51's fifth risk: NCCL's GIN progress ended at an error, a kernel spins in NCCL's post
+    for a queue slot, no bounded wait ever runs: the rank ends, naming NCCL's error."""
+    started = time.monotonic()
+    proc = _run_behind_nccl(WAIT_FOR_GOOD)
+    assert proc.returncode == fault_watch.FAULT_EXIT_CODE, proc
+    assert 2.0 <= time.monotonic() - started < 20  # not before timeout + grace
+    assert NCCL_ERROR in proc.stderr and "still waits for device results" in proc.stderr, proc.stderr
+    assert "no longer drains" in proc.stderr and "block_until_ready" in proc.stderr, proc.stderr
+
+
+def test_a_device_fault_after_nccls_error_takes_over():
+    """A dead peer under a transport that reports it (NCCL's error) whose kernels reach their
+    bounded waits: the device fault is what ends the rank, and the words are the fault's."""
+    proc = _run_behind_nccl(WAIT_FOR_GOOD, fault_after=0.5)
+    assert proc.returncode == fault_watch.FAULT_EXIT_CODE, proc
+    assert FAULT in proc.stderr and "a CUDA context in error never delivers" in proc.stderr, proc.stderr
+    assert "no longer drains" not in proc.stderr, proc.stderr
+
+
+def test_a_program_that_moved_on_after_nccls_error_is_left_alone():
+    proc = _run_behind_nccl("""
+        time.sleep(3.0)  # past timeout + grace, waiting for nothing
+        watch.stop()
+        print("done")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc
+    assert NCCL_ERROR in proc.stderr  # said once, at once
+    assert proc.stderr.count("NCCL reports an error") == 1, proc.stderr
+
+
 def test_waiting_threads_finds_a_thread_in_a_jax_wait():
     release = threading.Event()
 

@@ -330,6 +330,20 @@ def test_a_dead_peer_is_reported_not_waited_for(library, tmp_path):
         assert "lost peers: [2]" in output, output
 
 
+def test_puts_past_a_lost_peer_fail_when_asked_as_a_nics_plugin_does(library, tmp_path):
+    """JAXGIN_TRANSPORT_PEER_LOSS=fail: a put to the dead rank, posted before or after the loss
+    was seen, completes with rmaRemoteError (what ends NCCL's GIN progress thread), so the GPU
+    tests can meet the queue that no one drains (issue 51's fifth risk); puts between survivors
+    still arrive."""
+    results = run_processes(library, tmp_path, 3, "die-fail", lambda r: {"JAXGIN_TRANSPORT_PEER_LOSS": "fail"})
+    assert results[2][0] == 3
+    for rank in (0, 1):
+        code, output = results[rank]
+        assert code == 0, f"rank {rank}: {output}"
+        assert "the put to the dead rank failed with code 6 (rmaRemoteError)" in output, output
+        assert "the survivor's put arrived" in output, output
+
+
 def test_a_peer_that_stops_reading_is_given_up_after_the_connect_timeout(library, tmp_path):
     """A rank that stops (SIGSTOP: no end of its connections, no goodbye) and so reads nothing:
     once the socket to it is full, a send waits at most JAXGIN_TRANSPORT_CONNECT_TIMEOUT, then
@@ -392,6 +406,14 @@ def test_enable_refuses_an_unknown_copy_context_naming_the_setting(monkeypatch, 
     monkeypatch.delenv("NCCL_RMA_PLUGIN", raising=False)
     monkeypatch.setenv("JAXGIN_TRANSPORT_COPY_CONTEXT", "private")
     with pytest.raises(ValueError, match=r"JAXGIN_TRANSPORT_COPY_CONTEXT='private': expected one of \('own', 'shared'\)"):
+        transport.enable(library)
+    assert "NCCL_RMA_PLUGIN" not in os.environ
+
+
+def test_enable_refuses_an_unknown_peer_loss_mode_naming_the_setting(monkeypatch, library):
+    monkeypatch.delenv("NCCL_RMA_PLUGIN", raising=False)
+    monkeypatch.setenv("JAXGIN_TRANSPORT_PEER_LOSS", "ignore")
+    with pytest.raises(ValueError, match=r"JAXGIN_TRANSPORT_PEER_LOSS='ignore': expected one of \('drop', 'fail'\)"):
         transport.enable(library)
     assert "NCCL_RMA_PLUGIN" not in os.environ
 
@@ -723,6 +745,13 @@ def test_an_unknown_copy_context_is_refused_naming_the_setting(fake_device_table
         connect_all(fake_device_table, 2)
     err = capfd.readouterr().err
     assert "JAXGIN_TRANSPORT_COPY_CONTEXT=private: expected own (the default) or shared" in err
+
+
+def test_an_unknown_peer_loss_mode_is_refused_naming_the_setting(fake_device_table, monkeypatch, capfd):
+    monkeypatch.setenv("JAXGIN_TRANSPORT_PEER_LOSS", "ignore")
+    with pytest.raises(TransportError, match="connect"):
+        connect_all(fake_device_table, 2)
+    assert "JAXGIN_TRANSPORT_PEER_LOSS=ignore: expected drop (the default) or fail" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(("call", "words"), [

@@ -382,6 +382,22 @@ def _credit_ring(me: Rank, directory: Path, iterations: int, window: int) -> int
     return 0 if ok else 1
 
 
+def _first_error_past_a_lost_peer(me: Rank, data_h, signal_h, lost: int) -> int:
+    """Posts a put to the `lost` rank the way NCCL's proxy does and returns the first error code
+    that posting or testing it gave (0: it completed without one)."""
+    done, deadline = c_int(0), time.monotonic() + 30
+    try:
+        request = me.put(data_h, 0, 64, data_h, 0, lost, signal=signal_h, signal_off=8 * me.rank)
+        while request and not done.value:  # a null request is done
+            if time.monotonic() > deadline:
+                raise TimeoutError("a put to a lost peer neither completed nor failed")
+            check(me.t.test(me.comm, request, ctypes.byref(done)), "test")
+            me.progress()
+    except TransportError as e:
+        return e.code
+    return 0
+
+
 def _drain_puts_past_a_lost_peer(me: Rank, data_h, signal_h, lost: int, other: int, count: int) -> float:
     """Posts `count` puts to the `lost` rank and as many to `other`, the way NCCL's proxy posts
     and tests them (more than NCCL's GPU-to-proxy queue of 32 x maxRecvs = 256 holds), until every
@@ -411,11 +427,27 @@ def main(argv: list[str]) -> int:
     signals = np.zeros(nranks, np.uint64)
     data_h, signal_h = me.register(data), me.register(signals, NEVER_RESET)
     (directory / f"ready.{rank}").write_text("")
-    if scenario == "die" and rank == nranks - 1:
+    if scenario in ("die", "die-fail") and rank == nranks - 1:
         os._exit(3)  # no goodbye: the survivors must notice
     if scenario == "freeze" and rank == nranks - 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # reads nothing more, and its connections stay open
         time.sleep(3600)
+    if scenario == "die-fail":  # JAXGIN_TRANSPORT_PEER_LOSS=fail
+        deadline = time.monotonic() + 30
+        while not me.has_error():
+            if time.monotonic() > deadline:
+                print("no error reported after a peer died", flush=True)
+                return 1
+            time.sleep(0.01)
+        code = _first_error_past_a_lost_peer(me, data_h, signal_h, nranks - 1)
+        print(f"the put to the dead rank failed with code {code}{' (rmaRemoteError)' if code == 6 else ''}",
+              flush=True)
+        survivor, other = (rank - 1) % (nranks - 1), (rank + 1) % (nranks - 1)
+        me.wait(me.put(data_h, 0, 64, data_h, 64, other, signal=signal_h, signal_off=8 * rank))
+        wait_word(signals, survivor, 1, progress=me)
+        print("the survivor's put arrived", flush=True)
+        _barrier(directory, "reported", rank, nranks - 1, progress=me)
+        return 0
     if scenario == "die":
         deadline = time.monotonic() + 30
         while not me.has_error():

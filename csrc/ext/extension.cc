@@ -39,6 +39,7 @@ struct BackendApi {
   decltype(&jaxgin_wait_signal_on_device) wait_signal_on_device;
   decltype(&jaxgin_ffi_calls) ffi_calls;
   decltype(&jaxgin_device_faults) device_faults;
+  decltype(&jaxgin_communicator_errors) communicator_errors;
   decltype(&jaxgin_heap_clear) heap_clear;
   decltype(&jaxgin_runtime_settle) runtime_settle;
   decltype(&jaxgin_exchange_latency) exchange_latency;
@@ -72,6 +73,7 @@ class Backend {
     resolve(handle_, "jaxgin_wait_signal_on_device", api_.wait_signal_on_device, path);
     resolve(handle_, "jaxgin_ffi_calls", api_.ffi_calls, path);
     resolve(handle_, "jaxgin_device_faults", api_.device_faults, path);
+    resolve(handle_, "jaxgin_communicator_errors", api_.communicator_errors, path);
     resolve(handle_, "jaxgin_heap_clear", api_.heap_clear, path);
     resolve(handle_, "jaxgin_runtime_settle", api_.runtime_settle, path);
     resolve(handle_, "jaxgin_exchange_latency", api_.exchange_latency, path);
@@ -236,6 +238,12 @@ class Runtime {
     return std::string(text.data());
   }
 
+  std::string communicator_errors() const {
+    std::vector<char> text(1 << 16, 0);
+    backend_.check(backend_.api().communicator_errors(live(), text.data(), text.size()));
+    return std::string(text.data());
+  }
+
   void heap_clear(uint64_t offset, uint64_t bytes) {
     int status;
     {
@@ -332,6 +340,8 @@ NB_MODULE(_jaxgin_ext, m) {
            nb::arg("use_graph"), nb::arg("generic_kernel") = false,
            "us per ring exchange of a chain, per local GPU (diagnostic, no XLA)")
       .def("device_faults", &Runtime::device_faults, "descriptions of recorded device faults, '' when none")
+      .def("communicator_errors", &Runtime::communicator_errors,
+           "one line per local GPU whose NCCL communicator reports an asynchronous error, '' when none")
       .def("heap_clear", &Runtime::heap_clear, nb::arg("offset"), nb::arg("bytes"),
            "free a heap range: zero it on every local GPU once every rank's puts to it landed (a collective)")
       .def("settle", &Runtime::settle,

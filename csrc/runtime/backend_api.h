@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define JAXGIN_BACKEND_ABI 6
+#define JAXGIN_BACKEND_ABI 7
 #define JAXGIN_UNIQUE_ID_BYTES 128
 
 // The backend is linked with hidden visibility; only these entry points are exported.
@@ -104,6 +104,11 @@ JAXGIN_API int jaxgin_heap_clear(jaxgin_runtime* rt, uint64_t offset, uint64_t b
 // what peers' puts and signals may still reach. A collective.
 JAXGIN_API int jaxgin_runtime_settle(jaxgin_runtime* rt);
 JAXGIN_API int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity);
+// One line per local GPU whose NCCL communicator reports an asynchronous error ('' when none): a
+// GIN backend that stopped (NCCL's progress thread ends at its first error) no longer drains the
+// GPU's descriptor queues, and a kernel posting into a full one spins inside NCCL, never reaching
+// jaxgin's bounded waits. jaxgin/fault_watch.py ends a rank left waiting behind such a kernel.
+JAXGIN_API int jaxgin_communicator_errors(const jaxgin_runtime* rt, char* out, uint64_t capacity);
 // The wait before a broken GPU is reset (thread_settle.h), for tests through ctypes; the extension
 // does not call it. 1: every other thread of the process was seen asleep; 0: the timeout came,
 // with the threads last seen running in `out`.

@@ -630,6 +630,30 @@ int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity)
   });
 }
 
+int jaxgin_communicator_errors(const jaxgin_runtime* rt, char* out, uint64_t capacity) {
+  return c_api([&] {
+    std::string all;
+    for (const auto& s : rt->devices) {
+      ncclResult_t async = ncclSuccess;
+      if (s.comm == nullptr || ncclCommGetAsyncError(s.comm, &async) != ncclSuccess || async == ncclSuccess ||
+          async == ncclInProgress)
+        continue;
+      const char* last = ncclGetLastError(s.comm);
+      all += (all.empty() ? "" : "\n") + std::string("rank ") + std::to_string(s.rank) + " (CUDA device " +
+             std::to_string(s.device) + "): NCCL's communicator reports an asynchronous error, " +
+             ncclGetErrorString(async) + (last && *last ? std::string(" (") + last + ")" : std::string()) +
+             (s.host_context.gin_contexts > 0
+                  ? ": its GIN backend may have stopped taking this GPU's puts (NCCL's progress thread ends at "
+                    "its first error)"
+                  : "");
+    }
+    if (capacity == 0) return;
+    const size_t n = std::min<size_t>(all.size(), capacity - 1);
+    std::memcpy(out, all.data(), n);
+    out[n] = '\0';
+  });
+}
+
 int jaxgin_runtime_destroy(jaxgin_runtime* rt) {
   return c_api([&] {
     std::unique_ptr<jaxgin_runtime> owned(rt);

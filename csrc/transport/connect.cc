@@ -69,6 +69,14 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
     delete c;
     return rmaInvalidArgument;
   }
+  const std::string peer_loss = peer_loss_mode();
+  if (peer_loss.empty()) {
+    WARN(c, "rank %d: JAXGIN_TRANSPORT_PEER_LOSS=%s: expected drop (the default) or fail", rank,
+         std::getenv("JAXGIN_TRANSPORT_PEER_LOSS"));
+    delete c;
+    return rmaInvalidArgument;
+  }
+  c->fail_past_lost_peers = peer_loss == "fail";
   std::string unkind_error;
   if (!read_unkind(c->unkind, unkind_error)) {
     WARN(c, "rank %d: %s", rank, unkind_error.c_str());

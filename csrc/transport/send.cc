@@ -69,17 +69,21 @@ bool peer_gone(Comm* c, int peer) {
 }
 
 // Runs when the op may deliver (the ops it may not overtake have) and its source was read. To a
-// peer whose connection is gone the op is dropped, and counts as delivered: an error returned to
-// NCCL's GIN progress thread ends that thread (NCCL's ncclGinProgress returns on the first one),
-// and then no put of this GPU to any peer is read again, so a kernel whose GPU-to-proxy queue
-// fills spins in NCCL's descriptor post for good instead of reaching its bounded wait or flush.
-// queryLastError reports the loss (fail() recorded it), and jaxgin's fault lines name the rank.
+// peer whose connection is gone the op is dropped, and by default counts as delivered: an error
+// returned to NCCL's GIN progress thread ends that thread (NCCL's ncclGinProgress returns on the
+// first one), and then no put of this GPU to any peer is read again, so a kernel whose GPU-to-proxy
+// queue fills spins in NCCL's descriptor post for good instead of reaching its bounded wait or
+// flush. JAXGIN_TRANSPORT_PEER_LOSS=fail returns that error, as a NIC's plugin does (see
+// peer_loss_mode). queryLastError reports the loss (fail() recorded it), and jaxgin's fault lines
+// name the rank.
+bool dropped_past_lost_peer(Comm* c) {
+  counters[kOpsDropped]++;
+  return !c->fail_past_lost_peers;
+}
+
 bool deliver(Comm* c, Op* op) {
   const char* read = op->bytes.empty() ? nullptr : op->bytes.data();  // read by the op itself
-  if (op->route != Route::kLocal && peer_gone(c, op->peer)) {
-    counters[kOpsDropped]++;
-    return true;
-  }
+  if (op->route != Route::kLocal && peer_gone(c, op->peer)) return dropped_past_lost_peer(c);
   switch (op->route) {
     case Route::kLocal:
       if (op->local_destination)
@@ -90,8 +94,8 @@ bool deliver(Comm* c, Op* op) {
       {
         Message m = signal_message(op);
         if (send_to(c, op->peer, m, nullptr, 0)) return true;
-        counters[kOpsDropped]++;  // the peer is gone (send_to recorded it): dropped, as above
-        return peer_gone(c, op->peer);
+        // the peer is gone (send_to recorded it): dropped, as above
+        return peer_gone(c, op->peer) && dropped_past_lost_peer(c);
       }
     case Route::kStaged: {
       Message m = signal_message(op);
@@ -102,8 +106,7 @@ bool deliver(Comm* c, Op* op) {
       if (!op->has_signal) m.signal_region = kNoRegion;
       if (send_to(c, op->peer, m, read ? read : op->host_source ? op->host_source : op->staging, op->size))
         return true;
-      counters[kOpsDropped]++;  // as above
-      return peer_gone(c, op->peer);
+      return peer_gone(c, op->peer) && dropped_past_lost_peer(c);  // as above
     }
   }
   return false;
@@ -478,10 +481,9 @@ rmaResult_t enqueue(Context* x, int context, uint64_t src_off, Region* src, size
     return rmaInvalidArgument;
   }
   if (static_cast<int>(peer) != c->rank && peer_gone(c, static_cast<int>(peer))) {
-    // Dropped, and done at once (a null request is done): see deliver.
-    counters[kOpsDropped]++;
+    // Dropped, and done at once (a null request is done), or refused: see deliver.
     TRACE("rank %d drop ctx %d peer %u size %zu: the peer is gone", c->rank, context, peer, size);
-    return rmaSuccess;
+    return dropped_past_lost_peer(c) ? rmaSuccess : rmaRemoteError;
   }
   for (Region* r : {size > 0 ? src : nullptr, size > 0 && static_cast<int>(peer) == c->rank ? dst : nullptr})
     if (r && !r->unreachable.empty()) {

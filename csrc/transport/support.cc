@@ -73,6 +73,17 @@ std::string copy_context_mode() {
   return mode == "own" || mode == "shared" ? mode : std::string();
 }
 
+// What becomes of a put to a peer whose connection is gone (JAXGIN_TRANSPORT_PEER_LOSS): "drop"
+// (the default) completes it, so NCCL's GIN progress thread runs on; "fail" completes it with an
+// error, as a NIC's plugin reports a broken connection: NCCL's progress thread then ends, nothing
+// this GPU posts is taken again, and a kernel that fills its GPU-to-proxy queue spins inside NCCL
+// (how jaxgin still ends such a rank: jaxgin/fault_watch.py). Empty when the value is unknown.
+std::string peer_loss_mode() {
+  const char* v = std::getenv("JAXGIN_TRANSPORT_PEER_LOSS");
+  const std::string mode = v && *v ? v : "drop";
+  return mode == "drop" || mode == "fail" ? mode : std::string();
+}
+
 // CUDA spreads a context's streams over this many hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,
 // default 8): the spare streams a context rotates through, so that one of them sits in each.
 int hardware_queues() {

@@ -249,6 +249,7 @@ void release_op(Op* op);
 std::chrono::milliseconds read_stall_report_after();  // $JAXGIN_TRANSPORT_STALL_REPORT_S
 std::chrono::milliseconds read_requeue_after();       // $JAXGIN_TRANSPORT_REQUEUE_MS
 std::string copy_context_mode();                      // $JAXGIN_TRANSPORT_COPY_CONTEXT; empty when unknown
+std::string peer_loss_mode();                         // $JAXGIN_TRANSPORT_PEER_LOSS; empty when unknown
 int hardware_queues();                                // $CUDA_DEVICE_MAX_CONNECTIONS
 
 struct Comm {
@@ -269,6 +270,7 @@ struct Comm {
   int wake[2] = {-1, -1};
   std::atomic<bool> closing{false};
   Unkind unkind;           // read in connect
+  bool fail_past_lost_peers = false;  // JAXGIN_TRANSPORT_PEER_LOSS=fail (see peer_loss_mode)
   int contexts_made = 0;   // RMA contexts created: each seeds its random choices with its number
 
   std::mutex lock;  // regions, registrations, failure

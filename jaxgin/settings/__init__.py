@@ -82,6 +82,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("JAXGIN_TRANSPORT_COPY_CONTEXT", "str", "own", "both",
             "Where the host transport's copies out of GPU memory run: `own` (a CUDA context of its own) or "
             "`shared` (the application's)."),
+    Setting("JAXGIN_TRANSPORT_PEER_LOSS", "str", "drop", "both",
+            "What the host transport does with a put to a peer whose connection is gone: `drop` (complete it, so "
+            "NCCL's GIN progress runs on) or `fail` (complete it with an error, as a NIC's plugin does: NCCL's GIN "
+            "progress thread then ends)."),
     Setting("JAXGIN_TRANSPORT_CONNECT_TIMEOUT", "float", "300", "native",
             "Seconds the host transport waits for peers to connect and register, for a free staging buffer, and "
             "for a peer to read what it sends (then the peer counts as gone)."),

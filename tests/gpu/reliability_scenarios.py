@@ -4,7 +4,8 @@
     python tests/gpu/reliability_scenarios.py memory_model [RANK N ADDR]   #   or one of N processes
     python tests/gpu/reliability_scenarios.py starved [RANK N ADDR]
     python tests/gpu/reliability_scenarios.py fault KIND RANK N ADDR       # one of N processes (KIND: lines,
-                                                                           #   ring, moe or matmul_all_to_all)
+                                                                           #   ring, moe, matmul_all_to_all
+                                                                           #   or burst)
 
 Each prints one JSON line prefixed with RESULT:.
 """
@@ -92,7 +93,9 @@ KILL_AT = 20  # iterations the victim completes before it dies
 
 # Per-device ppermute payloads of the fault scenario: a line message (line exchange kernel) and a
 # 16 KiB one (two ring chunks, generic exchange kernel).
-FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024), "moe": (64, 256), "matmul_all_to_all": (128, 64)}  # per GPU
+FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024), "moe": (64, 256), "matmul_all_to_all": (128, 64),
+                  "burst": (64,)}  # per GPU
+BURST_PUTS = 64  # puts one CTA posts without waiting in the "burst" kind: far more than a queue of 4 holds
 
 
 def _moe_round_trip(jax, jaxgin, mesh):
@@ -124,6 +127,35 @@ def _matmul_all_to_all(jax, jaxgin, mesh):
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
 
+def _burst_ring(jax, jaxgin, mesh, words: int):
+    """v -> the left neighbour's v + 1 over axis "x", through a Triton kernel that posts BURST_PUTS
+    GIN puts in a row before it waits (tritongin_scenarios.burst_ring_kernel)."""
+    import tritongin
+    from jax.sharding import PartitionSpec as P
+    from tritongin_scenarios import burst_ring_kernel
+
+    send = tritongin.empty((words,), "float32")
+    recv = tritongin.empty((BURST_PUTS * words,), "float32")
+    sig = tritongin.signals(2)
+
+    def step(v):
+        return jaxgin.triton_call(burst_ring_kernel, v, send, recv, sig[0], sig[1], grid=(1,), out_shape=v,
+                                  WORDS=words, PUTS=BURST_PUTS) + 1
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def _wait_until_lost(rank: int, seconds: float = 60) -> None:
+    """Until this process's host transport saw `rank`'s process end."""
+    from jaxgin import transport
+
+    deadline = time.monotonic() + seconds
+    while rank not in transport.lost_peers():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the host transport never saw rank {rank}'s process end")
+        time.sleep(0.05)
+
+
 def fault(argv):
     """The last rank dies mid-loop (os._exit, no finalize); the others must fail with jaxgin's
     named wait timeout, not hang. Reports how long after their last good iteration they failed,
@@ -145,6 +177,8 @@ def fault(argv):
         f = _moe_round_trip(jax, jaxgin, mesh)
     elif message == "matmul_all_to_all":
         f = _matmul_all_to_all(jax, jaxgin, mesh)
+    elif message == "burst":
+        f = _burst_ring(jax, jaxgin, mesh, FAULT_MESSAGES[message][0])
     else:
         ring = [(i, (i + 1) % n) for i in range(n)]
         f = jax.jit(jax.shard_map(lambda v: jaxgin.ppermute(v, "x", ring) + 1, mesh=mesh, in_specs=P("x"),
@@ -155,6 +189,10 @@ def fault(argv):
     for i in range(10 * KILL_AT):
         if rank == n - 1 and i == KILL_AT:
             os._exit(17)  # the victim: gone without a goodbye
+        if message == "burst" and i == KILL_AT:
+            # Every put of the next call goes to a peer known to be gone: under
+            # JAXGIN_TRANSPORT_PEER_LOSS=fail the first ends NCCL's GIN progress thread.
+            _wait_until_lost(n - 1)
         try:
             x = f(x)
             jax.block_until_ready(x)

@@ -186,6 +186,40 @@ def test_dead_peer_is_named_by_every_survivor_emulated_hosts(world, kind):
     _check_survivors_name_the_dead_rank(finished, world, f"emulated_fault_dead_peer_{kind}_{world}ranks")
 
 
+FULL_QUEUE_GRACE = {"ended_by_the_watch": 10, "held_without_it": 100000}
+
+
+@pytest.mark.parametrize("case", list(FULL_QUEUE_GRACE))
+def test_a_rank_held_in_a_full_gin_queue_is_ended_naming_nccls_error_emulated_hosts(case):
+    """Issue 51's fifth risk. Under JAXGIN_TRANSPORT_PEER_LOSS=fail the host transport fails a put
+    to a dead peer as a NIC's plugin does, which ends NCCL's GIN progress thread; the survivor then
+    runs a Triton kernel whose one CTA posts 64 puts on one GIN context into NCCL's GPU-to-proxy
+    queue of 4. Its fifth post spins inside NCCL for a slot that nothing frees, so no bounded wait
+    of jaxgin ever runs. jaxgin's fault watch, reading NCCL's asynchronous error, ends the survivor
+    with exit code 75 within timeout (5 s) + grace, naming that error and the queue; the
+    transport's line names the dead rank. `held_without_it` shows the hang the watch ends: with a
+    grace past the job's 90 s, the survivor is still held when the harness kills it, and no device
+    wait gave up (a later NCCL that bounds its post would fail it)."""
+    from jaxgin.fault_watch import FAULT_EXIT_CODE
+
+    require_emulated_hosts()
+    env = {"JAXGIN_TIMEOUT": "5", "JAXGIN_FAULT_GRACE": str(FULL_QUEUE_GRACE[case]),
+           "JAXGIN_TRANSPORT_PEER_LOSS": "fail", "NCCL_GIN_PROXY_QUEUE_SIZE": "4", "JAXGIN_GIN_CONTEXTS": "1"}
+    finished = start_processes(SCENARIOS, ["fault", "burst"], 2, timeout=90, env=env, emulated=True)
+    (survivor_code, _, err), (victim_code, _, victim_err) = finished
+    record(f"emulated_fault_full_gin_queue_{case}_2ranks", {"survivor_exit_code": survivor_code,
+                                                            "survivor_stderr": digest(err, 40)})
+    assert victim_code == 17, victim_err[-3000:]
+    assert "NCCL reports an error in this process" in err, digest(err)
+    assert "rank 1's process end" in err, digest(err)
+    assert "device fault recorded" not in err, digest(err)  # no bounded wait ran: the kernel was held in NCCL
+    if case == "ended_by_the_watch":
+        assert survivor_code == FAULT_EXIT_CODE, digest(err)
+        assert "no longer drains" in err and "still waits for device results" in err, digest(err)
+    else:
+        assert "[harness: still running after 90 s" in err, digest(err)
+
+
 @TWO_GPUS
 @pytest.mark.parametrize("kind", ["moe", "matmul_all_to_all"], ids=["moe_dispatch", "matmul_all_to_all"])
 def test_dead_peer_is_named_by_every_survivor_mixed_mesh_emulated_hosts(kind):

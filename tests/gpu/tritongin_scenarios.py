@@ -366,6 +366,22 @@ def ring_call_kernel(ctx, x, send, recv, data_sig, credit_sig, out, WORDS: tl.co
     tgl.wait_arrivals(ctx, credit_sig, 1)
 
 
+@triton.jit
+def burst_ring_kernel(ctx, x, send, recv, data_sig, credit_sig, out, WORDS: tl.constexpr, PUTS: tl.constexpr):
+    """ring_call_kernel with PUTS puts of x to the right neighbour in a row, none waited for (into
+    PUTS slots of recv), so that one CTA fills its GPU-to-proxy queue; `out` is the last slot."""
+    me = tgl.rank(ctx)
+    n = tgl.world_size(ctx)
+    offs = tl.arange(0, WORDS)
+    tl.store(send + offs, tl.load(x + offs))
+    for i in range(PUTS):
+        tgl.put_signal(ctx, recv + i * WORDS, send, WORDS * 4, (me + 1) % n, data_sig)
+    tgl.wait_arrivals(ctx, data_sig, PUTS)
+    tl.store(out + offs, tl.load(recv + (PUTS - 1) * WORDS + offs))
+    tgl.signal(ctx, (me + n - 1) % n, credit_sig, 1)
+    tgl.wait_arrivals(ctx, credit_sig, 1)
+
+
 def triton_call(iterations: int, argv=()):
     import jax.numpy as jnp
     import numpy as np
