@@ -188,6 +188,8 @@ def fault(argv):
     completed, error = 0, ""
     for i in range(10 * KILL_AT):
         if rank == n - 1 and i == KILL_AT:
+            if message == "burst":
+                time.sleep(2)  # its last credit lands first (a GIN signal outlives its kernel)
             os._exit(17)  # the victim: gone without a goodbye
         if message == "burst" and i == KILL_AT:
             # Every put of the next call goes to a peer known to be gone: under
