@@ -369,6 +369,33 @@ def test_a_round_started_after_another_keeps_the_summary_it_goes_on_from(tmp_pat
     assert json.loads((root / "earlier/0-gpu-round.json").read_text())["tests"][0]["outcome"] == "passed"  # ... and kept it
 
 
+def test_a_summary_to_skip_that_is_not_there_is_refused_before_the_round_starts(tmp_path):
+    missing = tmp_path / "round" / "gpu-round.json"
+    started = _tool("start", "--skip-passed", str(missing), "--dir", str(tmp_path / "next"))
+    assert started.returncode == 2, started
+    assert f"--skip-passed {missing}: no such file" in started.stderr and "DIR/results/gpu-round.json" in started.stderr
+    assert not (tmp_path / "next").exists()
+
+
+def test_wait_stops_at_once_when_the_rounds_process_is_gone(tmp_path, monkeypatch, capsys):
+    """A round whose background process died before it finished (no `done`): wait says so and
+    returns 1 at once instead of waiting out its seconds."""
+    root = tmp_path / "round"
+    root.mkdir()
+    (root / "round.log").write_text("Traceback (most recent call last):\nFileNotFoundError: x\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (root / "pid").write_text(str(gone.pid))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    began = time.monotonic()
+    assert gpu_round.wait(root, 60) == 1
+    assert time.monotonic() - began < 10
+    said = capsys.readouterr().out
+    assert "round ended without finishing: its process is gone" in said and "FileNotFoundError: x" in said
+    (root / "pid").write_text(str(os.getpid()))  # alive: the wait runs its time
+    assert gpu_round.wait(root, 0.1) == 0 and "round still running" in capsys.readouterr().out
+
+
 def test_the_summary_names_the_tree_that_ran_even_with_a_stale_git(tmp_path):
     """A device's copy may carry a .git from an older sync, whose HEAD is not what runs (the round of
     2026-11-27 said 0cf6e17 for 2ee5fbf): the tree hash of the files themselves is."""

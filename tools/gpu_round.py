@@ -380,6 +380,9 @@ def main(argv=None) -> int:
 
     if args.command == "wait":
         return wait(args.dir, float(args.selection[0]) if args.selection else 540)
+    if args.skip_passed and not Path(args.skip_passed).is_file():  # refused here, not in the background
+        parser.error(f"--skip-passed {args.skip_passed}: no such file (a round keeps its summary in "
+                     "DIR/results/gpu-round.json)")
     args.selection = (args.selection or ["tests/gpu"]) + (["-k", args.keyword] if args.keyword else [])
     if args.command == "start":
         return start(args, argv)
@@ -415,7 +418,7 @@ def wait(root: Path, seconds: float) -> int:
     """Waits up to `seconds` for the round to end, prints its progress, and copies the summary,
     the round's log and every test's log (one archive) into $OUT."""
     until = time.monotonic() + seconds
-    while not (root / "done").exists() and time.monotonic() < until:
+    while not (root / "done").exists() and time.monotonic() < until and background_alive(root):
         time.sleep(5)
     out = Path(os.environ.get("OUT", "/tmp"))
     for name in ("round.log", "session.log", "results/gpu-round.json", "logs/info.log"):
@@ -426,8 +429,9 @@ def wait(root: Path, seconds: float) -> int:
         for part in ("logs", "results", *sorted(p.name for p in root.glob("phase-*"))):
             if (root / part).exists():
                 archive.add(root / part, arcname=part)
-    done = (root / "done").exists()
-    print("round finished" if done else "round still running", flush=True)
+    done, alive = (root / "done").exists(), background_alive(root)
+    print("round finished" if done else "round still running" if alive else
+          "round ended without finishing: its process is gone (its log below says why)", flush=True)
     log = root / ("session.log" if (root / "session.log").is_file() else "round.log")
     for line in (log.read_text() if log.is_file() else "").splitlines()[-60:]:
         print(line)
@@ -435,7 +439,20 @@ def wait(root: Path, seconds: float) -> int:
         print(f"--- {phases[-1].name}")
         for line in phases[-1].read_text(errors="replace").splitlines()[-20:]:
             print(line)
-    return 0
+    return 0 if done or alive else 1
+
+
+def background_alive(root: Path) -> bool:
+    """Whether the process that in_background started for root still runs (True when it left no
+    pid: a round run in the foreground). A wait that kept waiting on a round that had died at once
+    spent the last minutes of a lease."""
+    try:
+        os.kill(int((root / "pid").read_text()), 0)
+    except (FileNotFoundError, ValueError):
+        return True
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def keep_earlier_summaries(argv: list[str], root: Path) -> tuple[list[str], dict[str, bytes]]:
@@ -466,8 +483,11 @@ def in_background(root: Path, arguments: list[str], log_name: str, keep: dict[st
     made = provenance()  # read here: the copy leaves .git behind
     os.environ["ROUND_COMMIT"], os.environ["ROUND_TREE"] = made["commit"], made["tree"]
     with open(root / log_name, "w") as log:
-        subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
-                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    if process is not None:
+        (root / "pid").write_text(str(process.pid))
 
 
 def copy_tree(root: Path) -> None:
