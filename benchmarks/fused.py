@@ -243,16 +243,23 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds) -> dict:
             row[f"{name}_us"] = best_seconds(_chain(mesh, op, K_SHARDED), xr, wr, repeats=repeats) / STEPS * 1e6
         row["reduce_scatter_speedup"] = row["xla_matmul_reduce_scatter_us"] / row["fused_reduce_scatter_us"]
         row["triton_reduce_scatter_speedup"] = row["xla_matmul_reduce_scatter_us"] / row["triton_reduce_scatter_us"]
+    if "all_to_all" in kinds:
+        # XLA's composition once more, after jaxgin's: where the default runs that very composition
+        # (method "unfused"), the ratio of the two XLA timings is the run's own spread.
+        ops["xla_matmul_all_to_all_again"] = xla_matmul_all_to_all
     for name, op in ops.items():
         row[f"{name}_us"] = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
+    if "all_to_all" in kinds:
+        row["xla_all_to_all_first_over_again"] = row["xla_matmul_all_to_all_us"] / row["xla_matmul_all_to_all_again_us"]
     flops = 2 * m * k * n
     row["xla_matmul_TFLOPs"] = flops / row["xla_matmul_us"] / 1e6
     row["triton_matmul_TFLOPs"] = flops / row["triton_matmul_us"] / 1e6
     row["triton_vs_xla_matmul"] = row["xla_matmul_us"] / row["triton_matmul_us"]
     if "fused_all_to_all_us" in row:
-        row["speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["fused_all_to_all_us"]
+        xla = min(row["xla_matmul_all_to_all_us"], row["xla_matmul_all_to_all_again_us"])  # XLA's better timing
+        row["speedup_vs_unfused"] = xla / row["fused_all_to_all_us"]
         row["fused_over_matmul"] = row["fused_all_to_all_us"] / row["xla_matmul_us"]
-        row["triton_speedup_vs_unfused"] = row["xla_matmul_all_to_all_us"] / row["triton_all_to_all_us"]
+        row["triton_speedup_vs_unfused"] = xla / row["triton_all_to_all_us"]
     if "fused_all_gather_us" in row:
         row["all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["fused_all_gather_us"]
         row["triton_all_gather_speedup"] = row["xla_all_gather_matmul_us"] / row["triton_all_gather_us"]
