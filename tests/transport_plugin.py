@@ -382,6 +382,16 @@ def _credit_ring(me: Rank, directory: Path, iterations: int, window: int) -> int
     return 0 if ok else 1
 
 
+def _error_reported(me: Rank, seconds: float) -> bool:
+    """Whether the transport reports an error (queryLastError) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not me.has_error():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _first_error_past_a_lost_peer(me: Rank, data_h, signal_h, lost: int) -> int:
     """Posts a put to the `lost` rank the way NCCL's proxy does and returns the first error code
     that posting or testing it gave (0: it completed without one)."""
@@ -432,13 +442,10 @@ def main(argv: list[str]) -> int:
     if scenario == "freeze" and rank == nranks - 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # reads nothing more, and its connections stay open
         time.sleep(3600)
+    if scenario in ("die", "die-fail") and not _error_reported(me, 30):
+        print("no error reported after a peer died", flush=True)
+        return 1
     if scenario == "die-fail":  # JAXGIN_TRANSPORT_PEER_LOSS=fail
-        deadline = time.monotonic() + 30
-        while not me.has_error():
-            if time.monotonic() > deadline:
-                print("no error reported after a peer died", flush=True)
-                return 1
-            time.sleep(0.01)
         code = _first_error_past_a_lost_peer(me, data_h, signal_h, nranks - 1)
         print(f"the put to the dead rank failed with code {code}{' (rmaRemoteError)' if code == 6 else ''}",
               flush=True)
@@ -449,12 +456,6 @@ def main(argv: list[str]) -> int:
         _barrier(directory, "reported", rank, nranks - 1, progress=me)
         return 0
     if scenario == "die":
-        deadline = time.monotonic() + 30
-        while not me.has_error():
-            if time.monotonic() > deadline:
-                print("no error reported after a peer died", flush=True)
-                return 1
-            time.sleep(0.01)
         # Ranks 0..nranks-2 survive; each puts to the dead rank and to another survivor.
         seconds = _drain_puts_past_a_lost_peer(me, data_h, signal_h, nranks - 1, (rank + 1) % (nranks - 1), 300)
         survivor = (rank - 1) % (nranks - 1)
