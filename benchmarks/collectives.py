@@ -13,7 +13,10 @@ For every op and message size (bytes per device, 8 B to --max-bytes) it compiles
 implementation that applies the op N times in a chain (each op consumes the previous result, so
 they cannot overlap or be removed), runs it a few times and keeps the best. Time per op = program
 time / N, with N large enough that one dispatch is noise. Checks that jaxgin's result equals XLA's
-before timing. Writes collectives.json and collectives.png (if matplotlib is installed; otherwise
+before timing. Beside every row: the launch floor (a chain of empty kernels, on a stream and in a
+CUDA graph), and from 16 MiB on the copy engines' ceiling for what the op moves (every GPU's copy
+to its right neighbour at once, or its slices to every peer at once for all_to_all). Writes
+collectives.json and collectives.png (if matplotlib is installed; otherwise
 `python benchmarks/plot.py collectives.json`).
 """
 
@@ -54,6 +57,26 @@ def _handler_calls() -> int:
 
 
 OPS = ("ppermute", "self_copy", "all_to_all", "put_wait", "put_wait_from")
+# Below this many bytes per device, Python's dispatch of the copies, not the copy engines, would
+# set the ceiling's time.
+CEILING_MIN_BYTES = 16 << 20
+
+
+def copy_ceiling_seconds(op: str, nbytes: int, repeats: int) -> float | None:
+    """Seconds the copy engines take to move what `op` moves per device, all devices at once:
+    `nbytes` from every device to its right neighbour (the ring ops), or nbytes / n from every
+    device to each other one (all_to_all); None for self_copy and below CEILING_MIN_BYTES."""
+    devices = jax.local_devices()
+    n = len(devices)
+    if op == "self_copy" or nbytes < CEILING_MIN_BYTES or n < 2:
+        return None
+    if op == "all_to_all":
+        piece = np.ones(nbytes // n // 4, np.float32)
+        moves = [(jax.device_put(piece, devices[i]), devices[j]) for i in range(n) for j in range(n) if i != j]
+    else:
+        whole = np.ones(nbytes // 4, np.float32)
+        moves = [(jax.device_put(whole, devices[i]), devices[(i + 1) % n]) for i in range(n)]
+    return best_seconds(lambda: [jax.device_put(a, d) for a, d in moves], repeats=repeats)
 
 
 def make_ops(n: int):
@@ -106,6 +129,10 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
             sizes.append(extra)
     sizes.sort()
     results = []
+    rt = jaxgin.runtime.current().runtime
+    # Empty kernels in a chain: the launch floor, raw and in a CUDA graph (beside every row).
+    floor = {"empty_kernel_stream_us": max(rt.exchange_latency(0, 200, False)),
+             "empty_kernel_graph_us": max(rt.exchange_latency(0, 200, True))}
     for op in ops:
         xla_op, jaxgin_op = implementations[op]
         for nbytes in sizes:
@@ -142,25 +169,27 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
                 "equal": equal,
                 # Host-side custom-call handler runs per op executed (0 when XLA replays a CUDA graph).
                 "handler_calls_per_op": handler_calls / ((repeats + 1) * steps * n),
+                **floor,
             }
             if op == "ppermute" and nbytes <= 64 << 20:
                 # The same ring exchange without XLA: kernel chain on raw streams and as a CUDA graph.
-                rt = jaxgin.runtime.current().runtime
                 row["kernel_stream_us"] = max(rt.exchange_latency(nbytes, 200, False))
                 row["kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True))
                 if nbytes <= 8192:
                     # The generic exchange kernel on the same chain: what the line exchange saves.
                     row["generic_kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True, generic_kernel=True))
-                # Empty kernels in the same chain: the launch floor, raw and in a CUDA graph.
-                row["empty_kernel_stream_us"] = max(rt.exchange_latency(0, 200, False))
-                row["empty_kernel_graph_us"] = max(rt.exchange_latency(0, 200, True))
+            ceiling = copy_ceiling_seconds(op, nbytes, repeats)
+            if ceiling is not None:
+                row["copy_ceiling_us"] = ceiling * 1e6
+                row["jaxgin_vs_copy_ceiling"] = ceiling / t_ours
             results.append(row)
             print(
                 f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "
                 f"x{row['speedup']:6.2f}  {row['jaxgin_GBps']:7.1f} GB/s  {'ok' if equal else 'MISMATCH'}"
                 f"  calls/op {row['handler_calls_per_op']:.2f}"
                 + (f"  raw {row['kernel_stream_us']:.1f} / graph {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else "")
-                + (f" (generic kernel {row['generic_kernel_graph_us']:.1f} us)" if "generic_kernel_graph_us" in row else ""),
+                + (f" (generic kernel {row['generic_kernel_graph_us']:.1f} us)" if "generic_kernel_graph_us" in row else "")
+                + (f"  copy ceiling {row['copy_ceiling_us']:.1f} us" if "copy_ceiling_us" in row else ""),
                 flush=True,
             )
     return {
@@ -170,6 +199,8 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
         "jaxgin_info": {k: v for k, v in jaxgin.info().items() if k in ("nccl_version", "gin_type", "lsa_team_size", "channel")},
         "timing": "best of %d runs of one jitted chain of N ops, divided by N" % repeats,
         "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
+        "copy_ceiling": "from %d MiB: best of %d rounds of JAX's device-to-device copies of what the op moves, all "
+                        "devices at once (copy engines over NVLink)" % (CEILING_MIN_BYTES >> 20, repeats),
         "results": results,
     }
 

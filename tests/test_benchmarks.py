@@ -84,6 +84,18 @@ def test_driver_gpus_without_jax_plugin_message(monkeypatch, capsys):
     assert 'pip install -e ".[cuda]"' in err
 
 
+def test_the_copy_ceiling_moves_what_each_op_moves():
+    """collectives.py's ceiling on CPU devices: None where it would time Python (self_copy, small
+    messages), a time for the ring ops and all_to_all from CEILING_MIN_BYTES on."""
+    out = _on_cpu_devices(
+        "import sys; sys.path.insert(0, 'benchmarks'); import collectives as c\n"
+        "big = c.CEILING_MIN_BYTES\n"
+        "print([c.copy_ceiling_seconds(op, big, 1) is None for op in ('self_copy', 'ppermute', 'all_to_all')],"
+        " c.copy_ceiling_seconds('ppermute', big // 2, 1), c.copy_ceiling_seconds('all_to_all', big, 1) > 0)", 2)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "[True, False, False] None True", out.stdout
+
+
 def test_plot_without_matplotlib_or_report():
     out = _run("benchmarks/plot.py")
     assert out.returncode == 2 and "required: report" in out.stderr
