@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -363,9 +364,10 @@ def test_a_round_started_after_another_keeps_the_summary_it_goes_on_from(tmp_pat
     monkeypatch.setattr(gpu_round, "git_commit", lambda: "abc")
     monkeypatch.setenv("ROUND_COMMIT", "abc")
     monkeypatch.setenv("ROUND_TREE", "def")
-    monkeypatch.setattr(gpu_round.subprocess, "Popen", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_round.subprocess, "Popen", lambda *a, **k: types.SimpleNamespace(pid=12345))
     gpu_round.in_background(root, ["run", *kept_argv], "round.log", keep=kept)
     assert not summary.exists()  # the folder was made afresh ...
+    assert (root / "pid").read_text() == "12345"  # for wait to see whether the round still runs
     assert json.loads((root / "earlier/0-gpu-round.json").read_text())["tests"][0]["outcome"] == "passed"  # ... and kept it
 
 

@@ -486,8 +486,7 @@ def in_background(root: Path, arguments: list[str], log_name: str, keep: dict[st
         process = subprocess.Popen([sys.executable, str(root / "repo" / "tools" / "gpu_round.py"), *arguments],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
-    if process is not None:
-        (root / "pid").write_text(str(process.pid))
+    (root / "pid").write_text(str(process.pid))
 
 
 def copy_tree(root: Path) -> None:
