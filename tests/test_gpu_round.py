@@ -379,6 +379,24 @@ def test_a_summary_to_skip_that_is_not_there_is_refused_before_the_round_starts(
     assert not (tmp_path / "next").exists()
 
 
+def test_a_round_leaves_out_what_passed_in_any_of_the_parts_named(four_gpus, tmp_path, monkeypatch):
+    """A round split over parts (run side by side, or cut by a deadline) goes on with --skip-passed
+    once per earlier summary: a test that passed in any of them is left out, one that failed is not."""
+    monkeypatch.setenv("PATH", four_gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    latency, bandwidth = "test_tritongin_gpu.py::test_put_signal_latency", "test_tritongin_gpu.py::test_peer_ptr_bandwidth"
+    standalone = "test_tritongin_gpu.py::test_standalone_exchanges[2]"
+    parts = []
+    for number, outcomes in enumerate([{latency: "passed", standalone: "failed"}, {bandwidth: "passed"}]):
+        parts.append(tmp_path / f"part{number}.json")
+        parts[-1].write_text(json.dumps({"tests": [{"name": n, "outcome": o} for n, o in outcomes.items()]}))
+    args = types.SimpleNamespace(selection=["tests/gpu/test_tritongin_gpu.py", "-k", "latency or bandwidth or standalone"],
+                                 durations=[], skip_passed=[str(p) for p in parts], tier="fast")
+    names = {t.name for t in gpu_round.Round(args, tmp_path / "round").plan()}
+    assert latency not in names and bandwidth not in names
+    assert standalone in names and "test_tritongin_gpu.py::test_standalone_exchanges[4]" in names
+
+
 def test_wait_stops_at_once_when_the_rounds_process_is_gone(tmp_path, monkeypatch, capsys):
     """A round whose background process died before it finished (no `done`): wait says so and
     returns 1 at once instead of waiting out its seconds."""

@@ -200,10 +200,10 @@ class Round:
             if Path(summary).is_file():
                 earlier.update({t["name"]: t["seconds"] for t in json.loads(Path(summary).read_text())["tests"]})
         tests = [GpuTest(e["nodeid"], e["gpus"], e["processes"], e["exclusive"]) for e in json.loads(file.read_text())]
-        if self.args.skip_passed:  # an interrupted round goes on with what had not passed
-            passed = {t["name"] for t in json.loads(Path(self.args.skip_passed).read_text())["tests"]
-                      if t["outcome"] == "passed"}
-            tests = [t for t in tests if t.name not in passed]
+        # An interrupted round goes on with what had not passed in any of its parts.
+        passed = {t["name"] for summary in self.args.skip_passed for t in json.loads(Path(summary).read_text())["tests"]
+                  if t["outcome"] == "passed"}
+        tests = [t for t in tests if t.name not in passed]
         for t in tests:
             t.expected_s = earlier.get(t.name) or estimated_seconds(t)
         return tests
@@ -374,14 +374,15 @@ def main(argv=None) -> int:
     parser.add_argument("--durations", action="append", default=[],
                         help="an earlier gpu-round.json (repeatable, later ones win): its test durations order this round")
     parser.add_argument("--no-install", action="store_true", help="jaxgin is installed and built already")
-    parser.add_argument("--skip-passed", help="an earlier gpu-round.json: the tests that passed there are left out")
+    parser.add_argument("--skip-passed", action="append", default=[],
+                        help="an earlier gpu-round.json (repeatable): the tests that passed in any of them are left out")
     parser.add_argument("--dir", type=Path, default=DEFAULT_ROUND_DIR, help="where a round keeps its files")
     args = parser.parse_intermixed_args(argv)
 
     if args.command == "wait":
         return wait(args.dir, float(args.selection[0]) if args.selection else 540)
-    if args.skip_passed and not Path(args.skip_passed).is_file():  # refused here, not in the background
-        parser.error(f"--skip-passed {args.skip_passed}: no such file (a round keeps its summary in "
+    for missing in [p for p in args.skip_passed if not Path(p).is_file()]:  # refused here, not in the background
+        parser.error(f"--skip-passed {missing}: no such file (a round keeps its summary in "
                      "DIR/results/gpu-round.json)")
     args.selection = (args.selection or ["tests/gpu"]) + (["-k", args.keyword] if args.keyword else [])
     if args.command == "start":
