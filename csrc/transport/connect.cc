@@ -62,24 +62,12 @@ rmaResult_t plugin_connect(void* /*see below*/, void* handles[], int nranks, int
   c->log = l->plugin->log;
   c->rank = rank;
   c->nranks = nranks;
-  const std::string copy_context = copy_context_mode();
-  if (copy_context.empty()) {
-    WARN(c, "rank %d: JAXGIN_TRANSPORT_COPY_CONTEXT=%s: expected own (the default) or shared", rank,
-         std::getenv("JAXGIN_TRANSPORT_COPY_CONTEXT"));
-    delete c;
-    return rmaInvalidArgument;
-  }
-  const std::string peer_loss = peer_loss_mode();
-  if (peer_loss.empty()) {
-    WARN(c, "rank %d: JAXGIN_TRANSPORT_PEER_LOSS=%s: expected drop (the default) or fail", rank,
-         std::getenv("JAXGIN_TRANSPORT_PEER_LOSS"));
-    delete c;
-    return rmaInvalidArgument;
-  }
-  c->fail_past_lost_peers = peer_loss == "fail";
-  std::string unkind_error;
-  if (!read_unkind(c->unkind, unkind_error)) {
-    WARN(c, "rank %d: %s", rank, unkind_error.c_str());
+  std::string setting_error;
+  const std::string copy_context = copy_context_mode(setting_error);
+  c->fail_past_lost_peers = peer_loss_mode(setting_error) == "fail";
+  if (setting_error.empty()) read_unkind(c->unkind, setting_error);
+  if (!setting_error.empty()) {
+    WARN(c, "rank %d: %s", rank, setting_error.c_str());
     delete c;
     return rmaInvalidArgument;
   }

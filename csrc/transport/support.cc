@@ -60,28 +60,35 @@ std::chrono::milliseconds read_requeue_after() {
   return std::chrono::milliseconds(ms > 0 ? ms : 0);
 }
 
+// A setting that takes one of two words: its value, `fallback` where unset or empty. An unknown
+// value gives "" and, unless an earlier setting already did, an error naming the setting and both words.
+static std::string two_way_setting(const char* name, const char* fallback, const char* other, std::string& error) {
+  const char* v = std::getenv(name);
+  const std::string value = v && *v ? v : fallback;
+  if (value == fallback || value == other) return value;
+  if (error.empty())
+    error = std::string(name) + "=" + value + ": expected " + fallback + " (the default) or " + other;
+  return std::string();
+}
+
 // Where the copies out of GPU memory run (JAXGIN_TRANSPORT_COPY_CONTEXT): "own" (the default), a
 // CUDA context of this transport's own; "shared", the application's context (CUDA's primary
 // context, where XLA's streams live). A context's streams share its few hardware queues, and XLA
 // queues work that waits for a kernel spinning on a put: under XLA command buffers at world 8 that
 // held a staged copy on every stream of the shared context, fifty spares included (measured on
 // emulated hosts, 2026-11-26). A NIC reads GPU memory outside the application's queues; the own
-// context is the closest a copy engine gets. Empty when the value is unknown.
-std::string copy_context_mode() {
-  const char* v = std::getenv("JAXGIN_TRANSPORT_COPY_CONTEXT");
-  const std::string mode = v && *v ? v : "own";
-  return mode == "own" || mode == "shared" ? mode : std::string();
+// context is the closest a copy engine gets.
+std::string copy_context_mode(std::string& error) {
+  return two_way_setting("JAXGIN_TRANSPORT_COPY_CONTEXT", "own", "shared", error);
 }
 
 // What becomes of a put to a peer whose connection is gone (JAXGIN_TRANSPORT_PEER_LOSS): "drop"
 // (the default) completes it, so NCCL's GIN progress thread runs on; "fail" completes it with an
 // error, as a NIC's plugin reports a broken connection: NCCL's progress thread then ends, nothing
 // this GPU posts is taken again, and a kernel that fills its GPU-to-proxy queue spins inside NCCL
-// (how jaxgin still ends such a rank: jaxgin/fault_watch.py). Empty when the value is unknown.
-std::string peer_loss_mode() {
-  const char* v = std::getenv("JAXGIN_TRANSPORT_PEER_LOSS");
-  const std::string mode = v && *v ? v : "drop";
-  return mode == "drop" || mode == "fail" ? mode : std::string();
+// (how jaxgin still ends such a rank: jaxgin/fault_watch.py).
+std::string peer_loss_mode(std::string& error) {
+  return two_way_setting("JAXGIN_TRANSPORT_PEER_LOSS", "drop", "fail", error);
 }
 
 // CUDA spreads a context's streams over this many hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,

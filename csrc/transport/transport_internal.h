@@ -248,8 +248,9 @@ void release_op(Op* op);
 // Settings read from the environment (support.cc, where each is explained).
 std::chrono::milliseconds read_stall_report_after();  // $JAXGIN_TRANSPORT_STALL_REPORT_S
 std::chrono::milliseconds read_requeue_after();       // $JAXGIN_TRANSPORT_REQUEUE_MS
-std::string copy_context_mode();                      // $JAXGIN_TRANSPORT_COPY_CONTEXT; empty when unknown
-std::string peer_loss_mode();                         // $JAXGIN_TRANSPORT_PEER_LOSS; empty when unknown
+// Each: its value; empty, with `error` set (if not already), when unknown.
+std::string copy_context_mode(std::string& error);    // $JAXGIN_TRANSPORT_COPY_CONTEXT
+std::string peer_loss_mode(std::string& error);       // $JAXGIN_TRANSPORT_PEER_LOSS
 int hardware_queues();                                // $CUDA_DEVICE_MAX_CONNECTIONS
 
 struct Comm {
