@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Hashable
 from pathlib import Path
 
 import jax
@@ -143,6 +144,31 @@ def choose_method(op: str, asked: str, flop: float, dtype, precision, gin_in_job
 def plan_method(op: str, plan, dtype, gin_in_job: bool) -> MethodChoice:
     """choose_method for an op's plan (its method, precision and `flop`: its matmul per device)."""
     return choose_method(op, plan.method, plan.flop, dtype, plan.precision, gin_in_job)
+
+
+def by_method(op: str, state, plan, dtype, unfused, chunked, triton):
+    """The op on GPUs as plan_method picks it: `unfused()` (XLA's composition), `chunked()` (the
+    chunked custom call) or `triton(gin_in_job)` (the Triton kernel; Triton checked present first)."""
+    gin = op_support.gin_in_job(state)
+    method = plan_method(op, plan, dtype, gin).method
+    if method == "unfused":
+        return unfused()
+    if method == "chunked":
+        return chunked()
+    op_support.require_tritongin(op)
+    return triton(gin)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPlan:
+    """What every fused op's plan starts with: the mesh axes it runs over, their size, and its
+    matmul's shape per device (x [m, k], w [k, n]). Each op's plan adds its own fields after these."""
+
+    names: tuple[Hashable, ...]
+    size: int
+    m: int
+    n: int
+    k: int
 
 
 # Programs per source that copy a GIN source's tiles out of the receive area after the matmul (see

@@ -4,7 +4,6 @@ arrives, so the gather hides under the compute (kernel: _kernels.py)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +26,7 @@ GIN_GROUPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    names: tuple[Hashable, ...]
-    size: int
-    m: int  # rows of each shard
-    n: int
-    k: int
+class _Plan(_common.MatmulPlan):  # m: the rows of each shard
     precision: object
     tiles: _common.TileConfig | None
     method: str = "auto"
@@ -94,13 +88,14 @@ def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
     """The op on GPUs, as _common.plan_method picks it: XLA's composition, the chunked custom call
     (its cuBLAS calls laid out by `chunk_layout`, _chunked.LAYOUTS; benchmarks/fused.py compares
     them) or the Triton kernel."""
-    gin = op_support.gin_in_job(state)
-    method = _common.plan_method(OP, plan, x.dtype, gin).method
-    if method == "unfused":
-        return unfused(x, w, plan)
-    if method == "chunked":
-        return _chunked.all_gather_matmul(x, w, plan, chunk_layout)
-    op_support.require_tritongin(OP)
+    return _common.by_method(OP, state, plan, x.dtype, lambda: unfused(x, w, plan),
+                             lambda: _chunked.all_gather_matmul(x, w, plan, chunk_layout),
+                             lambda gin: _triton(state, x, w, plan, gin))
+
+
+def _triton(state, x, w, plan: _Plan, gin: bool):
+    """The Triton kernel: a grid of senders that push this GPU's shard, and the matmul's programs,
+    each waiting for its source's rows."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype

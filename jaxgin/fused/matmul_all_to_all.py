@@ -4,7 +4,6 @@ the matmul's epilogue, so the exchange hides under the compute (kernel: _kernels
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +20,7 @@ OP = "jaxgin.fused.matmul_all_to_all"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    names: tuple[Hashable, ...]
-    size: int
-    m: int
-    n: int
-    k: int
+class _Plan(_common.MatmulPlan):
     split_rows: bool  # split_axis == 0: chunk d is rows d*cm.. of x @ w; else columns d*cn..
     concat_rows: bool  # concat_axis == 0: the chunk from s lands at rows s*cm..; else columns s*cn..
     precision: object
@@ -130,13 +124,13 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     `interleave` and `pull` select variants; benchmarks/fused.py compares the non-defaults (the
     defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
     the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
-    gin = op_support.gin_in_job(state)
-    method = _common.plan_method(OP, plan, x.dtype, gin).method
-    if method == "unfused":
-        return unfused(x, w, plan)
-    if method == "chunked":
-        return _chunked.matmul_all_to_all(x, w, plan, chunk_layout)
-    op_support.require_tritongin(OP)
+    return _common.by_method(OP, state, plan, x.dtype, lambda: unfused(x, w, plan),
+                             lambda: _chunked.matmul_all_to_all(x, w, plan, chunk_layout),
+                             lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull))
+
+
+def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool):
+    """The Triton kernel: the matmul's tiles handed to their destinations from its epilogue."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype

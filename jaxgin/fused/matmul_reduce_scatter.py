@@ -6,7 +6,6 @@ the arriving partials reduced by their owner in float32."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +21,7 @@ OP = "jaxgin.fused.matmul_reduce_scatter"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    names: tuple[Hashable, ...]
-    size: int
-    m: int
-    n: int
-    k: int
+class _Plan(_common.MatmulPlan):
     scatter_rows: bool  # scatter_dimension == 0: axis index d owns rows d*cm.. of x @ w; else columns d*cn..
     precision: object
     tiles: _common.TileConfig | None
@@ -128,13 +122,15 @@ def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, ch
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
     `lag` and `wait_first` place and order (LAG and WAIT_FIRST of
     _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
-    gin = op_support.gin_in_job(state)
-    method = _common.plan_method(OP, plan, x.dtype, gin).method
-    if method == "unfused":
-        return reference(x, w, plan)
-    if method == "chunked":
-        return reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype)
-    op_support.require_tritongin(OP)
+    return _common.by_method(
+        OP, state, plan, x.dtype, lambda: reference(x, w, plan),
+        lambda: reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype),
+        lambda gin: _triton(state, x, w, plan, gin, lag, wait_first))
+
+
+def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool):
+    """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue, and the
+    owner's reducers summing the arrived partials in the axis's order."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
