@@ -60,10 +60,10 @@ std::chrono::milliseconds read_requeue_after() {
   return std::chrono::milliseconds(ms > 0 ? ms : 0);
 }
 
-// A setting that takes one of two words: its value, `fallback` where unset or empty. An unknown
+// A setting that takes one of two words: `v` (its getenv) or `fallback` where unset or empty. An unknown
 // value gives "" and, unless an earlier setting already did, an error naming the setting and both words.
-static std::string two_way_setting(const char* name, const char* fallback, const char* other, std::string& error) {
-  const char* v = std::getenv(name);
+static std::string two_way_setting(const char* name, const char* v, const char* fallback, const char* other,
+                                   std::string& error) {
   const std::string value = v && *v ? v : fallback;
   if (value == fallback || value == other) return value;
   if (error.empty())
@@ -79,7 +79,8 @@ static std::string two_way_setting(const char* name, const char* fallback, const
 // emulated hosts, 2026-11-26). A NIC reads GPU memory outside the application's queues; the own
 // context is the closest a copy engine gets.
 std::string copy_context_mode(std::string& error) {
-  return two_way_setting("JAXGIN_TRANSPORT_COPY_CONTEXT", "own", "shared", error);
+  return two_way_setting("JAXGIN_TRANSPORT_COPY_CONTEXT", std::getenv("JAXGIN_TRANSPORT_COPY_CONTEXT"), "own", "shared",
+                         error);
 }
 
 // What becomes of a put to a peer whose connection is gone (JAXGIN_TRANSPORT_PEER_LOSS): "drop"
@@ -88,7 +89,7 @@ std::string copy_context_mode(std::string& error) {
 // this GPU posts is taken again, and a kernel that fills its GPU-to-proxy queue spins inside NCCL
 // (how jaxgin still ends such a rank: jaxgin/fault_watch.py).
 std::string peer_loss_mode(std::string& error) {
-  return two_way_setting("JAXGIN_TRANSPORT_PEER_LOSS", "drop", "fail", error);
+  return two_way_setting("JAXGIN_TRANSPORT_PEER_LOSS", std::getenv("JAXGIN_TRANSPORT_PEER_LOSS"), "drop", "fail", error);
 }
 
 // CUDA spreads a context's streams over this many hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,
