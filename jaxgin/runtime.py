@@ -420,7 +420,9 @@ def finalize() -> None:
     until no other thread of the process still runs: XLA may be finishing the faulted program on a
     thread of its own, and a reset under it crashed the process (SIGSEGV) where ranks shared CPU
     cores. If some thread keeps running, the GPU is not reset and finalize() raises JaxginError
-    naming those threads: that GPU's memory then stays allocated until the process exits.
+    naming those threads: that GPU's memory then stays allocated until the process exits. No wait
+    covers what XLA does later (its stream-status monitor polled a stream the reset had destroyed
+    and crashed the process after finalize() returned), hence the advice to exit.
 
     In a job with GIN peers (other hosts, or ``force_gin``), finalize() is a collective: every
     process calls it, and each meets the others before releasing its heaps, since a peer's last
@@ -448,7 +450,8 @@ def finalize() -> None:
             )
             warnings.warn(
                 "jaxgin.finalize() after a device fault: the GPU's CUDA context was unusable, so it was reset to "
-                f"release its memory and {released}; JAX cannot use this GPU again in this process. "
+                f"release its memory and {released}; JAX cannot use this GPU again in this process, and XLA's "
+                "threads may still touch the reset GPU and crash the process: exit once the error is handled. "
                 "The fault: " + faults[0],
                 RuntimeWarning,
                 stacklevel=2,

@@ -315,7 +315,8 @@ def test_finalize_after_a_device_fault_warns_that_the_gpu_was_reset(fake_cuda, f
     if fault_cleanup is not None:
         state.fault_cleanup = fault_cleanup
     state.runtime.faults = "device-side wait timed out after 5 s at rank 0\n"
-    with pytest.warns(RuntimeWarning, match=re.escape(f"was reset to release its memory and {released};") + ".*device-side wait timed out"):
+    with pytest.warns(RuntimeWarning, match=re.escape(f"was reset to release its memory and {released};")
+                      + ".*crash the process: exit once the error is handled.*device-side wait timed out"):
         jaxgin.finalize()
     assert not jaxgin.is_initialized()
 
