@@ -232,17 +232,9 @@ class Runtime {
     return mismatches;
   }
 
-  std::string device_faults() const {
-    std::vector<char> text(1 << 16, 0);
-    backend_.check(backend_.api().device_faults(live(), text.data(), text.size()));
-    return std::string(text.data());
-  }
+  std::string device_faults() const { return text_from(backend_.api().device_faults); }
 
-  std::string communicator_errors() const {
-    std::vector<char> text(1 << 16, 0);
-    backend_.check(backend_.api().communicator_errors(live(), text.data(), text.size()));
-    return std::string(text.data());
-  }
+  std::string communicator_errors() const { return text_from(backend_.api().communicator_errors); }
 
   void heap_clear(uint64_t offset, uint64_t bytes) {
     int status;
@@ -287,6 +279,13 @@ class Runtime {
   jaxgin_runtime* live() const {
     if (rt_ == nullptr) throw std::runtime_error("this jaxgin runtime was destroyed (finalize() ran)");
     return rt_;
+  }
+
+  // What one of the backend's text reports (device_faults, communicator_errors) says, '' when nothing.
+  std::string text_from(int (*report)(const jaxgin_runtime*, char*, uint64_t)) const {
+    std::vector<char> text(1 << 16, 0);
+    backend_.check(report(live(), text.data(), text.size()));
+    return std::string(text.data());
   }
 
   const Backend& backend_;

@@ -616,6 +616,16 @@ int jaxgin_runtime_device_info(const jaxgin_runtime* rt, int32_t local_index, ja
   });
 }
 
+namespace {
+// `text` into the caller's buffer of `capacity` bytes, cut to fit, always terminated (when it has room).
+void copy_out(const std::string& text, char* out, uint64_t capacity) {
+  if (capacity == 0) return;
+  const size_t n = std::min<size_t>(text.size(), capacity - 1);
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+}
+}  // namespace
+
 int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity) {
   return c_api([&] {
     std::string all;
@@ -623,10 +633,7 @@ int jaxgin_device_faults(const jaxgin_runtime* rt, char* out, uint64_t capacity)
       std::string fault = jaxgin::describe_fault(s);
       if (!fault.empty()) all += (all.empty() ? "" : "\n") + fault;
     }
-    if (capacity == 0) return;
-    const size_t n = std::min<size_t>(all.size(), capacity - 1);
-    std::memcpy(out, all.data(), n);
-    out[n] = '\0';
+    copy_out(all, out, capacity);
   });
 }
 
@@ -647,10 +654,7 @@ int jaxgin_communicator_errors(const jaxgin_runtime* rt, char* out, uint64_t cap
                     "its first error)"
                   : "");
     }
-    if (capacity == 0) return;
-    const size_t n = std::min<size_t>(all.size(), capacity - 1);
-    std::memcpy(out, all.data(), n);
-    out[n] = '\0';
+    copy_out(all, out, capacity);
   });
 }
 
