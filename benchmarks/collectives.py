@@ -5,9 +5,10 @@
 Needs 2 or more NVIDIA GPUs visible to JAX in this process (pip install -e ".[cuda]"); without
 them it says so and exits with status 4 (jaxgin.cli). matplotlib, if installed, draws the plot.
 
-XLA_FLAGS apply to both implementations alike; with
-XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-XLA records jaxgin's custom calls into CUDA graphs (its own NCCL collectives stay outside).
+XLA_FLAGS apply to both implementations alike. XLA records jaxgin's custom calls into CUDA graphs
+where jaxgin allows it (jaxgin.info()["command_buffers"]; JAXGIN_COMMAND_BUFFERS=0 keeps them out),
+as with XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"; its own NCCL collectives
+stay outside. `handler_calls_per_op` in every row says which happened (0: replayed from a graph).
 
 For every op and message size (bytes per device, 8 B to --max-bytes) it compiles one program per
 implementation that applies the op N times in a chain (each op consumes the previous result, so
@@ -196,7 +197,8 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
         "devices": n,
         "device_kind": jax.devices()[0].device_kind,
         "jax": jax.__version__,
-        "jaxgin_info": {k: v for k, v in jaxgin.info().items() if k in ("nccl_version", "gin_type", "lsa_team_size", "channel")},
+        "jaxgin_info": {k: v for k, v in jaxgin.info().items() if k in ("nccl_version", "gin_type", "lsa_team_size", "channel",
+                                                                     "command_buffer_compatible", "command_buffers")},
         "timing": "best of %d runs of one jitted chain of N ops, divided by N" % repeats,
         "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
         "copy_ceiling": "from %d MiB: best of %d rounds of JAX's device-to-device copies of what the op moves, all "

@@ -22,7 +22,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
-from jaxgin.ffi import op_table
+from jaxgin.ffi import capture
 from jaxgin.ffi.op_table import ExchangeKind
 
 
@@ -97,7 +97,7 @@ def _lowering(reference, kind, op):
             return lower_reference(ctx, x, axis_name=axis_name, **params)
         attrs = axes_lib.lowering_attributes(ctx, axis_name, state, op)
         perm = np.array([v for pair in params.get("perm", ()) for v in pair] or [-1, -1], dtype=np.int64)
-        return jax.ffi.ffi_lowering(op_table.target_of(op))(ctx, x, kind=np.int64(kind), perm=perm, **attrs)
+        return jax.ffi.ffi_lowering(capture.target_for(op, state))(ctx, x, kind=np.int64(kind), perm=perm, **attrs)
 
     return lower_reference, lower_cuda
 

@@ -70,6 +70,7 @@ from jax.interpreters import batching, mlir
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import axes as axes_lib
+from jaxgin.ffi import capture
 from jaxgin.ffi import op_table
 
 MAILBOX_HEADER_BYTES = op_table.CONSTANTS["mailbox_header_bytes"]
@@ -230,7 +231,7 @@ def _lower_put(ctx, x, peer, *, axis_name, size, mailbox, payload_bytes):
     state = op_support.lowering_state("jaxgin.put_signal")
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.put_signal")
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
-    return jax.ffi.ffi_lowering(op_table.target_of("jaxgin.put_signal"), has_side_effect=True)(
+    return jax.ffi.ffi_lowering(capture.target_for("jaxgin.put_signal", state), has_side_effect=True)(
         ctx, x, peer, offset=np.int64(offset), signal_base=np.int64(signal_base), **attrs
     )
 
@@ -240,7 +241,7 @@ def _lower_wait(ctx, *tokens, axis_name, size, shape, dtype, mailbox, count):
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal")
     payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
-    return jax.ffi.ffi_lowering(op_table.target_of("jaxgin.wait_signal"), has_side_effect=True)(
+    return jax.ffi.ffi_lowering(capture.target_for("jaxgin.wait_signal", state), has_side_effect=True)(
         ctx, *tokens, offset=np.int64(offset), signal_base=np.int64(signal_base), count=np.int64(count), **attrs
     )
 
@@ -250,7 +251,7 @@ def _lower_wait_from(ctx, source, *tokens, axis_name, size, shape, dtype, mailbo
     attrs = axes_lib.lowering_attributes(ctx, axis_name, state, "jaxgin.wait_signal_from")
     payload_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     offset, signal_base = _placement(state, mailbox, payload_bytes, size)
-    return jax.ffi.ffi_lowering(op_table.target_of("jaxgin.wait_signal_from"), has_side_effect=True)(
+    return jax.ffi.ffi_lowering(capture.target_for("jaxgin.wait_signal_from", state), has_side_effect=True)(
         ctx, source, *tokens, offset=np.int64(offset), signal_base=np.int64(signal_base), **attrs
     )
 

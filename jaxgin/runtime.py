@@ -25,7 +25,7 @@ from jaxgin import fault_watch as fault_watch_lib
 from jaxgin import heap as heap_lib
 from jaxgin import nccl as nccl_lib
 from jaxgin import rdma, settings
-from jaxgin.ffi import op_table, targets
+from jaxgin.ffi import capture, op_table, targets
 from jaxgin.errors import DeviceFault, JaxginError, NcclError, NotInitializedError, install_command
 from jaxgin.sizes import parse_size
 
@@ -128,6 +128,10 @@ class _State:
     gin_transport: str = "none"  # in use: 'host', 'nic', or 'none' in reference mode
     # What finalize() can return after a device fault: FAULT_CLEANUP_COMPLETE, or why only the heaps.
     fault_cleanup: str = FAULT_CLEANUP_COMPLETE
+    # Whether calls lower to the targets XLA may record into command buffers, and why
+    # (jaxgin.ffi.capture.policy); whether some program did.
+    capture: tuple[bool, str] | None = None
+    captured_lowered: bool = False
 
     @property
     def world_size(self) -> int:
@@ -427,11 +431,22 @@ def finalize() -> None:
     In a job with GIN peers (other hosts, or ``force_gin``), finalize() is a collective: every
     process calls it, and each meets the others before releasing its heaps, since a peer's last
     puts and signals may still be on their way (a NIC fails a put into a released region). A peer
-    that never calls it ends the meeting after the timeout (JAXGIN_TIMEOUT), like any device wait."""
+    that never calls it ends the meeting after the timeout (JAXGIN_TIMEOUT), like any device wait.
+
+    Where XLA may have recorded jaxgin's calls into its command buffers (``info()["command_buffers"]``),
+    finalize() clears JAX's caches: a recorded graph replays its calls without their handlers, so
+    nothing would notice that the addresses it holds were released. A jitted function compiles again
+    for the next runtime; a compiled object the caller keeps (``f.lower(x).compile()``) must not run
+    after finalize()."""
     global _state
     state, _state = _state, None
     if state is not None and state.fault_watch is not None:
         state.fault_watch.stop()  # it reads the fault records that destroy() frees
+    if state is not None and state.captured_lowered:
+        # A program recorded into a CUDA graph replays its calls without their handlers, so none
+        # would see that the context, heap and signals it was recorded with are gone: drop the
+        # compiled programs (a jitted function compiles again for the next runtime).
+        jax.clear_caches()
     if state is not None and state.runtime is not None:
         faults = _recorded_faults(state)
         unsettled = None if faults else _settle_before_release(state)
@@ -545,7 +560,9 @@ def call_backend(method, *args):
 
 def info() -> dict[str, Any]:
     """What jaxgin runs on: backend, NCCL, GIN type, LSA team, ranks, heap, RDMA devices, and on
-    GPUs what finalize() can return after a device fault (``fault_cleanup``). In reference mode
+    GPUs what finalize() can return after a device fault (``fault_cleanup``) and whether XLA may
+    record jaxgin's calls into its command buffers (``command_buffer_compatible``; why in
+    ``command_buffers``: jaxgin.ffi.capture). In reference mode
     ``heap_allocated`` is False: no heap exists, and ``heap_bytes``, ``heap_user_bytes`` and
     ``channel`` are what ops are checked against, so they fail where a GPU's heap would be full."""
     state = current()
@@ -594,7 +611,8 @@ def info() -> dict[str, Any]:
             for jax_device, d in zip(state.local_devices, per_device)
         ],
         backend_library=state.runtime_backend_path,
-        command_buffer_compatible=targets.command_buffer_compatible,
+        command_buffer_compatible=capture.policy(state)[0],
+        command_buffers=capture.policy(state)[1],
         fault_cleanup=state.fault_cleanup,
     )
     return result

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgin import op_support, runtime
 from jaxgin.errors import JaxginError
-from jaxgin.ffi import op_table
+from jaxgin.ffi import capture
 from jaxgin.ffi.op_table import ParamKind
 
 _TRITON_TYPES = {
@@ -209,7 +209,7 @@ def triton_call(
         params += [ParamKind.NULL_POINTER, 0]
     params += [ParamKind.NULL_POINTER, 0]  # Triton's profile scratch pointer
     cubin = compiled.asm["cubin"]
-    call = jax.ffi.ffi_call(op_table.target_of("jaxgin.triton_call"), out_types, has_side_effect=True)
+    call = jax.ffi.ffi_call(capture.target_for("jaxgin.triton_call", state), out_types, has_side_effect=True)
     if operands:
         # Why the barrier: XLA's dynamic-slice fusion (on by default in the XLA of JAX 0.11) moves a
         # custom call whose operand is a slice into a fusion that reads the slice in place, and

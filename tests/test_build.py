@@ -260,7 +260,7 @@ def test_backend_compiled_the_op_table(built):
         assert (entry / build.GENERATED_DIR / op_table.HEADER).read_text() == op_table.header()
     if install.library is None:
         pytest.skip(f"NCCL {install.version_string} at {install.include_dir} has headers only")
-    symbols = [s for target in op_table.targets() for s in target.handlers.values()]
+    symbols = [s for target in op_table.targets() for s in op_table.handler_symbols(target)]
     symbols += [s for family in op_table.FAMILIES for state in family.state_types for s in (state.type_id, state.type_info)]
     result = subprocess.run([sys.executable, "-c", _TABLE_PROBE, str(artifacts.backend), json.dumps(list(op_table.CONSTANTS)),
                              json.dumps(symbols)], capture_output=True, text=True, timeout=120)

@@ -44,9 +44,11 @@ def test_header_declares_every_op_tag_in_table_order():
 
 def test_header_declares_every_handler_and_state_type_exported():
     declared = re.findall(r'^__attribute__\(\(visibility\("default"\)\)\) \S+ (\w+)\(', HEADER, flags=re.MULTILINE)
-    symbols = [s for target in op_table.targets() for s in target.handlers.values()]
+    symbols = [s for target in op_table.targets() for s in op_table.handler_symbols(target)]
     symbols += [s for family in op_table.FAMILIES for state in family.state_types for s in (state.type_id, state.type_info)]
     assert declared == symbols
+    assert "jaxgin_ffi_exchange_captured" in symbols and "jaxgin_ffi_triton_execute_captured" in symbols
+    assert "jaxgin_ffi_triton_instantiate_captured" not in symbols and "jaxgin_ffi_matmul_all_to_all_captured" not in symbols
 
 
 def test_header_lists_every_preload_hook_and_constant():
@@ -84,7 +86,8 @@ def test_names_are_unique():
     tags = [op.tag for op in op_table.tags()]
     ops = [op.name for family in op_table.FAMILIES for op in family.all_ops()]
     targets = [target.name for target in op_table.targets()]
-    symbols = [s for target in op_table.targets() for s in target.handlers.values()]
+    symbols = [s for target in op_table.targets() for s in op_table.handler_symbols(target)]
+    targets += [target.captured_name for target in op_table.targets() if target.capturable]
     hooks = [hook for family in op_table.FAMILIES for hook in family.preload]
     constants = [name for family in op_table.FAMILIES for name in family.constants]
     families = [family.name for family in op_table.FAMILIES]
@@ -107,7 +110,10 @@ def test_every_row_names_its_own_slice():
         text = "".join(files[source] for source in family.sources)
         for target in family.targets:
             for symbol in target.handlers.values():
-                assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\({symbol},", text), (family.name, symbol)
+                # A capturable target's execute handler is defined with its twin by one macro (csrc/ffi/common.h).
+                twin = target.capturable and symbol == target.handlers["execute"]
+                definition = "JAXGIN_FFI_CAPTURABLE_HANDLER" if twin else "XLA_FFI_DEFINE_HANDLER_SYMBOL"
+                assert re.search(rf"{definition}\({symbol},", text), (family.name, symbol)
         for state in family.state_types:
             for symbol in (state.type_id, state.type_info):
                 assert re.search(rf'extern "C" void\* {symbol}\(void\) \{{', text), (family.name, symbol)
@@ -118,15 +124,19 @@ def test_every_row_names_its_own_slice():
     unclaimed = [p for p in files if p.endswith(".cu") and p not in op_table.sources()]
     assert not unclaimed, f"csrc files no row of jaxgin/ffi/op_table.py compiles: {unclaimed}"
     everything = "".join(files.values())
-    handlers = {s for target in op_table.targets() for s in target.handlers.values()}
-    assert set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+),", everything)) == handlers
+    handlers = {s for target in op_table.targets() for s in op_table.handler_symbols(target)}
+    defined = set(re.findall(r"^XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+),", everything, flags=re.MULTILINE))
+    for symbol in re.findall(r"^JAXGIN_FFI_CAPTURABLE_HANDLER\((\w+),", everything, flags=re.MULTILINE):
+        defined |= {symbol, symbol + op_table.CAPTURED_SUFFIX}
+    assert defined == handlers
     hooks = {hook for family in op_table.FAMILIES for hook in family.preload}
     assert set(re.findall(r"^cudaError_t (?:jaxgin::)?(preload_\w+)\(\) \{", everything, flags=re.MULTILINE)) == hooks
 
 
 def test_target_of():
-    assert op_table.target_of("jaxgin.ppermute") == op_table.target_of("jaxgin.all_to_all") == "jaxgin_exchange"
-    assert op_table.target_of("jaxgin.triton_call") == "jaxgin_triton_call"
+    assert op_table.target_of("jaxgin.ppermute").name == op_table.target_of("jaxgin.all_to_all").name == "jaxgin_exchange"
+    assert op_table.target_of("jaxgin.triton_call").name == "jaxgin_triton_call"
+    assert op_table.target_of("jaxgin.ppermute").captured_name == "jaxgin_exchange_captured"
     with pytest.raises(KeyError, match="jaxgin.no_such_op"):
         op_table.target_of("jaxgin.no_such_op")
 

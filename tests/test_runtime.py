@@ -432,16 +432,19 @@ def test_cupti_already_in_the_process_is_not_loaded_twice(monkeypatch, tmp_path)
     assert cupti.load() is None
 
 
-def test_custom_calls_are_kept_out_of_command_buffers(monkeypatch):
-    """Every jaxgin target is registered without COMMAND_BUFFER_COMPATIBLE: inside XLA's command
-    buffers, independent jaxgin calls became parallel graph nodes on a shared exchange channel."""
+def test_capturable_targets_are_registered_twice_and_the_rest_once(monkeypatch):
+    """Every target is registered without XLA's command-buffer trait under its own name; a
+    capturable one also as its "_captured" twin with the trait and the twin handler symbols (the
+    execute stage's; instantiate is shared). The chunked fused ops have no twin."""
+    from jax._src.lib import xla_client
+
     from jaxgin.ffi import op_table, targets
 
     class FakeBackend:
         path = "/fake/libjaxgin_backend.so"
 
         def ffi_handler(self, symbol):
-            return 0x1000 + len(symbol)
+            return symbol
 
         def ffi_address(self, symbol):
             return 0x2000 + len(symbol)
@@ -452,9 +455,18 @@ def test_custom_calls_are_kept_out_of_command_buffers(monkeypatch):
     monkeypatch.setattr(jax.ffi, "pycapsule", lambda x: x)
     monkeypatch.setattr(jax.ffi, "register_ffi_type", lambda *a, **k: None)
     monkeypatch.setattr(jax.ffi, "register_ffi_target",
-                        lambda name, fn, platform, **kwargs: registered.setdefault(name, (platform, kwargs)))
+                        lambda name, fn, platform, **kwargs: registered.setdefault(name, (fn, platform, kwargs)))
     targets.register(FakeBackend())
-    assert set(registered) == {target.name for target in op_table.targets()}
-    for name, (platform, kwargs) in registered.items():
-        assert platform == "CUDA" and "traits" not in kwargs, (name, kwargs)
-    assert targets.command_buffer_compatible is False
+    capturable = [t for t in op_table.targets() if t.capturable]
+    assert {t.name for t in capturable} == {"jaxgin_exchange", "jaxgin_put_signal", "jaxgin_wait_signal",
+                                            "jaxgin_wait_signal_from", "jaxgin_triton_call"}
+    assert set(registered) == {t.name for t in op_table.targets()} | {t.name + "_captured" for t in capturable}
+    for target in op_table.targets():
+        fn, platform, kwargs = registered[target.name]
+        assert platform == "CUDA" and "traits" not in kwargs, (target.name, kwargs)
+        if target.capturable:
+            fn, platform, kwargs = registered[target.name + "_captured"]
+            assert kwargs == {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
+            symbols = fn if isinstance(fn, dict) else {"execute": fn}
+            assert symbols["execute"] == target.handlers["execute"] + "_captured"
+            assert symbols.get("instantiate") == target.handlers.get("instantiate")

@@ -318,7 +318,8 @@ def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
     from jaxgin import triton_op as tc
 
     device = types.SimpleNamespace(compute_capability="9.0")
-    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=3)
+    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=3, capture=(False, "a fake runtime"),
+                                  captured_lowered=False)
     monkeypatch.setattr(tc.runtime, "current", lambda: state)
     monkeypatch.setattr(link, "install", lambda: None)
     seen = {}

@@ -50,8 +50,9 @@ ffi::Error exchange(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer in, ffi
 }  // namespace
 }  // namespace jaxgin::ffi_support
 
-// Exported under the name the op table gives it (declared in the generated jaxgin_op_table.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_exchange, jaxgin::ffi_support::exchange,
+// Exported under the names the op table gives it and its captured twin (declared in the generated
+// jaxgin_op_table.h).
+JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_exchange, jaxgin::ffi_support::exchange,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()

@@ -93,3 +93,12 @@ inline void check_launch(cudaError_t e, const char* what, int device) {
 void pace_launches(DeviceState& s, cudaStream_t stream, const char* op);
 
 }  // namespace jaxgin::ffi_support
+
+// A handler exported twice, under the names the op table gives a capturable target: `symbol` for
+// calls XLA runs as their own step on its stream, and `symbol`_captured with XLA's command-buffer
+// trait, which XLA may record into its CUDA graphs (jaxgin/ffi/capture.py picks one per program).
+// The handler is the same: it enqueues only work a graph can replay (no host wait, every expected
+// value kept on the device); the launch pacing skips a stream that is being captured.
+#define JAXGIN_FFI_CAPTURABLE_HANDLER(symbol, impl, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, binding);       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol##_captured, impl, binding, {xla::ffi::Traits::kCmdBufferCompatible})

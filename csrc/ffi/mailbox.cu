@@ -101,7 +101,7 @@ ffi::Error wait_from(cudaStream_t stream, int32_t ordinal, ffi::Buffer<ffi::S32>
       .Attr<int64_t>("signal_base")
 
 // Exported under the names the op table gives them (declared in the generated jaxgin_op_table.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
+JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_put, jaxgin::ffi_support::put,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
@@ -111,7 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_put, jaxgin::ffi_support::put,
                                   JAXGIN_MAILBOX_ATTRS
                                   .Attr<int64_t>("generation"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
+JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
@@ -121,7 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("generation"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_wait_from, jaxgin::ffi_support::wait_from,
+JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_wait_from, jaxgin::ffi_support::wait_from,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()

@@ -166,7 +166,7 @@ extern "C" void* jaxgin_ffi_triton_kernel_type_info(void) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_instantiate, jaxgin::ffi_support::instantiate,
                               xla::ffi::Ffi::BindInstantiate() JAXGIN_TRITON_ATTRS);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_execute, jaxgin::ffi_support::execute,
+JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_triton_execute, jaxgin::ffi_support::execute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()

@@ -63,6 +63,9 @@ class Op:
     tag: str | None = None  # JAXGIN_OP_<tag>, recorded by its kernels in a fault; None: they record another op's
 
 
+CAPTURED_SUFFIX = "_captured"
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """An XLA custom-call target on CUDA."""
@@ -70,6 +73,21 @@ class Target:
     name: str
     handlers: Mapping[str, str]  # XLA stage ("execute", or "instantiate" and "execute") -> exported handler symbol
     ops: tuple[Op, ...]  # the ops that lower to it
+    # Whether the target has a twin that XLA may record into its command buffers (CUDA graphs):
+    # the same handlers, exported a second time with XLA's command-buffer trait under the
+    # "_captured" names below (jaxgin/ffi/capture.py says which of the two a call lowers to).
+    capturable: bool = False
+
+    @property
+    def captured_name(self) -> str:
+        return self.name + CAPTURED_SUFFIX
+
+    @property
+    def captured_handlers(self) -> dict[str, str]:
+        """The twin's handler symbols: each execute stage's with CAPTURED_SUFFIX (the stages that
+        run once per executable, such as instantiate, are shared)."""
+        return {stage: symbol + CAPTURED_SUFFIX if stage == "execute" else symbol
+                for stage, symbol in self.handlers.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +150,7 @@ FAMILIES: tuple[Family, ...] = (
         python=("jaxgin/collectives.py",),
         sources=("kernels/exchange.cu", "kernels/line_exchange.cu", "ffi/collectives.cu"),
         targets=(Target("jaxgin_exchange", {"execute": "jaxgin_ffi_exchange"},
-                        (Op("jaxgin.ppermute", "PPERMUTE"), Op("jaxgin.all_to_all", "ALL_TO_ALL"))),),
+                        (Op("jaxgin.ppermute", "PPERMUTE"), Op("jaxgin.all_to_all", "ALL_TO_ALL")), capturable=True),),
         preload=("preload_exchange_kernels", "preload_line_exchange_kernels"),
         codes=(ExchangeKind,),
         # Ranks one exchange (and one mailbox, one fused op) may involve: kernel parameters carry them.
@@ -142,10 +160,12 @@ FAMILIES: tuple[Family, ...] = (
         "mailbox",
         python=("jaxgin/mailbox.py",),
         sources=("kernels/mailbox.cu", "ffi/mailbox.cu"),
-        targets=(Target("jaxgin_put_signal", {"execute": "jaxgin_ffi_put"}, (Op("jaxgin.put_signal", "PUT_SIGNAL"),)),
-                 Target("jaxgin_wait_signal", {"execute": "jaxgin_ffi_wait"}, (Op("jaxgin.wait_signal", "WAIT_SIGNAL"),)),
+        targets=(Target("jaxgin_put_signal", {"execute": "jaxgin_ffi_put"}, (Op("jaxgin.put_signal", "PUT_SIGNAL"),),
+                        capturable=True),
+                 Target("jaxgin_wait_signal", {"execute": "jaxgin_ffi_wait"}, (Op("jaxgin.wait_signal", "WAIT_SIGNAL"),),
+                        capturable=True),
                  Target("jaxgin_wait_signal_from", {"execute": "jaxgin_ffi_wait_from"},
-                        (Op("jaxgin.wait_signal_from", "WAIT_SIGNAL_FROM"),))),
+                        (Op("jaxgin.wait_signal_from", "WAIT_SIGNAL_FROM"),), capturable=True)),
         preload=("preload_mailbox_kernels",),
         constants={"mailbox_header_bytes": 256},  # 2 counters + one arrival flag per sender (csrc/kernels/mailbox.h)
     ),
@@ -169,7 +189,7 @@ FAMILIES: tuple[Family, ...] = (
         targets=(Target("jaxgin_triton_call",
                         {"instantiate": "jaxgin_ffi_triton_instantiate", "execute": "jaxgin_ffi_triton_execute"},
                         # The user's kernel faults in the device functions it calls (DEVICE_CALL).
-                        (Op("jaxgin.triton_call"),)),),
+                        (Op("jaxgin.triton_call"),), capturable=True),),
         codes=(ParamKind,),
         state_types=(StateType("jaxgin_triton_kernel", "jaxgin_ffi_triton_kernel_type_id",
                                "jaxgin_ffi_triton_kernel_type_info"),),
@@ -181,12 +201,19 @@ def targets() -> tuple[Target, ...]:
     return tuple(target for family in FAMILIES for target in family.targets)
 
 
-def target_of(op: str) -> str:
-    """The custom-call target that the op called `op` ("jaxgin.ppermute") lowers to."""
+def target_of(op: str) -> Target:
+    """The custom-call target that serves the op called `op` ("jaxgin.ppermute")."""
     for target in targets():
         if any(o.name == op for o in target.ops):
-            return target.name
+            return target
     raise KeyError(f"no custom-call target serves {op!r} in jaxgin/ffi/op_table.py")
+
+
+def handler_symbols(target: Target) -> tuple[str, ...]:
+    """Every handler symbol the backend exports for `target`: its own, then its captured twin's
+    (the stages they share once)."""
+    both = [*target.handlers.values(), *(target.captured_handlers.values() if target.capturable else ())]
+    return tuple(dict.fromkeys(both))
 
 
 def tags() -> tuple[Op, ...]:
@@ -254,7 +281,7 @@ def header() -> str:
     for family in FAMILIES:
         for target in family.targets:
             out += [f'__attribute__((visibility("default"))) XLA_FFI_Error* {symbol}(XLA_FFI_CallFrame* call_frame);'
-                    for symbol in target.handlers.values()]
+                    for symbol in handler_symbols(target)]
         for state in family.state_types:
             out += [f'__attribute__((visibility("default"))) void* {state.type_id}(void);',
                     f'__attribute__((visibility("default"))) void* {state.type_info}(void);']

@@ -1,5 +1,7 @@
 """Registration of the CUDA backend's XLA FFI handlers as custom-call targets (the targets, their
-handler symbols and the FFI state types are the op table's: jaxgin/ffi/op_table.py).
+handler symbols and the FFI state types are the op table's: jaxgin/ffi/op_table.py). A capturable
+target is registered twice: as itself, which XLA runs as its own step, and as its "_captured" twin
+with XLA's command-buffer trait (jaxgin/ffi/capture.py says which one a call lowers to).
 
 XLA keeps registrations for the life of the process, so they happen once; a second backend library
 (another NCCL) in the same process cannot re-register the names and is refused.
@@ -10,21 +12,12 @@ from __future__ import annotations
 import ctypes
 
 import jax
+from jax._src.lib import xla_client  # the traits enum; jax.ffi passes its keyword through
 
 from jaxgin.errors import JaxginError
 from jaxgin.ffi import op_table
 
-# No target is marked command-buffer compatible, so XLA runs every jaxgin call as its own step on
-# its stream, in program order, and records only the code around them into CUDA graphs. Inside a
-# command buffer XLA orders commands by the buffers they share and nothing else: XLA's thunk dump
-# of a step with several jaxgin calls showed calls without a data dependency as parallel graph
-# nodes. jaxgin's calls share the exchange channel's signals and counters, which assume one call
-# at a time. The fused ops also nest work that CUDA refuses to record as a child graph (cuBLAS
-# calls and peer copies on a second stream; csrc/ffi/chunked_matmul.cu).
 _registered_from: str | None = None
-# Whether XLA may capture jaxgin's custom calls into CUDA graphs (reported by jaxgin.info()): no,
-# see above.
-command_buffer_compatible = False
 _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 
 
@@ -45,9 +38,16 @@ def register(backend) -> None:
             }
             jax.ffi.register_ffi_type(state.name, registration, platform="CUDA")
     for target in op_table.targets():
-        handlers = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in target.handlers.items()}
-        # A handler with one stage registers as itself (XLA's execute stage); several as a dict.
-        fn = handlers["execute"] if list(handlers) == ["execute"] else handlers
-        # No traits: not COMMAND_BUFFER_COMPATIBLE (see above).
-        jax.ffi.register_ffi_target(target.name, fn, platform="CUDA")
+        _register(backend, target.name, target.handlers)
+        if target.capturable:
+            # XLA learns the trait from the handler itself and, on some versions, from here.
+            _register(backend, target.captured_name, target.captured_handlers,
+                      traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     _registered_from = backend.path
+
+
+def _register(backend, name: str, symbols, **traits) -> None:
+    handlers = {stage: jax.ffi.pycapsule(_HANDLER(backend.ffi_handler(s))) for stage, s in symbols.items()}
+    # A handler with one stage registers as itself (XLA's execute stage); several as a dict.
+    fn = handlers["execute"] if list(handlers) == ["execute"] else handlers
+    jax.ffi.register_ffi_target(name, fn, platform="CUDA", **traits)

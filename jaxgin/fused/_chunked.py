@@ -58,7 +58,7 @@ def _lower(ctx, x, w, *, op, names, size, out_shape, slot, tf32, split_rows=None
         attrs.update(concat_rows=np.int64(bool(concat_rows)))
     if layout is not None:
         attrs.update(layout=np.int64(op_table.ChunkLayout[layout.upper()]))
-    return jax.ffi.ffi_lowering(op_table.target_of(op), has_side_effect=True)(
+    return jax.ffi.ffi_lowering(op_table.target_of(op).name, has_side_effect=True)(
         ctx, x, w, offset=np.int64(offset), slot_bytes=np.int64(slot), tf32=np.int64(bool(tf32)), **attrs
     )
 

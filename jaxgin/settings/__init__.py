@@ -57,6 +57,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("JAXGIN_GIN_CONTEXTS", "int", "4", "native",
             "GIN contexts (queues to every peer) asked of NCCL, 1 to 64; NCCL may grant another number "
             "(`jaxgin.info()['gin_contexts']` says which)."),
+    Setting("JAXGIN_COMMAND_BUFFERS", "bool", "1", "python",
+            "0: jaxgin's calls stay out of XLA's command buffers (each runs as its own step); 1: XLA may record "
+            "them into its CUDA graphs where that is safe (`jaxgin.info()['command_buffers']` says whether, and why)."),
     Setting("JAXGIN_MAX_QUEUED_CALLS", "int", "8", "both",
             "How many jaxgin calls XLA's thread may queue ahead of the GPU per stream under NCCL's proxy GIN, "
             "0 to 65536 (0: no limit)."),

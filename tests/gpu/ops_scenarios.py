@@ -225,6 +225,10 @@ ITERATIONS = job.by_tier(100, 1000)
 REPLAY_RUNS = job.by_tier(50, 200)
 
 
+# jaxgin calls per device in one iteration of `iterations`: 3 exchanges, 2 puts, 2 waits.
+OPS_PER_ITERATION = 7
+
+
 def iterations(argv):
     """ITERATIONS back-to-back calls with changing data; optional CUDA-graph replay (command
     buffers). `mismatches`: failed checks summed over devices and iterations; `iterations`: the
@@ -275,7 +279,10 @@ def iterations(argv):
     elapsed = time.perf_counter() - start
     calls = {k: v - calls_before[k] for k, v in _ffi_calls(jaxgin).items()}
     job.report({"devices": n, "processes": jax.process_count(), "iterations": ran, "mismatches": bad,
-               "seconds": elapsed, "ffi_calls": calls, "xla_flags": os.environ.get("XLA_FLAGS", "")})
+               "seconds": elapsed, "ffi_calls": calls, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "ops_per_iteration": OPS_PER_ITERATION * len(jax.local_devices()),
+               "captured": jaxgin.info()["command_buffer_compatible"],
+               "command_buffers": jaxgin.info()["command_buffers"]})
     jaxgin.finalize()
 
 
@@ -283,15 +290,17 @@ COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla
 
 
 def iterations_graphs(argv):
-    """iterations() with XLA command buffers (CUDA graphs) capturing jaxgin's custom calls."""
+    """iterations() with XLA command buffers (CUDA graphs) on: its step has jaxgin calls without a
+    data dependency between them (a put beside two ppermutes and an all_to_all), which must still
+    run in program order when XLA records them into one graph."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip()
     iterations(argv)
 
 
 def graph_replay(argv):
     """With XLA command buffers on, a program of jaxgin ops between fusions stays right as data
-    changes, and every jaxgin call runs through its handler (XLA keeps jaxgin's calls out of its
-    graphs; see jaxgin/ffi/targets.py)."""
+    changes; `handler_calls` counts the exchange handler's runs (XLA replaying a recorded graph
+    runs none; jaxgin/ffi/capture.py says when calls are recorded)."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip()
     jax, jaxgin = _setup(argv)
     import jax.numpy as jnp
@@ -323,7 +332,9 @@ def graph_replay(argv):
     calls = _ffi_calls(jaxgin)["exchange"] - before["exchange"]
     executed = runs * ops_per_run * len(jax.local_devices())
     job.report({"devices": n, "runs": runs, "mismatches": bad, "ops_executed": executed,
-               "handler_calls": calls, "xla_flags": os.environ["XLA_FLAGS"]})
+               "handler_calls": calls, "xla_flags": os.environ["XLA_FLAGS"],
+               "captured": jaxgin.info()["command_buffer_compatible"],
+               "command_buffers": jaxgin.info()["command_buffers"]})
     jaxgin.finalize()
 
 
