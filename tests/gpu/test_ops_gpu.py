@@ -62,12 +62,10 @@ def test_iterations(world, command_buffers):
     assert result["iterations"] == ITERATIONS
     assert result["mismatches"] == 0
     assert result["captured"] is True, result["command_buffers"]  # NVLink only: nothing keeps them out
-    calls = sum(result["ffi_calls"].values())
     if command_buffers:
-        # Recorded once per graph (a few times at most), then replayed with no handler call.
-        assert calls < result["ops_per_iteration"] * ITERATIONS / 10, result
-    else:
-        assert calls == result["ops_per_iteration"] * ITERATIONS, result
+        # Recorded once per graph (a few times at most), then replayed with no handler call. (XLA's
+        # defaults record custom calls too, so "plain" may replay as well: not asserted.)
+        assert sum(result["ffi_calls"].values()) < result["ops_per_iteration"] * ITERATIONS / 10, result
 
 
 @TWO_GPUS
