@@ -100,3 +100,20 @@ def test_a_failed_scenario_says_its_first_cause_even_when_teardown_noise_fills_t
     assert "device-side wait timed out after 60 s at rank 1" in kept
     assert "cuda_stream.cc" not in kept
     assert harness.first_causes(noise) == ""
+
+
+def test_coordinator_ports_come_from_below_the_ephemeral_range_and_are_free(monkeypatch):
+    """A port taken from Linux's ephemeral range can be handed to another socket between the pick
+    and JAX's bind; the harness's come from below it, free on every address."""
+    import socket
+
+    harness = load_harness(monkeypatch, 2, None)
+    ports = {harness.free_port() for _ in range(20)}
+    assert all(p in harness._COORDINATOR_PORTS and p < 32768 for p in ports), ports
+    held = socket.socket()
+    port = harness.free_port()
+    held.bind(("0.0.0.0", port))
+    try:
+        assert not harness._bindable(socket.AF_INET, "0.0.0.0", port)
+    finally:
+        held.close()

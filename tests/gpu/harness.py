@@ -10,8 +10,10 @@ paths run on a machine with one GPU; it needs NCCL >= 2.30 (RMA plugins). Times 
 job are not performance: the processes time-slice the GPUs.
 """
 
+import errno
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -485,10 +487,35 @@ def transport_per_call(run, calls: int) -> dict:
     return {key: (after[key] - before[key]) / calls for key in after}
 
 
+# Coordinator ports come from below Linux's ephemeral range (32768 on), which every other socket
+# of a round (NCCL's bootstrap, the transport, other jobs' gRPC clients) draws from: a port picked
+# there and released before JAX binds it was taken in between ("Address already in use", rank 0
+# crashed in jax.distributed.initialize; 2 x H200, 2026-11-28).
+_COORDINATOR_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no socket of this machine holds, on every address (JAX's coordinator binds [::] and
+    0.0.0.0), from _COORDINATOR_PORTS."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    addresses = [(socket.AF_INET, "0.0.0.0")] + ([(socket.AF_INET6, "::")] if socket.has_ipv6 else [])
+    for _ in range(200):
+        port = rng.choice(_COORDINATOR_PORTS)
+        if all(_bindable(family, address, port) for family, address in addresses):
+            return port
+    raise RuntimeError(f"no free port in {_COORDINATOR_PORTS}")
+
+
+def _bindable(family, address: str, port: int) -> bool:
+    try:
+        with socket.socket(family) as s:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((address, port))
+        return True
+    except OSError as e:
+        # No IPv6 on this machine counts as free there; a port in use does not.
+        return family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL
 
 
 def run_mesh_check(check, axis_name: str) -> None:
