@@ -9,6 +9,9 @@ XLA_FLAGS apply to both implementations alike. XLA records jaxgin's custom calls
 where jaxgin allows it (jaxgin.info()["command_buffers"]; JAXGIN_COMMAND_BUFFERS=0 keeps them out),
 as with XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"; its own NCCL collectives
 stay outside. `handler_calls_per_op` in every row says which happened (0: replayed from a graph).
+A program's result is a new buffer at every run, and XLA updates a recorded graph whose buffers
+moved before it replays it; with --donate every run takes the previous run's result, donated, so
+it finds the same buffers (as a training loop that donates its state does).
 
 For every op and message size (bytes per device, 8 B to --max-bytes) it compiles one program per
 implementation that applies the op N times in a chain (each op consumes the previous result, so
@@ -34,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
 from jaxgin import cli, sizes
-from timing import best_seconds
+from timing import best_seconds, best_seconds_threaded
 
 
 def chain_length(nbytes: int) -> int:
@@ -118,7 +121,7 @@ def make_ops(n: int):
     }
 
 
-def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
+def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> dict:
     mesh = Mesh(np.array(jax.devices()), ("x",))
     n = mesh.size
     implementations = make_ops(n)
@@ -142,21 +145,28 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
             x = _array(mesh, nbytes, n)
             steps = chain_length(nbytes)
 
-            def program(fn, steps=steps):
+            def program(fn, steps=steps, donated=False):
                 def body(v):
                     v = v[0]
                     for _ in range(steps):
                         v = fn(v)
                     return v[None]
 
-                return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+                return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
+                               donate_argnums=(0,) if donated else ())
 
-            xla_f, ours_f = program(xla_op), program(jaxgin_op)
+            xla_f, ours_f = program(xla_op, donated=donate), program(jaxgin_op, donated=donate)
             one_x, one_ours = program(xla_op, 1), program(jaxgin_op, 1)
             equal = bool(np.array_equal(np.asarray(one_x(x)), np.asarray(one_ours(x))))
-            t_xla = best_seconds(xla_f, x, repeats=repeats) / steps
+
+            def timed(f):
+                if donate:
+                    return best_seconds_threaded(f, x.copy(), repeats=repeats) / steps
+                return best_seconds(f, x, repeats=repeats) / steps
+
+            t_xla = timed(xla_f)
             calls_before = _handler_calls()
-            t_ours = best_seconds(ours_f, x, repeats=repeats) / steps
+            t_ours = timed(ours_f)
             handler_calls = _handler_calls() - calls_before
             row = {
                 "op": op,
@@ -199,7 +209,9 @@ def run(ops: list[str], max_bytes: int, repeats: int) -> dict:
         "jax": jax.__version__,
         "jaxgin_info": {k: v for k, v in jaxgin.info().items() if k in ("nccl_version", "gin_type", "lsa_team_size", "channel",
                                                                      "command_buffer_compatible", "command_buffers")},
-        "timing": "best of %d runs of one jitted chain of N ops, divided by N" % repeats,
+        "timing": "best of %d runs of one jitted chain of N ops, divided by N" % repeats
+                  + (" (each run donating its input, the previous run's result)" if donate else ""),
+        "donated": donate,
         "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
         "copy_ceiling": "from %d MiB: best of %d rounds of JAX's device-to-device copies of what the op moves, all "
                         "devices at once (copy engines over NVLink)" % (CEILING_MIN_BYTES >> 20, repeats),
@@ -215,13 +227,16 @@ def main() -> None:
     parser.add_argument("--ops", default="ppermute,all_to_all,put_wait,put_wait_from")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--name", default="collectives", help="output file stem")
+    parser.add_argument("--donate", action="store_true",
+                        help="each timed run donates its input, the previous run's result: the same buffers every "
+                             "run, so XLA replays its command buffers without updating them")
     args = parser.parse_args()
     unknown = sorted(set(args.ops.split(",")) - set(OPS))
     if unknown:
         parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
     cli.require_gpus(__file__, 2, "it times jaxgin's collectives against XLA's between them")
     cli.run(__file__, jaxgin.initialize, heap_size=os.environ.get("JAXGIN_BENCH_HEAP", "2GiB"))
-    report = run(args.ops.split(","), args.max_bytes, args.repeats)
+    report = run(args.ops.split(","), args.max_bytes, args.repeats, args.donate)
     args.out.mkdir(parents=True, exist_ok=True)
     report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     path = args.out / f"{args.name}.json"

@@ -550,6 +550,9 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 240, tail=30),
     Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
     Step("collectives", ["benchmarks/collectives.py", "--out", "{out}"], 540, gpus=2, default=False, tail=40),
+    # latency's ops, each run donating its input: XLA replays its recorded graphs without updating them
+    Step("latency_donated", ["benchmarks/collectives.py", "--ops", LATENCY_OPS, "--max-bytes", "64KiB", "--donate",
+                             "--out", "{out}", "--name", "latency_donated"], 200, gpus=2, default=False, tail=40),
     Step("chunked_layouts", ["benchmarks/fused.py", "--chunked-layouts-only", "--out", "{out}"], 420, gpus=2,
          default=False, tail=20),
     Step("windowed", ["benchmarks/fused.py", "--windowed-only", "--out", "{out}"], 240, gpus=2, default=False,
