@@ -566,6 +566,9 @@ BENCHMARKS = {step.name: step for step in [
                          "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],
          300, default=False, tail=40),
     Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128"], 150, default=False, tail=40),  # times in its log
+    # latency's chains at 8 B traced with JAX's profiler: device time per op beside the wall-clock rows
+    Step("latency_profile", ["tools/profile_latency.py", "--ops", "ppermute,put_wait_from,put_wait,self_copy"], 150,
+         gpus=2, default=False, tail=80),
     Step("tune_matmul", ["tools/tune_triton_matmul.py", "--out", "{out}"], 400, default=False, needs="torch", tail=12),
     Step("transport_smoke", ["tools/transport_smoke.py", "--out", "{out}"], 400, default=False,
          needs="NCCL >= 2.30 (../shared/tools/nccl-stage)"),
