@@ -205,6 +205,82 @@ def test_dispatch_and_combine_gradients_match_jax_grad_of_the_reference(init):
         _close(g, w, 1e-5)
 
 
+# ---------------------------------------------------------------------------------------------
+# FP8 dispatch: e4m3 rows with a scale per 128 values, packed into the rows dispatch moves.
+
+
+def test_fp8_rows_pack_and_unpack_bit_for_bit_and_halve_the_bytes():
+    fp8 = jaxgin.moe.fp8
+    x = jax.random.normal(jax.random.key(3), (5, 256)) * jnp.array([1e-3] * 128 + [300.0] * 128)
+    x = x.at[2, :128].set(0.0)  # an all-zero block: scale 1, values 0
+    q, scales = fp8.quantize(x)
+    assert q.dtype == jnp.float8_e4m3fn and scales.shape == (5, 2) and float(scales[2, 0]) == 1.0
+    # no value saturates: each block's largest magnitude lands on e4m3's largest finite value
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == fp8.E4M3_MAX
+    back = fp8.dequantize(q, scales, jnp.float32)
+    assert float(jnp.max(jnp.abs(back - x) / jnp.maximum(jnp.abs(x), 1e-30))) < 2**-3  # 3 mantissa bits
+    words = fp8.pack(q, scales)
+    assert words.dtype == jnp.int16 and words.shape == (5, fp8.packed_width(256)) == (5, 132)
+    q2, s2 = fp8.unpack(words, 256)
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(q2, jnp.uint8)),
+                                  np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8)))
+    np.testing.assert_array_equal(np.asarray(s2), np.asarray(scales))
+    zeros_q, zeros_s = fp8.unpack(jnp.zeros_like(words), 256)  # rows past the kept entries: zeros
+    assert not np.asarray(fp8.dequantize(zeros_q, zeros_s, jnp.bfloat16).astype(jnp.float32)).any()
+    # DeepSeek-V3's hidden size: 0.52x the bytes of a bfloat16 row
+    assert fp8.packed_width(7168) * 2 / (7168 * 2) == pytest.approx(0.5156, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_dispatch_delivers_the_quantized_rows_in_the_same_layout(init, dtype):
+    """dispatch(fp8=True).x is dispatch of dequantize(quantize(x)), bit for bit; counts, drops
+    and combine behave as without fp8."""
+    n, tokens, experts, top_k, hidden = 4, 6, 8, 3, 256
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(11), 2)
+    x = (jax.random.normal(keys[0], (n * tokens, hidden)) * 4).astype(dtype)
+    weights, ids = jax.jit(lambda l: jaxgin.moe.router(l, top_k))(_logits(keys[1], n * tokens, experts, "random", n))
+    fp8 = jaxgin.moe.fp8
+
+    def run(x, ids, w, quantized):
+        sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep", capacity=12, fp8=quantized)
+        return sent.x, sent.expert_counts[None], sent.dropped[None], jaxgin.moe.combine(sent.x, sent.handle)
+
+    sm = lambda q: jax.jit(jax.shard_map(lambda *a: run(*a, q), mesh=mesh, in_specs=(SPEC,) * 3,  # noqa: E731
+                                         out_specs=(SPEC,) * 4))
+    got = sm(True)(x, ids, weights)
+    rounded = jax.jit(lambda v: fp8.dequantize(*fp8.quantize(v), dtype))(x)
+    want = sm(False)(rounded, ids, weights)
+    assert int(np.asarray(got[2]).sum()) > 0  # the capacity drops some entries: counted alike
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert not np.array_equal(np.asarray(rounded, np.float32), np.asarray(x, np.float32))  # it did round
+
+
+def test_fp8_dispatch_gradients_pass_through_the_rounding(init):
+    n, tokens, experts, top_k, hidden = 2, 4, 4, 2, 128
+    mesh = _mesh(n)
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (n * tokens, hidden))
+    weights, ids = jax.jit(lambda l: jaxgin.moe.router(l, top_k))(_logits(keys[1], n * tokens, experts, "random", n))
+    ct = jax.random.normal(keys[2], (n * tokens, hidden))
+
+    def loss(quantized):
+        def f(x, ids, w):
+            sent = jaxgin.moe.dispatch(x, ids, w, num_experts=experts, axis_name="ep", fp8=quantized)
+            return jaxgin.moe.combine(sent.x * 2.0, sent.handle)
+
+        sm = jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC)
+        return lambda x, w: jnp.sum(sm(x, ids, w) * ct)
+
+    got = jax.jit(jax.grad(loss(True), argnums=(0, 1)))(x, weights)
+    want = jax.jit(jax.grad(loss(False), argnums=(0, 1)))(x, weights)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # x: straight through
+    _close(got[1], want[1], 0.1)  # weights: through the rounded rows the experts saw
+    assert not np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def _call(f, n=4, tokens=4, hidden=8, experts=8):
     mesh = _mesh(n)
     x = jnp.ones((n * tokens, hidden))
@@ -230,6 +306,9 @@ BAD_DISPATCH = [
     (lambda x, i, w: jaxgin.moe.combine(D(x, i, w, num_experts=8, axis_name="ep").x.astype(jnp.bfloat16),
                                         D(x, i, w, num_experts=8, axis_name="ep").handle), TypeError, "cast it"),
     (lambda x, i, w: jaxgin.moe.combine(x, {"not": "a handle"}), TypeError, "handle must be the .handle"),
+    (lambda x, i, w: D(x, i, w, num_experts=8, axis_name="ep", fp8=True).x, ValueError,
+     "fp8=True needs the hidden size to be a multiple of 128"),
+    (lambda x, i, w: D(x, i, w, num_experts=8, axis_name="ep", fp8="e4m3").x, TypeError, "fp8 must be True or False"),
 ]
 
 
@@ -311,6 +390,26 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
     assert re.search(r"atom\.[a-z.]*sys", combine.asm["ptx"])
     if gin:
         assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
+
+
+def test_the_dispatch_kernel_compiles_for_fp8_rows(toolchain):
+    """fp8=True moves packed rows of 16-bit words (jaxgin.moe.fp8): the dispatch kernel compiles for
+    them at DeepSeek-V3's hidden size (3696 words a row), loads and stores only, no float math."""
+    from jaxgin.moe import _kernels
+
+    words = "*i16"
+    pointers = dict(ctx="*u8", x=words, slot="*i32", before="*i32", meta="*i32", weights="*fp32",
+                    send_counts="*i32", route="*i32", stage_x=words, stage_meta="*i32", stage_w="*fp32",
+                    stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
+                    send_x=words, send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32",
+                    data_ready="*i64", sig="i32", out_x=words, out_pos="*i32", out_w="*fp32",
+                    out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
+    hidden = jaxgin.moe.fp8.packed_width(7168)
+    kernel = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=4, num_stages=1, constexprs=dict(
+        T=128, H=hidden, K=8, P=4, EL=64, C=1280, BT=2, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=128, NS=8,
+        XB=2, GIN=1))
+    assert kernel.asm["cubin"][:4] == b"\x7fELF"
+    assert hidden == 3696 and re.search(r"st\.global\.v4", kernel.asm["ptx"])
 
 
 def test_expert_ids_out_of_range_are_reported_not_sent(init):
@@ -590,3 +689,25 @@ def test_gpu_loop_oracle_catches_a_misplaced_row_and_a_wrong_sum(init, monkeypat
     monkeypatch.setattr(jaxgin.moe, "combine", lambda *a, **k: combine(*a, **k) + 1)
     wrong, difference = _loop(scenarios, 4, case)
     assert wrong == 0.0 and difference == 1.0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gpu_fp8_check_passes_on_the_reference_and_catches_a_wrong_row(init, n, monkeypatch):
+    """The GPU scenario's fp8 check (moe_scenarios._fp8_exact) holds where dispatch is the
+    collective reference, and fails when fp8 dispatch delivers other bits than its rounded rows."""
+    import dataclasses
+
+    scenarios = _gpu_moe_scenarios()
+    mesh = _mesh(n)
+    assert scenarios._fp8_exact(mesh) == {"low_latency": True, "high_throughput": True}
+    dispatch = jaxgin.moe.dispatch
+
+    def off_by_one_ulp(*a, **k):
+        d = dispatch(*a, **k)
+        if not k.get("fp8"):
+            return d
+        bits = jax.lax.bitcast_convert_type(d.x, jnp.int16)
+        return dataclasses.replace(d, x=jax.lax.bitcast_convert_type(bits.at[0, 0].add(1), d.x.dtype))
+
+    monkeypatch.setattr(jaxgin.moe, "dispatch", off_by_one_ulp)
+    assert scenarios._fp8_exact(mesh) == {"low_latency": False, "high_throughput": False}

@@ -12,11 +12,12 @@ each expert GPU and sends one row back per GPU. On GPUs each is one Triton kerne
 GPUs of the same host are reached with NVLink stores, GPUs of other hosts with GIN puts (a few
 large puts per peer and call); on CPU (reference mode) the same layout comes from
 jax.lax.all_to_all.
+dispatch(..., fp8=True) sends rows as e4m3 with a scale per 128 values (jaxgin.moe.fp8).
 jaxgin.moe.ragged.moe_layer is the same layer on jax.lax.ragged_all_to_all, for comparison.
 """
 
-from jaxgin.moe import ragged
+from jaxgin.moe import fp8, ragged
 from jaxgin.moe.exchange import Dispatched, Handle, combine, dispatch
 from jaxgin.moe.layer import moe_layer, router
 
-__all__ = ["Dispatched", "Handle", "combine", "dispatch", "moe_layer", "ragged", "router"]
+__all__ = ["Dispatched", "Handle", "combine", "dispatch", "fp8", "moe_layer", "ragged", "router"]

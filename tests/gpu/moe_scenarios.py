@@ -365,8 +365,9 @@ def check(mesh) -> dict:
     clock = PhaseClock()
     result = {"devices": n, "processes": jax.process_count(), "cases": report, "ragged_baseline": RAGGED_BASELINE}
     if not job.spot_cases():  # the same kernels at every world: once per family, with every case (77 s at world 8)
-        result.update(rows_only=_rows_only_launches(mesh), grids_in_turn=_grids_in_turn(mesh))
-        clock.lap("rows_only_and_grids")
+        result.update(rows_only=_rows_only_launches(mesh), grids_in_turn=_grids_in_turn(mesh),
+                      fp8=_fp8_exact(mesh))
+        clock.lap("rows_only_grids_and_fp8")
     if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
         result["traffic"] = [_traffic(mesh, tokens, mode) for tokens, mode in ((256, "low_latency"),
                                                                                (512, "high_throughput"))]
@@ -426,6 +427,35 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
         "combine": combine, "combine_minimum_bytes": combine_min,
         "combine_ratio": combine["bytes"] / max(combine_min, 1),
     }
+
+
+def _fp8_exact(mesh) -> dict:
+    """dispatch(fp8=True) against its own reference, per mode: the dispatch (without fp8) of the
+    rows it rounds to, bit for bit, counts and drops included (bfloat16, hidden 512)."""
+    spec = P("ep")
+    n, tokens, hidden, experts, top_k = mesh.size, 96, 512, 8 * mesh.size, 4
+    keys = jax.random.split(jax.random.key(17), 2)
+    sharding = NamedSharding(mesh, spec)
+    x = jax.device_put(np.asarray(jax.random.normal(keys[0], (n * tokens, hidden), jnp.float32) * 3, jnp.bfloat16),
+                       sharding)
+    logits = jax.device_put(np.asarray(_logits(keys[1], n * tokens, experts, "random")), sharding)
+    fp8 = jaxgin.moe.fp8
+    rounded = jax.block_until_ready(jax.jit(lambda v: fp8.dequantize(*fp8.quantize(v), jnp.bfloat16))(x))
+    exact = {}
+    for mode in ("low_latency", "high_throughput"):
+        def both(x, rounded, logits, mode=mode):
+            weights, ids = _routed(logits, top_k, experts, "random")
+            kw = dict(num_experts=experts, axis_name="ep", mode=mode, capacity=tokens * top_k // 2)
+            got = jaxgin.moe.dispatch(x, ids, weights, fp8=True, **kw)
+            want = jaxgin.moe.dispatch(rounded, ids, weights, **kw)
+            same = jnp.array_equal(jax.lax.bitcast_convert_type(got.x, jnp.int16),
+                                   jax.lax.bitcast_convert_type(want.x, jnp.int16))
+            same &= jnp.array_equal(got.expert_counts, want.expert_counts) & (got.dropped == want.dropped)
+            return same[None]
+
+        f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        exact[mode] = bool(_host(jax.block_until_ready(f(x, rounded, logits))).all())
+    return exact
 
 
 def _rows_only_launches(mesh) -> dict:

@@ -1,0 +1,67 @@
+"""FP8 rows for MoE dispatch: e4m3 values with one float32 scale per 128 elements, as DeepEP's
+low-latency dispatch sends them, packed into one row of 16-bit words that dispatch moves as it
+moves any row.
+
+    q, scales = jaxgin.moe.fp8.quantize(x)        # x [T, H]: q float8_e4m3fn [T, H], scales f32 [T, H / 128]
+    x8 = jaxgin.moe.fp8.dequantize(q, scales, x.dtype)
+
+A block's scale is its largest magnitude / 448 (e4m3's largest finite value), so no value
+saturates; an all-zero block has scale 1. A row of H values travels as H bytes of e4m3 and H / 32
+bytes of scales: 0.52x the bytes of bfloat16 (0.26x of float32). dispatch(..., fp8=True) returns
+dequantize(quantize(x)) in x's dtype, exactly, in the dispatch layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 128  # elements per scale
+E4M3_MAX = 448.0
+PACKED_DTYPE = jnp.int16  # what dispatch moves: bits only, never arithmetic on them
+
+
+def check_hidden(op: str, hidden: int) -> None:
+    if hidden % BLOCK:
+        raise ValueError(f"{op}: fp8=True needs the hidden size to be a multiple of {BLOCK} (one scale per {BLOCK} "
+                         f"values), got {hidden}")
+
+
+def quantize(x):
+    """x [..., H] (H a multiple of 128) -> (e4m3 values [..., H], float32 scales [..., H / 128])."""
+    *lead, h = x.shape
+    blocks = x.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (blocks / scales[..., None]).astype(jnp.float8_e4m3fn)
+    return q.reshape(*lead, h), scales
+
+
+def dequantize(q, scales, dtype):
+    """The values quantize() stands for, in `dtype`."""
+    *lead, h = q.shape
+    blocks = q.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK) * scales[..., None]
+    return blocks.reshape(*lead, h).astype(dtype)
+
+
+def packed_width(hidden: int) -> int:
+    """16-bit words of one packed row: H bytes of values and 4 * H / 128 bytes of scales."""
+    return (hidden + 4 * (hidden // BLOCK)) // 2
+
+
+def pack(q, scales):
+    """[T, H] e4m3 and [T, H / 128] float32 -> [T, packed_width(H)] int16 words (the bytes of both)."""
+    t, h = q.shape
+    value_bytes = jax.lax.bitcast_convert_type(q, jnp.uint8)
+    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(t, -1)
+    row = jnp.concatenate([value_bytes, scale_bytes], axis=1)
+    return jax.lax.bitcast_convert_type(row.reshape(t, -1, 2), PACKED_DTYPE)
+
+
+def unpack(words, hidden: int):
+    """pack's inverse: [R, packed_width(hidden)] int16 -> ([R, hidden] e4m3, [R, hidden / 128] float32)."""
+    rows = words.shape[0]
+    row = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(rows, -1)
+    q = jax.lax.bitcast_convert_type(row[:, :hidden], jnp.float8_e4m3fn)
+    scales = jax.lax.bitcast_convert_type(row[:, hidden:].reshape(rows, -1, 4), jnp.float32)
+    return q, scales
