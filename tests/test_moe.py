@@ -711,3 +711,23 @@ def test_gpu_fp8_check_passes_on_the_reference_and_catches_a_wrong_row(init, n, 
 
     monkeypatch.setattr(jaxgin.moe, "dispatch", off_by_one_ulp)
     assert scenarios._fp8_exact(mesh) == {"low_latency": False, "high_throughput": False}
+
+
+def test_layer_with_fp8_dispatch_is_the_layer_on_the_rounded_rows(init):
+    """moe_layer(fp8=True) equals moe_layer on x rounded to e4m3 rows (values), and its gradients
+    are finite and close to those without fp8."""
+    n, tokens, hidden, ffn, experts, top_k = 2, 4, 128, 16, 4, 2
+    mesh = _mesh(n)
+    x, logits, w1, w2, _ = _params(n, tokens, hidden, ffn, experts, "random")
+    fp8 = jaxgin.moe.fp8
+    rounded = fp8.dequantize(*fp8.quantize(x), x.dtype)
+    layer = lambda q: _layer_call(mesh, top_k=top_k, fp8=q)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(layer(True)(x, logits, w1, w2)),
+                                  np.asarray(layer(False)(rounded, logits, w1, w2)))
+    sm = lambda q: jax.shard_map(lambda *a: L(*a, top_k=top_k, axis_name="ep", fp8=q), mesh=mesh,  # noqa: E731
+                                 in_specs=(SPEC,) * 4, out_specs=SPEC)
+    grads = [jax.jit(jax.grad(lambda *a, q=q: jnp.sum(sm(q)(*a) ** 2), argnums=(0, 2)))(x, logits, w1, w2)
+             for q in (True, False)]
+    for g8, g in zip(*grads):
+        assert np.isfinite(np.asarray(g8)).all()
+        _close(g8, g, 0.1)

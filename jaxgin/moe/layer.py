@@ -98,7 +98,7 @@ def check_layer(op, x, router_logits, w1, w2, top_k, names, size):
 
 
 def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax.nn.silu,
-              capacity: int | None = None, mode: str = "auto", return_stats: bool = False):
+              capacity: int | None = None, mode: str = "auto", return_stats: bool = False, fp8: bool = False):
     """Inside shard_map over the expert axis: the device at axis index d holds experts
     d*E_local ... (d+1)*E_local - 1 as w1 [E_local, H, F], w2 [E_local, F, H] (shard_map in_specs
     P(axis) for both; replicated weights are refused). For each token of x [T, H]:
@@ -107,7 +107,8 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     jax.lax.ragged_dot (float32 accumulation) over dispatch's expert-grouped rows. top_k: any
     integer scalar (Python or numpy) in [1, E].
 
-    Differentiable in x, router_logits, w1 and w2. capacity / mode: as jaxgin.moe.dispatch.
+    Differentiable in x, router_logits, w1 and w2. capacity / mode / fp8: as jaxgin.moe.dispatch
+    (fp8=True: the experts see x's rows rounded to e4m3 with a scale per 128 values).
     Drops are never silent: return_stats=True returns (y, {"dropped": entries over capacity,
     "expert_counts": rows per local expert}); without it, a capacity below the worst case
     (P * T * min(top_k, E_local) rows) makes every call check at run time whether this device
@@ -119,7 +120,7 @@ def moe_layer(x, router_logits, w1, w2, *, top_k: int, axis_name, activation=jax
     x, router_logits, w1, w2 = map(jnp.asarray, (x, router_logits, w1, w2))
     experts, top_k = check_layer(OP, x, router_logits, w1, w2, top_k, names, size)
     weights, ids = router(router_logits, top_k)
-    sent = dispatch(x, ids, weights, num_experts=experts, axis_name=names, capacity=capacity, mode=mode)
+    sent = dispatch(x, ids, weights, num_experts=experts, axis_name=names, capacity=capacity, mode=mode, fp8=fp8)
     y = combine(expert_ffn(sent.x, w1, w2, sent.expert_counts, activation), sent.handle)
     if return_stats:
         return y, {"dropped": sent.dropped, "expert_counts": sent.expert_counts}
