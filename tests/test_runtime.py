@@ -236,6 +236,22 @@ def test_finalize_then_initialize():
     assert jaxgin.info()["heap_bytes"] == 512 << 20
 
 
+def test_finalize_drops_compiled_programs_only_after_recorded_calls(monkeypatch):
+    """A graph XLA recorded replays jaxgin's calls without their handlers, so nothing would see that
+    finalize() released what it holds: finalize() clears JAX's caches then, and only then."""
+    from jaxgin import runtime
+
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(True))
+    jaxgin.initialize()
+    jaxgin.finalize()
+    assert cleared == []
+    jaxgin.initialize()
+    runtime.current().captured_lowered = True  # what jaxgin.ffi.capture.target_for sets on GPUs
+    jaxgin.finalize()
+    assert cleared == [True]
+
+
 def test_info_before_initialize():
     with pytest.raises(NotInitializedError, match=r"call jaxgin\.initialize\(\)"):
         jaxgin.info()
