@@ -10,7 +10,8 @@ exits with status 4 (too few GPUs) or 3 (a missing package), as every script her
 DeepSeek-V3-like defaults: hidden 7168, 256 experts, top-8, bfloat16, 128 tokens per GPU (low
 latency) and 4096 (high throughput). Per token count, per GPU:
   jaxgin_dispatch / jaxgin_combine    jaxgin.moe.dispatch / combine (routing arithmetic included)
-  jaxgin_dispatch_fp8                 jaxgin.moe.dispatch(fp8=True) (quantizing and dequantizing included)
+  jaxgin_dispatch_fp8                 jaxgin.moe.dispatch(fp8=True) (quantizing and dequantizing included;
+                                      hidden a multiple of 128)
   jaxgin_pair                         dispatch then combine of its output, back to back
   ragged_dispatch / ragged_combine    jaxgin.moe.ragged.dispatch / combine (ragged_all_to_all)
   xla_all_to_all_same_bytes           jax.lax.all_to_all moving as many bytes to each peer as
@@ -94,13 +95,17 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     xf = np.asarray(x, np.float32)
     err = {name: float(np.abs(np.asarray(b, np.float32) - xf).max() / np.abs(xf).max())
            for name, b in (("jaxgin", back_jg), ("ragged", back_rg))}
-    # fp8 dispatch against its own reference: dispatch of the rounded rows, bit for bit
+    # fp8 dispatch (rows of whole 128-value blocks only) against its own reference: dispatch of
+    # the rounded rows, bit for bit
     fp8 = jaxgin.moe.fp8
-    rounded = jax.jit(lambda v: fp8.dequantize(*fp8.quantize(v), dtype))(x)
-    sm_x = lambda q: jax.jit(jax.shard_map(lambda v, i, w: jg_dispatch(v, i, w, q).x, mesh=mesh,  # noqa: E731
-                                           in_specs=(SPEC,) * 3, out_specs=SPEC))
-    fp8_exact = bool(np.array_equal(np.asarray(sm_x(True)(x, ids, weights), np.float32),
-                                    np.asarray(sm_x(False)(rounded, ids, weights), np.float32)))
+    with_fp8 = hidden % fp8.BLOCK == 0 and (not only or "jaxgin_dispatch_fp8" in only)
+    fp8_exact = None
+    if with_fp8:
+        rounded = jax.jit(lambda v: fp8.dequantize(*fp8.quantize(v), dtype))(x)
+        sm_x = lambda q: jax.jit(jax.shard_map(lambda v, i, w: jg_dispatch(v, i, w, q).x, mesh=mesh,  # noqa: E731
+                                               in_specs=(SPEC,) * 3, out_specs=SPEC))
+        fp8_exact = bool(np.array_equal(np.asarray(sm_x(True)(x, ids, weights), np.float32),
+                                        np.asarray(sm_x(False)(rounded, ids, weights), np.float32)))
 
     def chain(step):
         def body(*args):
@@ -112,7 +117,9 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     variants["jaxgin_dispatch"] = (chain(lambda x, ids, w: (after(x, jg_dispatch(x, ids, w).x), ids, w)), 3)
     # the same with fp8=True: e4m3 rows and a scale per 128 values (0.52x the bytes), quantizing
     # and dequantizing included
-    variants["jaxgin_dispatch_fp8"] = (chain(lambda x, ids, w: (after(x, jg_dispatch(x, ids, w, True).x), ids, w)), 3)
+    if with_fp8:
+        variants["jaxgin_dispatch_fp8"] = (
+            chain(lambda x, ids, w: (after(x, jg_dispatch(x, ids, w, True).x), ids, w)), 3)
     variants["ragged_dispatch"] = (chain(lambda x, ids, w: (after(x, rg_dispatch(x, ids)[0]), ids, w)), 3)
 
     def jg_combine(x, ids, w):
@@ -169,7 +176,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
         dispatch_plus_combine_us=dict(jaxgin=jg, ragged=rg), speedup_vs_ragged=rg / jg,
         remote_bytes_per_gpu=remote_bytes,
         fp8=dict(exact_against_its_reference=fp8_exact,
-                 remote_bytes_per_gpu=remote_rows * jaxgin.moe.fp8.packed_width(hidden) * 2),
+                 remote_bytes_per_gpu=remote_rows * fp8.packed_width(hidden) * 2) if with_fp8 else None,
         effective_GBps=dict(dispatch=remote_bytes / times.get("jaxgin_dispatch", nan) / 1e3,
                             combine=remote_bytes / times.get("jaxgin_combine", nan) / 1e3),
     )

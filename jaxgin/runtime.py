@@ -593,6 +593,7 @@ def info() -> dict[str, Any]:
         return result
 
     per_device = [state.runtime.device_info(i) for i in range(len(state.local_devices))]
+    recorded, why = capture.policy(state)
     gin_types = {GIN_TYPES.get(d["gin_type"], str(d["gin_type"])) for d in per_device}
     result.update(
         nccl_version=state.nccl.version_string,
@@ -611,8 +612,8 @@ def info() -> dict[str, Any]:
             for jax_device, d in zip(state.local_devices, per_device)
         ],
         backend_library=state.runtime_backend_path,
-        command_buffer_compatible=capture.policy(state)[0],
-        command_buffers=capture.policy(state)[1],
+        command_buffer_compatible=recorded,
+        command_buffers=why,
         fault_cleanup=state.fault_cleanup,
     )
     return result

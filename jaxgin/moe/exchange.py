@@ -95,14 +95,8 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     plan = _routing.make_plan(DISPATCH, names, size, x, topk_ids, num_experts, capacity, mode)
     x, topk_ids, topk_weights = op_support.same_varying(names, x, topk_ids, topk_weights)
     route, invalid = _routing.route(topk_ids, plan)
-    weights = topk_weights.astype(jnp.float32)
-    if fp8:
-        packed = dataclasses.replace(plan, hidden=fp8_lib.packed_width(plan.hidden),
-                                     dtype=jnp.dtype(fp8_lib.PACKED_DTYPE).name)
-        outs = _dispatch_fp8(x, weights, route, (plan, packed))
-    else:
-        outs = _dispatch(x, weights, route, plan)
-    grouped, positions, weights, counts, rows, dropped = outs
+    grouped, positions, weights, counts, rows, dropped = (_dispatch_fp8 if fp8 else _dispatch)(
+        x, topk_weights.astype(jnp.float32), route, plan)
     return Dispatched(grouped, counts, dropped + invalid, Handle(route, positions, weights, rows, plan))
 
 
@@ -385,27 +379,24 @@ def _combine_bwd(plan, saved, ct):
     return dy, dw, None, None, None
 
 
-def _dispatch_fp8_forward(x, weights, route, plans):
-    """dispatch of x's fp8 rows (plans: x's plan, then the packed rows' plan), returned dequantized."""
-    plan, packed = plans
-    words = fp8_lib.pack(*fp8_lib.quantize(x))
-    grouped, *rest = _dispatch_forward(words, weights, route, packed)
+def _dispatch_fp8_forward(x, weights, route, plan):
+    """dispatch of x's fp8 rows, packed (fp8.pack: a plan of their own width and dtype), returned
+    dequantized in x's layout."""
+    packed = dataclasses.replace(plan, hidden=fp8_lib.packed_width(plan.hidden),
+                                 dtype=jnp.dtype(fp8_lib.PACKED_DTYPE).name)
+    grouped, *rest = _dispatch_forward(fp8_lib.pack(*fp8_lib.quantize(x)), weights, route, packed)
     return (fp8_lib.dequantize(*fp8_lib.unpack(grouped, plan.hidden), x.dtype), *rest)
 
 
-def _dispatch_fp8_fwd(x, weights, route, plans):
-    out = _dispatch_fp8_forward(x, weights, route, plans)
+def _dispatch_fp8_fwd(x, weights, route, plan):
+    out = _dispatch_fp8_forward(x, weights, route, plan)
     return out, (route, out[1], out[4])
 
 
-def _dispatch_fp8_bwd(plans, saved, cts):
-    return _dispatch_bwd(plans[0], saved, cts)  # through the rounding as if it were not there
-
-
-# The plan (static, hashable) is the last argument of both ops; the integer arrays get no cotangent.
+# The plan (static, hashable) is the last argument of each op; the integer arrays get no cotangent.
 _dispatch = jax.custom_vjp(_dispatch_forward, nondiff_argnums=(3,))
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 _combine = jax.custom_vjp(_combine_forward, nondiff_argnums=(5,))
 _combine.defvjp(_combine_fwd, _combine_bwd)
 _dispatch_fp8 = jax.custom_vjp(_dispatch_fp8_forward, nondiff_argnums=(3,))
-_dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
+_dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_bwd)  # backward through the rounding as if it were not there
