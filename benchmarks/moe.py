@@ -101,7 +101,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     with_fp8 = hidden % fp8.BLOCK == 0 and (not only or "jaxgin_dispatch_fp8" in only)
     fp8_exact = None
     if with_fp8:
-        rounded = jax.jit(lambda v: fp8.dequantize(*fp8.quantize(v), dtype))(x)
+        rounded = jax.jit(fp8.rounded)(x)
         sm_x = lambda q: jax.jit(jax.shard_map(lambda v, i, w: jg_dispatch(v, i, w, q).x, mesh=mesh,  # noqa: E731
                                                in_specs=(SPEC,) * 3, out_specs=SPEC))
         fp8_exact = bool(np.array_equal(np.asarray(sm_x(True)(x, ids, weights), np.float32),

@@ -231,6 +231,21 @@ def test_fp8_rows_pack_and_unpack_bit_for_bit_and_halve_the_bytes():
     assert fp8.packed_width(7168) * 2 / (7168 * 2) == pytest.approx(0.5156, abs=1e-4)
 
 
+def test_fp8_rounded_keeps_the_rounding_inside_jit():
+    """fp8.rounded(x) is dequantize(quantize(x)) op by op (each op its own program, so nothing can
+    fold the e4m3 round trip away), inside jit too, and differs from x."""
+    fp8 = jaxgin.moe.fp8
+    x = (jax.random.normal(jax.random.key(3), (8, 256), jnp.float32) * 3).astype(jnp.bfloat16)
+    with jax.disable_jit():
+        eager = fp8.dequantize(*fp8.quantize(x), x.dtype)
+        eager32 = fp8.dequantize(*fp8.quantize(x), jnp.float32)
+    for got, want in ((fp8.rounded(x), eager), (jax.jit(fp8.rounded)(x), eager),
+                      (jax.jit(lambda v: fp8.rounded(v, jnp.float32))(x), eager32)):
+        assert got.dtype == want.dtype and np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(eager, np.float32), np.asarray(x, np.float32))
+    assert "optimization_barrier" in jax.jit(fp8.rounded).lower(x).as_text()
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_fp8_dispatch_delivers_the_quantized_rows_in_the_same_layout(init, dtype):
     """dispatch(fp8=True).x is dispatch of dequantize(quantize(x)), bit for bit; counts, drops
@@ -249,7 +264,7 @@ def test_fp8_dispatch_delivers_the_quantized_rows_in_the_same_layout(init, dtype
     sm = lambda q: jax.jit(jax.shard_map(lambda *a: run(*a, q), mesh=mesh, in_specs=(SPEC,) * 3,  # noqa: E731
                                          out_specs=(SPEC,) * 4))
     got = sm(True)(x, ids, weights)
-    rounded = jax.jit(lambda v: fp8.dequantize(*fp8.quantize(v), dtype))(x)
+    rounded = jax.jit(fp8.rounded)(x)
     want = sm(False)(rounded, ids, weights)
     assert int(np.asarray(got[2]).sum()) > 0  # the capacity drops some entries: counted alike
     for g, w in zip(got, want):
@@ -720,7 +735,7 @@ def test_layer_with_fp8_dispatch_is_the_layer_on_the_rounded_rows(init):
     mesh = _mesh(n)
     x, logits, w1, w2, _ = _params(n, tokens, hidden, ffn, experts, "random")
     fp8 = jaxgin.moe.fp8
-    rounded = fp8.dequantize(*fp8.quantize(x), x.dtype)
+    rounded = fp8.rounded(x)
     layer = lambda q: _layer_call(mesh, top_k=top_k, fp8=q)  # noqa: E731
     np.testing.assert_array_equal(np.asarray(layer(True)(x, logits, w1, w2)),
                                   np.asarray(layer(False)(rounded, logits, w1, w2)))

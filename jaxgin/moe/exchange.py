@@ -81,8 +81,8 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     rows once per destination GPU, a few large puts per peer and call; _kernels.py tells how).
 
     fp8=True: rows travel as e4m3 with a float32 scale per 128 values (jaxgin.moe.fp8; hidden must
-    be a multiple of 128), 0.52x the bytes of bfloat16; the result's x is exactly
-    fp8.dequantize(*fp8.quantize(x), x.dtype) in the same layout, and combine takes expert outputs
+    be a multiple of 128), 0.52x the bytes of bfloat16; the result's x is exactly fp8.rounded(x)
+    (fp8.dequantize(*fp8.quantize(x), x.dtype)) in the same layout, and combine takes expert outputs
     in x's dtype as after any dispatch. Gradients pass through the rounding unchanged (x's cotangent
     is the one a dispatch without fp8 gives)."""
     names = axes_lib.axis_names(axis_name, DISPATCH)

@@ -4,11 +4,12 @@ moves any row.
 
     q, scales = jaxgin.moe.fp8.quantize(x)        # x [T, H]: q float8_e4m3fn [T, H], scales f32 [T, H / 128]
     x8 = jaxgin.moe.fp8.dequantize(q, scales, x.dtype)
+    x8 = jaxgin.moe.fp8.rounded(x)                 # the same, safe inside any jit: what dispatch delivers
 
 A block's scale is its largest magnitude / 448 (e4m3's largest finite value), so no value
 saturates; an all-zero block has scale 1. A row of H values travels as H bytes of e4m3 and H / 32
 bytes of scales: 0.52x the bytes of bfloat16 (0.26x of float32). dispatch(..., fp8=True) returns
-dequantize(quantize(x)) in x's dtype, exactly, in the dispatch layout.
+rounded(x) (dequantize(quantize(x)) in x's dtype), exactly, in the dispatch layout.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ def dequantize(q, scales, dtype):
     *lead, h = q.shape
     blocks = q.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK) * scales[..., None]
     return blocks.reshape(*lead, h).astype(dtype)
+
+
+def rounded(x, dtype=None):
+    """dequantize(quantize(x)) in `dtype` (default x's), the e4m3 rounding kept wherever it is traced:
+    XLA may fold a conversion to a narrower type and straight back inside one program (it allows
+    excess precision by default, --xla_allow_excess_precision), which would hand back x unrounded.
+    The optimization barrier between the two keeps the e4m3 values real."""
+    q, scales = jax.lax.optimization_barrier(quantize(x))
+    return dequantize(q, scales, x.dtype if dtype is None else dtype)
 
 
 def packed_width(hidden: int) -> int:
