@@ -6,8 +6,8 @@ moves any row.
     x8 = jaxgin.moe.fp8.dequantize(q, scales, x.dtype)
     x8 = jaxgin.moe.fp8.rounded(x)                 # the same, safe inside any jit: what dispatch delivers
 
-A block's scale is its largest magnitude / 448 (e4m3's largest finite value), so no value
-saturates; an all-zero block has scale 1. A row of H values travels as H bytes of e4m3 and H / 32
+A block's scale is its largest magnitude times 1 / 448 (e4m3's largest finite value; in float32),
+so no value saturates; an all-zero block has scale 1. A row of H values travels as H bytes of e4m3 and H / 32
 bytes of scales: 0.52x the bytes of bfloat16 (0.26x of float32). dispatch(..., fp8=True) returns
 rounded(x) (dequantize(quantize(x)) in x's dtype), exactly, in the dispatch layout.
 """
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 BLOCK = 128  # elements per scale
 E4M3_MAX = 448.0
+INV_E4M3_MAX = 1 / E4M3_MAX  # scales multiply by it (in float32), as the dispatch kernel does
 PACKED_DTYPE = jnp.int16  # what dispatch moves: bits only, never arithmetic on them
 
 
@@ -33,7 +34,7 @@ def quantize(x):
     *lead, h = x.shape
     blocks = x.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    scales = jnp.where(amax > 0, amax * jnp.float32(INV_E4M3_MAX), jnp.float32(1.0))
     q = (blocks / scales[..., None]).astype(jnp.float8_e4m3fn)
     return q.reshape(*lead, h), scales
 

@@ -1,0 +1,105 @@
+"""jaxgin.moe.fp8's row format on the device: the dispatch kernel quantizes rows as it stages them
+for other GPUs and dequantizes them as it places them (jaxgin/moe/_kernels.py), so only e4m3 bytes
+and their scales cross NVLink or the network, and no XLA program rewrites the rows before or after.
+
+A staged row is fp8.pack's layout: H bytes of e4m3 values, then H / 128 float32 scales (little
+endian), SW = fp8.packed_width(H) 16-bit words in all. The arithmetic is fp8.quantize's and
+fp8.dequantize's operation for operation (IEEE division, round to nearest even), so the placed
+rows equal fp8.rounded(x) bit for bit.
+"""
+
+import triton
+import triton.language as tl
+
+BLOCK: tl.constexpr = tl.constexpr(128)  # values per scale (jaxgin.moe.fp8.BLOCK)
+INV_E4M3_MAX: tl.constexpr = tl.constexpr(1 / 448)  # jaxgin.moe.fp8.INV_E4M3_MAX, rounded to float32 where used
+
+
+@triton.jit
+def to_e4m3(v):
+    """float32 -> e4m3fn bits (int32, 0..255), rounded to nearest even, in integer arithmetic (the
+    same on every GPU and in Triton's interpreter); past 464 in magnitude, NaN (quantize stays
+    within 448)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # 2^-6 and up: round the 20 low bits of exponent|mantissa away (a carry may raise the exponent),
+    # then rebias the exponent from 127 to 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # below: multiples of 2^-9, the mantissa with its leading 1 shifted right by 141 - exponent
+    man = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - (a >> 23), 31)
+    kept = man >> shift
+    rest = man - (kept << shift)
+    half = 1 << (shift - 1)
+    small = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= 0x3C800000, normal, small)
+    return tl.where(a > 0x43E80000, 0x7F, code) | sign
+
+
+@triton.jit
+def from_e4m3(code):
+    """e4m3fn bits (int32, 0..255) -> float32, exactly."""
+    e = (code >> 3) & 0xF
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    magnitude = tl.where((e == 15) & (m == 7), float("nan"), magnitude)
+    return tl.where((code & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def quantize(rows, BT: tl.constexpr, BH: tl.constexpr):
+    """rows [BT, BH] (BH a multiple of 128, any float dtype) -> (e4m3fn bits [BT, BH] int32, float32
+    scales [BT, BH / 128]): a block's scale is its largest magnitude times 1 / 448, 1 when it is all
+    zero; values are divided by it (IEEE division) and rounded to nearest even."""
+    NB: tl.constexpr = BH // BLOCK
+    v = tl.reshape(rows.to(tl.float32), (BT, NB, BLOCK))
+    amax = tl.max(tl.abs(v), axis=2)
+    scale = tl.where(amax > 0, amax * INV_E4M3_MAX, 1.0)
+    q = tl.math.div_rn(v, tl.broadcast_to(scale[:, :, None], (BT, NB, BLOCK)))
+    return tl.reshape(to_e4m3(q), (BT, BH)), scale
+
+
+@triton.jit
+def dequantize(q, scale, dtype: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """quantize's inverse: e4m3fn bits [BT, BH] and float32 scales [BT, BH / 128] -> [BT, BH] in dtype."""
+    NB: tl.constexpr = BH // BLOCK
+    v = tl.reshape(tl.reshape(from_e4m3(q), (BT, NB, BLOCK)) * scale[:, :, None], (BT, BH))
+    if dtype == tl.float32:
+        return v
+    if dtype == tl.bfloat16:
+        # round to nearest even in integer arithmetic, as the GPU's conversion does (Triton's
+        # interpreter truncates); the values are finite
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v.to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def store_rows(to, row, rows, h0, ok_rows, H: tl.constexpr, SW: tl.constexpr, BT: tl.constexpr,
+               BH: tl.constexpr):
+    """Columns h0 .. h0 + BH of rows [BT, BH] into staged rows `row` [BT] of the 16-bit area `to`
+    (SW words a row), quantized; rows where ok_rows is false are left alone."""
+    q, scale = quantize(rows, BT, BH)
+    base = to.to(tl.pointer_type(tl.uint8)) + row.to(tl.int64)[:, None] * (2 * SW)
+    h = h0 + tl.arange(0, BH)
+    tl.store(base + h[None, :], q.to(tl.uint8), mask=ok_rows[:, None] & (h < H)[None, :])
+    j = h0 // BLOCK + tl.arange(0, BH // BLOCK)
+    scales = (base + H).to(tl.pointer_type(tl.float32))
+    tl.store(scales + j[None, :], scale, mask=ok_rows[:, None] & (j < H // BLOCK)[None, :])
+
+
+@triton.jit
+def load_rows(src, row, h0, ok_rows, dtype: tl.constexpr, H: tl.constexpr, SW: tl.constexpr, BT: tl.constexpr,
+              BH: tl.constexpr):
+    """What store_rows staged at columns h0 .. h0 + BH of rows `row` of `src`, dequantized to dtype
+    (zeros where ok_rows is false). Loads bypass L1 (.cg): a peer or a NIC wrote them."""
+    base = src.to(tl.pointer_type(tl.uint8)) + row.to(tl.int64)[:, None] * (2 * SW)
+    h = h0 + tl.arange(0, BH)
+    q = tl.load(base + h[None, :], mask=ok_rows[:, None] & (h < H)[None, :], other=0, cache_modifier=".cg")
+    j = h0 // BLOCK + tl.arange(0, BH // BLOCK)
+    scales = (base + H).to(tl.pointer_type(tl.float32))
+    scale = tl.load(scales + j[None, :], mask=ok_rows[:, None] & (j < H // BLOCK)[None, :], other=1.0,
+                    cache_modifier=".cg")
+    return dequantize(q.to(tl.int32), scale, dtype, BT, BH)
