@@ -23,6 +23,9 @@ dispatch (routing arithmetic: _routing.py):
      then take the other GPUs' blocks as their flags come up: each received row is copied from
      staging into the grouped output once per entry that landed here, with its positions and
      weights for combine.
+  With FP8 (dispatch(fp8=True)), senders stage each row as e4m3 values and scales
+  (_fp8_device.store_rows: fp8.packed_width(H) 16-bit words), placers dequantize staged rows into
+  x's dtype as they place them (load_rows), and this GPU's own entries are rounded in registers.
 combine:
   1. every received token's entries are reduced (weighted, float32) into one row that goes back
      to the GPU it came from, into this GPU's slot of that GPU's return area; programs claim
@@ -73,6 +76,7 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton_device.language as tgl
+from jaxgin.moe import _fp8_device as fp8_rows
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
                                 wait_gin_source)
 
@@ -129,10 +133,12 @@ def _positions(codes, start, es, C: tl.constexpr, EL: tl.constexpr):
 def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
                 send_x, send_meta, send_w, me, half, epoch,
                 T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GIN: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr,
+                FP8: tl.constexpr):
     """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
     tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send area
-    for them instead (put later, whole)."""
+    for them instead (put later, whole). Staged rows are SW elements wide: x's rows, or with FP8
+    their e4m3 values and scales (_fp8_device.store_rows)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
@@ -162,12 +168,15 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
                 x_to = tgl.peer_ptr(ctx, stage_x, peer)
             tl.store(meta_to + row[:, None] * K + ks[None, :], codes, mask=go[:, None] & k_ok[None, :])
             tl.store(w_to + row[:, None] * K + ks[None, :], w_rows, mask=go[:, None] & k_ok[None, :])
-            dst = x_to + row.to(tl.int64)[:, None] * H
+            dst = x_to + row.to(tl.int64)[:, None] * SW
             for h0 in range(0, H, BH):
                 h = h0 + hs
                 h_ok = go[:, None] & (h < H)[None, :]
-                rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=h_ok)
-                tl.store(dst + h[None, :], rows, mask=h_ok)
+                rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=h_ok, other=0.0)
+                if FP8:
+                    fp8_rows.store_rows(x_to, row, rows, h0, go, H, SW, BT, BH)
+                else:
+                    tl.store(dst + h[None, :], rows, mask=h_ok)
     for d in tl.static_range(P):
         if d != me:
             if gin_route(ctx, route, d, me, GIN) == 0:
@@ -177,8 +186,10 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
 @triton.jit
 def _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
                      T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
-                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
-    """This GPU's own entries of token block `blk`, from x straight into their grouped rows."""
+                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+                     FP8: tl.constexpr):
+    """This GPU's own entries of token block `blk`, from x straight into their grouped rows (with
+    FP8 rounded as the other GPUs' rows are: quantized and dequantized in registers)."""
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
@@ -196,7 +207,11 @@ def _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_
     for h0 in range(0, H, BH):
         h = h0 + hs
         h_ok = h < H
-        rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=(mine >= 0)[:, None] & h_ok[None, :])
+        rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=(mine >= 0)[:, None] & h_ok[None, :],
+                       other=0.0)
+        if FP8:
+            q, scale = fp8_rows.quantize(rows, BT, BH)
+            rows = fp8_rows.dequantize(q, scale, out_x.dtype.element_ty, BT, BH)
         for k in tl.static_range(K):
             pk = _column(pos, ks, k)
             tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
@@ -218,7 +233,7 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
                  out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
                  C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-                 BE: tl.constexpr, GIN: tl.constexpr):
+                 BE: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr, FP8: tl.constexpr):
     """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up (for a GIN
     source: once all its rows arrived; the first placer to need them waits for their puts)."""
     TB: tl.constexpr = (T + BT - 1) // BT
@@ -249,8 +264,11 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
         for h0 in range(0, H, BH):
             h = h0 + hs
             h_ok = h < H
-            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :],
-                           cache_modifier=".cg")
+            if FP8:
+                rows = fp8_rows.load_rows(stage_x, srow, h0, r_ok, out_x.dtype.element_ty, H, SW, BT, BH)
+            else:
+                rows = tl.load(stage_x + srow[:, None].to(tl.int64) * SW + h[None, :],
+                               mask=r_ok[:, None] & h_ok[None, :], cache_modifier=".cg")
             for k in tl.static_range(K):
                 pk = _column(pos, ks, k)
                 tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
@@ -265,15 +283,19 @@ def dispatch_kernel(
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
     BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr,
 ):
-    """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, H],
+    """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, SW],
     stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1], stage_starts [2, P, T + 1]
     (half, source, row or block: staging row where each block's rows start, then the total);
     flags [P] (counts, by source); block_flags [P, TB] (by source and token block).
     out_pos / out_w [P, T, K]: where entry k of the row from source s landed (-1: nowhere) and its
     weight (0 where nowhere); out_expert_counts [EL]; out_rows [P] rows per source; out_dropped [1].
     BB: a power of two > T / BT, the blocks as one vector. NS: programs that send (0 when P = 1),
-    fewer than the grid; the others place. XB: bytes per element of x.
+    fewer than the grid; the others place. SW, XB: elements per staged row and bytes per element: H
+    and x's item size, or with FP8 (rows staged as e4m3 values and scales, jaxgin.moe.fp8's packed
+    layout, and placed dequantized: _fp8_device.py) fp8.packed_width(H) 16-bit words and 2. The
+    staging and send areas hold SW-element rows.
     GIN (1 when the job has GIN peers; else the send areas are not used and may be any buffers):
     send_x / send_meta / send_w / send_head / send_starts shaped like the staging areas, indexed by
     destination instead of source; data_ready [2P] (flags by source, then the claim words of
@@ -330,7 +352,7 @@ def dispatch_kernel(
     if pid < NS:
         for blk in range(pid, TB, SEND_STEP):
             _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
-                        send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN)
+                        send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN, SW, FP8)
         if GIN:
             # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there
             # (the first placer to need them waits for them: _place_block).
@@ -342,8 +364,8 @@ def dispatch_kernel(
                         src = (half * P + d) * T
                         dst = (half * P + me) * T
                         if n > 0:
-                            tgl.put_signal(ctx, stage_x + dst.to(tl.int64) * H, send_x + src.to(tl.int64) * H,
-                                           n * H * XB, peer, sig + P + me)
+                            tgl.put_signal(ctx, stage_x + dst.to(tl.int64) * SW, send_x + src.to(tl.int64) * SW,
+                                           n * SW * XB, peer, sig + P + me)
                             tgl.put_signal(ctx, stage_meta + dst * K, send_meta + src * K, n * K * 4, peer, sig + P + me)
                             tgl.put_signal(ctx, stage_w + dst * K, send_w + src * K, n * K * 4, peer, sig + P + me)
                         else:
@@ -354,7 +376,7 @@ def dispatch_kernel(
         placers = nprog - NS
         for blk in range(q, TB, placers):
             _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
-                             T, H, K, P, EL, C, BT, BH, BK, BE)
+                             T, H, K, P, EL, C, BT, BH, BK, BE, FP8)
         filled = tl.minimum(tl.sum(total), C)
         for zb in range(q, (C + BZ - 1) // BZ, placers):
             z = zb * BZ + tl.arange(0, BZ)
@@ -367,7 +389,7 @@ def dispatch_kernel(
         for blk in range(q, TB, placers):
             _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready, sig,
                          out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
-                         T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN)
+                         T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
     if pid == 0:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)

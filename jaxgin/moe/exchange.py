@@ -221,41 +221,56 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def _buffers(state, plan: Plan):
+def _staged_row(plan: Plan, fp8: bool) -> tuple[int, str]:
+    """(elements, dtype) of a row in dispatch's staging and send areas: x's, or fp8's packed words."""
+    if fp8:
+        return fp8_lib.packed_width(plan.hidden), jnp.dtype(fp8_lib.PACKED_DTYPE).name
+    return plan.hidden, plan.dtype
+
+
+def _buffers(state, plan: Plan, fp8: bool = False):
     """The heap buffers of one exchange configuration (op_support.placed): flags and counters start
     at zero on every GPU, as the kernels need. When the job has GIN peers, also the send areas GIN
     puts read from (a NIC reads only the heap), a data flag and a waiter's claim word per source,
-    and 3 signals per source: counts, data, combine."""
+    and 3 signals per source: counts, data, combine. fp8: dispatch(fp8=True)'s own configuration,
+    staging packed rows, with no combine buffers (combine runs in x's configuration)."""
     from jaxgin.moe import _kernels  # needs Triton: only the kernels' lowering gets here
 
     gin = op_support.gin_in_job(state)
-    key = ("moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.dtype, gin)
+    key = ("moe_fp8" if fp8 else "moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k,
+           plan.local_experts, plan.dtype, gin)
 
     def place():
         p, t, h, k, el = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts
+        sw, staged = _staged_row(plan, fp8)
         sym = lambda shape, dtype: op_support.heap_array(state, shape, dtype)  # noqa: E731
         buffers = dict(
-            stage_x=sym((2, p, t, h), plan.dtype), stage_meta=sym((2, p, t, k), np.int32),
+            stage_x=sym((2, p, t, sw), staged), stage_meta=sym((2, p, t, k), np.int32),
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
             stage_starts=sym((2, p, t + 1), np.int32),
             dispatch_flags=sym((p,), np.int64), block_flags=sym((p, t), np.int64),
             dispatch_state=sym((_kernels.STATE_WORDS,), np.int64),
-            back=sym((2, p, t, h), plan.dtype),
-            combine_flags=sym((p,), np.int64), combine_state=sym((_kernels.STATE_WORDS,), np.int64),
         )
+        if not fp8:
+            buffers.update(back=sym((2, p, t, h), plan.dtype), combine_flags=sym((p,), np.int64),
+                           combine_state=sym((_kernels.STATE_WORDS,), np.int64))
         if gin:
             buffers.update(
-                send_x=sym((2, p, t, h), plan.dtype), send_meta=sym((2, p, t, k), np.int32),
+                send_x=sym((2, p, t, sw), staged), send_meta=sym((2, p, t, k), np.int32),
                 send_w=sym((2, p, t, k), np.float32), send_head=sym((2, p, el + 1), np.int32),
                 send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((2 * p,), np.int64),
-                send_back=sym((2, p, t, h), plan.dtype), signals=state.signals.allocate(3 * p),
+                signals=state.signals.allocate(3 * p),
             )
+            if not fp8:
+                buffers["send_back"] = sym((2, p, t, h), plan.dtype)
         else:  # the kernels compile without their GIN paths and never touch these
             buffers.update(
                 send_x=buffers["stage_x"], send_meta=buffers["stage_meta"], send_w=buffers["stage_w"],
                 send_head=buffers["stage_counts"], send_starts=buffers["stage_starts"],
-                data_ready=buffers["dispatch_flags"], send_back=buffers["back"], signals=0,
+                data_ready=buffers["dispatch_flags"], signals=0,
             )
+            if not fp8:
+                buffers["send_back"] = buffers["back"]
         return buffers
 
     return op_support.placed(state, key, place), gin
@@ -280,14 +295,19 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
     return senders + placers, senders
 
 
-def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
+def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool = False):
+    """dispatch on GPUs; fp8: rows cross as e4m3 values and scales, quantized as the kernel stages
+    them and dequantized as it places them (the result is fp8.rounded(x)'s rows)."""
     op_support.require_tritongin(DISPATCH)
     from jaxgin.moe import _kernels  # needs Triton (optional: GPU lowering only)
 
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
     bt, bh, warps, senders_per_8 = _blocks(plan)
     bh = min(bh, _pow2(h))
-    buf, gin = _buffers(state, plan)
+    if fp8:
+        bh = max(bh, fp8_lib.BLOCK)  # whole scale blocks per step
+    buf, gin = _buffers(state, plan, fp8)
+    sw, staged = _staged_row(plan, fp8)
     programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8)
     outs = triton_call(
         _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
@@ -303,7 +323,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan):
         ],
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
-        BB=_pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
+        BB=_pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(staged).itemsize, GIN=int(gin), SW=sw, FP8=int(fp8),
     )
     grouped, positions, weights_out, counts, rows, dropped = outs
     return grouped, positions, weights_out, counts, rows, dropped.reshape(())
@@ -379,13 +399,20 @@ def _combine_bwd(plan, saved, ct):
     return dy, dw, None, None, None
 
 
-def _dispatch_fp8_forward(x, weights, route, plan):
-    """dispatch of x's fp8 rows, packed (fp8.pack: a plan of their own width and dtype), returned
-    dequantized in x's layout."""
+def dispatch_fp8_reference(x, weights, route: SourceRoute, plan: Plan):
+    """dispatch_reference of x's fp8 rows, packed (fp8.pack: a plan of their own width and dtype),
+    returned dequantized in x's layout."""
     packed = dataclasses.replace(plan, hidden=fp8_lib.packed_width(plan.hidden),
                                  dtype=jnp.dtype(fp8_lib.PACKED_DTYPE).name)
-    grouped, *rest = _dispatch_forward(fp8_lib.pack(*fp8_lib.quantize(x)), weights, route, packed)
+    grouped, *rest = dispatch_reference(fp8_lib.pack(*fp8_lib.quantize(x)), weights, route, packed)
     return (fp8_lib.dequantize(*fp8_lib.unpack(grouped, plan.hidden), x.dtype), *rest)
+
+
+def dispatch_fp8_kernel(state, x, weights, route: SourceRoute, plan: Plan):
+    return dispatch_kernel(state, x, weights, route, plan, fp8=True)
+
+
+_dispatch_fp8_forward = op_support.by_backend(dispatch_fp8_reference, dispatch_fp8_kernel)
 
 
 def _dispatch_fp8_fwd(x, weights, route, plan):
