@@ -412,6 +412,19 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
         assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
 
 
+def test_the_kernels_placement_is_the_routings_placement():
+    """The dispatch kernel's placers' arithmetic (_kernels._first_rows, _positions), run by Triton's
+    interpreter on this machine, puts every received entry where _routing.placement does, for every
+    receiving GPU, with capacities that keep everything and that drop, masked ids and one GPU."""
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_interpreter.py")), "placement"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(checked) == 10 and all(c["equal"] for c in checked), checked
+    assert any(c["dropped"] > 0 for c in checked) and all(c["landed"] > 0 for c in checked), checked
+
+
 def test_the_kernels_fp8_rows_are_fp8s_rows_bit_for_bit():
     """The dispatch kernel's fp8 staging and placing (jaxgin.moe._fp8_device), run by Triton's
     interpreter on this machine: the staged words equal fp8.pack(*fp8.quantize(x)) and the placed

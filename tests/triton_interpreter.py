@@ -3,7 +3,7 @@
 they stand for. A script of its own: Triton reads TRITON_INTERPRET when a kernel is defined, so it
 needs a fresh process.
 
-    python tests/triton_interpreter.py fp8
+    python tests/triton_interpreter.py fp8|placement
 
 prints one JSON line: the cases checked (tests/test_moe.py asserts on it).
 """
@@ -25,6 +25,7 @@ import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 from jaxgin.moe import _fp8_device as fp8_rows  # noqa: E402
+from jaxgin.moe import _kernels  # noqa: E402  (its tritongin calls are not run here: only pure helpers)
 
 
 class HostArray:
@@ -98,6 +99,55 @@ def fp8() -> list[dict]:
     return checked
 
 
+@triton.jit
+def _place(counts, codes, out, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+           C: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """The dispatch kernel's placement arithmetic (_kernels._first_rows, _positions) for every
+    source's rows, as its placers run it: out [P, T, K] grouped rows (-1: nowhere)."""
+    ps = tl.arange(0, BP)
+    es = tl.arange(0, BE)
+    ks = tl.arange(0, BK)
+    got = tl.load(counts + ps[:, None] * (EL + 1) + es[None, :], mask=(ps < P)[:, None] & (es < EL + 1)[None, :],
+                  other=0)
+    for s in tl.static_range(P):
+        start = _kernels._first_rows(got, es, ps, s, EL)
+        for t0 in range(0, T, BT):
+            r = t0 + tl.arange(0, BT)
+            ok = (r < T)[:, None] & (ks < K)[None, :]
+            code = tl.load(codes + (s * T + r)[:, None] * K + ks[None, :], mask=ok, other=-1)
+            tl.store(out + (s * T + r)[:, None] * K + ks[None, :], _kernels._positions(code, start, es, C, EL), mask=ok)
+
+
+def placement() -> list[dict]:
+    """_place against jaxgin.moe._routing.placement, on routings made by _routing.route (what the
+    sources send), capacities that keep everything and that drop."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgin.moe import _routing
+
+    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())  # noqa: E731
+    checked = []
+    for p, t, k, el, capacity, seed in ((4, 37, 3, 5, None, 0), (3, 20, 6, 2, 25, 1), (2, 64, 8, 16, 200, 2),
+                                        (1, 9, 2, 3, 4, 3)):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(-1, p * el, size=(p, t, k)).astype(np.int32)  # the sources' topk ids (-1: masked)
+        plan = _routing.Plan(("ep",), p, t, 1, k, el, 1, "float32", _routing.LOW_LATENCY)
+        capacity = capacity or _routing.worst_case_capacity(p, t, k, el)
+        for d in range(p):  # every receiving GPU
+            routes = [_routing.route(jnp.asarray(ids[s]), plan)[0] for s in range(p)]
+            counts = np.stack([np.asarray(r.send_counts)[d] for r in routes])  # [P, EL + 1] from each source
+            codes = np.stack([np.asarray(r.meta)[:, d, :] for r in routes])  # [P, T, K]
+            want, _, _ = jax.jit(lambda c, x: _routing.placement(c, x, capacity, el))(counts, codes)
+            out = HostArray(np.zeros((p, t, k), np.int32))
+            _place[(1,)](HostArray(counts), HostArray(codes), out, T=t, K=k, P=p, EL=el, C=capacity, BT=8,
+                         BK=pow2(k), BP=pow2(p), BE=pow2(el + 1))
+            want = np.asarray(want)
+            checked.append(dict(gpus=p, receiver=d, capacity=capacity, landed=int((want >= 0).sum()),
+                                dropped=int(((codes >= 0) & (want < 0)).sum()), equal=bool(np.array_equal(out.array, want))))
+    return checked
+
+
 if __name__ == "__main__":
     _in_place()
-    print(json.dumps({"fp8": fp8}[sys.argv[1]]()))
+    print(json.dumps({"fp8": fp8, "placement": placement}[sys.argv[1]]()))
