@@ -3,7 +3,7 @@
 they stand for. A script of its own: Triton reads TRITON_INTERPRET when a kernel is defined, so it
 needs a fresh process.
 
-    python tests/triton_interpreter.py fp8|placement
+    python tests/triton_interpreter.py fp8|placement|tile_order
 
 prints one JSON line: the cases checked (tests/test_moe.py asserts on it).
 """
@@ -25,7 +25,8 @@ import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 from jaxgin.moe import _fp8_device as fp8_rows  # noqa: E402
-from jaxgin.moe import _kernels  # noqa: E402  (its tritongin calls are not run here: only pure helpers)
+from jaxgin.fused import _kernels as fused_kernels  # noqa: E402  (only pure helpers of these two run here,
+from jaxgin.moe import _kernels  # noqa: E402        never their tritongin calls)
 
 
 class HostArray:
@@ -148,6 +149,32 @@ def placement() -> list[dict]:
     return checked
 
 
+@triton.jit
+def _coords(out, TILES: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """out [TILES, 2]: the fused kernels' tile of each program number (_tile_coords)."""
+    t = tl.arange(0, BLOCK)
+    ti, tj = fused_kernels._tile_coords(t, TM, TN, GROUP_M)
+    tl.store(out + t * 2, ti, mask=t < TILES)
+    tl.store(out + t * 2 + 1, tj, mask=t < TILES)
+
+
+def tile_order() -> list[dict]:
+    """_tile_coords over whole grids: every tile exactly once, and each run of GROUP_M * TN program
+    numbers within one group of GROUP_M row tiles (what makes a weight tile's reads hit L2)."""
+    checked = []
+    for tm, tn, group in ((8, 8, 8), (7, 3, 4), (32, 8, 8), (5, 16, 8), (1, 9, 8), (13, 1, 2)):
+        tiles = tm * tn
+        out = HostArray(np.zeros((tiles, 2), np.int32))
+        _coords[(1,)](out, TILES=tiles, TM=tm, TN=tn, GROUP_M=group, BLOCK=1 << (tiles - 1).bit_length())
+        ti, tj = out.array[:, 0], out.array[:, 1]
+        every_tile_once = sorted(zip(ti.tolist(), tj.tolist())) == [(i, j) for i in range(tm) for j in range(tn)]
+        runs = [set(ti[start:start + group * tn] // group) for start in range(0, tiles, group * tn)]
+        checked.append(dict(tm=tm, tn=tn, group_m=group, every_tile_once=every_tile_once,
+                            groups_in_runs=all(len(r) == 1 for r in runs)))
+    return checked
+
+
 if __name__ == "__main__":
     _in_place()
-    print(json.dumps({"fp8": fp8, "placement": placement}[sys.argv[1]]()))
+    print(json.dumps({"fp8": fp8, "placement": placement, "tile_order": tile_order}[sys.argv[1]]()))
