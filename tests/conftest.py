@@ -8,9 +8,12 @@ tests (tests/gpu) run their work in subprocesses with their own environment.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -176,6 +179,17 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, nu
     constexprs = constexprs or {}
     signature = dict(signature) | {name: "constexpr" for name in constexprs if name not in signature}
     return _compile(kernel, signature, constexprs, num_warps, num_stages, (9, 0), OWN_KERNELS_FP_FUSION)
+
+
+def triton_interpreter_check(name: str) -> list[dict]:
+    """The cases tests/triton_interpreter.py checked for `name` (fp8, placement, tile_order): it
+    runs jaxgin's pure Triton device functions in Triton's interpreter, in a process of its own."""
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("triton_interpreter.py")
+    done = subprocess.run([sys.executable, str(script), name], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def gpu_scenario(name: str):

@@ -9,11 +9,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
@@ -26,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
-from conftest import compile_for_sm90, gpu_scenario
+from conftest import compile_for_sm90, gpu_scenario, triton_interpreter_check
 
 
 @pytest.fixture
@@ -597,11 +593,7 @@ def test_the_fused_kernels_tile_order_covers_every_tile_once_group_by_group():
     """_kernels._tile_coords, run by Triton's interpreter on this machine: the program numbers of a
     grid map onto its tiles one to one (no tile computed twice or never, ragged grids included), and
     each run of GROUP_M * TN numbers stays within one group of GROUP_M row tiles."""
-    pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_interpreter.py")), "tile_order"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    checked = triton_interpreter_check("tile_order")
     assert len(checked) == 6 and all(c["every_tile_once"] and c["groups_in_runs"] for c in checked), checked
 
 

@@ -10,13 +10,8 @@ router_logits, w1 and w2, under random and adversarial routing.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
-from conftest import compile_for_sm90, gpu_scenario
+from conftest import compile_for_sm90, gpu_scenario, triton_interpreter_check
 
 SPEC = P("ep")
 
@@ -416,11 +411,7 @@ def test_the_kernels_placement_is_the_routings_placement():
     """The dispatch kernel's placers' arithmetic (_kernels._first_rows, _positions), run by Triton's
     interpreter on this machine, puts every received entry where _routing.placement does, for every
     receiving GPU, with capacities that keep everything and that drop, masked ids and one GPU."""
-    pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_interpreter.py")), "placement"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    checked = triton_interpreter_check("placement")
     assert len(checked) == 10 and all(c["equal"] for c in checked), checked
     assert any(c["dropped"] > 0 for c in checked) and all(c["landed"] > 0 for c in checked), checked
 
@@ -430,12 +421,7 @@ def test_the_kernels_fp8_rows_are_fp8s_rows_bit_for_bit():
     interpreter on this machine: the staged words equal fp8.pack(*fp8.quantize(x)) and the placed
     rows fp8.rounded(x), for float32, bfloat16 and float16 rows, zero blocks, values down to e4m3's
     subnormals and up to rounding carries, hidden sizes that leave half a step of columns masked."""
-    pytest.importorskip("triton")
-    script = Path(__file__).with_name("triton_interpreter.py")
-    done = subprocess.run([sys.executable, str(script), "fp8"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    checked = triton_interpreter_check("fp8")
     assert len(checked) == 6, checked
     assert all(c["packed_equal"] and c["rounded_differs_from_x"] for c in checked), checked
     # rows: every case, except float16 under an interpreter older than Triton 3.9 (its float16
