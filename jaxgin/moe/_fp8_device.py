@@ -45,7 +45,8 @@ def from_e4m3(code):
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
     magnitude = tl.where((e == 15) & (m == 7), float("nan"), magnitude)
-    return tl.where((code & 0x80) != 0, -magnitude, magnitude)
+    # the sign as a bit: a negation compiles to 0 - x on the GPU, which turns -0 into +0
+    return (magnitude.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
