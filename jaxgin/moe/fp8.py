@@ -35,8 +35,29 @@ def quantize(x):
     blocks = x.astype(jnp.float32).reshape(*lead, h // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     scales = jnp.where(amax > 0, amax * jnp.float32(INV_E4M3_MAX), jnp.float32(1.0))
-    q = (blocks / scales[..., None]).astype(jnp.float8_e4m3fn)
+    q = jax.lax.bitcast_convert_type(e4m3_bits(blocks / scales[..., None]), jnp.float8_e4m3fn)
     return q.reshape(*lead, h), scales
+
+
+def e4m3_bits(v):
+    """float32 -> e4m3fn bit patterns (uint8), rounded once to nearest even, in integer arithmetic
+    as the dispatch kernel does it. XLA's own conversion goes through float16 and rounds twice: a
+    value just below the midpoint of two e4m3 subnormals becomes the midpoint, then the even one.
+    Past 464 in magnitude (and for NaN): NaN; quantize stays within 448."""
+    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # 2^-6 and up: round the 20 low bits of exponent|mantissa away, then rebias 127 -> 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # below: multiples of 2^-9, the mantissa with its leading 1 shifted right by 141 - exponent
+    mantissa = (a & 0x7FFFFF) | 0x800000
+    shift = jnp.clip(141 - (a >> 23), 1, 31)
+    kept = mantissa >> shift
+    rest = mantissa - (kept << shift)
+    half = jnp.left_shift(jnp.int32(1), shift - 1)
+    small = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).astype(jnp.int32)
+    code = jnp.where(a >= 0x3C800000, normal, small)
+    return (jnp.where(a > 0x43E80000, 0x7F, code) | sign).astype(jnp.uint8)
 
 
 def dequantize(q, scales, dtype):
