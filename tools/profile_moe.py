@@ -3,7 +3,7 @@ traced with JAX's profiler at benchmarks/moe.py's shapes. Prints, for the first 
 events of one call in order (start offset, duration, name) and each name's total over the chain, so
 a change to the kernels can be judged by what it removes.
 
-    python tools/profile_moe.py [--tokens 128] [--out DIR]
+    python tools/profile_moe.py [--tokens 128] [--fp8] [--out DIR]
 
 Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without them it says so
 and exits with status 4 or 3 (jaxgin.cli).
@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--fp8", action="store_true", help="dispatch with fp8=True (rows cross as e4m3)")
     parser.add_argument("--out", default=None, help="keep the traces here (default: a temporary folder)")
     args = parser.parse_args()
     # benchmarks/timing.py's after: the benchmarks' way of making each call wait for the previous one
@@ -98,7 +99,7 @@ def main() -> None:
     capacity = -(-t * k * 5 // 4)
 
     def dispatch(x, ids, w):
-        return jaxgin.moe.dispatch(x, ids, w, num_experts=e, axis_name="ep", capacity=capacity)
+        return jaxgin.moe.dispatch(x, ids, w, num_experts=e, axis_name="ep", capacity=capacity, fp8=args.fp8)
 
     def dispatches(x, ids, w):
         return jax.lax.fori_loop(0, STEPS, lambda _, a: after(a, dispatch(a, ids, w).x), x, unroll=True)
@@ -123,7 +124,7 @@ def main() -> None:
         where = out / name.replace(" ", "").replace("+", "_")
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
             jax.block_until_ready(f(x, ids, weights))
-        report(f"{name}, {t} tokens/GPU, {n} GPUs", device_events(where), STEPS)
+        report(f"{name}{' (fp8 dispatch)' if args.fp8 else ''}, {t} tokens/GPU, {n} GPUs", device_events(where), STEPS)
     jaxgin.finalize()
     sys.stdout.flush()
 
