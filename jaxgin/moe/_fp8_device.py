@@ -4,15 +4,14 @@ and their scales cross NVLink or the network, and no XLA program rewrites the ro
 
 A staged row is fp8.pack's layout: H bytes of e4m3 values, then H / 128 float32 scales (little
 endian), SW = fp8.packed_width(H) 16-bit words in all. The arithmetic is fp8.quantize's and
-fp8.dequantize's operation for operation (IEEE division, round to nearest even), so the placed
-rows equal fp8.rounded(x) bit for bit.
+fp8.dequantize's operation for operation (power-of-two scales, so exact multiplications and one
+rounding to nearest even), so the placed rows equal fp8.rounded(x) bit for bit.
 """
 
 import triton
 import triton.language as tl
 
 BLOCK: tl.constexpr = tl.constexpr(128)  # values per scale (jaxgin.moe.fp8.BLOCK)
-INV_E4M3_MAX: tl.constexpr = tl.constexpr(1 / 448)  # jaxgin.moe.fp8.INV_E4M3_MAX, rounded to float32 where used
 
 
 @triton.jit
@@ -52,13 +51,17 @@ def from_e4m3(code):
 @triton.jit
 def quantize(rows, BT: tl.constexpr, BH: tl.constexpr):
     """rows [BT, BH] (BH a multiple of 128, any float dtype) -> (e4m3fn bits [BT, BH] int32, float32
-    scales [BT, BH / 128]): a block's scale is its largest magnitude times 1 / 448, 1 when it is all
-    zero; values are divided by it (IEEE division) and rounded to nearest even."""
+    scales [BT, BH / 128]): a block's scale is jaxgin.moe.fp8.power_of_two_scales' power of two;
+    values are multiplied by its inverse (exactly) and rounded to nearest even."""
     NB: tl.constexpr = BH // BLOCK
     v = tl.reshape(rows.to(tl.float32), (BT, NB, BLOCK))
     amax = tl.max(tl.abs(v), axis=2)
-    scale = tl.where(amax > 0, amax * INV_E4M3_MAX, 1.0)
-    q = tl.math.div_rn(v, tl.broadcast_to(scale[:, :, None], (BT, NB, BLOCK)))
+    bits = amax.to(tl.int32, bitcast=True)
+    k = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.where(amax > 0, tl.minimum(tl.maximum(k, -126), 120), 0)
+    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    q = v * tl.broadcast_to(inverse[:, :, None], (BT, NB, BLOCK))
     return tl.reshape(to_e4m3(q), (BT, BH)), scale
 
 
