@@ -53,8 +53,7 @@ def power_of_two_scales(amax):
 
 def e4m3_bits(v):
     """float32 -> e4m3fn bit patterns (uint8), rounded once to nearest even, in integer arithmetic
-    as the dispatch kernel does it. XLA's own conversion goes through float16 and rounds twice: a
-    value just below the midpoint of two e4m3 subnormals becomes the midpoint, then the even one.
+    as the dispatch kernel does it, so the reference does not depend on how a backend converts.
     Past 464 in magnitude (and for NaN): NaN; quantize stays within 448."""
     bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
     sign = (bits >> 24) & 0x80
