@@ -239,3 +239,18 @@ def test_the_pallas_baseline_runs_in_a_job_of_one_process_per_gpu(tmp_path, monk
     rows = fused.pallas_in_own_processes(args, 2, timeout=240)
     assert all("the job of one process per GPU failed (exit codes [1, 1]); process 0" in r["pallas_all_gather_matmul_error"]
                and "no_such_dtype" in r["pallas_all_gather_matmul_error"] for r in rows.values()), rows
+
+
+def test_check_fp8_agrees_with_its_numpy_oracle_on_cpu(tmp_path):
+    """tools/check_fp8.py on CPU (the reference dispatch): fp8.quantize, fp8.rounded and dispatch's
+    rows equal the numpy / ml_dtypes oracle value for value, and it says so in its JSON."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "tools/check_fp8.py", "--tokens", "16,40", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    report = json.loads((tmp_path / "check_fp8.json").read_text())
+    assert [case["tokens"] for case in report["cases"]] == [16, 40]
+    for case in report["cases"]:
+        assert case["values"] == case["tokens"] * 7168
+        assert case["xla_scale_mismatches"] == case["xla_value_mismatches"] == 0, case
+        assert case["rounded_mismatches"] == case["dispatch_mismatches"] == 0, case

@@ -566,6 +566,9 @@ BENCHMARKS = {step.name: step for step in [
                          "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],
          300, default=False, tail=40),
     Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128"], 150, default=False, tail=40),  # times in its log
+    Step("moe_profile_fp8", ["tools/profile_moe.py", "--tokens", "128", "--fp8"], 150, default=False, tail=40),
+    # dispatch(fp8=True), fp8.quantize and fp8.rounded against a numpy / ml_dtypes oracle, value by value
+    Step("check_fp8", ["tools/check_fp8.py", "--out", "{out}"], 200, default=False, tail=40),
     # latency's chains at 8 B traced with JAX's profiler: device time per op beside the wall-clock rows
     Step("latency_profile", ["tools/profile_latency.py", "--ops", "ppermute,put_wait_from,put_wait,self_copy"], 150,
          gpus=2, default=False, tail=80),
