@@ -233,7 +233,7 @@ def _buffers(state, plan: Plan, fp8: bool = False):
     at zero on every GPU, as the kernels need. When the job has GIN peers, also the send areas GIN
     puts read from (a NIC reads only the heap), a data flag and a waiter's claim word per source,
     and 3 signals per source: counts, data, combine. fp8: dispatch(fp8=True)'s own configuration,
-    staging packed rows, with no combine buffers (combine runs in x's configuration)."""
+    staging packed rows, with no combine buffers or signals (combine runs in x's configuration)."""
     from jaxgin.moe import _kernels  # needs Triton: only the kernels' lowering gets here
 
     gin = op_support.gin_in_job(state)
@@ -259,7 +259,7 @@ def _buffers(state, plan: Plan, fp8: bool = False):
                 send_x=sym((2, p, t, sw), staged), send_meta=sym((2, p, t, k), np.int32),
                 send_w=sym((2, p, t, k), np.float32), send_head=sym((2, p, el + 1), np.int32),
                 send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((2 * p,), np.int64),
-                signals=state.signals.allocate(3 * p),
+                signals=state.signals.allocate((2 if fp8 else 3) * p),
             )
             if not fp8:
                 buffers["send_back"] = sym((2, p, t, h), plan.dtype)
