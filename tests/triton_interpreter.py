@@ -85,6 +85,10 @@ def fp8() -> list[dict]:
             x = rng.standard_normal((t, h)) * np.exp(rng.uniform(-20, 8, size=(t, 1)))
             x[1, :128] = 0  # an all-zero block: scale 1
             x[2, :] = rng.integers(-3, 4, h)  # exact small integers
+            if dtype is not np.float16:  # scales far from 1 (2^-108 and 2^92), values still normal
+                x[3, :] = rng.standard_normal(h) * 1e-30
+                x[4, :] = rng.standard_normal(h) * 1e30
+            x[0, :5] = [-0.0, 0.0, -1e-12, 1e-12, -1.0]  # zeros and values that round to zero keep their sign
             x = x.astype(dtype)
             width = fp8_lib.packed_width(h)
             staged, out = HostArray(np.zeros((t, width), np.int16)), HostArray(np.zeros((t, h), dtype))
