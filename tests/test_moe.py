@@ -781,7 +781,8 @@ def test_gpu_fp8_check_passes_on_the_reference_and_catches_a_wrong_row(init, n, 
 
     scenarios = _gpu_moe_scenarios()
     mesh = _mesh(n)
-    assert scenarios._fp8_exact(mesh) == {"low_latency": True, "high_throughput": True}
+    exact = {"values_differing": 0, "counts_differing_gpus": 0}
+    assert scenarios._fp8_exact(mesh) == {"low_latency": exact, "high_throughput": exact}
     dispatch = jaxgin.moe.dispatch
 
     def off_by_one_ulp(*a, **k):
@@ -792,7 +793,8 @@ def test_gpu_fp8_check_passes_on_the_reference_and_catches_a_wrong_row(init, n, 
         return dataclasses.replace(d, x=jax.lax.bitcast_convert_type(bits.at[0, 0].add(1), d.x.dtype))
 
     monkeypatch.setattr(jaxgin.moe, "dispatch", off_by_one_ulp)
-    assert scenarios._fp8_exact(mesh) == {"low_latency": False, "high_throughput": False}
+    one_per_gpu = {"values_differing": n, "counts_differing_gpus": 0}  # row 0 of every GPU's block
+    assert scenarios._fp8_exact(mesh) == {"low_latency": one_per_gpu, "high_throughput": one_per_gpu}
 
 
 def test_layer_with_fp8_dispatch_is_the_layer_on_the_rounded_rows(init):
