@@ -600,6 +600,23 @@ def hold_copy(fake_cuda_library, n: int, ms: int) -> None:
     ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_hold_copy(ctypes.c_int(n), ctypes.c_int(ms))
 
 
+def copies_done(fake_cuda_library) -> int:
+    """cudaMemcpyAsync copies the fake CUDA has run so far."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(fake_cuda_library))
+    lib.jaxgin_fake_cuda_copies_done.restype = ctypes.c_long
+    return lib.jaxgin_fake_cuda_copies_done()
+
+
+def wait_for_copy(fake_cuda_library, done_before: int, seconds: float = 10.0) -> None:
+    """Until the fake CUDA has run a copy since `done_before` (a put's read of its source)."""
+    deadline = time.monotonic() + seconds
+    while copies_done(fake_cuda_library) <= done_before:
+        assert time.monotonic() < deadline, f"no copy ran within {seconds} s"
+        time.sleep(0.0005)
+
+
 @pytest.mark.parametrize("nranks", [2, 4])
 @pytest.mark.parametrize("window", [1, 4])
 @pytest.mark.parametrize("signals", ["written", "added"])
@@ -893,11 +910,11 @@ def pair(table, kind=PTR_HOST, contexts=2, size=4096):
 
 
 @pytest.mark.parametrize("behaviours", ["none", "late_read"])
-def test_a_late_read_takes_the_source_as_it_is_then(fake_device_table, monkeypatch, behaviours):
+def test_a_late_read_takes_the_source_as_it_is_then(fake_cuda_library, fake_device_table, monkeypatch, behaviours):
     """late_read: the copy out of GPU memory is queued a while after the put, when the proxy next
-    drives the transport, not at the post. A source rewritten 5 ms after the post (a kernel bug:
-    before its flush) then arrives rewritten; kind, the copy ran at the post (within the fake
-    CUDA's 30 us) and the first bytes arrive."""
+    drives the transport, not at the post. A source rewritten after the post (a kernel bug: before
+    its flush) then arrives rewritten; kind, the copy ran at the post (the test waits for it) and
+    the first bytes arrive."""
     monkeypatch.setenv("JAXGIN_TRANSPORT_TCP", "1")
     set_unkind(monkeypatch, behaviours)
     size = 4096
@@ -906,8 +923,12 @@ def test_a_late_read_takes_the_source_as_it_is_then(fake_device_table, monkeypat
     try:
         for k in range(1, 6):
             data[0][:size] = 1
+            done = copies_done(fake_cuda_library)
             request = ranks[0].put(data_h[0], 0, size, data_h[0], size, 1, signal=signal_h[0])
-            time.sleep(0.005)
+            if behaviours == "late_read":
+                time.sleep(0.005)  # nothing drives the transport: the copy waits for ranks[0].wait
+            else:
+                wait_for_copy(fake_cuda_library, done)
             data[0][:size] = 2
             ranks[0].wait(request)
             wait_word(signals[1], 0, k, progress=ranks[0])
@@ -931,8 +952,9 @@ def test_a_source_rewritten_before_its_put_completed_is_reported(fake_cuda_libra
     before = transport.counters(fake_cuda_library)["sources_changed"]
     try:
         data[0][:size] = 1
+        done = copies_done(fake_cuda_library)
         request = ranks[0].put(data_h[0], 0, size, data_h[0], size, 1, signal=signal_h[0])
-        time.sleep(0.005)  # the copy ran (late_read is off)
+        wait_for_copy(fake_cuda_library, done)  # the source was read (late_read is off)
         data[0][:size] = 2  # too early
         ranks[0].wait(request)
         wait_word(signals[1], 0, 1, progress=ranks[0])

@@ -205,6 +205,7 @@ CUresult fake_device_get(CUdevice* device, int ordinal) {
   return CUDA_SUCCESS;
 }
 std::atomic<int> live_contexts{0};
+std::atomic<long> copies_done{0};  // cudaMemcpyAsync copies that have run
 CUresult fake_context_create(CUcontext* context, CUctxCreateParams*, unsigned int, CUdevice) {
   if (out_of_memory("cuCtxCreate")) return CUDA_ERROR_OUT_OF_MEMORY;
   auto* made = new FakeContext;
@@ -343,6 +344,7 @@ cudaError_t cudaMemcpyAsync(void* to, const void* from, size_t bytes, enum cudaM
   as_stream(stream)->queue([to, from, bytes, pause_ms] {
     if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
     std::memcpy(to, from, bytes);
+    copies_done++;
   });
   return cudaSuccess;
 }
@@ -372,6 +374,9 @@ __attribute__((visibility("default"))) void jaxgin_fake_cuda_hold_application_co
   hold_application_ms = ms;
   hold_application = ms != 0;
 }
+
+// cudaMemcpyAsync copies that have run so far (a test waits for a copy instead of sleeping).
+__attribute__((visibility("default"))) long jaxgin_fake_cuda_copies_done() { return copies_done.load(); }
 
 // Contexts made by cuCtxCreate and not destroyed yet.
 __attribute__((visibility("default"))) int jaxgin_fake_cuda_live_contexts() { return live_contexts.load(); }
