@@ -566,6 +566,12 @@ BENCHMARKS = {step.name: step for step in [
                          "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],
          300, default=False, tail=40),
     Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128"], 150, default=False, tail=40),  # times in its log
+    # low latency: block shapes with fewer steps per program (each compiles for sm_90a without
+    # spilling, fp8 included; 2,8192,8 and 4,2048,8 spill with fp8)
+    Step("moe_blocks", ["benchmarks/moe.py", "--tokens", "128", "--only",
+                        "jaxgin_dispatch,jaxgin_dispatch_fp8,jaxgin_combine,jaxgin_pair", "--blocks",
+                        "2,1024,4,4;1,8192,8,4;1,4096,4,4;1,2048,4,4;2,4096,8,4", "--out", "{out}/moe_blocks"],
+         300, default=False, tail=40),
     Step("moe_profile_fp8", ["tools/profile_moe.py", "--tokens", "128", "--fp8"], 150, default=False, tail=40),
     # dispatch(fp8=True), fp8.quantize and fp8.rounded against a numpy / ml_dtypes oracle, value by value
     Step("check_fp8", ["tools/check_fp8.py", "--out", "{out}"], 200, default=False, tail=40),
