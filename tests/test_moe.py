@@ -265,6 +265,8 @@ def test_fp8_quantize_scales_by_powers_of_two_and_rounds_once_to_nearest_even():
     witness = np.nextafter(np.float32(3.5 * 2**-9), np.float32(0))
     q, _ = fp8.quantize(jnp.full((1, 128), witness).at[0, 0].set(448.0))  # scale 1
     assert float(q[0, 1].astype(jnp.float32)) == 3 * 2**-9
+    # no division anywhere: XLA compiles x / broadcast(s) as x * (1 / s), which is not IEEE division
+    assert " divide(" not in jax.jit(fp8.quantize).lower(jnp.ones((4, 256))).compile().as_text()
 
 
 def test_fp8_rounded_keeps_the_rounding_inside_jit():
