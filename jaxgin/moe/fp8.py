@@ -10,9 +10,9 @@ A block's scale is a power of two: the smallest 2^k with largest magnitude / 2^k
 largest finite value), so no value saturates and the largest lands in (224, 448]; an all-zero block
 has scale 1. With power-of-two scales, scaling and unscaling are exact multiplications, so every
 compiler and the dispatch kernel round alike: only the conversion to e4m3 rounds (once, to nearest
-even). A row of H values travels as H bytes of e4m3 and H / 32
-bytes of scales: 0.52x the bytes of bfloat16 (0.26x of float32). dispatch(..., fp8=True) returns
-rounded(x) (dequantize(quantize(x)) in x's dtype), exactly, in the dispatch layout.
+even). A row of H values travels as H bytes of e4m3 and H / 32 bytes of scales: 0.52x the bytes of
+bfloat16 (0.26x of float32). dispatch(..., fp8=True) returns rounded(x) (dequantize(quantize(x))
+in x's dtype), exactly, in the dispatch layout.
 """
 
 from __future__ import annotations
