@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -592,21 +593,25 @@ def fake_device_table(fake_cuda_library):
     return load(fake_cuda_library)
 
 
-def hold_copy(fake_cuda_library, n: int, ms: int) -> None:
-    """The fake CUDA holds the stream of the n-th copy out of device memory from now on at that
-    copy, for `ms` milliseconds (negative: until the stream is destroyed)."""
-    import ctypes
-
-    ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_hold_copy(ctypes.c_int(n), ctypes.c_int(ms))
-
-
-def copies_done(fake_cuda_library) -> int:
-    """cudaMemcpyAsync copies the fake CUDA has run so far."""
+@functools.lru_cache(maxsize=None)
+def fake_cuda(fake_cuda_library):
+    """The fake CUDA's test controls (jaxgin_fake_cuda_*), loaded once per library."""
     import ctypes
 
     lib = ctypes.CDLL(str(fake_cuda_library))
     lib.jaxgin_fake_cuda_copies_done.restype = ctypes.c_long
-    return lib.jaxgin_fake_cuda_copies_done()
+    return lib
+
+
+def hold_copy(fake_cuda_library, n: int, ms: int) -> None:
+    """The fake CUDA holds the stream of the n-th copy out of device memory from now on at that
+    copy, for `ms` milliseconds (negative: until the stream is destroyed)."""
+    fake_cuda(fake_cuda_library).jaxgin_fake_cuda_hold_copy(n, ms)
+
+
+def copies_done(fake_cuda_library) -> int:
+    """cudaMemcpyAsync copies the fake CUDA has run so far."""
+    return fake_cuda(fake_cuda_library).jaxgin_fake_cuda_copies_done()
 
 
 def wait_for_copy(fake_cuda_library, done_before: int, seconds: float = 10.0) -> None:
@@ -697,15 +702,11 @@ def test_without_requeuing_a_held_stream_stalls_the_ring(fake_cuda_library, fake
 def hold_application_copies(fake_cuda_library, ms: int) -> None:
     """The fake CUDA holds every stream of the application's context at each copy out of device
     memory queued there from now on, for `ms` milliseconds (negative: until released; 0 releases)."""
-    import ctypes
-
-    ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_hold_application_copies(ctypes.c_int(ms))
+    fake_cuda(fake_cuda_library).jaxgin_fake_cuda_hold_application_copies(ms)
 
 
 def live_contexts(fake_cuda_library) -> int:
-    import ctypes
-
-    return ctypes.CDLL(str(fake_cuda_library)).jaxgin_fake_cuda_live_contexts()
+    return fake_cuda(fake_cuda_library).jaxgin_fake_cuda_live_contexts()
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
