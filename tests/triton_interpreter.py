@@ -55,13 +55,15 @@ def _in_place() -> None:
 @triton.jit
 def _stage_and_place(x, staged, out, T: tl.constexpr, H: tl.constexpr, SW: tl.constexpr, BT: tl.constexpr,
                      BH: tl.constexpr):
-    """What the dispatch kernel does to a row with fp8: stage it (store_rows), then place it (load_rows)."""
+    """What the dispatch kernel does to a row with fp8: stage it (quantize, store_quantized),
+    then place it (load_rows)."""
     r = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = r < T
     for h0 in range(0, H, BH):
         h = h0 + tl.arange(0, BH)
         rows = tl.load(x + r[:, None] * H + h[None, :], mask=ok[:, None] & (h < H)[None, :], other=0.0)
-        fp8_rows.store_rows(staged, r, rows, h0, ok, H, SW, BT, BH)
+        q, scale = fp8_rows.quantize(rows, BT, BH)
+        fp8_rows.store_quantized(staged, r, q, scale, h0, ok, H, SW, BT, BH)
     for h0 in range(0, H, BH):
         h = h0 + tl.arange(0, BH)
         rows = fp8_rows.load_rows(staged, r, h0, ok, out.dtype.element_ty, H, SW, BT, BH)

@@ -81,11 +81,10 @@ def dequantize(q, scale, dtype: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr
 
 
 @triton.jit
-def store_rows(to, row, rows, h0, ok_rows, H: tl.constexpr, SW: tl.constexpr, BT: tl.constexpr,
-               BH: tl.constexpr):
-    """Columns h0 .. h0 + BH of rows [BT, BH] into staged rows `row` [BT] of the 16-bit area `to`
-    (SW words a row), quantized; rows where ok_rows is false are left alone."""
-    q, scale = quantize(rows, BT, BH)
+def store_quantized(to, row, q, scale, h0, ok_rows, H: tl.constexpr, SW: tl.constexpr, BT: tl.constexpr,
+                    BH: tl.constexpr):
+    """quantize's (q, scale) of columns h0 .. h0 + BH of [BT] rows into staged rows `row` of the
+    16-bit area `to` (SW words a row); rows where ok_rows is false are left alone."""
     base = to.to(tl.pointer_type(tl.uint8)) + row.to(tl.int64)[:, None] * (2 * SW)
     h = h0 + tl.arange(0, BH)
     tl.store(base + h[None, :], q.to(tl.uint8), mask=ok_rows[:, None] & (h < H)[None, :])
@@ -97,7 +96,7 @@ def store_rows(to, row, rows, h0, ok_rows, H: tl.constexpr, SW: tl.constexpr, BT
 @triton.jit
 def load_rows(src, row, h0, ok_rows, dtype: tl.constexpr, H: tl.constexpr, SW: tl.constexpr, BT: tl.constexpr,
               BH: tl.constexpr):
-    """What store_rows staged at columns h0 .. h0 + BH of rows `row` of `src`, dequantized to dtype
+    """What store_quantized staged at columns h0 .. h0 + BH of rows `row` of `src`, dequantized to dtype
     (zeros where ok_rows is false). Loads bypass L1 (.cg): a peer or a NIC wrote them."""
     base = src.to(tl.pointer_type(tl.uint8)) + row.to(tl.int64)[:, None] * (2 * SW)
     h = h0 + tl.arange(0, BH)

@@ -24,7 +24,7 @@ dispatch (routing arithmetic: _routing.py):
      staging into the grouped output once per entry that landed here, with its positions and
      weights for combine.
   With FP8 (dispatch(fp8=True)), senders stage each row as e4m3 values and scales
-  (_fp8_device.store_rows: fp8.packed_width(H) 16-bit words), placers dequantize staged rows into
+  (_fp8_device.quantize, store_quantized: fp8.packed_width(H) 16-bit words), placers dequantize staged rows into
   x's dtype as they place them (load_rows), and this GPU's own entries are rounded in registers.
 combine:
   1. every received token's entries are reduced (weighted, float32) into one row that goes back
@@ -138,7 +138,8 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
     """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
     tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send area
     for them instead (put later, whole). Staged rows are SW elements wide: x's rows, or with FP8
-    their e4m3 values and scales (_fp8_device.store_rows)."""
+    their e4m3 values and scales (_fp8_device.store_quantized). Each column step of x is loaded
+    (and quantized) once and stored to every destination."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
@@ -148,35 +149,47 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
     t_ok = t < T
     slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
     w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+    # Where row 0 of this GPU's rows lands on each destination, as an address by destination: the
+    # peer's address is a chain of dependent loads in the device library, so it is looked up once
+    # per block and peer, not once per column step.
+    x_at = tl.zeros((BP,), dtype=tl.int64)
     for d in tl.static_range(P):
         if d != me:
             sl = _column(slots, ps, d)
             go = sl >= 0
             peer = rank_of(route, d)
             codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & k_ok[None, :], other=-1)
-            # The peer's address once per block and peer: it is a chain of dependent loads in the
-            # device library, which the compiler cannot hoist out of the column loop by itself.
             if gin_route(ctx, route, d, me, GIN) != 0:
-                row = (half * P + d) * T + sl
+                first = (half * P + d) * T
                 meta_to = send_meta
                 w_to = send_w
                 x_to = send_x
             else:
-                row = (half * P + me) * T + sl
+                first = (half * P + me) * T
                 meta_to = tgl.peer_ptr(ctx, stage_meta, peer)
                 w_to = tgl.peer_ptr(ctx, stage_w, peer)
                 x_to = tgl.peer_ptr(ctx, stage_x, peer)
+            row = first + sl
             tl.store(meta_to + row[:, None] * K + ks[None, :], codes, mask=go[:, None] & k_ok[None, :])
             tl.store(w_to + row[:, None] * K + ks[None, :], w_rows, mask=go[:, None] & k_ok[None, :])
-            dst = x_to + row.to(tl.int64)[:, None] * SW
-            for h0 in range(0, H, BH):
-                h = h0 + hs
-                h_ok = go[:, None] & (h < H)[None, :]
-                rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=h_ok, other=0.0)
+            x_at = tl.where(ps == d, (x_to + first.to(tl.int64) * SW).to(tl.int64), x_at)
+    remote = tl.max(tl.where((ps != me)[None, :], slots, -1), axis=1) >= 0  # [BT] rows some peer takes
+    for h0 in range(0, H, BH):
+        h = h0 + hs
+        h_ok = h < H
+        rows = tl.load(x + t[:, None].to(tl.int64) * H + h[None, :], mask=remote[:, None] & h_ok[None, :],
+                       other=0.0)
+        if FP8:
+            q, scale = fp8_rows.quantize(rows, BT, BH)
+        for d in tl.static_range(P):
+            if d != me:
+                sl = _column(slots, ps, d)
+                go = sl >= 0
+                to = tl.sum(tl.where(ps == d, x_at, 0)).to(stage_x.dtype)
                 if FP8:
-                    fp8_rows.store_rows(x_to, row, rows, h0, go, H, SW, BT, BH)
+                    fp8_rows.store_quantized(to, sl, q, scale, h0, go, H, SW, BT, BH)
                 else:
-                    tl.store(dst + h[None, :], rows, mask=h_ok)
+                    tl.store(to + sl.to(tl.int64)[:, None] * SW + h[None, :], rows, mask=go[:, None] & h_ok[None, :])
     for d in tl.static_range(P):
         if d != me:
             if gin_route(ctx, route, d, me, GIN) == 0:
