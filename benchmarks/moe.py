@@ -157,6 +157,8 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
 
     variants["routing_only"] = (chain(lambda x, ids, w: (after(x, _route_only(ids, experts, mesh.size, capacity)),
                                                           ids, w)), 3)
+    variants["routing_xla"] = (chain(lambda x, ids, w: (after(x, _route_only(ids, experts, mesh.size, capacity,
+                                                                             xla=True)), ids, w)), 3)
     times = {}
     for name, (f, n_in) in variants.items():
         if only and name not in only:
@@ -183,13 +185,14 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     )
 
 
-def _route_only(ids, experts, size, capacity):
-    """dispatch's routing arithmetic alone (plain JAX, before the kernel), to see what it costs."""
-    from jaxgin.moe import _routing
+def _route_only(ids, experts, size, capacity, xla=False):
+    """dispatch's routing arithmetic alone, as dispatch runs it (on GPUs up to 256 tokens: one Triton
+    kernel, jaxgin/moe/_routing_device.py), or with xla=True as XLA's fusions (_routing.route)."""
+    from jaxgin.moe import _routing, exchange
 
     plan = _routing.Plan(("ep",), size, ids.shape[0], 1, ids.shape[1], experts // size, capacity, "bfloat16",
                          _routing.HIGH_THROUGHPUT)
-    route, _ = _routing.route(ids, plan)
+    route, _ = (_routing.route if xla else exchange._route)(ids, plan)
     return route.meta[:, :, 0] + route.slot[:, :1] + route.send_counts[0, 0]
 
 

@@ -9,7 +9,7 @@ order (senders first: jaxgin.op_kernels.start_order), and senders never wait on 
 programs claim their work items from a counter, and the one that completes the last raises the
 flags. Whatever subset of programs holds SMs, the work that others wait for gets done.
 
-dispatch (routing arithmetic: _routing.py):
+dispatch (routing arithmetic: _routing.py, on GPUs up to 256 tokens _routing_device.py):
   1. counts first: program 0 writes this GPU's send counts, and where each of its token blocks'
      rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
      there; every program waits for all P, so from then on every GPU knows where each source's

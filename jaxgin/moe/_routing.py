@@ -12,6 +12,7 @@ source by rank. With pairs[s, e] = entries from s for e:
     position = base[e] + sum(pairs[:s, e]) + rank,  base[e] = sum over e' < e of all entries for e'
 Entries at or past the capacity C are dropped and counted; expert_counts are what was kept.
 The kernels (_kernels.py) and the reference (exchange.py) both place by these formulas.
+_routing_device.py computes route()'s arrays in one Triton kernel (GPUs, up to 256 tokens).
 """
 
 from __future__ import annotations

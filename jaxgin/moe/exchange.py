@@ -1,6 +1,7 @@
 """jaxgin.moe.dispatch / combine: expert-parallel token exchange inside shard_map.
 
-On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call; in reference mode
+On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call, dispatch after its
+routing (route_kernel: one more kernel up to 256 tokens per GPU, XLA's fusions above); in reference mode
 (CPU) the same placement is computed with jax.lax.all_to_all over worst-case staging arrays.
 Gradients (jax.custom_vjp, shared by both modes so the CPU tests check the rules the GPUs use):
 dispatch's backward is a combine (with unit weights, for x) plus the routing weights' cotangents
@@ -94,7 +95,7 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
         fp8_lib.check_hidden(DISPATCH, x.shape[1])
     plan = _routing.make_plan(DISPATCH, names, size, x, topk_ids, num_experts, capacity, mode)
     x, topk_ids, topk_weights = op_support.same_varying(names, x, topk_ids, topk_weights)
-    route, invalid = _routing.route(topk_ids, plan)
+    route, invalid = _route(topk_ids, plan)
     grouped, positions, weights, counts, rows, dropped = (_dispatch_fp8 if fp8 else _dispatch)(
         x, topk_weights.astype(jnp.float32), route, plan)
     return Dispatched(grouped, counts, dropped + invalid, Handle(route, positions, weights, rows, plan))
@@ -295,6 +296,26 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
     return senders + placers, senders
 
 
+def route_kernel(state, topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
+    """_routing.route on GPUs: one Triton kernel up to LOW_LATENCY_MAX_TOKENS tokens per GPU, where
+    launches are what routing costs (_routing_device.py); XLA's fusions above, where the kernel's
+    work, growing with the square of the tokens, would cost more than they do."""
+    if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS:
+        return _routing.route(topk_ids, plan)
+    op_support.require_tritongin(DISPATCH)
+    from jaxgin.moe import _routing_device  # needs Triton (optional: GPU lowering only)
+
+    p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
+    r = _routing_device.TOKENS_PER_PROGRAM
+    i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
+    slot, before, meta, dest, send_counts, masked = triton_call(
+        _routing_device.route_kernel, topk_ids.astype(jnp.int32), grid=(-(-t // r),),
+        out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
+        num_warps=4, num_stages=1, T=t, K=k, P=p, EL=el, R=r, BK=_pow2(k), BP=_pow2(p), BE=_pow2(p * el + 1),
+    )
+    return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())
+
+
 def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool = False):
     """dispatch on GPUs; fp8: rows cross as e4m3 values and scales, quantized as the kernel stages
     them and dequantized as it places them (the result is fp8.rounded(x)'s rows)."""
@@ -350,6 +371,7 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
 # The differentiable ops (one custom_vjp each, for both modes).
 
 
+_route = op_support.by_backend(_routing.route, route_kernel)
 _dispatch_forward = op_support.by_backend(dispatch_reference, dispatch_kernel)
 _combine_forward = op_support.by_backend(combine_reference, combine_kernel)
 

@@ -1,0 +1,81 @@
+"""_routing.route as one Triton kernel: the source side of a dispatch in a single launch.
+
+XLA computes route() in about nine fusions of a few tenths of a microsecond each; at low latency
+their launches, not their arithmetic, are what the host waits for. This kernel writes the same
+arrays, bit for bit, in one launch. Program b takes tokens [b * R, (b + 1) * R): it counts the
+experts and destinations of every earlier token itself (a histogram per step of earlier tokens,
+no waiting on other programs, so nothing depends on which programs are resident), then ranks its
+own entries among equal experts in (token, k) order. The program of the last block also writes
+the totals (send_counts, masked entries). Each program reads every token's ids (those of later
+tokens masked), so the work grows with the square of the tokens: exchange uses the kernel up to
+_routing.LOW_LATENCY_MAX_TOKENS tokens per GPU and XLA's route() above.
+"""
+
+import triton
+import triton.language as tl
+
+TOKENS_PER_PROGRAM = 16  # R
+
+
+@triton.jit
+def _entries(ids, t, t_ok, ks, K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr):
+    """Entries of tokens t [n] (t_ok: real tokens): (bin [n, BK]: the expert id, E where it is
+    masked (outside [0, E)); destination GPU [n, BK], -1 where masked; present [n, BK])."""
+    present = t_ok[:, None] & (ks < K)[None, :]
+    e = tl.load(ids + t[:, None] * K + ks[None, :], mask=present, other=-1)
+    valid = (e >= 0) & (e < E)
+    return tl.where(valid, e, E), tl.where(valid, e // EL, -1), present
+
+
+@triton.jit
+def _goes(dest, present, ps):
+    """[n, BP]: whether token i has an entry on GPU d."""
+    hit = (dest[:, :, None] == ps[None, None, :]) & present[:, :, None]
+    return tl.max(hit.to(tl.int32), axis=1)
+
+
+@triton.jit
+def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
+                 T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, R: tl.constexpr,
+                 BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """ids int32 [T, K] -> slot, before [T, P], meta [T, P, K], dest [T, K], send_counts [P, EL + 1],
+    masked [1], as _routing.route returns them. BE: a power of two > P * EL (one bin per expert and
+    one for masked entries). Grid: cdiv(T, R)."""
+    E: tl.constexpr = P * EL
+    N: tl.constexpr = R * BK
+    b = tl.program_id(0)
+    ks = tl.arange(0, BK)
+    ps = tl.arange(0, BP)
+    rs = tl.arange(0, R)
+    # every earlier token: entries per expert bin, tokens per destination
+    per_bin = tl.zeros((BE,), dtype=tl.int32)
+    tokens_to = tl.zeros((BP,), dtype=tl.int32)
+    for t0 in range(0, T, R):  # constant bounds (Triton 3.6's interpreter takes no tensor bound)
+        bins, dest, present = _entries(ids, t0 + rs, t0 + rs < b * R, ks, K, E, EL)
+        per_bin += tl.histogram(tl.reshape(bins, (N,)), BE, mask=tl.reshape(present, (N,)))
+        tokens_to += tl.sum(_goes(dest, present, ps), axis=0)
+    # this program's tokens
+    t = b * R + rs
+    t_ok = t < T
+    bins, dest, present = _entries(ids, t, t_ok, ks, K, E, EL)
+    flat = tl.reshape(bins, (N,))
+    flat_present = tl.reshape(present, (N,))
+    i = tl.arange(0, N)
+    earlier = (flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None]) & flat_present[None, :]
+    rank = tl.gather(per_bin, flat, 0) + tl.sum(earlier.to(tl.int32), axis=1)
+    code = tl.reshape(flat % EL + EL * rank, (R, BK))
+    goes = _goes(dest, present, ps)  # [R, BP]
+    first = tokens_to[None, :] + tl.cumsum(goes, axis=0) - goes
+    rows_ok = t_ok[:, None] & (ps < P)[None, :]
+    tl.store(before + t[:, None] * P + ps[None, :], first, mask=rows_ok)
+    tl.store(slot + t[:, None] * P + ps[None, :], tl.where(goes > 0, first, -1), mask=rows_ok)
+    tl.store(dest_out + t[:, None] * K + ks[None, :], dest, mask=present)
+    for d in tl.static_range(P):
+        tl.store(meta + (t[:, None] * P + d) * K + ks[None, :], tl.where(dest == d, code, -1), mask=present)
+    if b == tl.num_programs(0) - 1:
+        total = per_bin + tl.histogram(flat, BE, mask=flat_present)
+        sent = tokens_to + tl.sum(goes, axis=0)
+        es = tl.arange(0, BE)
+        tl.store(send_counts + (es // EL) * (EL + 1) + es % EL, total, mask=es < E)
+        tl.store(send_counts + ps * (EL + 1) + EL, sent, mask=ps < P)
+        tl.store(masked, tl.sum(tl.where(es == E, total, 0)))
