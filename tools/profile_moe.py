@@ -101,15 +101,24 @@ def main() -> None:
     def dispatch(x, ids, w):
         return jaxgin.moe.dispatch(x, ids, w, num_experts=e, axis_name="ep", capacity=capacity, fp8=args.fp8)
 
+    # Each call's expert ids come after the previous call's output, so that every call routes, as
+    # in a layer (loop-invariant ids would be routed once, before the loop).
     def dispatches(x, ids, w):
-        return jax.lax.fori_loop(0, STEPS, lambda _, a: after(a, dispatch(a, ids, w).x), x, unroll=True)
+        def step(_, carry):
+            a, i = carry
+            y = after(a, dispatch(a, i, w).x)
+            return y, after(i, y)
+
+        return jax.lax.fori_loop(0, STEPS, step, (x, ids), unroll=True)[0]
 
     def pairs(x, ids, w):
-        def step(_, a):
-            sent = dispatch(a, ids, w)
-            return after(a, jaxgin.moe.combine(sent.x, sent.handle))
+        def step(_, carry):
+            a, i = carry
+            sent = dispatch(a, i, w)
+            y = after(a, jaxgin.moe.combine(sent.x, sent.handle))
+            return y, after(i, y)
 
-        return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
+        return jax.lax.fori_loop(0, STEPS, step, (x, ids), unroll=True)[0]
 
     def combines(x, ids, w):
         sent = dispatch(x, ids, w)
