@@ -35,6 +35,7 @@ def _on_cpu_devices(code: str, devices: int):
     ("benchmarks/fused.py", ["--chunking-only"], 1),
     ("benchmarks/moe.py", [], 1),
     ("benchmarks/nccl_ep.py", [], 2),
+    ("tools/call_overhead.py", [], 1),
     ("tools/profile_latency.py", [], 2),
     ("tools/profile_moe.py", [], 1),
     ("tools/transport_smoke.py", [], 1),

@@ -1,0 +1,78 @@
+"""What one jaxgin.triton_call costs inside a jit, beside one XLA fusion: chains of STEPS
+dependent calls of a 16-element kernel (nothing for the GPU to do), wall clock per call, the best
+of --repeats. What it shows is the fixed cost a call adds on the host and between kernels (the
+launch, XLA's custom-call step, its command buffers as XLA_FLAGS set them), the floor under every
+jaxgin op at small sizes.
+
+    python tools/call_overhead.py [--repeats 20] [--out DIR]
+
+Writes DIR/call_overhead.json ({"device", "jax", "xla_flags", "steps", "us_per_call": {"xla_fusion",
+"triton_call"}}). Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without
+them it says so and exits with status 4 or 3 (jaxgin.cli).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import jaxgin
+from jaxgin import cli
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from timing import best_seconds  # noqa: E402
+
+STEPS = 50
+
+
+def _plus_one_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def plus_one(ctx, a, out, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out + i, tl.load(a + i) + 1)
+
+    return plus_one
+
+
+def measure(repeats: int) -> dict:
+    kernel = _plus_one_kernel()
+    a = jnp.zeros((16,), jnp.int32)
+    steps = {
+        "xla_fusion": lambda a: a * 3 + 1,
+        "triton_call": lambda a: jaxgin.triton_call(kernel, a, grid=(1,), out_shape=a, N=16),
+    }
+    times = {}
+    for name, step in steps.items():
+        chain = jax.jit(lambda a, step=step: jax.lax.fori_loop(0, STEPS, lambda _, v: step(v), a, unroll=True))
+        times[name] = best_seconds(chain, a, repeats=repeats) / STEPS * 1e6
+        print(f"  {name:12s} {times[name]:7.2f} us per call", flush=True)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    cli.require_gpus(__file__, 1, "it times jaxgin.triton_call on it")
+    cli.require(__file__, "triton", why="the kernel it calls", install='-e ".[cuda]"')
+    cli.run(__file__, jaxgin.initialize)
+    report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  steps=STEPS, us_per_call=measure(args.repeats))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "call_overhead.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
