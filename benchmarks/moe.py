@@ -18,13 +18,18 @@ latency) and 4096 (high throughput). Per token count, per GPU:
                                       dispatch sends remotely, for scale
   xla_gather_same_rows                XLA gathering `capacity` rows of x: the HBM writes of
                                       dispatch's output layout alone, for scale (one GPU too)
+  routing_only / routing_xla          dispatch's routing arithmetic alone, as dispatch runs it
+                                      (GPUs, up to 256 tokens: one Triton kernel) / as XLA's fusions
 Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and destination GPU) over
 the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
 
 Timing: one jitted, unrolled fori_loop of STEPS calls (no loop control between calls), each
-call's input depending on the previous output; best of REPEATS runs / STEPS. Before timing,
-combine(dispatch(x)) with identity experts must give x back (the routing weights sum to 1) on both
-paths. Writes moe.json and moe.png.
+call's input depending on the previous output and routing again; best of REPEATS runs / STEPS
+(times_us). Up to 256 tokens also a chain of 2 x STEPS: the difference per added call
+(per_call_us) and what is left of a run of STEPS (per_program_run_us: launching the program and
+waiting for it, spread over the calls in times_us; for combine also the dispatch feeding its chain). Before timing, combine(dispatch(x)) with
+identity experts must give x back (the routing weights sum to 1) on both paths. Writes moe.json
+and moe.png.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
 from jaxgin import cli
+from jaxgin.moe import _routing
 from timing import after, best_seconds
 
 STEPS = 20
@@ -108,9 +114,9 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
         fp8_exact = bool(np.array_equal(np.asarray(sm_x(True)(x, ids, weights)).view(np.uint16),
                                         np.asarray(sm_x(False)(rounded, ids, weights)).view(np.uint16)))
 
-    def chain(step):
+    def chain(step, steps):
         def body(*args):
-            return jax.lax.fori_loop(0, STEPS, lambda _, a: step(*a), args, unroll=True)[0]
+            return jax.lax.fori_loop(0, steps, lambda _, a: step(*a), args, unroll=True)[0]
 
         return body
 
@@ -124,57 +130,73 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
 
         return step
 
-    variants = {}
-    variants["jaxgin_dispatch"] = (chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w).x)), 3)
-    # the same with fp8=True: e4m3 rows and a scale per 128 values (0.52x the bytes), quantizing
-    # and dequantizing included
-    if with_fp8:
-        variants["jaxgin_dispatch_fp8"] = (
-            chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w, True).x)), 3)
-    variants["ragged_dispatch"] = (chain(routed(lambda x, ids, w: rg_dispatch(x, ids)[0])), 3)
-
-    def jg_combine(x, ids, w):
-        sent = jg_dispatch(x, ids, w)
-        body = lambda _, y: after(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
-        return jax.lax.fori_loop(0, STEPS, body, after(sent.x, x), unroll=True)[:1]
-
-    def rg_combine(x, ids, w):
-        rows, _, state = rg_dispatch(x, ids)
-        body = lambda _, y: after(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
-        return jax.lax.fori_loop(0, STEPS, body, after(rows, x), unroll=True)[:1]
-
-    variants["jaxgin_combine"] = (jg_combine, 3)
-    variants["ragged_combine"] = (rg_combine, 3)
-
-    def jg_pair(x, ids, w):
-        """dispatch then combine of its output, as a layer runs them and as benchmarks/nccl_ep.py times
-        NCCL EP's pairs."""
-        sent = jg_dispatch(x, ids, w)
-        return jaxgin.moe.combine(sent.x, sent.handle)
-
-    variants["jaxgin_pair"] = (chain(routed(jg_pair)), 3)
     per_peer = max(1, remote_bytes // (2 * max(n - 1, 1)))  # bf16 elements to each peer
     xla_block = jax.device_put(jnp.zeros((n * n, per_peer), dtype), sharding)
-    variants["xla_all_to_all_same_bytes"] = (
-        chain(lambda a: (after(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),)), 1)
-
     rows_at = jax.device_put(jnp.asarray(np.random.default_rng(tokens).integers(0, tokens, n * capacity), jnp.int32),
                              sharding)
-    # The barrier keeps the gathered rows whole in memory (else XLA would gather the one element
-    # after reads).
-    variants["xla_gather_same_rows"] = (
-        chain(lambda x, r: (after(x, jax.lax.optimization_barrier(jnp.take(x, r, axis=0))), r)), 2)
 
-    variants["routing_only"] = (chain(routed(lambda x, ids, w: _route_only(ids, experts, mesh.size, capacity))), 3)
-    variants["routing_xla"] = (chain(routed(lambda x, ids, w: _route_only(ids, experts, mesh.size, capacity,
-                                                                          xla=True))), 3)
-    times = {}
-    for name, (f, n_in) in variants.items():
+    def build(steps):
+        """Every variant as a chain of `steps` calls: (program, number of inputs)."""
+        variants = {}
+        variants["jaxgin_dispatch"] = (chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w).x), steps), 3)
+        # the same with fp8=True: e4m3 rows and a scale per 128 values (0.52x the bytes), quantizing
+        # and dequantizing included
+        if with_fp8:
+            variants["jaxgin_dispatch_fp8"] = (
+                chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w, True).x), steps), 3)
+        variants["ragged_dispatch"] = (chain(routed(lambda x, ids, w: rg_dispatch(x, ids)[0]), steps), 3)
+
+        def jg_combine(x, ids, w):
+            sent = jg_dispatch(x, ids, w)
+            body = lambda _, y: after(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
+            return jax.lax.fori_loop(0, steps, body, after(sent.x, x), unroll=True)[:1]
+
+        def rg_combine(x, ids, w):
+            rows, _, state = rg_dispatch(x, ids)
+            body = lambda _, y: after(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
+            return jax.lax.fori_loop(0, steps, body, after(rows, x), unroll=True)[:1]
+
+        variants["jaxgin_combine"] = (jg_combine, 3)
+        variants["ragged_combine"] = (rg_combine, 3)
+
+        def jg_pair(x, ids, w):
+            """dispatch then combine of its output, as a layer runs them and as benchmarks/nccl_ep.py
+            times NCCL EP's pairs."""
+            sent = jg_dispatch(x, ids, w)
+            return jaxgin.moe.combine(sent.x, sent.handle)
+
+        variants["jaxgin_pair"] = (chain(routed(jg_pair), steps), 3)
+        variants["xla_all_to_all_same_bytes"] = (
+            chain(lambda a: (after(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),), steps), 1)
+
+        # The barrier keeps the gathered rows whole in memory (else XLA would gather the one element
+        # after reads).
+        variants["xla_gather_same_rows"] = (
+            chain(lambda x, r: (after(x, jax.lax.optimization_barrier(jnp.take(x, r, axis=0))), r), steps), 2)
+
+        for name, xla in (("routing_only", False), ("routing_xla", True)):
+            variants[name] = (chain(routed(lambda x, ids, w, xla=xla: _route_only(ids, experts, mesh.size, capacity,
+                                                                                  xla=xla)), steps), 3)
+        return variants
+
+    times, per_call, fixed = {}, {}, {}
+    # At low latency a chain twice as long tells the cost of a call apart from the cost of running
+    # the program once (launching it, waiting for it), which best / STEPS spreads over the calls.
+    lengths = (STEPS, 2 * STEPS) if tokens <= _routing.LOW_LATENCY_MAX_TOKENS else (STEPS,)
+    chains = {steps: build(steps) for steps in lengths}
+    for name, (_, n_in) in chains[STEPS].items():
         if only and name not in only:
             continue
         args = {1: (xla_block,), 2: (x, rows_at), 3: (x, ids, weights)}[n_in]
-        times[name] = best_seconds(_sm(mesh, f, n_in), *args, repeats=repeats) / STEPS * 1e6
-        print(f"  {tokens} tokens  {name:28s} {times[name]:9.1f} us", flush=True)
+        total = {steps: best_seconds(_sm(mesh, chains[steps][name][0], n_in), *args, repeats=repeats)
+                 for steps in lengths}
+        times[name] = total[STEPS] / STEPS * 1e6
+        line = f"  {tokens} tokens  {name:28s} {times[name]:9.1f} us"
+        if len(lengths) == 2:
+            per_call[name] = (total[2 * STEPS] - total[STEPS]) / STEPS * 1e6
+            fixed[name] = total[STEPS] * 1e6 - STEPS * per_call[name]
+            line += f"   per call {per_call[name]:7.1f} us, per program run {fixed[name]:7.1f} us"
+        print(line, flush=True)
     # The combine loops include one dispatch (outside the loop): subtract it.
     for kind in ("jaxgin", "ragged"):
         if f"{kind}_combine" in times and f"{kind}_dispatch" in times:
@@ -185,6 +207,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
     return dict(
         tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, devices=n, capacity=capacity,
         dropped=int(np.asarray(dropped).sum()), roundtrip_rel_err=err, times_us=times,
+        per_call_us=per_call or None, per_program_run_us=fixed or None,
         dispatch_plus_combine_us=dict(jaxgin=jg, ragged=rg), speedup_vs_ragged=rg / jg,
         remote_bytes_per_gpu=remote_bytes,
         fp8=dict(exact_against_its_reference=fp8_exact,
@@ -197,7 +220,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
 def _route_only(ids, experts, size, capacity, xla=False):
     """dispatch's routing arithmetic alone, as dispatch runs it (on GPUs up to 256 tokens: one Triton
     kernel, jaxgin/moe/_routing_device.py), or with xla=True as XLA's fusions (_routing.route)."""
-    from jaxgin.moe import _routing, exchange
+    from jaxgin.moe import exchange
 
     plan = _routing.Plan(("ep",), size, ids.shape[0], 1, ids.shape[1], experts // size, capacity, "bfloat16",
                          _routing.HIGH_THROUGHPUT)

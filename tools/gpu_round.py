@@ -547,7 +547,7 @@ BENCHMARKS = {step.name: step for step in [
                      "--name", "latency"], 200, gpus=2, tail=40),
     Step("fused", ["benchmarks/fused.py", "--out", "{out}"], 480, gpus=2, tail=30),  # with the Pallas job
     Step("chunking", ["benchmarks/fused.py", "--chunking-only", "--out", "{out}"], 200, tail=20),
-    Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 240, tail=30),
+    Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 360, tail=30),  # 128 tokens: two chain lengths
     Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
     Step("collectives", ["benchmarks/collectives.py", "--out", "{out}"], 540, gpus=2, default=False, tail=40),
     # latency's ops, each run donating its input: XLA replays its recorded graphs without updating them
@@ -571,7 +571,7 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe_blocks", ["benchmarks/moe.py", "--tokens", "128", "--only",
                         "jaxgin_dispatch,jaxgin_dispatch_fp8,jaxgin_combine,jaxgin_pair", "--blocks",
                         "2,1024,4,4;1,8192,8,4;1,4096,4,4;1,2048,4,4;2,4096,8,4", "--out", "{out}/moe_blocks"],
-         300, default=False, tail=40),
+         480, default=False, tail=40),
     Step("moe_profile_fp8", ["tools/profile_moe.py", "--tokens", "128", "--fp8"], 150, default=False, tail=40),
     # a jaxgin.triton_call of a kernel with nothing to do against an XLA fusion, per call in a chain
     Step("call_overhead", ["tools/call_overhead.py", "--out", "{out}"], 120, default=False, tail=10),
