@@ -471,22 +471,24 @@ def test_the_kernels_fp8_rows_are_fp8s_rows_bit_for_bit():
 def test_the_routing_kernel_writes_routes_arrays_bit_for_bit():
     """The routing kernel that GPUs run up to LOW_LATENCY_MAX_TOKENS tokens (_routing_device.py),
     run by Triton's interpreter on this machine: every array equals _routing.route's, for one to
-    sixteen programs, blocks cut short, masked ids, one GPU, top_k 1 to 8."""
+    nineteen programs, one and two counting steps, blocks cut short, masked ids, one GPU, top_k 1 to 8."""
     checked = triton_interpreter_check("routing")
-    assert len(checked) == 6 and all(all(c["equal"].values()) for c in checked), checked
-    assert any(c["masked_entries"] > 0 for c in checked) and max(c["programs"] for c in checked) == 16, checked
+    assert len(checked) == 7 and all(all(c["equal"].values()) for c in checked), checked
+    assert any(c["masked_entries"] > 0 for c in checked) and max(c["programs"] for c in checked) == 19, checked
 
 
-def test_the_routing_kernel_compiles_for_sm90a(toolchain):
-    """One launch of routing at DeepSeek-V3's low-latency shape (128 tokens, top-8 of 256 experts on
-    4 GPUs): plain arithmetic, no library calls, no waits."""
+@pytest.mark.parametrize("tokens, gpus, warps", [(128, 4, 4), (256, 8, 8)])
+def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
+    """Routing at DeepSeek-V3's low-latency shapes (top-8 of 256 experts; 128 tokens on 4 GPUs, and
+    the most the kernel takes, 256 on 8), with exchange's warps: plain arithmetic, no library calls,
+    no waits."""
     from jaxgin.moe import _routing_device
 
     pointers = dict(ctx="*u8", ids="*i32", slot="*i32", before="*i32", meta="*i32", dest_out="*i32",
                     send_counts="*i32", masked="*i32")
-    kernel = compile_for_sm90(_routing_device.route_kernel, pointers, num_warps=4, num_stages=1,
-                              constexprs=dict(T=128, K=8, P=4, EL=64, R=_routing_device.TOKENS_PER_PROGRAM, BK=8,
-                                              BP=4, BE=512))
+    kernel = compile_for_sm90(_routing_device.route_kernel, pointers, num_warps=warps, num_stages=1,
+                              constexprs=dict(T=tokens, K=8, P=gpus, EL=256 // gpus, R=_routing_device.TOKENS_PER_PROGRAM,
+                                              SCAN=_routing_device.scan_tokens(tokens), BK=8, BP=gpus, BE=512))
     assert kernel.asm["cubin"][:4] == b"\x7fELF"
     assert "jaxgin_tt_" not in kernel.asm["ptx"]  # plain arithmetic: nothing from the device library
 

@@ -157,8 +157,9 @@ def placement() -> list[dict]:
 
 def routing() -> list[dict]:
     """_routing_device.route_kernel against jaxgin.moe._routing.route, array by array: several
-    programs (each counting the earlier tokens itself), blocks cut short, masked ids, top_k that is
-    not a power of two, one GPU, experts all on one GPU."""
+    programs (each counting the earlier tokens itself, in one step up to 256 tokens and in two at
+    300), blocks cut short, masked ids, top_k that is not a power of two, one GPU, experts all on
+    one GPU."""
     import jax.numpy as jnp
 
     from jaxgin.moe import _routing, _routing_device
@@ -166,7 +167,8 @@ def routing() -> list[dict]:
     pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())  # noqa: E731
     checked = []
     for p, t, k, el, case, seed in ((4, 128, 8, 64, "random", 0), (4, 37, 3, 5, "masked", 1), (1, 9, 2, 3, "random", 2),
-                                    (8, 50, 6, 4, "masked", 3), (2, 256, 8, 16, "one_gpu", 4), (3, 16, 1, 7, "random", 5)):
+                                    (8, 50, 6, 4, "masked", 3), (2, 256, 8, 16, "one_gpu", 4), (3, 16, 1, 7, "random", 5),
+                                    (2, 300, 4, 8, "masked", 6)):
         rng = np.random.default_rng(seed)
         low = -1 if case == "masked" else 0
         ids = rng.integers(low, p * el + (2 if case == "masked" else 0), size=(t, k)).astype(np.int32)
@@ -174,14 +176,14 @@ def routing() -> list[dict]:
             ids = rng.integers(0, el, size=(t, k)).astype(np.int32)
         plan = _routing.Plan(("ep",), p, t, 1, k, el, 1, "float32", _routing.LOW_LATENCY)
         want, want_masked = _routing.route(jnp.asarray(ids), plan)
-        r = _routing_device.TOKENS_PER_PROGRAM
+        r, scan = _routing_device.TOKENS_PER_PROGRAM, _routing_device.scan_tokens
         got = dict(slot=np.full((t, p), -7, np.int32), before=np.full((t, p), -7, np.int32),
                    meta=np.full((t, p, k), -7, np.int32), dest=np.full((t, k), -7, np.int32),
                    send_counts=np.full((p, el + 1), -7, np.int32), masked=np.full((1,), -7, np.int32))
         arrays = {name: HostArray(a) for name, a in got.items()}
         _routing_device.route_kernel[(-(-t // r),)](
             HostArray(np.zeros(1, np.uint8)), HostArray(ids), *arrays.values(), T=t, K=k, P=p, EL=el, R=r,
-            BK=pow2(k), BP=pow2(p), BE=pow2(p * el + 1))
+            SCAN=scan(t), BK=pow2(k), BP=pow2(p), BE=pow2(p * el + 1))
         equal = {name: bool(np.array_equal(arrays[name].array, np.asarray(getattr(want, name))))
                  for name in ("slot", "before", "meta", "dest", "send_counts")}
         equal["masked"] = int(arrays["masked"].array[0]) == int(want_masked)

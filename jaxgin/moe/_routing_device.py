@@ -1,20 +1,25 @@
 """_routing.route as one Triton kernel: the source side of a dispatch in a single launch.
 
-XLA computes route() in about nine fusions of a few tenths of a microsecond each; at low latency
-their launches, not their arithmetic, are what the host waits for. This kernel writes the same
-arrays, bit for bit, in one launch. Program b takes tokens [b * R, (b + 1) * R): it counts the
-experts and destinations of every earlier token itself (a histogram per step of earlier tokens,
-no waiting on other programs, so nothing depends on which programs are resident), then ranks its
-own entries among equal experts in (token, k) order. The program of the last block also writes
-the totals (send_counts, masked entries). Each program reads every token's ids (those of later
-tokens masked), so the work grows with the square of the tokens: exchange uses the kernel up to
-_routing.LOW_LATENCY_MAX_TOKENS tokens per GPU and XLA's route() above.
+XLA computes route() in about nine fusions; this kernel writes the same arrays, bit for bit, in
+one launch. Program b takes tokens [b * R, (b + 1) * R): it counts the experts and destinations
+of every earlier token itself (a histogram per SCAN tokens, no waiting on other programs, so
+nothing depends on which programs are resident), then ranks its own entries among equal experts
+in (token, k) order. The program of the last block also writes the totals (send_counts, masked
+entries). Each program reads every token's ids (those of later tokens masked), so the work grows
+with the square of the tokens: exchange uses the kernel up to _routing.LOW_LATENCY_MAX_TOKENS
+tokens per GPU, one SCAN step, and XLA's route() above.
 """
 
 import triton
 import triton.language as tl
 
 TOKENS_PER_PROGRAM = 16  # R
+SCAN_TOKENS = 256  # the most tokens one counting step of the earlier tokens takes
+
+
+def scan_tokens(tokens: int) -> int:
+    """SCAN for `tokens` tokens: a power of two, all of them in one step up to SCAN_TOKENS."""
+    return min(1 << max(0, int(tokens - 1).bit_length()), SCAN_TOKENS)
 
 
 @triton.jit
@@ -37,22 +42,24 @@ def _goes(dest, present, ps):
 @triton.jit
 def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
                  T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, R: tl.constexpr,
-                 BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+                 SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
     """ids int32 [T, K] -> slot, before [T, P], meta [T, P, K], dest [T, K], send_counts [P, EL + 1],
     masked [1], as _routing.route returns them. BE: a power of two > P * EL (one bin per expert and
-    one for masked entries). Grid: cdiv(T, R)."""
+    one for masked entries); SCAN: scan_tokens(T). Grid: cdiv(T, R)."""
     E: tl.constexpr = P * EL
     N: tl.constexpr = R * BK
+    NS: tl.constexpr = SCAN * BK
     b = tl.program_id(0)
     ks = tl.arange(0, BK)
     ps = tl.arange(0, BP)
     rs = tl.arange(0, R)
+    ss = tl.arange(0, SCAN)
     # every earlier token: entries per expert bin, tokens per destination
     per_bin = tl.zeros((BE,), dtype=tl.int32)
     tokens_to = tl.zeros((BP,), dtype=tl.int32)
-    for t0 in range(0, T, R):  # constant bounds (Triton 3.6's interpreter takes no tensor bound)
-        bins, dest, present = _entries(ids, t0 + rs, t0 + rs < b * R, ks, K, E, EL)
-        per_bin += tl.histogram(tl.reshape(bins, (N,)), BE, mask=tl.reshape(present, (N,)))
+    for t0 in range(0, T, SCAN):  # constant bounds (Triton 3.6's interpreter takes no tensor bound)
+        bins, dest, present = _entries(ids, t0 + ss, t0 + ss < b * R, ks, K, E, EL)
+        per_bin += tl.histogram(tl.reshape(bins, (NS,)), BE, mask=tl.reshape(present, (NS,)))
         tokens_to += tl.sum(_goes(dest, present, ps), axis=0)
     # this program's tokens
     t = b * R + rs

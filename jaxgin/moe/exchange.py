@@ -297,8 +297,8 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
 
 
 def route_kernel(state, topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
-    """_routing.route on GPUs: one Triton kernel up to LOW_LATENCY_MAX_TOKENS tokens per GPU, where
-    launches are what routing costs (_routing_device.py); XLA's fusions above, where the kernel's
+    """_routing.route on GPUs: one Triton kernel up to LOW_LATENCY_MAX_TOKENS tokens per GPU, one
+    launch where XLA makes about nine (_routing_device.py); XLA's fusions above, where the kernel's
     work, growing with the square of the tokens, would cost more than they do."""
     if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS:
         return _routing.route(topk_ids, plan)
@@ -311,7 +311,9 @@ def route_kernel(state, topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     slot, before, meta, dest, send_counts, masked = triton_call(
         _routing_device.route_kernel, topk_ids.astype(jnp.int32), grid=(-(-t // r),),
         out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
-        num_warps=4, num_stages=1, T=t, K=k, P=p, EL=el, R=r, BK=_pow2(k), BP=_pow2(p), BE=_pow2(p * el + 1),
+        num_warps=4 if t <= 128 else 8,  # the counting step covers every token: more warps for more of them
+        num_stages=1, T=t, K=k, P=p, EL=el, R=r, SCAN=_routing_device.scan_tokens(t), BK=_pow2(k),
+        BP=_pow2(p), BE=_pow2(p * el + 1),
     )
     return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())
 
