@@ -124,7 +124,7 @@ def _positions(codes, start, es, C: tl.constexpr, EL: tl.constexpr):
     """Grouped rows of [rows, K] entry codes (local expert + EL * rank; -1: none) given the first
     row of each expert for their source; -1 where nothing lands (no entry, or past capacity)."""
     e = tl.where(codes >= 0, codes % EL, 0)
-    first = tl.sum(tl.where(e[:, :, None] == es[None, None, :], start[None, None, :], 0), axis=2)
+    first = tl.reshape(tl.gather(start, tl.reshape(e, (e.shape[0] * e.shape[1],)), 0), e.shape)
     pos = first + codes // EL
     return tl.where((codes >= 0) & (pos < C), pos, -1)
 
