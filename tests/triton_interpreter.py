@@ -122,7 +122,7 @@ def _place(counts, codes, out, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr
             r = t0 + tl.arange(0, BT)
             ok = (r < T)[:, None] & (ks < K)[None, :]
             code = tl.load(codes + (s * T + r)[:, None] * K + ks[None, :], mask=ok, other=-1)
-            tl.store(out + (s * T + r)[:, None] * K + ks[None, :], _kernels._positions(code, start, es, C, EL), mask=ok)
+            tl.store(out + (s * T + r)[:, None] * K + ks[None, :], _kernels._positions(code, start, C, EL), mask=ok)
 
 
 def placement() -> list[dict]:

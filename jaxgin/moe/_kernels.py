@@ -24,8 +24,9 @@ dispatch (routing arithmetic: _routing.py, on GPUs up to 256 tokens _routing_dev
      staging into the grouped output once per entry that landed here, with its positions and
      weights for combine.
   With FP8 (dispatch(fp8=True)), senders stage each row as e4m3 values and scales
-  (_fp8_device.quantize, store_quantized: fp8.packed_width(H) 16-bit words), placers dequantize staged rows into
-  x's dtype as they place them (load_rows), and this GPU's own entries are rounded in registers.
+  (_fp8_device.quantize, store_quantized: fp8.packed_width(H) 16-bit words), placers dequantize
+  staged rows into x's dtype as they place them (load_rows), and this GPU's own entries are
+  rounded in registers.
 combine:
   1. every received token's entries are reduced (weighted, float32) into one row that goes back
      to the GPU it came from, into this GPU's slot of that GPU's return area; programs claim
@@ -120,7 +121,7 @@ def _first_rows(counts, es, ps, source, EL: tl.constexpr):
 
 
 @triton.jit
-def _positions(codes, start, es, C: tl.constexpr, EL: tl.constexpr):
+def _positions(codes, start, C: tl.constexpr, EL: tl.constexpr):
     """Grouped rows of [rows, K] entry codes (local expert + EL * rank; -1: none) given the first
     row of each expert for their source; -1 where nothing lands (no entry, or past capacity)."""
     e = tl.where(codes >= 0, codes % EL, 0)
@@ -199,21 +200,19 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
 @triton.jit
 def _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
                      T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
-                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
-                     FP8: tl.constexpr):
+                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
     """This GPU's own entries of token block `blk`, from x straight into their grouped rows (with
     FP8 rounded as the other GPUs' rows are: quantized and dequantized in registers)."""
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
-    es = tl.arange(0, BE)
     t = blk * BT + tl.arange(0, BT)
     t_ok = t < T
     mine = tl.load(slot + t * P + me, mask=t_ok, other=-1)  # own row of each token, -1: no entry here
     here = (mine >= 0)[:, None] & k_ok[None, :]
     w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=here, other=0.0)
     codes = tl.load(meta + (t[:, None] * P + me) * K + ks[None, :], mask=here, other=-1)
-    pos = _positions(codes, my_start, es, C, EL)
+    pos = _positions(codes, my_start, C, EL)
     tl.store(out_pos + (me * T + mine)[:, None] * K + ks[None, :], pos, mask=here)
     tl.store(out_w + (me * T + mine)[:, None] * K + ks[None, :], tl.where(pos >= 0, w_rows, 0.0), mask=here)
     _no_rows_past(out_pos, out_w, me, blk, my_rows, T, K, BT, BK)
@@ -270,7 +269,7 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
         present = r_ok[:, None] & k_ok[None, :]
         codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
         w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
-        pos = _positions(codes, _first_rows(counts, es, ps, s, EL), es, C, EL)
+        pos = _positions(codes, _first_rows(counts, es, ps, s, EL), C, EL)
         tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=present)
         tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(pos >= 0, w, 0.0), mask=present)
         _no_rows_past(out_pos, out_w, s, blk, tl.sum(tl.where(ps == s, rows_from, 0)), T, K, BT, BK)
@@ -389,7 +388,7 @@ def dispatch_kernel(
         placers = nprog - NS
         for blk in range(q, TB, placers):
             _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
-                             T, H, K, P, EL, C, BT, BH, BK, BE, FP8)
+                             T, H, K, P, EL, C, BT, BH, BK, FP8)
         filled = tl.minimum(tl.sum(total), C)
         for zb in range(q, (C + BZ - 1) // BZ, placers):
             z = zb * BZ + tl.arange(0, BZ)

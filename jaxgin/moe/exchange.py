@@ -1,8 +1,9 @@
 """jaxgin.moe.dispatch / combine: expert-parallel token exchange inside shard_map.
 
 On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call, dispatch after its
-routing (route_kernel: one more kernel up to 256 tokens per GPU, XLA's fusions above); in reference mode
-(CPU) the same placement is computed with jax.lax.all_to_all over worst-case staging arrays.
+routing (route_kernel: one more kernel up to 256 tokens per GPU, XLA's fusions above); in
+reference mode (CPU) the same placement is computed with jax.lax.all_to_all over worst-case
+staging arrays.
 Gradients (jax.custom_vjp, shared by both modes so the CPU tests check the rules the GPUs use):
 dispatch's backward is a combine (with unit weights, for x) plus the routing weights' cotangents
 sent home; combine's backward is a dispatch of the output cotangent. Entries that land nowhere
