@@ -824,6 +824,28 @@ def test_gpu_fp8_check_passes_on_the_reference_and_catches_a_wrong_row(init, n, 
     assert scenarios._fp8_exact(mesh) == {"low_latency": one_per_gpu, "high_throughput": one_per_gpu}
 
 
+def test_gpu_routing_kernel_check_passes_on_the_reference_and_catches_a_wrong_rank(init, monkeypatch):
+    """The GPU scenario's routing check (moe_scenarios._routing_kernel_exact) holds where dispatch
+    routes with XLA's route() itself, and names the arrays that differ when the routing is off."""
+    import dataclasses
+
+    from jaxgin.moe import exchange
+
+    scenarios = _gpu_moe_scenarios()
+    checked = scenarios._routing_kernel_exact()
+    assert len(checked) == 5 and all(all(c["equal"].values()) for c in checked), checked
+    assert sum(c["masked_entries"] > 0 for c in checked) == 2, checked
+    route = exchange._route
+
+    def one_rank_off(ids, plan):
+        got, masked = route(ids, plan)
+        return dataclasses.replace(got, meta=got.meta.at[0, 0, 0].add(1)), masked
+
+    monkeypatch.setattr(exchange, "_route", one_rank_off)
+    for c in scenarios._routing_kernel_exact():
+        assert [name for name, same in c["equal"].items() if not same] == ["meta"], c
+
+
 def test_layer_with_fp8_dispatch_is_the_layer_on_the_rounded_rows(init):
     """moe_layer(fp8=True) equals moe_layer on x rounded to e4m3 rows (values), and its gradients
     are finite and close to those without fp8."""

@@ -183,7 +183,7 @@ def routing() -> list[dict]:
         arrays = {name: HostArray(a) for name, a in got.items()}
         _routing_device.route_kernel[(-(-t // r),)](
             HostArray(np.zeros(1, np.uint8)), HostArray(ids), *arrays.values(), T=t, K=k, P=p, EL=el, R=r,
-            SCAN=scan(t), BK=pow2(k), BP=pow2(p), BE=pow2(p * el + 1))
+            SCAN=scan(t), BK=pow2(k), BP=pow2(p), BE=pow2(p * el + 2))
         equal = {name: bool(np.array_equal(arrays[name].array, np.asarray(getattr(want, name))))
                  for name in ("slot", "before", "meta", "dest", "send_counts")}
         equal["masked"] = int(arrays["masked"].array[0]) == int(want_masked)

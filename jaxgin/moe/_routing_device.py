@@ -33,6 +33,20 @@ def _entries(ids, t, t_ok, ks, K: tl.constexpr, E: tl.constexpr, EL: tl.constexp
 
 
 @triton.jit
+def _flat_bins(ids, t0, limit, NS: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BK: tl.constexpr):
+    """Bins of tokens [t0, t0 + NS / BK) as one flat [NS] vector: the expert id, E where masked, and
+    E + 1 past `limit` and in the padding of K to BK, which no caller reads. Built flat, and counted
+    without a mask: on an H200 with Triton 3.6, tl.histogram with a mask reshaped from [n, BK]
+    miscounted at 512 entries and more (docs/measurements.md, fifteenth session)."""
+    f = tl.arange(0, NS)
+    t = t0 + f // BK
+    k = f % BK
+    present = (t < limit) & (k < K)
+    e = tl.load(ids + t * K + k, mask=present, other=-1)
+    return tl.where(present, tl.where((e >= 0) & (e < E), e, E), E + 1)
+
+
+@triton.jit
 def _goes(dest, present, ps):
     """[n, BP]: whether token i has an entry on GPU d."""
     hit = (dest[:, :, None] == ps[None, None, :]) & present[:, :, None]
@@ -44,8 +58,8 @@ def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
                  T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, R: tl.constexpr,
                  SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
     """ids int32 [T, K] -> slot, before [T, P], meta [T, P, K], dest [T, K], send_counts [P, EL + 1],
-    masked [1], as _routing.route returns them. BE: a power of two > P * EL (one bin per expert and
-    one for masked entries); SCAN: scan_tokens(T). Grid: cdiv(T, R)."""
+    masked [1], as _routing.route returns them. BE: a power of two > P * EL + 1 (one bin per expert,
+    one for masked entries, one for absent ones); SCAN: scan_tokens(T). Grid: cdiv(T, R)."""
     E: tl.constexpr = P * EL
     N: tl.constexpr = R * BK
     NS: tl.constexpr = SCAN * BK
@@ -58,8 +72,8 @@ def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
     per_bin = tl.zeros((BE,), dtype=tl.int32)
     tokens_to = tl.zeros((BP,), dtype=tl.int32)
     for t0 in range(0, T, SCAN):  # constant bounds (Triton 3.6's interpreter takes no tensor bound)
-        bins, dest, present = _entries(ids, t0 + ss, t0 + ss < b * R, ks, K, E, EL)
-        per_bin += tl.histogram(tl.reshape(bins, (NS,)), BE, mask=tl.reshape(present, (NS,)))
+        per_bin += tl.histogram(_flat_bins(ids, t0, b * R, NS, K, E, BK), BE)
+        _, dest, present = _entries(ids, t0 + ss, t0 + ss < b * R, ks, K, E, EL)
         tokens_to += tl.sum(_goes(dest, present, ps), axis=0)
     # this program's tokens
     t = b * R + rs
@@ -80,7 +94,7 @@ def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
     for d in tl.static_range(P):
         tl.store(meta + (t[:, None] * P + d) * K + ks[None, :], tl.where(dest == d, code, -1), mask=present)
     if b == tl.num_programs(0) - 1:
-        total = per_bin + tl.histogram(flat, BE, mask=flat_present)
+        total = per_bin + tl.histogram(tl.where(flat_present, flat, E + 1), BE)  # no reshaped mask (_flat_bins)
         sent = tokens_to + tl.sum(goes, axis=0)
         es = tl.arange(0, BE)
         tl.store(send_counts + (es // EL) * (EL + 1) + es % EL, total, mask=es < E)

@@ -314,7 +314,7 @@ def route_kernel(state, topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
         out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
         num_warps=4 if t <= 128 else 8,  # the counting step covers every token: more warps for more of them
         num_stages=1, T=t, K=k, P=p, EL=el, R=r, SCAN=_routing_device.scan_tokens(t), BK=_pow2(k),
-        BP=_pow2(p), BE=_pow2(p * el + 1),
+        BP=_pow2(p), BE=_pow2(p * el + 2),
     )
     return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())
 

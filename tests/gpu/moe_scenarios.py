@@ -366,7 +366,7 @@ def check(mesh) -> dict:
     result = {"devices": n, "processes": jax.process_count(), "cases": report, "ragged_baseline": RAGGED_BASELINE}
     if not job.spot_cases():  # the same kernels at every world: once per family, with every case (77 s at world 8)
         result.update(rows_only=_rows_only_launches(mesh), grids_in_turn=_grids_in_turn(mesh),
-                      fp8=_fp8_exact(mesh))
+                      fp8=_fp8_exact(mesh), routing_kernel=_routing_kernel_exact())
         clock.lap("rows_only_grids_and_fp8")
     if jaxgin.info()["gin_transport"] == "host":  # every byte between GPUs goes through the host transport
         result["traffic"] = [_traffic(mesh, tokens, mode) for tokens, mode in ((256, "low_latency"),
@@ -458,6 +458,33 @@ def _fp8_exact(mesh) -> dict:
         per_gpu = _host(jax.block_until_ready(f(x, rounded, logits)))
         exact[mode] = {"values_differing": int(per_gpu[:, 0].sum()), "counts_differing_gpus": int(per_gpu[:, 1].sum())}
     return exact
+
+
+# (GPUs, tokens, top_k, local experts, masked ids): the routing kernel's GPU counts are logical, so
+# one GPU checks the shapes of larger worlds; tokens past one program's 16 and up to the 256 of one
+# counting step (128 at 4 warps, 200 and 256 at 8), top_k padded to a power of two, masked ids.
+ROUTING_KERNEL_SHAPES = ((1, 96, 4, 8, False), (4, 128, 8, 64, False), (8, 256, 8, 32, False),
+                         (2, 200, 6, 5, True), (3, 37, 3, 7, True))
+
+
+def _routing_kernel_exact() -> list[dict]:
+    """The routing kernel that dispatch runs on GPUs (exchange._route, up to LOW_LATENCY_MAX_TOKENS
+    tokens) against XLA's _routing.route on the same ids, array by array, on this process's first
+    GPU. Triton's interpreter checks the same on CPUs, but not the GPU's own lowering."""
+    device = jax.local_devices()[0]
+    checked = []
+    for p, t, k, el, masked in ROUTING_KERNEL_SHAPES:
+        rng = np.random.default_rng(p * 1000 + t)
+        ids = rng.integers(-1 if masked else 0, p * el + (2 if masked else 0), size=(t, k)).astype(np.int32)
+        plan = _routing.Plan(("ep",), p, t, 1, k, el, 1, "bfloat16", _routing.LOW_LATENCY)
+        on_gpu = jax.device_put(ids, device)
+        got, got_masked = jax.jit(lambda i: exchange._route(i, plan))(on_gpu)
+        want, want_masked = jax.jit(lambda i: _routing.route(i, plan))(on_gpu)
+        equal = {name: bool(np.array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name))))
+                 for name in ("slot", "before", "meta", "dest", "send_counts")}
+        equal["masked"] = int(got_masked) == int(want_masked)
+        checked.append(dict(gpus=p, tokens=t, top_k=k, local_experts=el, masked_entries=int(want_masked), equal=equal))
+    return checked
 
 
 def _rows_only_launches(mesh) -> dict:

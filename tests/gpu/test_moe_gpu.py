@@ -30,8 +30,13 @@ def _assert_cases(result, ragged_baseline=True, spot=False):
         # fp8=True delivers exactly the rows it rounds to (jaxgin.moe.fp8), in both modes
         exact = {"values_differing": 0, "counts_differing_gpus": 0}
         assert result["fp8"] == {"low_latency": exact, "high_throughput": exact}, result["fp8"]
+        # the routing kernel's arrays equal XLA's route() on the GPU (moe_scenarios.ROUTING_KERNEL_SHAPES)
+        routing = result["routing_kernel"]
+        assert len(routing) == 5 and all(all(c["equal"].values()) for c in routing), routing
+        assert sum(c["masked_entries"] > 0 for c in routing) == 2, routing
     else:
         assert "rows_only" not in result and "grids_in_turn" not in result and "fp8" not in result, result
+        assert "routing_kernel" not in result, result
     for case in result["cases"]:
         f32 = case["dtype"] == "float32"
         assert all(case["dispatch_exact"]), case
