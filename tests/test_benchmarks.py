@@ -37,6 +37,7 @@ def _on_cpu_devices(code: str, devices: int):
     ("benchmarks/nccl_ep.py", [], 2),
     ("tools/call_overhead.py", [], 1),
     ("tools/profile_latency.py", [], 2),
+    ("tools/probe_triton_histogram.py", [], 1),
     ("tools/profile_moe.py", [], 1),
     ("tools/transport_smoke.py", [], 1),
     ("tools/tune_triton_matmul.py", [], 1),

@@ -575,6 +575,8 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe_profile_fp8", ["tools/profile_moe.py", "--tokens", "128", "--fp8"], 150, default=False, tail=40),
     # a jaxgin.triton_call of a kernel with nothing to do against an XLA fusion, per call in a chain
     Step("call_overhead", ["tools/call_overhead.py", "--out", "{out}"], 120, default=False, tail=10),
+    # tl.histogram counted three ways against numpy (a masked count of a reshaped block miscounted on an H200)
+    Step("triton_histogram", ["tools/probe_triton_histogram.py", "--out", "{out}"], 120, default=False, tail=20),
     # dispatch(fp8=True), fp8.quantize and fp8.rounded against a numpy / ml_dtypes oracle, value by value
     Step("check_fp8", ["tools/check_fp8.py", "--out", "{out}"], 200, default=False, tail=40),
     # latency's chains at 8 B traced with JAX's profiler: device time per op beside the wall-clock rows
