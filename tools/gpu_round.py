@@ -565,7 +565,8 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe_one_gpu", ["benchmarks/moe.py", "--tokens", "4096", "--experts", "128", "--only",
                          "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],
          300, default=False, tail=40),
-    Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128"], 150, default=False, tail=40),  # times in its log
+    Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128", "--out", "{out}/moe_profile"], 150, default=False,
+         tail=40),  # times in its log; traces and optimized HLO in its folder
     # low latency: block shapes with fewer steps per program (each compiles for sm_90a without
     # spilling, fp8 included; 2,8192,8 and 4,2048,8 spill with fp8)
     Step("moe_blocks", ["benchmarks/moe.py", "--tokens", "128", "--only",

@@ -1,7 +1,8 @@
 """Where jaxgin.moe's time goes: a jitted chain of dispatches, and one of dispatch + combine pairs,
 traced with JAX's profiler at benchmarks/moe.py's shapes. Prints, for the first GPU, the device
 events of one call in order (start offset, duration, name) and each name's total over the chain, so
-a change to the kernels can be judged by what it removes.
+a change to the kernels can be judged by what it removes. With --out, each chain's folder also holds
+XLA's optimized program (optimized_hlo.txt), to tell which op made an event.
 
     python tools/profile_moe.py [--tokens 128] [--fp8] [--out DIR]
 
@@ -131,6 +132,9 @@ def main() -> None:
         jax.block_until_ready(f(x, ids, weights))  # compile, and load every kernel
         jax.block_until_ready(f(x, ids, weights))
         where = out / name.replace(" ", "").replace("+", "_")
+        # XLA's optimized program beside the trace: which HLO op made each device event
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "optimized_hlo.txt").write_text(f.lower(x, ids, weights).compile().as_text())
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
             jax.block_until_ready(f(x, ids, weights))
         report(f"{name}{' (fp8 dispatch)' if args.fp8 else ''}, {t} tokens/GPU, {n} GPUs", device_events(where), STEPS)
