@@ -27,7 +27,10 @@ Timing: one jitted, unrolled fori_loop of STEPS calls (no loop control between c
 call's input depending on the previous output and routing again; best of REPEATS runs / STEPS
 (times_us). Up to 256 tokens also a chain of 2 x STEPS: the difference per added call
 (per_call_us) and what is left of a run of STEPS (per_program_run_us: launching the program and
-waiting for it, spread over the calls in times_us; for combine also the dispatch feeding its chain). Before timing, combine(dispatch(x)) with
+waiting for it, spread over the calls in times_us; for combine also the dispatch feeding its chain).
+device_span_us: the first GPU's span per call of the STEPS chain in JAX's profiler, from its first
+kernel or copy to its last (the gaps between them included, the host's launch and wait not);
+every row but the ragged_* ones (--no-device-span: none). Before timing, combine(dispatch(x)) with
 identity experts must give x back (the routing weights sum to 1) on both paths. Writes moe.json
 and moe.png.
 """
@@ -47,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 from jaxgin.moe import _routing
-from timing import after, best_seconds
+from timing import after, best_seconds, device_span_seconds
 
 STEPS = 20
 SPEC = P("ep")
@@ -67,7 +70,7 @@ def _peer_copy_ceiling(repeats: int) -> float | None:
     return a.nbytes / best
 
 
-def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
+def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_span=True) -> dict:
     n = mesh.size
     dtype = jnp.bfloat16
     capacity = -(-tokens * top_k * 5 // 4)  # 1.25 x the mean rows per GPU
@@ -179,7 +182,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
                                                                                   xla=xla)), steps), 3)
         return variants
 
-    times, per_call, fixed = {}, {}, {}
+    times, per_call, fixed, span = {}, {}, {}, {}
     # At low latency a chain twice as long tells the cost of a call apart from the cost of running
     # the program once (launching it, waiting for it), which best / STEPS spreads over the calls.
     lengths = (STEPS, 2 * STEPS) if tokens <= _routing.LOW_LATENCY_MAX_TOKENS else (STEPS,)
@@ -188,26 +191,30 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None) -> dict:
         if only and name not in only:
             continue
         args = {1: (xla_block,), 2: (x, rows_at), 3: (x, ids, weights)}[n_in]
-        total = {steps: best_seconds(_sm(mesh, chains[steps][name][0], n_in), *args, repeats=repeats)
-                 for steps in lengths}
+        programs = {steps: _sm(mesh, chains[steps][name][0], n_in) for steps in lengths}
+        total = {steps: best_seconds(programs[steps], *args, repeats=repeats) for steps in lengths}
         times[name] = total[STEPS] / STEPS * 1e6
         line = f"  {tokens} tokens  {name:28s} {times[name]:9.1f} us"
         if len(lengths) == 2:
             per_call[name] = (total[2 * STEPS] - total[STEPS]) / STEPS * 1e6
             fixed[name] = total[STEPS] * 1e6 - STEPS * per_call[name]
             line += f"   per call {per_call[name]:7.1f} us, per program run {fixed[name]:7.1f} us"
+        if device_span and not name.startswith("ragged_"):  # ragged chains: many small ops, long traces
+            span[name] = device_span_seconds(programs[STEPS], *args) / STEPS * 1e6
+            line += f"   device span {span[name]:7.1f} us"
         print(line, flush=True)
     # The combine loops include one dispatch (outside the loop): subtract it.
     for kind in ("jaxgin", "ragged"):
-        if f"{kind}_combine" in times and f"{kind}_dispatch" in times:
-            times[f"{kind}_combine"] -= times[f"{kind}_dispatch"] / STEPS
+        for figures in (times, span):
+            if f"{kind}_combine" in figures and f"{kind}_dispatch" in figures:
+                figures[f"{kind}_combine"] -= figures[f"{kind}_dispatch"] / STEPS
     nan = float("nan")
     jg = times.get("jaxgin_dispatch", nan) + times.get("jaxgin_combine", nan)
     rg = times.get("ragged_dispatch", nan) + times.get("ragged_combine", nan)
     return dict(
         tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, devices=n, capacity=capacity,
         dropped=int(np.asarray(dropped).sum()), roundtrip_rel_err=err, times_us=times,
-        per_call_us=per_call or None, per_program_run_us=fixed or None,
+        per_call_us=per_call or None, per_program_run_us=fixed or None, device_span_us=span or None,
         dispatch_plus_combine_us=dict(jaxgin=jg, ragged=rg), speedup_vs_ragged=rg / jg,
         remote_bytes_per_gpu=remote_bytes,
         fp8=dict(exact_against_its_reference=fp8_exact,
@@ -264,6 +271,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
+    parser.add_argument("--no-device-span", action="store_true",
+                        help="skip the profiler's device span (device_span_us), wall clock only")
     parser.add_argument("--blocks", default=None,
                         help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
     args = parser.parse_args()
@@ -285,7 +294,7 @@ def main() -> None:
             os.environ["JAXGIN_MOE_BLOCKS"] = setting
             print(f"JAXGIN_MOE_BLOCKS={setting}", flush=True)
         for t in tokens:
-            row = measure(mesh, t, args.hidden, args.experts, args.top_k, args.repeats, only)
+            row = measure(mesh, t, args.hidden, args.experts, args.top_k, args.repeats, only, not args.no_device_span)
             row["blocks"] = setting
             report["results"].append(row)
     out = Path(args.out)

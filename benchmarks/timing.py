@@ -4,7 +4,11 @@ time is device time, and callers divide by N."""
 
 from __future__ import annotations
 
+import gzip
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 
@@ -17,6 +21,46 @@ def best_seconds(f, *args, repeats: int) -> float:
         jax.block_until_ready(f(*args))
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Complete events ('X') of the first GPU's streams, by start time, from the Perfetto trace that
+    jax.profiler.trace(..., create_perfetto_trace=True) wrote under trace_dir."""
+    files = sorted(Path(trace_dir).rglob("*.trace.json.gz")) or sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise RuntimeError(f"no trace under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = [pid for pid, name in names.items() if "GPU:0" in name or "/device:GPU:0" in name]
+    if not device:
+        device = [pid for pid, name in names.items() if "device" in name.lower()][:1]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device}
+    # The device's stream lines hold the kernels and copies; its "XLA Ops" / "XLA Modules" lines
+    # repeat them by HLO name.
+    streams = {key for key, name in threads.items() if name.lower().startswith("stream")} or set(threads)
+    return sorted((e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams),
+                  key=lambda e: e["ts"])
+
+
+def span_seconds(events: list[dict]) -> float:
+    """From the first event's start to the last end, in seconds (trace times are microseconds)."""
+    if not events:
+        raise RuntimeError("the trace holds no device events")
+    return (max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]) * 1e-6
+
+
+def device_span_seconds(f, *args) -> float:
+    """The first GPU's device span of one call of f (after a warm-up call), from JAX's profiler:
+    what the GPU took from its first kernel or copy to its last, without the host's launch and
+    wait around them."""
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory(prefix="device-span-") as where:
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            jax.block_until_ready(f(*args))
+        return span_seconds(device_events(Path(where)))
 
 
 def best_seconds_threaded(f, x, *, repeats: int) -> float:

@@ -256,3 +256,45 @@ def test_check_fp8_agrees_with_its_numpy_oracle_on_cpu(tmp_path):
         assert case["values"] == case["tokens"] * 7168
         assert case["xla_scale_mismatches"] == case["xla_value_mismatches"] == 0, case
         assert case["rounded_mismatches"] == case["dispatch_mismatches"] == 0, case
+
+
+def _perfetto_trace(where: Path) -> None:
+    """A trace as jax.profiler.trace(..., create_perfetto_trace=True) writes it: GPU 0 with a
+    stream line and an "XLA Ops" line repeating its kernels, GPU 1, and the host."""
+    import gzip
+
+    meta = lambda ph, name, pid, tid=0, value="": dict(ph=ph, name=name, pid=pid, tid=tid, args=dict(name=value))  # noqa: E731
+    kernel = lambda name, pid, tid, ts, dur: dict(ph="X", name=name, pid=pid, tid=tid, ts=ts, dur=dur)  # noqa: E731
+    events = [
+        meta("M", "process_name", 1, value="/host:CPU"), meta("M", "process_name", 7, value="/device:GPU:0"),
+        meta("M", "process_name", 8, value="/device:GPU:1"),
+        meta("M", "thread_name", 7, 1, "Stream #13(Compute)"), meta("M", "thread_name", 7, 2, "XLA Ops"),
+        meta("M", "thread_name", 8, 1, "Stream #13(Compute)"),
+        kernel("python", 1, 0, 0.0, 500.0),
+        kernel("route_kernel", 7, 1, 110.0, 6.5), kernel("dispatch_kernel", 7, 1, 100.0, 9.0),
+        kernel("dispatch_kernel", 7, 1, 118.0, 12.0), kernel("fusion", 7, 2, 100.0, 40.0),
+        kernel("dispatch_kernel", 8, 1, 90.0, 80.0),
+    ]
+    where.mkdir(parents=True)
+    with gzip.open(where / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_device_span_reads_the_first_gpus_streams_only(tmp_path):
+    """The benchmarks' device span (timing.device_events, span_seconds): GPU 0's stream events in
+    start order, not its XLA-op line, GPU 1 or the host; the span from the first start to the
+    latest end, in seconds; a trace without device events is an error, not a zero."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import timing
+    finally:
+        sys.path.pop(0)
+    _perfetto_trace(tmp_path / "run")
+    events = timing.device_events(tmp_path / "run")
+    assert [(e["name"], e["ts"]) for e in events] == [("dispatch_kernel", 100.0), ("route_kernel", 110.0),
+                                                      ("dispatch_kernel", 118.0)]
+    assert timing.span_seconds(events) == pytest.approx(30e-6)
+    with pytest.raises(RuntimeError, match="no device events"):
+        timing.span_seconds([])
+    with pytest.raises(RuntimeError, match="no trace under"):
+        timing.device_events(tmp_path / "empty")

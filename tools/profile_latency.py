@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
 from collectives import _array, make_ops
-from profile_moe import device_events, report
+from profile_moe import report
+from timing import device_events
 
 STEPS = 50
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -29,35 +27,19 @@ from jax.sharding import PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 
+# benchmarks/timing.py: after (the benchmarks' way of making each call wait for the previous one)
+# and the trace reading
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from timing import after, device_events, span_seconds  # noqa: E402
+
 STEPS = 8
-
-
-def device_events(trace_dir: Path) -> list[dict]:
-    """Complete events ('X') of the first device's streams from the Perfetto trace JAX wrote."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
-    if not files:
-        raise SystemExit(f"no trace under {trace_dir}")
-    with gzip.open(files[-1], "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = [pid for pid, name in names.items() if "GPU:0" in name or "/device:GPU:0" in name]
-    if not device:
-        device = [pid for pid, name in names.items() if "device" in name.lower()][:1]
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device}
-    # The device's stream lines hold the kernels and copies; its "XLA Ops" / "XLA Modules" lines
-    # repeat them by HLO name.
-    streams = {key for key, name in threads.items() if name.lower().startswith("stream")} or set(threads)
-    return sorted((e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams),
-                  key=lambda e: e["ts"])
 
 
 def report(title: str, events: list[dict], calls: int) -> None:
     print(f"\n== {title}: {len(events)} device events over {calls} calls")
     if not events:
         return
-    span = events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]
+    span = span_seconds(events) * 1e6
     print(f"   span {span:.1f} us, {span / calls:.1f} us per call")
     totals = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
@@ -82,9 +64,6 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="dispatch with fp8=True (rows cross as e4m3)")
     parser.add_argument("--out", default=None, help="keep the traces here (default: a temporary folder)")
     args = parser.parse_args()
-    # benchmarks/timing.py's after: the benchmarks' way of making each call wait for the previous one
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from timing import after
     cli.require_gpus(__file__, 1, "it profiles jaxgin.moe's kernels")
     cli.require(__file__, "triton", why="jaxgin.moe's kernels", install='-e ".[cuda]"')
     devices = jax.devices()
