@@ -486,9 +486,9 @@ def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
 
     pointers = dict(ctx="*u8", ids="*i32", slot="*i32", before="*i32", meta="*i32", dest_out="*i32",
                     send_counts="*i32", masked="*i32")
+    assert _routing_device.num_warps(tokens) == warps
     kernel = compile_for_sm90(_routing_device.route_kernel, pointers, num_warps=warps, num_stages=1,
-                              constexprs=dict(T=tokens, K=8, P=gpus, EL=256 // gpus, R=_routing_device.TOKENS_PER_PROGRAM,
-                                              SCAN=_routing_device.scan_tokens(tokens), BK=8, BP=gpus, BE=512))
+                              constexprs=_routing_device.constexprs(tokens, 8, gpus, 256 // gpus))
     assert kernel.asm["cubin"][:4] == b"\x7fELF"
     assert "jaxgin_tt_" not in kernel.asm["ptx"]  # plain arithmetic: nothing from the device library
 

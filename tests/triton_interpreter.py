@@ -164,7 +164,6 @@ def routing() -> list[dict]:
 
     from jaxgin.moe import _routing, _routing_device
 
-    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())  # noqa: E731
     checked = []
     for p, t, k, el, case, seed in ((4, 128, 8, 64, "random", 0), (4, 37, 3, 5, "masked", 1), (1, 9, 2, 3, "random", 2),
                                     (8, 50, 6, 4, "masked", 3), (2, 256, 8, 16, "one_gpu", 4), (3, 16, 1, 7, "random", 5),
@@ -176,18 +175,16 @@ def routing() -> list[dict]:
             ids = rng.integers(0, el, size=(t, k)).astype(np.int32)
         plan = _routing.Plan(("ep",), p, t, 1, k, el, 1, "float32", _routing.LOW_LATENCY)
         want, want_masked = _routing.route(jnp.asarray(ids), plan)
-        r, scan = _routing_device.TOKENS_PER_PROGRAM, _routing_device.scan_tokens
         got = dict(slot=np.full((t, p), -7, np.int32), before=np.full((t, p), -7, np.int32),
                    meta=np.full((t, p, k), -7, np.int32), dest=np.full((t, k), -7, np.int32),
                    send_counts=np.full((p, el + 1), -7, np.int32), masked=np.full((1,), -7, np.int32))
         arrays = {name: HostArray(a) for name, a in got.items()}
-        _routing_device.route_kernel[(-(-t // r),)](
-            HostArray(np.zeros(1, np.uint8)), HostArray(ids), *arrays.values(), T=t, K=k, P=p, EL=el, R=r,
-            SCAN=scan(t), BK=pow2(k), BP=pow2(p), BE=pow2(p * el + 2))
+        _routing_device.route_kernel[_routing_device.grid(t)](
+            HostArray(np.zeros(1, np.uint8)), HostArray(ids), *arrays.values(), **_routing_device.constexprs(t, k, p, el))
         equal = {name: bool(np.array_equal(arrays[name].array, np.asarray(getattr(want, name))))
                  for name in ("slot", "before", "meta", "dest", "send_counts")}
         equal["masked"] = int(arrays["masked"].array[0]) == int(want_masked)
-        checked.append(dict(gpus=p, tokens=t, top_k=k, local_experts=el, case=case, programs=-(-t // r),
+        checked.append(dict(gpus=p, tokens=t, top_k=k, local_experts=el, case=case, programs=_routing_device.grid(t)[0],
                             masked_entries=int(want_masked), equal=equal))
     return checked
 

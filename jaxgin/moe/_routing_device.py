@@ -17,9 +17,30 @@ TOKENS_PER_PROGRAM = 16  # R
 SCAN_TOKENS = 256  # the most tokens one counting step of the earlier tokens takes
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
 def scan_tokens(tokens: int) -> int:
     """SCAN for `tokens` tokens: a power of two, all of them in one step up to SCAN_TOKENS."""
-    return min(1 << max(0, int(tokens - 1).bit_length()), SCAN_TOKENS)
+    return min(_pow2(tokens), SCAN_TOKENS)
+
+
+def grid(tokens: int) -> tuple[int]:
+    """route_kernel's grid: one program per TOKENS_PER_PROGRAM tokens."""
+    return (-(-tokens // TOKENS_PER_PROGRAM),)
+
+
+def num_warps(tokens: int) -> int:
+    """The counting step covers every token: more warps for more of them."""
+    return 4 if tokens <= 128 else 8
+
+
+def constexprs(tokens: int, top_k: int, gpus: int, local_experts: int) -> dict:
+    """route_kernel's compile-time parameters for int32 ids [tokens, top_k] routed over `gpus` GPUs
+    of `local_experts` experts each (what exchange launches, and what the tests run and compile)."""
+    return dict(T=tokens, K=top_k, P=gpus, EL=local_experts, R=TOKENS_PER_PROGRAM, SCAN=scan_tokens(tokens),
+                BK=_pow2(top_k), BP=_pow2(gpus), BE=_pow2(gpus * local_experts + 2))
 
 
 @triton.jit
@@ -59,7 +80,8 @@ def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
                  SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
     """ids int32 [T, K] -> slot, before [T, P], meta [T, P, K], dest [T, K], send_counts [P, EL + 1],
     masked [1], as _routing.route returns them. BE: a power of two > P * EL + 1 (one bin per expert,
-    one for masked entries, one for absent ones); SCAN: scan_tokens(T). Grid: cdiv(T, R)."""
+    one for masked entries, one for absent ones); SCAN: scan_tokens(T). Launch: grid(), num_warps(),
+    constexprs()."""
     E: tl.constexpr = P * EL
     N: tl.constexpr = R * BK
     NS: tl.constexpr = SCAN * BK

@@ -307,14 +307,11 @@ def route_kernel(state, topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     from jaxgin.moe import _routing_device  # needs Triton (optional: GPU lowering only)
 
     p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
-    r = _routing_device.TOKENS_PER_PROGRAM
     i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
     slot, before, meta, dest, send_counts, masked = triton_call(
-        _routing_device.route_kernel, topk_ids.astype(jnp.int32), grid=(-(-t // r),),
+        _routing_device.route_kernel, topk_ids.astype(jnp.int32), grid=_routing_device.grid(t),
         out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
-        num_warps=4 if t <= 128 else 8,  # the counting step covers every token: more warps for more of them
-        num_stages=1, T=t, K=k, P=p, EL=el, R=r, SCAN=_routing_device.scan_tokens(t), BK=_pow2(k),
-        BP=_pow2(p), BE=_pow2(p * el + 2),
+        num_warps=_routing_device.num_warps(t), num_stages=1, **_routing_device.constexprs(t, k, p, el),
     )
     return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())
 
