@@ -133,7 +133,7 @@ def placement() -> list[dict]:
 
     from jaxgin.moe import _routing
 
-    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())  # noqa: E731
+    pow2 = _routing.pow2
     checked = []
     for p, t, k, el, capacity, seed in ((4, 37, 3, 5, None, 0), (3, 20, 6, 2, 25, 1), (2, 64, 8, 16, 200, 2),
                                         (1, 9, 2, 3, 4, 3)):

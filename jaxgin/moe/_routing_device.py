@@ -13,17 +13,15 @@ tokens per GPU, one SCAN step, and XLA's route() above.
 import triton
 import triton.language as tl
 
+from jaxgin.moe._routing import pow2
+
 TOKENS_PER_PROGRAM = 16  # R
 SCAN_TOKENS = 256  # the most tokens one counting step of the earlier tokens takes
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 def scan_tokens(tokens: int) -> int:
     """SCAN for `tokens` tokens: a power of two, all of them in one step up to SCAN_TOKENS."""
-    return min(_pow2(tokens), SCAN_TOKENS)
+    return min(pow2(tokens), SCAN_TOKENS)
 
 
 def grid(tokens: int) -> tuple[int]:
@@ -40,7 +38,7 @@ def constexprs(tokens: int, top_k: int, gpus: int, local_experts: int) -> dict:
     """route_kernel's compile-time parameters for int32 ids [tokens, top_k] routed over `gpus` GPUs
     of `local_experts` experts each (what exchange launches, and what the tests run and compile)."""
     return dict(T=tokens, K=top_k, P=gpus, EL=local_experts, R=TOKENS_PER_PROGRAM, SCAN=scan_tokens(tokens),
-                BK=_pow2(top_k), BP=_pow2(gpus), BE=_pow2(gpus * local_experts + 2))
+                BK=pow2(top_k), BP=pow2(gpus), BE=pow2(gpus * local_experts + 2))
 
 
 @triton.jit

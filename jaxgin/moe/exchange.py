@@ -25,7 +25,7 @@ from jaxgin.route import axis_route
 from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.moe import _routing
 from jaxgin.moe import fp8 as fp8_lib
-from jaxgin.moe._routing import Plan, SourceRoute
+from jaxgin.moe._routing import Plan, SourceRoute, pow2
 
 DISPATCH = "jaxgin.moe.dispatch"
 COMBINE = "jaxgin.moe.combine"
@@ -219,10 +219,6 @@ def _blocks(plan: Plan) -> tuple[int, int, int, int]:
     return _BLOCKS[plan.mode]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 def _staged_row(plan: Plan, fp8: bool) -> tuple[int, str]:
     """(elements, dtype) of a row in dispatch's staging and send areas: x's, or fp8's packed words."""
     if fp8:
@@ -324,7 +320,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
 
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
     bt, bh, warps, senders_per_8 = _blocks(plan)
-    bh = min(bh, _pow2(h))
+    bh = min(bh, pow2(h))
     if fp8:
         bh = max(bh, fp8_lib.BLOCK)  # whole scale blocks per step
     buf, gin = _buffers(state, plan, fp8)
@@ -343,8 +339,8 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
             jax.core.ShapedArray((p,), jnp.int32), jax.core.ShapedArray((1,), jnp.int32),
         ],
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), BE=_pow2(el + 1), BZ=_ZERO_ROWS,
-        BB=_pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(staged).itemsize, GIN=int(gin), SW=sw, FP8=int(fp8),
+        T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=pow2(k), BP=pow2(p), BE=pow2(el + 1), BZ=_ZERO_ROWS,
+        BB=pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(staged).itemsize, GIN=int(gin), SW=sw, FP8=int(fp8),
     )
     grouped, positions, weights_out, counts, rows, dropped = outs
     return grouped, positions, weights_out, counts, rows, dropped.reshape(())
@@ -356,14 +352,14 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
 
     p, t, h, k = plan.size, plan.tokens, plan.hidden, plan.top_k
     bt, bh, warps, _ = _blocks(plan)
-    bh = min(bh, _pow2(h))
+    bh = min(bh, pow2(h))
     buf, gin = _buffers(state, plan)
     return triton_call(
         _kernels.combine_kernel, y, weights, positions, rows, route.slot, axis_route(plan.names),
         buf["back"], buf["combine_flags"], buf["combine_state"], buf["send_back"], buf["signals"] + 2 * p * gin,
         grid=(_grid(state, p * -(-t // bt)),), out_shape=jax.core.ShapedArray((t, h), y.dtype),
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=_pow2(k), BP=_pow2(p), XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
+        T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=pow2(k), BP=pow2(p), XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
     )
 
 
