@@ -147,6 +147,15 @@ def enable(library: Path) -> None:
             f"gin_transport='host' would load {library} but NCCL_RMA_PLUGIN is already {current!r}; unset it or "
             "use gin_transport='nic' to keep that plugin"
         )
+    stack = os.environ.get("NCCL_SET_STACK_SIZE")
+    if stack not in (None, "1"):
+        raise JaxginError(
+            f"gin_transport='host' needs NCCL_SET_STACK_SIZE=1 (or unset), not {stack!r}: otherwise NCCL's first "
+            "kernel launch grows the GPU's stack memory, which waits for the whole device while holding the CUDA "
+            "driver lock that the transport's copies take, and a jaxgin kernel waiting for a peer's put then "
+            "times out (docs/guide.md, \"GIN without an RDMA NIC\")"
+        )
+    os.environ["NCCL_SET_STACK_SIZE"] = "1"  # NCCL then sizes the stack when it creates jaxgin's communicator
     os.environ["NCCL_RMA_PLUGIN"] = str(library)
     if "backpressure" in unkind:
         os.environ.setdefault("NCCL_GIN_PROXY_QUEUE_SIZE", str(UNKIND_PROXY_QUEUE_SIZE))

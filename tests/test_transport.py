@@ -419,6 +419,25 @@ def test_enable_refuses_an_unknown_peer_loss_mode_naming_the_setting(monkeypatch
     assert "NCCL_RMA_PLUGIN" not in os.environ
 
 
+def test_enable_has_nccl_size_the_stack_at_init_and_refuses_another_value(monkeypatch, library):
+    """NCCL's kernels need more stack than CUDA's default (1,968 against 1,024 bytes a thread,
+    NCCL 2.32.3 on an H200): without NCCL_SET_STACK_SIZE=1 NCCL's first launch grows it, which
+    waits for the device while holding the driver lock the transport's copies take."""
+    from jaxgin.errors import JaxginError
+
+    monkeypatch.setenv("NCCL_RMA_PLUGIN", "")  # both restored after the test
+    monkeypatch.delenv("NCCL_RMA_PLUGIN")
+    monkeypatch.setenv("NCCL_SET_STACK_SIZE", "0")
+    with pytest.raises(JaxginError, match="needs NCCL_SET_STACK_SIZE=1 \\(or unset\\), not '0'"):
+        transport.enable(library)
+    assert "NCCL_RMA_PLUGIN" not in os.environ
+    monkeypatch.delenv("NCCL_SET_STACK_SIZE")
+    monkeypatch.setenv("JAXGIN_TRANSPORT_QUIET", "1")
+    transport.enable(library)
+    assert os.environ["NCCL_SET_STACK_SIZE"] == "1"
+    assert os.environ["NCCL_RMA_PLUGIN"] == str(library)
+
+
 def test_enable_refuses_another_plugin(monkeypatch, library):
     from jaxgin.errors import JaxginError
 
