@@ -477,6 +477,41 @@ def test_the_routing_kernel_writes_routes_arrays_bit_for_bit():
     assert any(c["masked_entries"] > 0 for c in checked) and max(c["programs"] for c in checked) == 19, checked
 
 
+def test_the_dispatch_kernels_own_routing_is_routes():
+    """The routing dispatch_routing_kernel does itself (every program its token blocks, program 0
+    the totals and block starts it sends first), run by Triton's interpreter on this machine:
+    route()'s arrays, each GPU's counts row and the staging row where each block starts there, for
+    blocks of 2 and 8 tokens, masked ids, one GPU, experts all on one GPU, top_k 1 to 8."""
+    checked = triton_interpreter_check("dispatch_routing")
+    assert len(checked) == 6 and all(all(c["equal"].values()) for c in checked), checked
+    assert sum(c["masked_entries"] > 0 for c in checked) == 2 and {c["block_tokens"] for c in checked} == {2, 8}, checked
+
+
+@pytest.mark.parametrize("fp8", [0, 1], ids=["bf16_rows", "fp8_rows"])
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
+def test_the_routing_dispatch_kernel_compiles_for_sm90a(toolchain, gin, fp8):
+    """dispatch_routing_kernel at DeepSeek-V3's low-latency shape (128 tokens, top-8 of 256 experts
+    on 4 GPUs, exchange's blocks and warps), with and without fp8 rows and GIN paths: compiled,
+    linked with the device library, its row stores 16 bytes wide."""
+    from jaxgin.moe import _kernels, _routing_device
+
+    rows = "*i16" if fp8 else "*bf16"
+    pointers = dict(ctx="*u8", x="*bf16", ids="*i32", weights="*fp32", route="*i32", stage_x=rows,
+                    stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
+                    block_flags="*i64", state="*i64", send_x=rows, send_meta="*i32", send_w="*fp32",
+                    send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32", out_x="*bf16",
+                    out_pos="*i32", out_w="*fp32", out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32",
+                    slot="*i32", before="*i32", meta="*i32", dest="*i32", send_counts="*i32", masked="*i32")
+    routing = _routing_device.constexprs(128, 8, 4, 64)
+    kernel = compile_for_sm90(_kernels.dispatch_routing_kernel, pointers, num_warps=4, num_stages=1, constexprs=dict(
+        T=128, H=7168, K=8, P=4, EL=64, C=1280, BT=2, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=128, NS=64, XB=2,
+        GIN=gin, SW=jaxgin.moe.fp8.packed_width(7168) if fp8 else 7168, FP8=fp8, SCAN=routing["SCAN"],
+        BR=routing["BE"]))
+    assert kernel.asm["cubin"][:4] == b"\x7fELF"
+    assert b"jaxgin_tt_wait_flag" in kernel.asm["cubin"]
+    assert re.search(r"st\.global\.v4", kernel.asm["ptx"])
+
+
 @pytest.mark.parametrize("tokens, gpus, warps", [(128, 4, 4), (256, 8, 8)])
 def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
     """Routing at DeepSeek-V3's low-latency shapes (top-8 of 256 experts; 128 tokens on 4 GPUs, and
@@ -800,6 +835,36 @@ def test_gpu_loop_oracle_catches_a_misplaced_row_and_a_wrong_sum(init, monkeypat
     assert wrong == 0.0 and difference == 1.0
 
 
+def test_gpu_exact_check_compares_the_handles_routing(init, monkeypatch):
+    """The GPU scenario's one-call check (moe_scenarios._against_reference) also compares the routing
+    dispatch hands to combine (on GPUs its own kernel's) with route()'s: all 7 comparisons hold on
+    the reference, and a handle whose slot is off fails only the last."""
+    import dataclasses
+
+    scenarios = _gpu_moe_scenarios()
+    name, tokens, hidden, ffn, experts, top_k, dtype, capacity, mode, routing = scenarios.cases(2)[0]
+    mesh = _mesh(2)
+    keys = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(keys[0], (2 * tokens, hidden), jnp.float32).astype(dtype)
+    logits = scenarios._logits(keys[1], 2 * tokens, experts, routing)
+
+    def same():
+        check = lambda x, l: scenarios._against_reference(x, l, top_k=top_k, experts=experts,  # noqa: E731
+                                                          routing=routing, capacity=capacity, mode=mode)[0]
+        return np.asarray(jax.jit(jax.shard_map(check, mesh=mesh, in_specs=(SPEC, SPEC), out_specs=SPEC))(x, logits))
+
+    assert same().shape == (2, 7) and same().all()
+    dispatch = jaxgin.moe.dispatch
+
+    def slot_off(*a, **k):
+        d = dispatch(*a, **k)
+        route = dataclasses.replace(d.handle.route, slot=d.handle.route.slot.at[0, 0].add(1))
+        return dataclasses.replace(d, handle=dataclasses.replace(d.handle, route=route))
+
+    monkeypatch.setattr(jaxgin.moe, "dispatch", slot_off)
+    assert same()[:, :6].all() and not same()[:, 6].any()
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_gpu_fp8_check_passes_on_the_reference_and_catches_a_wrong_row(init, n, monkeypatch):
     """The GPU scenario's fp8 check (moe_scenarios._fp8_exact) holds where dispatch is the
@@ -829,19 +894,17 @@ def test_gpu_routing_kernel_check_passes_on_the_reference_and_catches_a_wrong_ra
     routes with XLA's route() itself, and names the arrays that differ when the routing is off."""
     import dataclasses
 
-    from jaxgin.moe import exchange
-
     scenarios = _gpu_moe_scenarios()
     checked = scenarios._routing_kernel_exact()
     assert len(checked) == 5 and all(all(c["equal"].values()) for c in checked), checked
     assert sum(c["masked_entries"] > 0 for c in checked) == 2, checked
-    route = exchange._route
+    route = scenarios._device_route
 
     def one_rank_off(ids, plan):
         got, masked = route(ids, plan)
         return dataclasses.replace(got, meta=got.meta.at[0, 0, 0].add(1)), masked
 
-    monkeypatch.setattr(exchange, "_route", one_rank_off)
+    monkeypatch.setattr(scenarios, "_device_route", one_rank_off)
     for c in scenarios._routing_kernel_exact():
         assert [name for name, same in c["equal"].items() if not same] == ["meta"], c
 

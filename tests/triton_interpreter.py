@@ -3,7 +3,7 @@
 they stand for. A script of its own: Triton reads TRITON_INTERPRET when a kernel is defined, so it
 needs a fresh process.
 
-    python tests/triton_interpreter.py fp8|placement|routing|tile_order
+    python tests/triton_interpreter.py fp8|placement|routing|dispatch_routing|tile_order
 
 prints one JSON line: the cases checked (tests/test_moe.py asserts on it).
 """
@@ -27,6 +27,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 from jaxgin.moe import _fp8_device as fp8_rows  # noqa: E402
 from jaxgin.fused import _kernels as fused_kernels  # noqa: E402  (only pure helpers of these two run here,
 from jaxgin.moe import _kernels  # noqa: E402        never their tritongin calls)
+from jaxgin.moe import _routing_device  # noqa: E402
 
 
 class HostArray:
@@ -190,6 +191,69 @@ def routing() -> list[dict]:
 
 
 @triton.jit
+def _dispatch_routing(ids, slot, before, meta, dest, send_counts, masked, counts_to, starts_to, T: tl.constexpr,
+                      K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr):
+    """What dispatch_routing_kernel routes: program b its token block b (_block_routing, stored as
+    its placers store it), program 0 also the totals and what it tells each GPU first
+    (counts_to [P, EL + 1], starts_to [P, TB + 1])."""
+    b = tl.program_id(0)
+    slots, dest_b, code, first = _kernels._block_routing(ids, slot, b, T, K, P, EL, BT, BK, BP, SCAN, BR, 1)
+    _routing_device.store_block_route(b * BT, dest_b, code, slots, first, slot, before, meta, dest, T, K, P, BT, BK, BP)
+    if b == 0:
+        TB: tl.constexpr = (T + BT - 1) // BT
+        es = tl.arange(0, BE)
+        bs = tl.arange(0, BB)
+        per_bin, tokens_to, before_all = _kernels._sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, 1)
+        for d in tl.static_range(P):
+            counts, starts = _kernels._counts_and_starts(d, send_counts, before, per_bin, tokens_to, before_all,
+                                                         T, P, EL, BT, BP, BE, BB, 1)
+            tl.store(counts_to + d * (EL + 1) + es, counts, mask=es < EL + 1)
+            tl.store(starts_to + d * (TB + 1) + bs, starts, mask=bs <= TB)
+
+
+def dispatch_routing() -> list[dict]:
+    """The dispatch kernel's own routing (dispatch_routing_kernel: blocks of BT tokens, the totals
+    and block starts program 0 sends first) against _routing.route: route()'s arrays, each GPU's
+    counts row (send_counts[d]) and the staging row where each block starts on d (before at the
+    block's first token, then the tokens sent to d)."""
+    import jax.numpy as jnp
+
+    from jaxgin.moe import _routing, _routing_device
+
+    pow2 = _routing.pow2
+    checked = []
+    for p, t, k, el, bt, case, seed in ((4, 128, 8, 64, 2, "random", 0), (4, 37, 3, 5, 2, "masked", 1),
+                                        (1, 9, 2, 3, 2, "random", 2), (8, 50, 6, 4, 8, "masked", 3),
+                                        (2, 256, 8, 16, 2, "one_gpu", 4), (3, 17, 1, 7, 8, "random", 5)):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(-1 if case == "masked" else 0, p * el + (2 if case == "masked" else 0),
+                           size=(t, k)).astype(np.int32)
+        if case == "one_gpu":
+            ids = rng.integers(0, el, size=(t, k)).astype(np.int32)
+        plan = _routing.Plan(("ep",), p, t, 1, k, el, 1, "float32", _routing.LOW_LATENCY)
+        want, want_masked = _routing.route(jnp.asarray(ids), plan)
+        want = {name: np.asarray(getattr(want, name)) for name in ("slot", "before", "meta", "dest", "send_counts")}
+        tb = -(-t // bt)
+        got = dict(slot=np.full((t, p), -7, np.int32), before=np.full((t, p), -7, np.int32),
+                   meta=np.full((t, p, k), -7, np.int32), dest=np.full((t, k), -7, np.int32),
+                   send_counts=np.full((p, el + 1), -7, np.int32), masked=np.full((1,), -7, np.int32),
+                   counts_to=np.full((p, el + 1), -7, np.int32), starts_to=np.full((p, tb + 1), -7, np.int32))
+        arrays = {name: HostArray(a) for name, a in got.items()}
+        routing = _routing_device.constexprs(t, k, p, el)
+        _dispatch_routing[(tb,)](HostArray(ids), *arrays.values(), T=t, K=k, P=p, EL=el, BT=bt, BK=pow2(k),
+                                 BP=pow2(p), BE=pow2(el + 1), BB=pow2(tb + 1), SCAN=routing["SCAN"], BR=routing["BE"])
+        starts = np.concatenate([want["before"][::bt].T, want["send_counts"][:, el:]], axis=1)
+        equal = {name: bool(np.array_equal(arrays[name].array, want[name])) for name in want}
+        equal.update(masked=int(arrays["masked"].array[0]) == int(want_masked),
+                     counts_to=bool(np.array_equal(arrays["counts_to"].array, want["send_counts"])),
+                     starts_to=bool(np.array_equal(arrays["starts_to"].array, starts)))
+        checked.append(dict(gpus=p, tokens=t, top_k=k, local_experts=el, block_tokens=bt, case=case,
+                            masked_entries=int(want_masked), equal=equal))
+    return checked
+
+
+@triton.jit
 def _coords(out, TILES: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M: tl.constexpr,
             BLOCK: tl.constexpr):
     """out [TILES, 2]: the fused kernels' tile of each program number (_tile_coords)."""
@@ -217,4 +281,5 @@ def tile_order() -> list[dict]:
 
 if __name__ == "__main__":
     _in_place()
-    print(json.dumps({"fp8": fp8, "placement": placement, "routing": routing, "tile_order": tile_order}[sys.argv[1]]()))
+    print(json.dumps({"fp8": fp8, "placement": placement, "routing": routing, "dispatch_routing": dispatch_routing,
+                      "tile_order": tile_order}[sys.argv[1]]()))

@@ -9,11 +9,15 @@ order (senders first: jaxgin.op_kernels.start_order), and senders never wait on 
 programs claim their work items from a counter, and the one that completes the last raises the
 flags. Whatever subset of programs holds SMs, the work that others wait for gets done.
 
-dispatch (routing arithmetic: _routing.py, on GPUs up to 256 tokens _routing_device.py):
+dispatch (routing arithmetic: _routing.py). Up to 256 tokens per GPU the kernel routes itself
+(dispatch_routing_kernel, with _routing_device.py's functions): each program routes the token
+blocks it sends or places, counting the earlier tokens on its own (no program waits for another's
+routing), and program 0 the totals; above, it reads route()'s arrays made by XLA (dispatch_kernel).
   1. counts first: program 0 writes this GPU's send counts, and where each of its token blocks'
      rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
-     there; every program waits for all P, so from then on every GPU knows where each source's
-     entries land in its grouped output, and which staging rows each source block fills;
+     there; every program routes its first block, then waits for all P, so from then on every GPU
+     knows where each source's entries land in its grouped output, and which staging rows each
+     source block fills;
   2. the programs split in two kinds, so that stores bound by NVLink and stores bound by HBM never
      wait behind each other in one SM (a warp stalled on a full NVLink queue stalls its local
      stores too). Senders (a fraction of the SMs) store every token block into this GPU's staging
@@ -78,6 +82,7 @@ import triton.language as tl
 
 import jaxgin.triton_device.language as tgl
 from jaxgin.moe import _fp8_device as fp8_rows
+from jaxgin.moe import _routing_device
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
                                 wait_gin_source)
 
@@ -131,11 +136,81 @@ def _positions(codes, start, C: tl.constexpr, EL: tl.constexpr):
 
 
 @triton.jit
-def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
+def _block_routing(ids, slot, blk, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
+                   ROUTED: tl.constexpr):
+    """Routing of token block `blk`: (slots [BT, BP]: its staging row on each GPU, -1 where it does
+    not go; dest, code [BT, BK]: each entry's GPU and code; first [BT, BP]: route()'s `before`).
+    ROUTED: computed here from ids (_routing_device.block_route); else slots loaded from route()'s
+    arrays, and entries' codes come from its meta (_entry_codes), dest, code and first unused."""
+    t = blk * BT + tl.arange(0, BT)
+    if ROUTED:
+        dest, code, slots, first = _routing_device.block_route(ids, blk * BT, T, K, P, EL, BT, SCAN, BK, BP, BR)
+    else:
+        ps = tl.arange(0, BP)
+        slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=(t < T)[:, None] & (ps < P)[None, :], other=-1)
+        dest = tl.full((BT, BK), -1, tl.int32)
+        code = dest
+        first = slots
+    return slots, dest, code, first
+
+
+@triton.jit
+def _sent_totals(ids, send_counts, masked, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                 BK: tl.constexpr, BP: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr, ROUTED: tl.constexpr):
+    """ROUTED: what this GPU sends, from ids (send_counts and masked written too): entries per
+    expert bin [BR], tokens per GPU [BP], route()'s `before` of every token [SCAN, BP]. Else zeros
+    (route()'s arrays are read instead: _counts_and_starts)."""
+    if ROUTED:
+        per_bin, tokens_to = _routing_device.store_totals(ids, send_counts, masked, T, K, P, EL, SCAN, BK, BP, BR)
+        before_all = _routing_device.tokens_before_each(ids, T, K, P, EL, SCAN, BK, BP)
+    else:
+        per_bin = tl.zeros((BR,), dtype=tl.int32)
+        tokens_to = tl.zeros((BP,), dtype=tl.int32)
+        before_all = tl.zeros((SCAN, BP), dtype=tl.int32)
+    return per_bin, tokens_to, before_all
+
+
+@triton.jit
+def _counts_and_starts(d, send_counts, before, per_bin, tokens_to, before_all, T: tl.constexpr, P: tl.constexpr,
+                       EL: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr,
+                       ROUTED: tl.constexpr):
+    """What dispatch tells GPU d first: counts [BE] (this GPU's entries per local expert of d, then
+    its tokens sent to d; EL + 1 used) and starts [BB] (the staging row on d where each token
+    block's rows start, then the total; TB + 1 used), from _sent_totals (ROUTED) or route()'s arrays."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    es = tl.arange(0, BE)
+    bs = tl.arange(0, BB)
+    ps = tl.arange(0, BP)
+    if ROUTED:
+        counts = tl.gather(per_bin, d * EL + tl.minimum(es, EL - 1), 0)
+        counts = tl.where(es == EL, tl.sum(tl.where(ps == d, tokens_to, 0)), counts)
+        starts = tl.gather(_column(before_all, ps, d), tl.minimum(bs * BT, T - 1), 0)
+    else:
+        counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
+        starts = tl.load(before + tl.minimum(bs * BT, T - 1) * P + d, mask=bs < TB)
+    return counts, tl.where(bs < TB, starts, tl.sum(tl.where(es == EL, counts, 0)))
+
+
+@triton.jit
+def _entry_codes(meta, t, d, go, dest, code, K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr,
+                 ROUTED: tl.constexpr):
+    """[BT, BK] codes of tokens t's entries on GPU d (-1: the entry's expert is elsewhere), for the
+    tokens where `go`."""
+    ks = tl.arange(0, BK)
+    if ROUTED:
+        codes = tl.where(go[:, None] & (dest == d), code, -1)
+    else:
+        codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & (ks < K)[None, :], other=-1)
+    return codes
+
+
+@triton.jit
+def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
                 send_x, send_meta, send_w, me, half, epoch,
                 T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr,
-                FP8: tl.constexpr):
+                FP8: tl.constexpr, ROUTED: tl.constexpr):
     """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
     tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send area
     for them instead (put later, whole). Staged rows are SW elements wide: x's rows, or with FP8
@@ -148,7 +223,6 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
     ps = tl.arange(0, BP)
     t = blk * BT + tl.arange(0, BT)
     t_ok = t < T
-    slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
     w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
     # Where row 0 of this GPU's rows lands on each destination, as an address by destination: the
     # peer's address is a chain of dependent loads in the device library, so it is looked up once
@@ -159,7 +233,7 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
             sl = _column(slots, ps, d)
             go = sl >= 0
             peer = rank_of(route, d)
-            codes = tl.load(meta + (t[:, None] * P + d) * K + ks[None, :], mask=go[:, None] & k_ok[None, :], other=-1)
+            codes = _entry_codes(meta, t, d, go, dest, code, K, P, BK, ROUTED)
             if gin_route(ctx, route, d, me, GIN) != 0:
                 first = (half * P + d) * T
                 meta_to = send_meta
@@ -198,20 +272,20 @@ def _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, st
 
 
 @triton.jit
-def _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
+def _place_own_block(blk, x, slots, dest, code, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
                      T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
-                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
+                     C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                     FP8: tl.constexpr, ROUTED: tl.constexpr):
     """This GPU's own entries of token block `blk`, from x straight into their grouped rows (with
     FP8 rounded as the other GPUs' rows are: quantized and dequantized in registers)."""
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
     t = blk * BT + tl.arange(0, BT)
-    t_ok = t < T
-    mine = tl.load(slot + t * P + me, mask=t_ok, other=-1)  # own row of each token, -1: no entry here
+    mine = _column(slots, tl.arange(0, BP), me)  # own row of each token, -1: no entry here
     here = (mine >= 0)[:, None] & k_ok[None, :]
     w_rows = tl.load(weights + t[:, None] * K + ks[None, :], mask=here, other=0.0)
-    codes = tl.load(meta + (t[:, None] * P + me) * K + ks[None, :], mask=here, other=-1)
+    codes = _entry_codes(meta, t, me, mine >= 0, dest, code, K, P, BK, ROUTED)
     pos = _positions(codes, my_start, C, EL)
     tl.store(out_pos + (me * T + mine)[:, None] * K + ks[None, :], pos, mask=here)
     tl.store(out_w + (me * T + mine)[:, None] * K + ks[None, :], tl.where(pos >= 0, w_rows, 0.0), mask=here)
@@ -297,6 +371,50 @@ def dispatch_kernel(
     BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
     SW: tl.constexpr, FP8: tl.constexpr,
 ):
+    """dispatch of x along a routing computed before (route()'s arrays slot, before, meta,
+    send_counts: _dispatch tells the rest)."""
+    _dispatch(ctx, x, x, slot, before, meta, out_dropped, weights, send_counts, out_dropped, route,
+              stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+              send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, 0, 1, 1)
+
+
+@triton.jit
+def dispatch_routing_kernel(
+    ctx, x, ids, weights, route,
+    stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+    send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+    slot, before, meta, dest, send_counts, masked,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
+):
+    """dispatch of x along ids int32 [T, K], routed here: every program routes the token blocks it
+    sends or places (_routing_device.block_route, counting the earlier tokens itself), and program
+    0 the totals it sends first, so no routing kernel runs before. Also writes route()'s arrays
+    (slot, before, meta, dest, send_counts, masked: outputs here) for combine and the gradients.
+    T <= SCAN = _routing_device.scan_tokens(T); BR = _routing_device.constexprs()'s BE."""
+    _dispatch(ctx, x, ids, slot, before, meta, dest, weights, send_counts, masked, route,
+              stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+              send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, 1, SCAN, BR)
+
+
+@triton.jit
+def _dispatch(
+    ctx, x, ids, slot, before, meta, dest_out, weights, send_counts, masked, route,
+    stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+    send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, ROUTED: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
+):
     """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, SW],
     stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1], stage_starts [2, P, T + 1]
     (half, source, row or block: staging row where each block's rows start, then the total);
@@ -327,11 +445,11 @@ def dispatch_kernel(
 
     # 1. Counts and block starts first.
     if pid == 0:
+        per_bin, tokens_to, before_all = _sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, ROUTED)
         for d in tl.static_range(P):
             peer = rank_of(route, d)
-            counts = tl.load(send_counts + d * (EL + 1) + es, mask=es < EL + 1)
-            starts = tl.load(before + tl.minimum(bs * BT, T - 1) * P + d, mask=bs < TB)
-            starts = tl.where(bs < TB, starts, tl.sum(tl.where(es == EL, counts, 0)))
+            counts, starts = _counts_and_starts(d, send_counts, before, per_bin, tokens_to, before_all,
+                                                T, P, EL, BT, BP, BE, BB, ROUTED)
             if gin_route(ctx, route, d, me, GIN) != 0:
                 out_row = half * P + d
                 there = half * P + me
@@ -351,6 +469,9 @@ def dispatch_kernel(
             for s in tl.static_range(P):
                 if gin_route(ctx, route, s, me, GIN) != 0:
                     arrivals_to_flag(ctx, sig + s, 2, flags + s, epoch + 1, my_rank)
+    # The first block this program sends or places is routed while the counts travel.
+    blk = tl.where(pid < NS, pid, pid - NS)
+    slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
     for source in tl.static_range(P):
         tgl.wait_flag(ctx, flags + source, epoch + 1)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
@@ -362,9 +483,13 @@ def dispatch_kernel(
 
     # 2. Senders: every token block to the other GPUs, in block order.
     if pid < NS:
-        for blk in range(pid, TB, SEND_STEP):
-            _send_block(ctx, blk, x, slot, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
-                        send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN, SW, FP8)
+        while blk < TB:
+            _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, stage_meta, stage_w,
+                        block_flags, send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN,
+                        SW, FP8, ROUTED)
+            blk += SEND_STEP
+            if blk < TB:
+                slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
         if GIN:
             # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there
             # (the first placer to need them waits for them: _place_block).
@@ -386,9 +511,15 @@ def dispatch_kernel(
         # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
         q = pid - NS
         placers = nprog - NS
-        for blk in range(q, TB, placers):
-            _place_own_block(blk, x, slot, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
-                             T, H, K, P, EL, C, BT, BH, BK, FP8)
+        while blk < TB:
+            _place_own_block(blk, x, slots, dest, code, meta, weights, out_x, out_pos, out_w, me, my_start, my_rows,
+                             T, H, K, P, EL, C, BT, BH, BK, BP, FP8, ROUTED)
+            if ROUTED:
+                _routing_device.store_block_route(blk * BT, dest, code, slots, first, slot, before, meta, dest_out,
+                                                  T, K, P, BT, BK, BP)
+            blk += placers
+            if blk < TB:
+                slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
         filled = tl.minimum(tl.sum(total), C)
         for zb in range(q, (C + BZ - 1) // BZ, placers):
             z = zb * BZ + tl.arange(0, BZ)

@@ -1,19 +1,23 @@
-"""_routing.route as one Triton kernel: the source side of a dispatch in a single launch.
+"""_routing.route in Triton: the source side of a dispatch, computed on the device.
 
-XLA computes route() in about nine fusions; this kernel writes the same arrays, bit for bit, in
+XLA computes route() in about nine fusions; route_kernel writes the same arrays, bit for bit, in
 one launch. Program b takes tokens [b * R, (b + 1) * R): it counts the experts and destinations
 of every earlier token itself (a histogram per SCAN tokens, no waiting on other programs, so
 nothing depends on which programs are resident), then ranks its own entries among equal experts
 in (token, k) order. The program of the last block also writes the totals (send_counts, masked
 entries). Each program reads every token's ids (those of later tokens masked), so the work grows
-with the square of the tokens: exchange uses the kernel up to _routing.LOW_LATENCY_MAX_TOKENS
-tokens per GPU, one SCAN step, and XLA's route() above.
+with the square of the tokens: up to _routing.LOW_LATENCY_MAX_TOKENS tokens per GPU (one SCAN
+step) dispatch routes with these functions inside its own kernel (_kernels.dispatch_routing_kernel:
+blocks of its own size, the totals by its program 0), and with XLA's route() above.
 """
 
+import jax
+import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from jaxgin.moe._routing import pow2
+from jaxgin.moe._routing import SourceRoute, pow2
+from jaxgin.triton_op import triton_call
 
 TOKENS_PER_PROGRAM = 16  # R
 SCAN_TOKENS = 256  # the most tokens one counting step of the earlier tokens takes
@@ -73,32 +77,38 @@ def _goes(dest, present, ps):
 
 
 @triton.jit
-def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
-                 T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, R: tl.constexpr,
-                 SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
-    """ids int32 [T, K] -> slot, before [T, P], meta [T, P, K], dest [T, K], send_counts [P, EL + 1],
-    masked [1], as _routing.route returns them. BE: a power of two > P * EL + 1 (one bin per expert,
-    one for masked entries, one for absent ones); SCAN: scan_tokens(T). Launch: grid(), num_warps(),
-    constexprs()."""
+def count_tokens_before(ids, limit, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                        SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """Of tokens [0, limit): entries per expert bin [BE] (bin E: masked entries) and tokens per
+    destination GPU [BP], counted SCAN tokens per step."""
     E: tl.constexpr = P * EL
-    N: tl.constexpr = R * BK
     NS: tl.constexpr = SCAN * BK
-    b = tl.program_id(0)
     ks = tl.arange(0, BK)
     ps = tl.arange(0, BP)
-    rs = tl.arange(0, R)
     ss = tl.arange(0, SCAN)
-    # every earlier token: entries per expert bin, tokens per destination
     per_bin = tl.zeros((BE,), dtype=tl.int32)
     tokens_to = tl.zeros((BP,), dtype=tl.int32)
     for t0 in range(0, T, SCAN):  # constant bounds (Triton 3.6's interpreter takes no tensor bound)
-        per_bin += tl.histogram(_flat_bins(ids, t0, b * R, NS, K, E, BK), BE)
-        _, dest, present = _entries(ids, t0 + ss, t0 + ss < b * R, ks, K, E, EL)
+        per_bin += tl.histogram(_flat_bins(ids, t0, limit, NS, K, E, BK), BE)
+        _, dest, present = _entries(ids, t0 + ss, t0 + ss < limit, ks, K, E, EL)
         tokens_to += tl.sum(_goes(dest, present, ps), axis=0)
-    # this program's tokens
-    t = b * R + rs
-    t_ok = t < T
-    bins, dest, present = _entries(ids, t, t_ok, ks, K, E, EL)
+    return per_bin, tokens_to
+
+
+@triton.jit
+def block_route(ids, t0, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, R: tl.constexpr,
+                SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """route()'s arrays for tokens t0 .. t0 + R - 1 (those past T masked), from the tokens before
+    them counted here: (dest [R, BK]: GPU of each entry, -1 where masked or absent; code [R, BK]:
+    local expert + EL * rank, meaningful where dest >= 0; slot [R, BP]: staging row on each GPU, -1
+    where the token does not go there; first [R, BP]: tokens before it that go there)."""
+    E: tl.constexpr = P * EL
+    N: tl.constexpr = R * BK
+    per_bin, tokens_to = count_tokens_before(ids, t0, T, K, P, EL, SCAN, BK, BP, BE)
+    ks = tl.arange(0, BK)
+    ps = tl.arange(0, BP)
+    t = t0 + tl.arange(0, R)
+    bins, dest, present = _entries(ids, t, t < T, ks, K, E, EL)
     flat = tl.reshape(bins, (N,))
     flat_present = tl.reshape(present, (N,))
     i = tl.arange(0, N)
@@ -107,16 +117,75 @@ def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
     code = tl.reshape(flat % EL + EL * rank, (R, BK))
     goes = _goes(dest, present, ps)  # [R, BP]
     first = tokens_to[None, :] + tl.cumsum(goes, axis=0) - goes
-    rows_ok = t_ok[:, None] & (ps < P)[None, :]
+    return dest, code, tl.where(goes > 0, first, -1), first
+
+
+@triton.jit
+def store_block_route(t0, dest, code, slot_rows, first, slot, before, meta, dest_out, T: tl.constexpr,
+                      K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    """block_route's arrays for tokens t0 .. t0 + R - 1 into route()'s layout."""
+    ks = tl.arange(0, BK)
+    ps = tl.arange(0, BP)
+    t = t0 + tl.arange(0, R)
+    present = (t < T)[:, None] & (ks < K)[None, :]
+    rows_ok = (t < T)[:, None] & (ps < P)[None, :]
     tl.store(before + t[:, None] * P + ps[None, :], first, mask=rows_ok)
-    tl.store(slot + t[:, None] * P + ps[None, :], tl.where(goes > 0, first, -1), mask=rows_ok)
+    tl.store(slot + t[:, None] * P + ps[None, :], slot_rows, mask=rows_ok)
     tl.store(dest_out + t[:, None] * K + ks[None, :], dest, mask=present)
     for d in tl.static_range(P):
         tl.store(meta + (t[:, None] * P + d) * K + ks[None, :], tl.where(dest == d, code, -1), mask=present)
-    if b == tl.num_programs(0) - 1:
-        total = per_bin + tl.histogram(tl.where(flat_present, flat, E + 1), BE)  # no reshaped mask (_flat_bins)
-        sent = tokens_to + tl.sum(goes, axis=0)
-        es = tl.arange(0, BE)
-        tl.store(send_counts + (es // EL) * (EL + 1) + es % EL, total, mask=es < E)
-        tl.store(send_counts + ps * (EL + 1) + EL, sent, mask=ps < P)
-        tl.store(masked, tl.sum(tl.where(es == E, total, 0)))
+
+
+@triton.jit
+def store_totals(ids, send_counts, masked, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                 SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """send_counts [P, EL + 1] and masked [1] of all T tokens; returns (entries per expert bin [BE],
+    tokens per destination [BP]) they were written from."""
+    E: tl.constexpr = P * EL
+    per_bin, tokens_to = count_tokens_before(ids, T, T, K, P, EL, SCAN, BK, BP, BE)
+    es = tl.arange(0, BE)
+    ps = tl.arange(0, BP)
+    tl.store(send_counts + (es // EL) * (EL + 1) + es % EL, per_bin, mask=es < E)
+    tl.store(send_counts + ps * (EL + 1) + EL, tokens_to, mask=ps < P)
+    tl.store(masked, tl.sum(tl.where(es == E, per_bin, 0)))
+    return per_bin, tokens_to
+
+
+@triton.jit
+def tokens_before_each(ids, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                       SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    """route()'s `before` of every token [SCAN, BP] (T <= SCAN): tokens before it that go to each GPU."""
+    ts = tl.arange(0, SCAN)
+    _, dest, present = _entries(ids, ts, ts < T, tl.arange(0, BK), K, P * EL, EL)
+    goes = _goes(dest, present, tl.arange(0, BP))
+    return tl.cumsum(goes, axis=0) - goes
+
+
+@triton.jit
+def route_kernel(ctx, ids, slot, before, meta, dest_out, send_counts, masked,
+                 T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, R: tl.constexpr,
+                 SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """ids int32 [T, K] -> slot, before [T, P], meta [T, P, K], dest [T, K], send_counts [P, EL + 1],
+    masked [1], as _routing.route returns them. BE: a power of two > P * EL + 1 (one bin per expert,
+    one for masked entries, one for absent ones); SCAN: scan_tokens(T). Launch: grid(), num_warps(),
+    constexprs(). The dispatch kernel runs the same functions for its own blocks
+    (_kernels.dispatch_routing_kernel); this kernel is the routing alone."""
+    t0 = tl.program_id(0) * R
+    dest, code, slot_rows, first = block_route(ids, t0, T, K, P, EL, R, SCAN, BK, BP, BE)
+    store_block_route(t0, dest, code, slot_rows, first, slot, before, meta, dest_out, T, K, P, R, BK, BP)
+    if tl.program_id(0) == tl.num_programs(0) - 1:
+        store_totals(ids, send_counts, masked, T, K, P, EL, SCAN, BK, BP, BE)
+
+
+def route_alone(topk_ids, plan):
+    """route()'s arrays (SourceRoute, masked entries) from route_kernel, through jaxgin.triton_call on
+    a GPU: the routing alone, which dispatch does inside its own kernel (tests check the device
+    functions with it at GPU counts one GPU cannot dispatch over; benchmarks time it)."""
+    p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
+    i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
+    slot, before, meta, dest, send_counts, masked = triton_call(
+        route_kernel, topk_ids.astype(jnp.int32), grid=grid(t),
+        out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
+        num_warps=num_warps(t), num_stages=1, **constexprs(t, k, p, el),
+    )
+    return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())

@@ -1,7 +1,7 @@
 """jaxgin.moe.dispatch / combine: expert-parallel token exchange inside shard_map.
 
-On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call, dispatch after its
-routing (route_kernel: one more kernel up to 256 tokens per GPU, XLA's fusions above); in
+On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call; up to 256 tokens
+per GPU dispatch's kernel also routes (no kernel before it), above that XLA's fusions route; in
 reference mode (CPU) the same placement is computed with jax.lax.all_to_all over worst-case
 staging arrays.
 Gradients (jax.custom_vjp, shared by both modes so the CPU tests check the rules the GPUs use):
@@ -96,9 +96,8 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
         fp8_lib.check_hidden(DISPATCH, x.shape[1])
     plan = _routing.make_plan(DISPATCH, names, size, x, topk_ids, num_experts, capacity, mode)
     x, topk_ids, topk_weights = op_support.same_varying(names, x, topk_ids, topk_weights)
-    route, invalid = _route(topk_ids, plan)
-    grouped, positions, weights, counts, rows, dropped = (_dispatch_fp8 if fp8 else _dispatch)(
-        x, topk_weights.astype(jnp.float32), route, plan)
+    grouped, positions, weights, counts, rows, dropped, route, invalid = (_routed_dispatch_fp8 if fp8 else _routed_dispatch)(
+        x, topk_weights.astype(jnp.float32), topk_ids.astype(jnp.int32), plan)
     return Dispatched(grouped, counts, dropped + invalid, Handle(route, positions, weights, rows, plan))
 
 
@@ -293,31 +292,37 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[
     return senders + placers, senders
 
 
-def route_kernel(state, topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
-    """_routing.route on GPUs: one Triton kernel up to LOW_LATENCY_MAX_TOKENS tokens per GPU, one
-    launch where XLA makes about nine (_routing_device.py); XLA's fusions above, where the kernel's
-    work, growing with the square of the tokens, would cost more than they do."""
-    if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS:
-        return _routing.route(topk_ids, plan)
-    op_support.require_tritongin(DISPATCH)
-    from jaxgin.moe import _routing_device  # needs Triton (optional: GPU lowering only)
-
-    p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
-    i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
-    slot, before, meta, dest, send_counts, masked = triton_call(
-        _routing_device.route_kernel, topk_ids.astype(jnp.int32), grid=_routing_device.grid(t),
-        out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
-        num_warps=_routing_device.num_warps(t), num_stages=1, **_routing_device.constexprs(t, k, p, el),
-    )
-    return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())
-
-
 def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool = False):
-    """dispatch on GPUs; fp8: rows cross as e4m3 values and scales, quantized as the kernel stages
-    them and dequantized as it places them (the result is fp8.rounded(x)'s rows)."""
+    """dispatch on GPUs along a routing made before (route()'s arrays); fp8: rows cross as e4m3
+    values and scales, quantized as the kernel stages them and dequantized as it places them (the
+    result is fp8.rounded(x)'s rows)."""
     op_support.require_tritongin(DISPATCH)
     from jaxgin.moe import _kernels  # needs Triton (optional: GPU lowering only)
 
+    launch = _dispatch_launch(state, plan, fp8)
+    buf = launch.pop("buffers")
+    outs = triton_call(
+        _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
+        axis_route(plan.names), *buf, out_shape=_dispatch_outputs(plan, x.dtype), **launch,
+    )
+    grouped, positions, weights_out, counts, rows, dropped = outs
+    return grouped, positions, weights_out, counts, rows, dropped.reshape(())
+
+
+def _dispatch_outputs(plan: Plan, dtype) -> list:
+    """The dispatch kernels' first outputs: grouped rows, positions, weights, expert counts, rows per
+    source, dropped entries."""
+    p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
+    return [
+        jax.core.ShapedArray((c, h), dtype), jax.core.ShapedArray((p, t, k), jnp.int32),
+        jax.core.ShapedArray((p, t, k), jnp.float32), jax.core.ShapedArray((el,), jnp.int32),
+        jax.core.ShapedArray((p,), jnp.int32), jax.core.ShapedArray((1,), jnp.int32),
+    ]
+
+
+def _dispatch_launch(state, plan: Plan, fp8: bool) -> dict:
+    """What both dispatch kernels launch with: the heap buffers in their argument order ("buffers"),
+    the grid, warps and compile-time parameters."""
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
     bt, bh, warps, senders_per_8 = _blocks(plan)
     bh = min(bh, pow2(h))
@@ -326,24 +331,41 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
     buf, gin = _buffers(state, plan, fp8)
     sw, staged = _staged_row(plan, fp8)
     programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8)
-    outs = triton_call(
-        _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
-        axis_route(plan.names), buf["stage_x"], buf["stage_meta"], buf["stage_w"], buf["stage_counts"],
-        buf["stage_starts"], buf["dispatch_flags"], buf["block_flags"], buf["dispatch_state"],
-        buf["send_x"], buf["send_meta"], buf["send_w"], buf["send_head"], buf["send_starts"], buf["data_ready"],
-        buf["signals"],
-        grid=(programs,),
-        out_shape=[
-            jax.core.ShapedArray((c, h), x.dtype), jax.core.ShapedArray((p, t, k), jnp.int32),
-            jax.core.ShapedArray((p, t, k), jnp.float32), jax.core.ShapedArray((el,), jnp.int32),
-            jax.core.ShapedArray((p,), jnp.int32), jax.core.ShapedArray((1,), jnp.int32),
-        ],
+    names = ("stage_x", "stage_meta", "stage_w", "stage_counts", "stage_starts", "dispatch_flags", "block_flags",
+             "dispatch_state", "send_x", "send_meta", "send_w", "send_head", "send_starts", "data_ready", "signals")
+    return dict(
+        buffers=[buf[name] for name in names], grid=(programs,),
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=pow2(k), BP=pow2(p), BE=pow2(el + 1), BZ=_ZERO_ROWS,
         BB=pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(staged).itemsize, GIN=int(gin), SW=sw, FP8=int(fp8),
     )
-    grouped, positions, weights_out, counts, rows, dropped = outs
-    return grouped, positions, weights_out, counts, rows, dropped.reshape(())
+
+
+def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool = False):
+    """dispatch on GPUs from the ids: up to LOW_LATENCY_MAX_TOKENS tokens per GPU one kernel that
+    routes as it goes (_kernels.dispatch_routing_kernel), above them XLA's route() then
+    dispatch_kernel (routing in the kernel grows with the square of the tokens). Returns
+    dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries)."""
+    if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS:
+        route, masked = _routing.route(topk_ids, plan)
+        return (*dispatch_kernel(state, x, weights, route, plan, fp8), route, masked)
+    op_support.require_tritongin(DISPATCH)
+    from jaxgin.moe import _kernels, _routing_device  # need Triton (optional: GPU lowering only)
+
+    p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
+    launch = _dispatch_launch(state, plan, fp8)
+    buf = launch.pop("buffers")
+    i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
+    routing = _routing_device.constexprs(t, k, p, el)
+    outs = triton_call(
+        _kernels.dispatch_routing_kernel, x, topk_ids, weights, axis_route(plan.names), *buf,
+        out_shape=[*_dispatch_outputs(plan, x.dtype),
+                   i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
+        SCAN=routing["SCAN"], BR=routing["BE"], **launch,
+    )
+    grouped, positions, weights_out, counts, rows, dropped, slot, before, meta, dest, send_counts, masked = outs
+    return (grouped, positions, weights_out, counts, rows, dropped.reshape(()),
+            SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(()))
 
 
 def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan: Plan):
@@ -367,14 +389,22 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
 # The differentiable ops (one custom_vjp each, for both modes).
 
 
-_route = op_support.by_backend(_routing.route, route_kernel)
 _dispatch_forward = op_support.by_backend(dispatch_reference, dispatch_kernel)
 _combine_forward = op_support.by_backend(combine_reference, combine_kernel)
 
 
-def _dispatch_fwd(x, weights, route, plan):
-    out = _dispatch_forward(x, weights, route, plan)
-    return out, (route, out[1], out[4])
+def _routed_dispatch_reference(x, weights, topk_ids, plan):
+    route, masked = _routing.route(topk_ids, plan)
+    return (*dispatch_reference(x, weights, route, plan), route, masked)
+
+
+# dispatch from the ids: its arrays, then the routing it made (SourceRoute, masked entries).
+_routed_dispatch_forward = op_support.by_backend(_routed_dispatch_reference, dispatch_routing_kernel)
+
+
+def _routed_dispatch_fwd(x, weights, topk_ids, plan):
+    out = _routed_dispatch_forward(x, weights, topk_ids, plan)
+    return out, (out[6], out[1], out[4])
 
 
 def _dispatch_bwd(plan, saved, cts):
@@ -426,22 +456,27 @@ def dispatch_fp8_reference(x, weights, route: SourceRoute, plan: Plan):
     return (fp8_lib.dequantize(*fp8_lib.unpack(grouped, plan.hidden), x.dtype), *rest)
 
 
-def dispatch_fp8_kernel(state, x, weights, route: SourceRoute, plan: Plan):
-    return dispatch_kernel(state, x, weights, route, plan, fp8=True)
+def _routed_dispatch_fp8_reference(x, weights, topk_ids, plan):
+    route, masked = _routing.route(topk_ids, plan)
+    return (*dispatch_fp8_reference(x, weights, route, plan), route, masked)
 
 
-_dispatch_fp8_forward = op_support.by_backend(dispatch_fp8_reference, dispatch_fp8_kernel)
+def dispatch_fp8_routing_kernel(state, x, weights, topk_ids, plan: Plan):
+    return dispatch_routing_kernel(state, x, weights, topk_ids, plan, fp8=True)
 
 
-def _dispatch_fp8_fwd(x, weights, route, plan):
-    out = _dispatch_fp8_forward(x, weights, route, plan)
-    return out, (route, out[1], out[4])
+_routed_dispatch_fp8_forward = op_support.by_backend(_routed_dispatch_fp8_reference, dispatch_fp8_routing_kernel)
+
+
+def _routed_dispatch_fp8_fwd(x, weights, topk_ids, plan):
+    out = _routed_dispatch_fp8_forward(x, weights, topk_ids, plan)
+    return out, (out[6], out[1], out[4])
 
 
 # The plan (static, hashable) is the last argument of each op; the integer arrays get no cotangent.
-_dispatch = jax.custom_vjp(_dispatch_forward, nondiff_argnums=(3,))
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_routed_dispatch = jax.custom_vjp(_routed_dispatch_forward, nondiff_argnums=(3,))
+_routed_dispatch.defvjp(_routed_dispatch_fwd, _dispatch_bwd)
 _combine = jax.custom_vjp(_combine_forward, nondiff_argnums=(5,))
 _combine.defvjp(_combine_fwd, _combine_bwd)
-_dispatch_fp8 = jax.custom_vjp(_dispatch_fp8_forward, nondiff_argnums=(3,))
-_dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_bwd)  # backward through the rounding as if it were not there
+_routed_dispatch_fp8 = jax.custom_vjp(_routed_dispatch_fp8_forward, nondiff_argnums=(3,))
+_routed_dispatch_fp8.defvjp(_routed_dispatch_fp8_fwd, _dispatch_bwd)  # backward through the rounding as if it were not there

@@ -42,6 +42,7 @@ import device_read
 import jaxgin
 import job
 from harness import PhaseClock, by_tier, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
+from jaxgin import op_support
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
 
@@ -172,8 +173,9 @@ def _wrong_and_difference(same, got, ref):
 
 def _against_reference(x, logits, *, top_k, experts, routing, capacity, mode):
     """One dispatch and combine (inside shard_map over "ep") next to the reference placement:
-    ([1, 6] whether grouped rows, positions, weights, expert counts, rows per source and dropped
-    entries are equal; combine's result; the reference combine; [1] dropped entries)."""
+    ([1, 7] whether grouped rows, positions, weights, expert counts, rows per source, dropped
+    entries and the routing in the handle are equal; combine's result; the reference combine; [1]
+    dropped entries)."""
     weights, ids = _routed(logits, top_k, experts, routing)
     sent = jaxgin.moe.dispatch(x, ids, weights, num_experts=experts, axis_name="ep", capacity=capacity, mode=mode)
     plan = sent.handle.plan
@@ -182,7 +184,9 @@ def _against_reference(x, logits, *, top_k, experts, routing, capacity, mode):
     got = jaxgin.moe.combine(y, sent.handle)
     ref = exchange.combine_reference(y, ref_w, ref_pos, ref_rows, route, plan)
     same = _same_dispatch(sent, (ref_x, ref_pos, ref_w, ref_counts, ref_rows, ref_dropped))
-    return same[None], got, ref, sent.dropped[None]
+    same_route = jnp.all(jnp.stack([jnp.array_equal(getattr(sent.handle.route, name), getattr(route, name))
+                                    for name in ("slot", "before", "meta", "dest", "send_counts")]))
+    return jnp.append(same, same_route)[None], got, ref, sent.dropped[None]
 
 
 def _same_dispatch(sent, reference):
@@ -467,10 +471,22 @@ ROUTING_KERNEL_SHAPES = ((1, 96, 4, 8, False), (4, 128, 8, 64, False), (8, 256, 
                          (2, 200, 6, 5, True), (3, 37, 3, 7, True))
 
 
+def _device_route(ids, plan):
+    """route()'s arrays from the routing kernel on GPUs (_routing_device.route_alone: the device
+    functions dispatch routes with inside its kernel), from route() itself in reference mode."""
+    def on_gpu(state, i, p):
+        from jaxgin.moe import _routing_device  # needs Triton
+
+        return _routing_device.route_alone(i, p)
+
+    return op_support.by_backend(_routing.route, on_gpu)(ids, plan)
+
+
 def _routing_kernel_exact() -> list[dict]:
-    """The routing kernel that dispatch runs on GPUs (exchange._route, up to LOW_LATENCY_MAX_TOKENS
-    tokens) against XLA's _routing.route on the same ids, array by array, on this process's first
-    GPU. Triton's interpreter checks the same on CPUs, but not the GPU's own lowering."""
+    """The device routing (what dispatch runs inside its kernel up to LOW_LATENCY_MAX_TOKENS tokens,
+    here as the routing kernel alone, at GPU counts one GPU cannot dispatch over) against XLA's
+    _routing.route on the same ids, array by array, on this process's first GPU. Triton's
+    interpreter checks the same on CPUs, but not the GPU's own lowering."""
     device = jax.local_devices()[0]
     checked = []
     for p, t, k, el, masked in ROUTING_KERNEL_SHAPES:
@@ -478,7 +494,7 @@ def _routing_kernel_exact() -> list[dict]:
         ids = rng.integers(-1 if masked else 0, p * el + (2 if masked else 0), size=(t, k)).astype(np.int32)
         plan = _routing.Plan(("ep",), p, t, 1, k, el, 1, "bfloat16", _routing.LOW_LATENCY)
         on_gpu = jax.device_put(ids, device)
-        got, got_masked = jax.jit(lambda i: exchange._route(i, plan))(on_gpu)
+        got, got_masked = jax.jit(lambda i: _device_route(i, plan))(on_gpu)
         want, want_masked = jax.jit(lambda i: _routing.route(i, plan))(on_gpu)
         equal = {name: bool(np.array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name))))
                  for name in ("slot", "before", "meta", "dest", "send_counts")}
