@@ -38,6 +38,7 @@ def _on_cpu_devices(code: str, devices: int):
     ("tools/call_overhead.py", [], 1),
     ("tools/profile_latency.py", [], 2),
     ("tools/probe_triton_histogram.py", [], 1),
+    ("tools/probe_stack_limit.py", [], 1),
     ("tools/profile_moe.py", [], 1),
     ("tools/transport_smoke.py", [], 1),
     ("tools/tune_triton_matmul.py", [], 1),
