@@ -286,6 +286,41 @@ def iterations(argv):
     jaxgin.finalize()
 
 
+def collective_behind_a_wait(argv):
+    """The process's first XLA collective launched while a jaxgin wait still waits for its put:
+    the put waits behind a matmul, the wait behind the put, and the all_gather takes the wait's
+    result. Over the host transport the wait needs the plugin's copy, so a launch that waits for
+    the device (NCCL's first, growing the stack, unless NCCL sized it at initialize) would hold
+    it until jaxgin's timeout. `equal`: every rank got its left neighbour's payload."""
+    jax, jaxgin = _setup(argv)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = _mesh(jax)
+    n = mesh.size
+    box = jaxgin.Mailbox("behind_a_wait", (1024,), jnp.float32)
+
+    def body(a, b):
+        me = jax.lax.axis_index("x")
+        payload = (a @ b)[0, :1024] / a.shape[1] + me.astype(jnp.float32)  # a millisecond of matmul first
+        token = jaxgin.put_signal(payload, box, peer=(me + 1) % n, axis_name="x")
+        got = jaxgin.wait_signal(box, 1, axis_name="x", after=token)[(me - 1) % n]
+        pairs = jax.lax.all_gather(jnp.stack([got, payload]), "x")  # [n, 2, 1024], after the wait
+        return jnp.array_equal(pairs[:, 0], jnp.roll(pairs[:, 1], 1, axis=0))[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    a = _global(jax, mesh, (4096, 4096), jnp.float32, 7)
+    ones = np.ones((4096, 4096), np.float32)
+    b = jax.make_array_from_callback(ones.shape, NamedSharding(mesh, P()), lambda idx: ones[idx])
+    start = time.perf_counter()
+    equal = bool(job.gathered(jax.block_until_ready(f(a, b))).all())
+    job.report({"devices": n, "processes": jax.process_count(), "equal": equal,
+                "seconds": time.perf_counter() - start,
+                "nccl_set_stack_size": os.environ.get("NCCL_SET_STACK_SIZE")})
+    jaxgin.finalize()
+
+
 COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 

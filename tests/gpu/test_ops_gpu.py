@@ -156,6 +156,20 @@ def test_iterations_emulated_hosts(world, command_buffers):
         assert sum(result["ffi_calls"].values()) == result["ops_per_iteration"] * ITERATIONS, result
 
 
+def test_first_collective_behind_a_wait_emulated_hosts():
+    """XLA's first NCCL launch behind a jaxgin wait whose put the host transport has yet to apply
+    (2026-11-29: NCCL's first launch grew the stack, waiting for the device while holding the
+    driver lock the plugin's copies take, and both ranks' waits timed out). With
+    NCCL_SET_STACK_SIZE=1, which the transport sets, NCCL sized the stack at initialize."""
+    require_emulated_hosts()
+    results = run_processes(OVER_TRANSPORT, ["collective_behind_a_wait"], 2, emulated=True, timeout=300,
+                            env={"JAXGIN_TIMEOUT": "30"})
+    record("emulated_ops_collective_behind_a_wait_2ranks", {"processes": results})
+    for result in results:
+        assert result["equal"] is True and result["nccl_set_stack_size"] == "1", result
+        _went_through_gin(result)
+
+
 @pytest.mark.parametrize("world", EMULATED_SPOT_WORLDS)
 @pytest.mark.parametrize("scenario, expected", [
     ("timeout", ("jaxgin.wait_signal", "waited for 2 puts", "only 1 arrived")),
