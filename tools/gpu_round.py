@@ -578,6 +578,9 @@ BENCHMARKS = {step.name: step for step in [
     Step("call_overhead", ["tools/call_overhead.py", "--out", "{out}"], 120, default=False, tail=10),
     # tl.histogram counted three ways against numpy (a masked count of a reshaped block miscounted on an H200)
     Step("triton_histogram", ["tools/probe_triton_histogram.py", "--out", "{out}"], 120, default=False, tail=20),
+    # the CUDA stack limit after NCCL's init, XLA's first collective and jaxgin's kernels (run it with
+    # NCCL_SET_STACK_SIZE=1, as the host transport sets it: what a later launch could still grow)
+    Step("stack_limit", ["tools/probe_stack_limit.py", "--out", "{out}"], 150, default=False, tail=10),
     # dispatch(fp8=True), fp8.quantize and fp8.rounded against a numpy / ml_dtypes oracle, value by value
     Step("check_fp8", ["tools/check_fp8.py", "--out", "{out}"], 200, default=False, tail=40),
     # latency's chains at 8 B traced with JAX's profiler: device time per op beside the wall-clock rows
