@@ -393,18 +393,24 @@ _dispatch_forward = op_support.by_backend(dispatch_reference, dispatch_kernel)
 _combine_forward = op_support.by_backend(combine_reference, combine_kernel)
 
 
-def _routed_dispatch_reference(x, weights, topk_ids, plan):
-    route, masked = _routing.route(topk_ids, plan)
-    return (*dispatch_reference(x, weights, route, plan), route, masked)
+def _routed_dispatch_op(reference, kernel):
+    """dispatch from the ids as a custom_vjp op (the plan its last, static, argument): `kernel` on
+    GPUs, else route() then `reference`; both return dispatch's arrays, then the routing made
+    (SourceRoute, masked entries), which the backward (_dispatch_bwd) keeps with positions and rows."""
 
+    def routed_reference(x, weights, topk_ids, plan):
+        route, masked = _routing.route(topk_ids, plan)
+        return (*reference(x, weights, route, plan), route, masked)
 
-# dispatch from the ids: its arrays, then the routing it made (SourceRoute, masked entries).
-_routed_dispatch_forward = op_support.by_backend(_routed_dispatch_reference, dispatch_routing_kernel)
+    forward = op_support.by_backend(routed_reference, kernel)
 
+    def fwd(x, weights, topk_ids, plan):
+        out = forward(x, weights, topk_ids, plan)
+        return out, (out[6], out[1], out[4])
 
-def _routed_dispatch_fwd(x, weights, topk_ids, plan):
-    out = _routed_dispatch_forward(x, weights, topk_ids, plan)
-    return out, (out[6], out[1], out[4])
+    op = jax.custom_vjp(forward, nondiff_argnums=(3,))
+    op.defvjp(fwd, _dispatch_bwd)
+    return op
 
 
 def _dispatch_bwd(plan, saved, cts):
@@ -456,27 +462,13 @@ def dispatch_fp8_reference(x, weights, route: SourceRoute, plan: Plan):
     return (fp8_lib.dequantize(*fp8_lib.unpack(grouped, plan.hidden), x.dtype), *rest)
 
 
-def _routed_dispatch_fp8_reference(x, weights, topk_ids, plan):
-    route, masked = _routing.route(topk_ids, plan)
-    return (*dispatch_fp8_reference(x, weights, route, plan), route, masked)
-
-
 def dispatch_fp8_routing_kernel(state, x, weights, topk_ids, plan: Plan):
     return dispatch_routing_kernel(state, x, weights, topk_ids, plan, fp8=True)
 
 
-_routed_dispatch_fp8_forward = op_support.by_backend(_routed_dispatch_fp8_reference, dispatch_fp8_routing_kernel)
-
-
-def _routed_dispatch_fp8_fwd(x, weights, topk_ids, plan):
-    out = _routed_dispatch_fp8_forward(x, weights, topk_ids, plan)
-    return out, (out[6], out[1], out[4])
-
-
 # The plan (static, hashable) is the last argument of each op; the integer arrays get no cotangent.
-_routed_dispatch = jax.custom_vjp(_routed_dispatch_forward, nondiff_argnums=(3,))
-_routed_dispatch.defvjp(_routed_dispatch_fwd, _dispatch_bwd)
+_routed_dispatch = _routed_dispatch_op(dispatch_reference, dispatch_routing_kernel)
 _combine = jax.custom_vjp(_combine_forward, nondiff_argnums=(5,))
 _combine.defvjp(_combine_fwd, _combine_bwd)
-_routed_dispatch_fp8 = jax.custom_vjp(_routed_dispatch_fp8_forward, nondiff_argnums=(3,))
-_routed_dispatch_fp8.defvjp(_routed_dispatch_fp8_fwd, _dispatch_bwd)  # backward through the rounding as if it were not there
+# backward through the rounding as if it were not there
+_routed_dispatch_fp8 = _routed_dispatch_op(dispatch_fp8_reference, dispatch_fp8_routing_kernel)
