@@ -58,6 +58,26 @@ def gin_route(ctx, route, d, me, GIN: tl.constexpr):
 
 
 @triton.jit
+def network_entry(route, hosts, s, d, P: tl.constexpr, BP: tl.constexpr):
+    """The axis index on `d`'s host that receives over the network what axis index `s` sends to
+    that host; `d` itself where s and d share a host (jaxgin.hosts.entries states the rule).
+    hosts: int32 [world], each rank's host (jaxgin.hosts.rank_hosts); BP: P rounded up to a power
+    of two."""
+    idx = tl.arange(0, BP)
+    ok = idx < P
+    host = tl.load(hosts + tl.load(route + RANKS + idx, mask=ok, other=0), mask=ok, other=-1)
+    host_s = tl.sum(tl.where(idx == s, host, 0))
+    host_d = tl.sum(tl.where(idx == d, host, 0))
+    place_s = tl.sum(tl.where((idx < s) & (host == host_s), 1, 0))
+    size_d = tl.sum(tl.where(host == host_d, 1, 0))
+    # each axis index's place among its host's (those before it on the same host)
+    earlier = (host[:, None] == host[None, :]) & (idx[None, :] < idx[:, None])
+    place = tl.sum(tl.where(earlier, 1, 0), axis=1)
+    entry = tl.sum(tl.where((host == host_d) & (place == place_s % size_d), idx, 0))
+    return tl.where(host_s == host_d, d, entry)
+
+
+@triton.jit
 def arrivals_to_flag(ctx, signal, count, flag, value, my_rank):
     """CTA-collective. Waits for `count` more puts on this GPU's `signal` (bounded by the runtime's
     timeout; the fault names the signal and, over the host transport, a peer whose process ended),

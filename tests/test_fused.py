@@ -10,6 +10,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
@@ -215,6 +216,22 @@ def test_bad_arguments_are_named(init, call, error, message):
         _sm(mesh, call)(x, w)
 
 
+class _FakeRuntime:
+    def __init__(self, infos):
+        self.infos = infos
+
+    def device_info(self, i):
+        return self.infos[i]
+
+
+class _FakeState:
+    def __init__(self, world, infos, force_gin=False):
+        self.world_size = world
+        self.local_devices = list(range(len(infos)))
+        self.runtime = _FakeRuntime(infos)
+        self.options = types.SimpleNamespace(force_gin=force_gin)
+
+
 class _HeapOnlyState:
     """What the fused ops' GPU lowering reads of the runtime when it places buffers: heap and
     signal allocators and the placement cache."""
@@ -226,6 +243,10 @@ class _HeapOnlyState:
         self.signals = heap.signal_allocator(1024)
         self.placements = {}
         self.generation = 0
+        # and, for routing across hosts (jaxgin.hosts), rank 1 of 4, on hosts of 2 GPUs
+        self.world_size, self.local_devices = 4, [None]
+        self.runtime = _FakeRuntime([{"rank": 1, "lsa_rank": 1, "lsa_size": 2}])
+        self.options = types.SimpleNamespace(force_gin=False)
 
 
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
@@ -275,8 +296,10 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
         assert groups <= (module.GIN_GROUPS if gin else 32)
         assert groups * kw["R"] >= -(-512 // tiles.block_m) > (groups - 1) * kw["R"]  # every row tile, once
         assert state.signals.available() == 1024 - 2 * size * groups * gin
-        assert buffers.flags.shape == (size * groups * (1 + gin),)  # GIN: a waiter's claim word per flag
-        assert args[6] == buffers.signals
+        assert buffers.flags.shape == (size * groups,)
+        assert args[7] == buffers.signals
+        if gin:  # each rank's host, for the network entries
+            assert np.asarray(args[3]).tolist() == [0, 0, 1, 1]
     assert buffers.state.shape == (3,)  # call counter, finished programs, start order
 
 
@@ -597,6 +620,31 @@ def test_the_fused_kernels_tile_order_covers_every_tile_once_group_by_group():
     assert len(checked) == 6 and all(c["every_tile_once"] and c["groups_in_runs"] for c in checked), checked
 
 
+def test_network_entry_on_the_device_follows_the_hosts_rule():
+    """op_kernels.network_entry (which GPU of a host receives a sender's data over the network, for
+    all_gather_matmul's forwarding), run by Triton's interpreter for every sender and destination,
+    equals jaxgin.hosts.entries over six layouts (unsorted axes and an axis over some ranks
+    included); each other host gets a sender's data at one GPU, and with equal hosts each GPU
+    receives from one sender per host."""
+    checked = triton_interpreter_check("network_entries")
+    assert len(checked) == 6, checked
+    assert all(c["equal"] and c["once_per_host"] and c["one_sender_per_host_each"] for c in checked), checked
+
+
+def test_rank_hosts_follows_the_lsa_teams_and_names_a_layout_it_cannot_express():
+    from jaxgin.errors import JaxginError
+    from jaxgin.hosts import rank_hosts
+
+    two = [{"rank": r, "lsa_rank": r % 2, "lsa_size": 2} for r in (2, 3)]
+    assert rank_hosts(_FakeState(8, two), "op").tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rank_hosts(_FakeState(4, two, force_gin=True), "op").tolist() == [0, 1, 2, 3]  # every GPU alone
+    with pytest.raises(JaxginError, match=r"op: .*equal GPU counts.*rank 2 is GPU 0 of a host of 2 in a job of 5"):
+        rank_hosts(_FakeState(5, two), "op")
+    shifted = [{"rank": 1, "lsa_rank": 0, "lsa_size": 2}]  # a host of 2 starting at rank 1
+    with pytest.raises(JaxginError, match="rank 1 is GPU 0 of a host of 2"):
+        rank_hosts(_FakeState(4, shifted), "op")
+
+
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
@@ -610,10 +658,11 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         GIN=gin, COPIERS=32 * gin, XB=2))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     pointers["gather"] = pointers.pop("recv")
-    pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "gather", "flags", "state", "sig", "out")}
+    pointers["hosts"] = "*i32"
+    pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "hosts", "gather", "flags", "state", "sig", "out")}
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, R=1, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
-        SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2))
+        SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2, BP=4))
     for kernel in (a2a, ag):
         ptx = kernel.asm["ptx"]
         assert kernel.asm["cubin"][:4] == b"\x7fELF"

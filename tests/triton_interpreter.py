@@ -3,7 +3,7 @@
 they stand for. A script of its own: Triton reads TRITON_INTERPRET when a kernel is defined, so it
 needs a fresh process.
 
-    python tests/triton_interpreter.py fp8|placement|routing|dispatch_routing|tile_order
+    python tests/triton_interpreter.py fp8|placement|routing|dispatch_routing|tile_order|network_entries
 
 prints one JSON line: the cases checked (tests/test_moe.py asserts on it).
 """
@@ -28,6 +28,7 @@ from jaxgin.moe import _fp8_device as fp8_rows  # noqa: E402
 from jaxgin.fused import _kernels as fused_kernels  # noqa: E402  (only pure helpers of these two run here,
 from jaxgin.moe import _kernels  # noqa: E402        never their tritongin calls)
 from jaxgin.moe import _routing_device  # noqa: E402
+from jaxgin.op_kernels import network_entry  # noqa: E402
 
 
 class HostArray:
@@ -279,7 +280,48 @@ def tile_order() -> list[dict]:
     return checked
 
 
+@triton.jit
+def _entries(route, hosts, out, P: tl.constexpr, BP: tl.constexpr):
+    s = tl.program_id(0)
+    for d in range(P):
+        tl.store(out + s * P + d, network_entry(route, hosts, s, d, P, BP))
+
+
+def network_entries() -> list[dict]:
+    """op_kernels.network_entry for every (sender, destination) pair against jaxgin.hosts.entries,
+    over host layouts (hosts of 2 and 4 GPUs, every GPU a host of its own, axes whose order is not
+    the ranks'), and the rule's promises: each other host gets a sender's data once, at one GPU of
+    that host, and with hosts of equal size every GPU receives from one sender per host."""
+    from jaxgin.hosts import entries
+
+    layouts = [
+        ([0, 0, 1, 1], [0, 1, 2, 3]), ([0, 0, 1, 1, 2, 2, 3, 3], list(range(8))), ([0, 1, 2, 3], [0, 1, 2, 3]),
+        ([0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 2, 3, 4, 5, 6, 7]), ([0, 0, 1, 1, 2, 2], [3, 0, 5, 2, 1, 4]),
+        ([0, 0, 1, 1, 2, 2, 3, 3], [6, 7, 2, 3]),  # an axis over some ranks only (a 2-D mesh's column)
+    ]
+    checked = []
+    for rank_hosts, axis_ranks in layouts:
+        p = len(axis_ranks)
+        out = HostArray(np.full((p, p), -1, np.int32))
+        _entries[(p,)](HostArray(np.asarray([p, *axis_ranks], np.int32)), HostArray(np.asarray(rank_hosts, np.int32)),
+                       out, P=p, BP=1 << (p - 1).bit_length())
+        axis_hosts = [rank_hosts[r] for r in axis_ranks]
+        want = entries(axis_hosts)
+        once = all(
+            len({int(want[s, d]) for d in range(p) if axis_hosts[d] == h}) == 1
+            and axis_hosts[int(want[s, [d for d in range(p) if axis_hosts[d] == h][0]])] == h
+            for s in range(p) for h in set(axis_hosts) - {axis_hosts[s]})
+        receivers = {}
+        for s in range(p):
+            for d in range(p):
+                if axis_hosts[d] != axis_hosts[s]:
+                    receivers.setdefault((int(want[s, d]), axis_hosts[s]), set()).add(s)
+        checked.append(dict(hosts=axis_hosts, equal=bool(np.array_equal(out.array, want)), once_per_host=once,
+                            one_sender_per_host_each=all(len(v) == 1 for v in receivers.values())))
+    return checked
+
+
 if __name__ == "__main__":
     _in_place()
     print(json.dumps({"fp8": fp8, "placement": placement, "routing": routing, "dispatch_routing": dispatch_routing,
-                      "tile_order": tile_order}[sys.argv[1]]()))
+                      "tile_order": tile_order, "network_entries": network_entries}[sys.argv[1]]()))

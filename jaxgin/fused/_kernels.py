@@ -27,7 +27,8 @@ Peers on other hosts (GIN), picked per peer on the device (jaxgin.op_kernels.gin
 with the MoE kernels): a NIC reads only the symmetric heap, and XLA's output is not in it, so data
 for such a peer is put from a heap staging area into a receive area in the peer's heap, and the
 receiver copies it out. matmul_all_to_all puts each finished tile (packed, one put per tile) from
-the matmul's epilogue; all_gather_matmul's senders put this GPU's shard row group by row group.
+the matmul's epilogue; all_gather_matmul's senders put this GPU's shard row group by row group,
+once per other host, to one GPU there that forwards it over NVLink (jaxgin.hosts).
 Arrivals are counted by signals, and one program per signal hands them to the flag waiters
 (jaxgin.op_kernels.arrivals_to_flag, wait_gin_source), so the rest of each kernel is the same for
 both paths. Kernels compiled for a job without GIN peers (GIN = 0) keep only the NVLink paths.
@@ -51,8 +52,8 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton_device.language as tgl
-from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
-                                wait_gin_source)
+from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, network_entry, rank_of,
+                                start_order, wait_gin_source)
 
 # Every fused op's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), FINISHED, STARTED].
 FINISHED = tl.constexpr(1)
@@ -502,26 +503,54 @@ def _copy_rows(dst, x, lo, hi, K: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: 
 
 
 @triton.jit
+def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML: tl.constexpr,
+                          K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+                          SENDERS: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, BP: tl.constexpr):
+    """Senders, after their own puts: for each (source on another host, row group) this GPU is
+    the network entry of (jaxgin.hosts), waits for the group's put, copies it into the same slot
+    of every host-mate's gather buffer over NVLink and raises its flag there and here. Nearest
+    source first, as the computing programs take them. The waits end: every GPU's senders post
+    their puts before they wait for any."""
+    for item in range(pid, (P - 1) * G, SENDERS):
+        s = (me + P - 1 - item // G) % P
+        g = item % G
+        if gin_route(ctx, route, s, me, 1) != 0:
+            if network_entry(route, hosts, s, me, P, BP) == me:
+                tgl.wait_arrivals(ctx, sig + (half * P + s) * G + g, 1)
+                lo = g * R * BM
+                hi = tl.minimum(ML, (g + 1) * R * BM)
+                slot = (half * P + s) * (ML * K)
+                for j in tl.static_range(1, P):
+                    m = (me + j) % P
+                    if gin_route(ctx, route, m, me, 1) == 0:  # a host-mate: its entry for s is this GPU
+                        mate = rank_of(route, m)
+                        _copy_rows(tgl.peer_ptr(ctx, gather, mate) + slot, gather + slot, lo, hi, K, SEND_BM, SEND_BK)
+                        tgl.set_flag(ctx, flags + s * G + g, epoch + 1, mate)
+                tgl.set_flag(ctx, flags + s * G + g, epoch + 1, rank_of(route, me))
+
+
+@triton.jit
 def all_gather_matmul_kernel(
-    ctx, x, w, route, gather, flags, state, sig, out,
+    ctx, x, w, route, hosts, gather, flags, state, sig, out,
     ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+    BP: tl.constexpr,
 ):
     """out [P*ML, N] = all_gather(x [ML, K]) @ w. The shard from s lands in gather half
     `epoch % 2`, slot s, on every other GPU, row group by row group (R tile rows each);
     flags[s * G + g] there = the call counter + 1 once group g has landed.
     Grid: SENDERS + P * TM * TN.
 
-    GIN (1 when the job has GPUs on other hosts; else sig is unused): senders go group by group,
-    and a group with a destination on another host is first copied into this GPU's own gather slot
-    (which nothing else uses: the own shard is read from x), then put from there into the same
-    place of each such destination, +1 on its signal `sig + (half * P + me) * G + g` (a signal
-    per call parity, group and source, because puts complete in any order). The first computing
-    program to need a group from a GIN source waits for its put (wait_gin_source, claim word
-    flags[P * G + s * G + g]) and raises the flag an NVLink source would have set, which the
-    others wait on. Senders never wait, and computing programs wait only for senders (which start
-    first) or for a program that has claimed the wait, so the kernels cannot deadlock."""
+    GIN (1 when the job has GPUs on other hosts; else hosts and sig are unused): each shard crosses
+    to each other host once. Senders go group by group; a group bound for another host is first
+    copied into this GPU's own gather slot (which nothing else uses: the own shard is read from x),
+    then put from there into the same place of that host's network entry for this GPU
+    (jaxgin.hosts), +1 on its signal `sig + (half * P + me) * G + g` (a signal per call parity,
+    group and source, because puts complete in any order). Then the senders of each entry forward
+    what arrived to its host-mates (_forward_from_network) and raise the flags an NVLink source
+    would have raised. Computing programs only wait for flags, which senders raise; senders wait
+    only for other GPUs' senders' puts, posted before any sender waits: no wait can deadlock."""
     TM: tl.constexpr = (ML + BM - 1) // BM
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -530,25 +559,30 @@ def all_gather_matmul_kernel(
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
-            remote = 0  # destinations on other hosts: a group is staged only for them
+            networked = 0  # destinations this GPU puts to: a group is staged only for them
             for j in tl.static_range(1, P):
-                remote += gin_route(ctx, route, (me + j) % P, me, GIN)
+                d = (me + j) % P
+                if gin_route(ctx, route, d, me, GIN) != 0:
+                    networked += tl.where(network_entry(route, hosts, me, d, P, BP) == d, 1, 0)
             for g in range(pid, G, SENDERS):
                 lo = g * R * BM
                 hi = tl.minimum(ML, (g + 1) * R * BM)
-                if remote > 0:
+                if networked > 0:
                     _copy_rows(own, x, lo, hi, K, SEND_BM, SEND_BK)
                 for j in tl.static_range(1, P):
                     d = (me + j) % P
                     peer = rank_of(route, d)
                     if gin_route(ctx, route, d, me, GIN) != 0:
-                        # the same heap offset on d: its slot for this GPU's shard
-                        tgl.put_signal(ctx, own + lo * K, own + lo * K, (hi - lo) * K * XB, peer,
-                                       sig + (half * P + me) * G + g)
+                        if network_entry(route, hosts, me, d, P, BP) == d:
+                            # the same heap offset on d: its slot for this GPU's shard
+                            tgl.put_signal(ctx, own + lo * K, own + lo * K, (hi - lo) * K * XB, peer,
+                                           sig + (half * P + me) * G + g)
                     else:
                         _copy_rows(tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K), x, lo, hi, K,
                                    SEND_BM, SEND_BK)
                         tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
+            _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML, K, P, G, R, BM,
+                                  SENDERS, SEND_BM, SEND_BK, BP)
         else:
             for item in range(pid, (P - 1) * G, SENDERS):
                 d = (me + 1 + item // G) % P
@@ -565,12 +599,7 @@ def all_gather_matmul_kernel(
         if s == me:
             a = x
         else:
-            item = s * G + ti // R
-            if gin_route(ctx, route, s, me, GIN) != 0:  # the first program to need the group waits for its put
-                wait_gin_source(ctx, flags + P * G + item, sig + half * P * G + item, 1, flags + item, epoch + 1,
-                                rank_of(route, me))
-            else:
-                tgl.wait_flag(ctx, flags + item, epoch + 1)
+            tgl.wait_flag(ctx, flags + s * G + ti // R, epoch + 1)
             a = gather + (half * P + s) * (ML * K)
         acc = _matmul_tile(a, r % ML, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
         c = tj * BN + tl.arange(0, BN)

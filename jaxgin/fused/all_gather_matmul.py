@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgin import op_support
+from jaxgin.hosts import rank_hosts
 from jaxgin.route import axis_route
 from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.ffi import axes as axes_lib
@@ -44,8 +45,9 @@ def all_gather_matmul(x, w, *, axis_name, precision=None, tiles=None, method: st
     On GPUs, method="chunked" pushes this GPU's shard into every peer's heap with the copy
     engine while cuBLAS multiplies the own shard, then each peer's shard as it arrives.
     method="triton" is one Triton kernel: a few programs push the shard (NVLink stores, flagged per
-    row group) while the others compute; peers on other hosts get the shard by GIN puts, row group
-    by row group (a job with such peers runs the Triton kernel for "chunked" and "auto").
+    row group) while the others compute; other hosts get the shard by GIN puts, row group by row
+    group, once per host: one GPU there receives it and forwards it to its host-mates over NVLink
+    (jaxgin.hosts; a job with such peers runs the Triton kernel for "chunked" and "auto").
     method="unfused" is jax.lax.all_gather then XLA's matmul; "auto" (default) as in
     matmul_all_to_all, for the matmul of the gathered rows. `precision` and `tiles` as there.
     Differentiable: the backward pass is XLA's (all_gather of x for dw, reduce-scatter of the x
@@ -106,17 +108,17 @@ def _triton(state, x, w, plan: _Plan, gin: bool):
     groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
     buffers = _common.op_buffers(
         state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin),
-        # GIN: a claim word per (source, group) beside its flag: who waits for the put
-        (2, size, plan.m, plan.k), dtype, size * groups * (1 + gin), signals=2 * size * groups * gin,
+        (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
     )
+    hosts = jnp.asarray(rank_hosts(state, OP) if gin else np.zeros(1, np.int32))
     return triton_call(
-        _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
+        _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), hosts, buffers.exchange, buffers.flags,
         buffers.state, buffers.signals,
         grid=(SENDERS + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=SENDERS,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize,
+        SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=1 << (size - 1).bit_length(),
     )
 
 

@@ -268,12 +268,14 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
     """What one call puts through the host transport from this process's GPU, next to what it must
     move to the GPUs of other (emulated) hosts, `remote` of them (on a mixed mesh the host-mates'
     share goes over NVLink): matmul_all_to_all, each such GPU's chunk of x @ w once (remote * CM *
-    CN items); all_gather_matmul, this GPU's shard once to each (remote * M * K items);
+    CN items); all_gather_matmul, this GPU's shard once to each other host (remote hosts * M * K
+    items; once per GPU there, remote * M * K, before hierarchical routing: rank_minimum_bytes);
     matmul_reduce_scatter, this GPU's partial of each such GPU's chunk once (remote * CM * CN
     items). Puts: one per tile for matmul_all_to_all and matmul_reduce_scatter, one per row group
-    for all_gather_matmul (Triton method, whose tiles are fixed here)."""
+    for all_gather_matmul and other host (Triton method, whose tiles are fixed here)."""
     n = mesh.size
-    remote = n - int(os.environ.get("JAXGIN_TEST_RANKS_PER_HOST", "1"))
+    per_host = int(os.environ.get("JAXGIN_TEST_RANKS_PER_HOST", "1"))
+    remote, remote_hosts = n - per_host, n // per_host - 1
     if split == 1:
         nn *= n  # N = the columns of one chunk times the axis size
     tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
@@ -298,13 +300,16 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
         cm, cn = (m // n, nn) if split == 0 else (m, nn // n)
         minimum = remote * cm * cn * itemsize
         puts = remote * -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
+        rank_minimum = minimum
     else:
-        minimum = remote * m * k * itemsize
+        # the shard crosses to each other host once (jaxgin.hosts: one GPU there forwards it)
+        minimum, rank_minimum = remote_hosts * m * k * itemsize, remote * m * k * itemsize
         tm = -(-m // tiles.block_m)
         per = -(-tm // GIN_GROUPS)  # tile rows per row group of a GIN job (at most GIN_GROUPS groups)
-        puts = remote * -(-tm // per)
+        puts = remote_hosts * -(-tm // per)
     return {"op": op, "method": method, "m": m, "k": k, "n": nn, "dtype": np.dtype(dtype).name,
-            "rank": jax.process_index(), "remote_gpus": remote, "bytes": per_call["bytes"], "minimum_bytes": minimum,
+            "rank": jax.process_index(), "world": n, "hosts": n // per_host, "remote_gpus": remote,
+            "bytes": per_call["bytes"], "minimum_bytes": minimum, "rank_minimum_bytes": rank_minimum,
             "ratio": per_call["bytes"] / minimum, "puts": per_call["puts"],
             "expected_puts": puts if method == "triton" else None}
 

@@ -113,8 +113,12 @@ def spot_env(spot: bool) -> dict:
 # a host; GIN across), up to two such ranks per GPU: a world of one of EMULATED_WORLDS (the
 # scenarios' shapes divide by those), the largest of at most twice the GPUs (3 GPUs: world 4, not
 # 6, whose chunks of 512 rows the fused scenarios cannot split).
+# JAXGIN_TEST_MIXED_WORLD asks for another of EMULATED_WORLDS (world 8 on 2 GPUs: 4 hosts of 2
+# ranks, four ranks a GPU).
 MIXED_RANKS_PER_HOST = 2
-MIXED_WORLD = max([w for w in EMULATED_WORLDS if w <= 2 * GPUS] or [2])
+MIXED_WORLD = int(os.environ.get("JAXGIN_TEST_MIXED_WORLD") or max([w for w in EMULATED_WORLDS if w <= 2 * GPUS] or [2]))
+if MIXED_WORLD not in EMULATED_WORLDS or MIXED_WORLD % MIXED_RANKS_PER_HOST:
+    raise ValueError(f"JAXGIN_TEST_MIXED_WORLD={MIXED_WORLD}: pick an even world of {EMULATED_WORLDS}")
 # The JAXGIN_TEST_HEAP of an emulated rank: eight of them share one GPU with their JAX runtimes.
 EMULATED_HEAP = "1GiB"
 # XLA flags of every emulated rank. No autotuning: each rank would time candidate kernels on a GPU

@@ -94,7 +94,7 @@ KILL_AT = 20  # iterations the victim completes before it dies
 # Per-device ppermute payloads of the fault scenario: a line message (line exchange kernel) and a
 # 16 KiB one (two ring chunks, generic exchange kernel).
 FAULT_MESSAGES = {"lines": (1, 16), "ring": (4, 1024), "moe": (64, 256), "matmul_all_to_all": (128, 64),
-                  "burst": (64,)}  # per GPU
+                  "all_gather_matmul": (128, 64), "burst": (64,)}  # per GPU
 BURST_PUTS = 64  # puts one CTA posts without waiting in the "burst" kind: far more than a queue of 4 holds
 
 
@@ -123,6 +123,21 @@ def _matmul_all_to_all(jax, jaxgin, mesh):
     def step(v):
         eye = jnp.eye(v.shape[1], dtype=v.dtype)
         return jaxgin.fused.matmul_all_to_all(v, eye, axis_name="x", method="chunked") + 1
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def _all_gather_matmul(jax, jaxgin, mesh):
+    """v -> the mean of every GPU's v (all_gather_matmul(v, identity) over axis "x", method
+    "chunked", which runs the Triton kernel's GIN paths when peers are on other hosts) + 1: on a
+    mixed mesh each shard crosses to the other host once and is forwarded there over NVLink."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def step(v):
+        eye = jnp.eye(v.shape[1], dtype=v.dtype)
+        gathered = jaxgin.fused.all_gather_matmul(v, eye, axis_name="x", method="chunked")
+        return jnp.mean(gathered.reshape(mesh.size, *v.shape), axis=0) + 1
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
@@ -161,7 +176,7 @@ def fault(argv):
     named wait timeout, not hang. Reports how long after their last good iteration they failed,
     then finalizes and reports the GPU memory in use before and after. argv: the message kind
     (FAULT_MESSAGES: a ppermute of that size each iteration; "moe": a MoE dispatch and combine;
-    "matmul_all_to_all": the fused op), then rank, world and coordinator address."""
+    "matmul_all_to_all", "all_gather_matmul": the fused op), then rank, world and coordinator address."""
     message, argv = argv[0], argv[1:]
     used = {}
     gpu = job.physical_gpu(int(argv[0]))
@@ -177,6 +192,8 @@ def fault(argv):
         f = _moe_round_trip(jax, jaxgin, mesh)
     elif message == "matmul_all_to_all":
         f = _matmul_all_to_all(jax, jaxgin, mesh)
+    elif message == "all_gather_matmul":
+        f = _all_gather_matmul(jax, jaxgin, mesh)
     elif message == "burst":
         f = _burst_ring(jax, jaxgin, mesh, FAULT_MESSAGES[message][0])
     else:

@@ -221,10 +221,13 @@ def test_a_rank_held_in_a_full_gin_queue_is_ended_naming_nccls_error_emulated_ho
 
 
 @TWO_GPUS
-@pytest.mark.parametrize("kind", ["moe", "matmul_all_to_all"], ids=["moe_dispatch", "matmul_all_to_all"])
+@pytest.mark.parametrize("kind", ["moe", "matmul_all_to_all", "all_gather_matmul"],
+                         ids=["moe_dispatch", "matmul_all_to_all", "all_gather_matmul"])
 def test_dead_peer_is_named_by_every_survivor_mixed_mesh_emulated_hosts(kind):
     """The same on a mixed mesh (emulated hosts of two GPUs: NVLink inside, GIN across): the dead
-    rank's host-mate waited for it over NVLink, the others over GIN; every survivor names it."""
+    rank's host-mate waited for it over NVLink, the others over GIN; every survivor names it. With
+    all_gather_matmul the dead rank's shard reaches the other host at one GPU, whose host-mate
+    waits for that GPU's forwarding over NVLink: a survivor waiting on a live peer names it too."""
     require_emulated_hosts()
     env = {"JAXGIN_TIMEOUT": "10", "JAXGIN_RECORD_NCCL_MEMORY": "1"}
     finished = start_processes(SCENARIOS, ["fault", kind], MIXED_WORLD, timeout=300, env=env, emulated=True,
