@@ -299,3 +299,22 @@ def test_device_span_reads_the_first_gpus_streams_only(tmp_path):
         timing.span_seconds([])
     with pytest.raises(RuntimeError, match="no trace under"):
         timing.device_events(tmp_path / "empty")
+
+
+def test_hierarchical_report_rebuilds_the_committed_file_from_its_records(tmp_path):
+    """tools/hierarchical_report.py turns the mixed-mesh records of a round into hierarchical.json:
+    from the records committed beside it, it writes the committed file again, and there every
+    all_gather_matmul case sent exactly the per-host minimum (half of per-GPU sending on hosts of
+    two), while MoE dispatch, not yet routed by host, sends more."""
+    results = ROOT / "benchmarks" / "results" / "2xh200"
+    out = tmp_path / "hierarchical.json"
+    done = _run("tools/hierarchical_report.py", str(results), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    cases = json.loads(out.read_text())["cases"]
+    assert cases == json.loads((results / "hierarchical.json").read_text())["cases"]
+    gathers = [c for c in cases if c["op"] == "all_gather_matmul"]
+    assert {(c["world"], c["hosts"]) for c in gathers} == {(4, 2), (8, 4)}
+    assert all(c["network_bytes"] == c["host_minimum_bytes"] == c["rank_minimum_bytes"] / 2 for c in gathers), gathers
+    assert all(c["network_to_host_minimum"] > 1.05 for c in cases if c["op"] == "moe.dispatch"), cases
+    empty = _run("tools/hierarchical_report.py", str(tmp_path), "--out", str(tmp_path / "none.json"))
+    assert empty.returncode != 0 and "no mixed-mesh traffic records" in empty.stderr, empty.stderr

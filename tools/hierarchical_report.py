@@ -7,7 +7,8 @@ crosses an emulated host) beside the least it could, per rank.
 RESULTS_DIR holds the round's records (tests/gpu's `record`): mixed_fused_check_*_Nranks.json
 (all_gather_matmul: each shard crosses to each other host once) and mixed_moe_check_*_Nranks.json
 (MoE dispatch, still sent once per destination GPU: its ratio to the host minimum is what
-hierarchical dispatch would save). Each case: {"op", "world", "hosts", "rank", "mode",
+hierarchical dispatch would save). Each case: {"op", "world", "hosts", "rank", "mode" or "method",
+"command_buffers",
 "network_bytes", "host_minimum_bytes", "rank_minimum_bytes", "network_puts", "source"}.
 """
 
@@ -65,11 +66,13 @@ def main() -> None:
     if not cases:
         raise SystemExit(f"no mixed-mesh traffic records in {[str(f) for f in args.results]}")
     for case in cases:
+        case["command_buffers"] = "_graphs_" in case["source"]
         case["network_to_host_minimum"] = case["network_bytes"] / case["host_minimum_bytes"]
         case["rank_to_host_minimum"] = case["rank_minimum_bytes"] / case["host_minimum_bytes"]
     args.out.write_text(json.dumps({"cases": cases}, indent=1) + "\n")
     for c in cases:
-        print(f"{c['op']:18} {c.get('method', c.get('mode', '')):15} world {c['world']} hosts {c['hosts']} "
+        print(f"{c['op']:18} {c.get('method', c.get('mode', '')):15} {'graphs' if c['command_buffers'] else 'plain':6} "
+              f"world {c['world']} hosts {c['hosts']} "
               f"rank {c['rank']}: {c['network_bytes']} B in {c['network_puts']} puts, "
               f"{c['network_to_host_minimum']:.3f}x the host minimum (per-GPU sending: {c['rank_to_host_minimum']:.3f}x)")
 
