@@ -59,11 +59,11 @@ The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the c
 lives on the device: right under CUDA-graph replay). Send areas have two halves like the staging
 areas: a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC
 read it.
-The next step for many hosts (one RDMA transfer per destination host, then NVLink forwarding inside
-it, as DeepEP's internode kernels do) fits this layout: the send area for a host would hold the
-union of its GPUs' rows, and that host's receiving GPU would place them into its neighbours'
-staging areas with the NVLink stores above, raising their block flags; it needs multi-GPU hosts to
-test, so it is not built yet.
+So a token bound for several GPUs of another host crosses the network once per GPU. Sending it
+once per host, as all_gather_matmul does (jaxgin.hosts: the host's network entry for this GPU
+forwards over NVLink), is not built yet. It fits this layout: a union send area per host, one row
+per token in token order, with each member GPU's codes and staging row beside it; the entry's
+senders would copy the rows into its host-mates' staging areas and raise their data flags.
 
 Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/counts areas have two
 halves picked by a device-side call counter (state[CALLS]) that the last program to finish
