@@ -8,6 +8,7 @@ ops (collectives, mailbox, route, triton_call, fused, moe) and tritongin's memor
 - Heap arrays: ``SymmetricArray`` (a buffer at the same offset of every GPU's symmetric heap),
   ``heap_array``, ``release``, and ``placed``, the one cache of what ops keep in the heap.
 - ``outside_trace``: JAX work (tuning) away from the caller's trace.
+- ``pow2``: the power-of-two block sizes the ops' Triton kernels take.
 
 The heap's zero invariant, which lets a placement skip clearing: the runtime zeroes the whole heap
 before any peer learns its address, and ``release`` zeroes a region before the allocator may hand
@@ -268,3 +269,12 @@ def placed(state, key, place: Callable[[], T]) -> T:
     if key not in cache:
         cache[key] = place()
     return cache[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel launch sizes
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the Triton block that covers n items."""
+    return 1 << max(0, int(n - 1).bit_length())

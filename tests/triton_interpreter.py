@@ -28,6 +28,7 @@ from jaxgin.moe import _fp8_device as fp8_rows  # noqa: E402
 from jaxgin.fused import _kernels as fused_kernels  # noqa: E402  (only pure helpers of these two run here,
 from jaxgin.moe import _kernels  # noqa: E402        never their tritongin calls)
 from jaxgin.moe import _routing_device  # noqa: E402
+from jaxgin import op_support  # noqa: E402
 from jaxgin.op_kernels import network_entry  # noqa: E402
 
 
@@ -135,7 +136,7 @@ def placement() -> list[dict]:
 
     from jaxgin.moe import _routing
 
-    pow2 = _routing.pow2
+    pow2 = op_support.pow2
     checked = []
     for p, t, k, el, capacity, seed in ((4, 37, 3, 5, None, 0), (3, 20, 6, 2, 25, 1), (2, 64, 8, 16, 200, 2),
                                         (1, 9, 2, 3, 4, 3)):
@@ -222,7 +223,7 @@ def dispatch_routing() -> list[dict]:
 
     from jaxgin.moe import _routing, _routing_device
 
-    pow2 = _routing.pow2
+    pow2 = op_support.pow2
     checked = []
     for p, t, k, el, bt, case, seed in ((4, 128, 8, 64, 2, "random", 0), (4, 37, 3, 5, 2, "masked", 1),
                                         (1, 9, 2, 3, 2, "random", 2), (8, 50, 6, 4, 8, "masked", 3),
@@ -304,7 +305,7 @@ def network_entries() -> list[dict]:
         p = len(axis_ranks)
         out = HostArray(np.full((p, p), -1, np.int32))
         _entries[(p,)](HostArray(np.asarray([p, *axis_ranks], np.int32)), HostArray(np.asarray(rank_hosts, np.int32)),
-                       out, P=p, BP=1 << (p - 1).bit_length())
+                       out, P=p, BP=op_support.pow2(p))
         axis_hosts = [rank_hosts[r] for r in axis_ranks]
         want = entries(axis_hosts)
         once = all(

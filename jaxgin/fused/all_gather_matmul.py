@@ -118,7 +118,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool):
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=SENDERS,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=1 << (size - 1).bit_length(),
+        SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=op_support.pow2(size),
     )
 
 

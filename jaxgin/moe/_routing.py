@@ -30,11 +30,6 @@ MODES = (LOW_LATENCY, HIGH_THROUGHPUT)
 LOW_LATENCY_MAX_TOKENS = 256  # mode="auto" picks low_latency up to this many tokens per GPU
 
 
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1): the Triton block that covers n items."""
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Static description of one dispatch/combine configuration (hashable: part of the traced op)."""

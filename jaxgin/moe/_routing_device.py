@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from jaxgin.moe._routing import SourceRoute, pow2
+from jaxgin.moe._routing import SourceRoute
+from jaxgin.op_support import pow2
 from jaxgin.triton_op import triton_call
 
 TOKENS_PER_PROGRAM = 16  # R

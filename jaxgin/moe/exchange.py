@@ -25,7 +25,8 @@ from jaxgin.route import axis_route
 from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.moe import _routing
 from jaxgin.moe import fp8 as fp8_lib
-from jaxgin.moe._routing import Plan, SourceRoute, pow2
+from jaxgin.moe._routing import Plan, SourceRoute
+from jaxgin.op_support import pow2
 
 DISPATCH = "jaxgin.moe.dispatch"
 COMBINE = "jaxgin.moe.combine"
