@@ -8,7 +8,10 @@ calls cuBLAS, in the same process):
 - tma: one program per tile, operand tiles loaded through tensor descriptors made on the device
   (TMA), the result stored through one;
 - persistent: one program per SM walking the tiles (grouped order), TMA loads and store;
-- persistent_ws: the same with Triton's warp specialization of the tile loop.
+- persistent_ws: the same with Triton's warp specialization of the tile loop;
+- copyingS: pointer, with each program also copying one tile of another array in S slabs folded
+  into its K loop (_kernels.matmul_copying_kernel; copying0: the whole tile after the loop, as
+  matmul_all_to_all's copy-out does today); the copy is checked bit-exact.
 
 Needs one GPU. Writes triton-matmul.json into --out (default $OUT or .).
 """
@@ -29,12 +32,13 @@ SHAPES = ((4096, 7168, 2048), (8192, 4096, 4096))
 CONFIGS = (  # block_m, block_n, block_k, num_stages, num_warps
     (128, 256, 64, 3, 8),
     (128, 256, 64, 4, 8),
+    (128, 128, 64, 3, 8),
     (128, 128, 64, 4, 8),
     (128, 128, 64, 4, 4),
     (128, 128, 64, 5, 4),
     (256, 128, 64, 3, 8),
 )
-VARIANTS = ("pointer", "tma", "persistent", "persistent_ws")
+VARIANTS = ("pointer", "tma", "persistent", "persistent_ws", "copying8", "copying16")
 
 
 def main() -> None:
@@ -42,7 +46,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--configs", default="all",
+                        help="comma-separated BMxBNxBK/STAGES/WARPS, e.g. 128x256x64/3/8 (default: all of CONFIGS)")
     args = parser.parse_args()
+    configs = CONFIGS if args.configs == "all" else tuple(_config(c) for c in args.configs.split(","))
 
     import jax
     import jax.numpy as jnp
@@ -55,7 +62,7 @@ def main() -> None:
     device = jax.devices()[0]
     programs = int(getattr(device, "core_count", 0) or 132)
 
-    def call(variant, x, w, cfg):
+    def call(variant, x, w, cfg, src=None, with_copy=False):
         bm, bn, bk, stages, warps = cfg
         (m, k), n = x.shape, w.shape[1]
         tiles = -(-m // bm) * -(-n // bn)
@@ -64,18 +71,23 @@ def main() -> None:
                       PRECISION="tf32")
         if variant == "pointer":
             return triton_call(_kernels.matmul_kernel, x, w, grid=(tiles,), **common)
+        if variant.startswith("copying"):
+            out, copied = triton_call(_kernels.matmul_copying_kernel, x, w, src, grid=(tiles,),
+                                      out_shape=(common.pop("out_shape"), jax.core.ShapedArray((m, n), x.dtype)),
+                                      PIECES=int(variant[len("copying"):]), **common)
+            return (out, jnp.all(copied == src)) if with_copy else out
         if variant == "tma":
             return triton_call(_kernels.matmul_tma_kernel, x, w, grid=(tiles,), **common)
         grid = min(programs, tiles)
         return triton_call(_kernels.matmul_persistent_kernel, x, w, grid=(grid,), PROGRAMS=grid,
                            WARP_SPECIALIZE=variant == "persistent_ws", **common)
 
-    def timed(fn, x, w, repeats):
+    def timed(fn, x, w, repeats, src=None):
         @jax.jit
-        def loop(x, w):
-            return jax.lax.fori_loop(0, repeats, lambda _, x: after(x, fn(x, w)), x, unroll=True)
+        def loop(x, w, src):
+            return jax.lax.fori_loop(0, repeats, lambda _, x: after(x, fn(x, w, src)), x, unroll=True)
 
-        return best_seconds(loop, x, w, repeats=3) / repeats
+        return best_seconds(loop, x, w, src, repeats=3) / repeats
 
     rows = []
     for m, k, n in SHAPES:
@@ -83,19 +95,24 @@ def main() -> None:
         x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
         w = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
         expected = jnp.dot(x, w, preferred_element_type=jnp.float32)
-        cublas = timed(lambda x, w: x @ w, x, w, args.repeats)
+        src = jax.random.normal(keys[0], (m, n), jnp.bfloat16)  # what the copying variants copy
+        cublas = timed(lambda x, w, _: x @ w, x, w, args.repeats)
         flops = 2 * m * n * k
         print(f"{m}x{k}x{n} cuBLAS {cublas * 1e6:.1f} us ({flops / cublas / 1e12:.0f} TFLOP/s)", flush=True)
-        for variant, cfg in itertools.product(args.variants.split(","), CONFIGS):
+        for variant, cfg in itertools.product(args.variants.split(","), configs):
             row = {"m": m, "k": k, "n": n, "variant": variant, "config": cfg, "cublas_us": cublas * 1e6}
             try:
-                got = jax.jit(lambda x, w, cfg=cfg, variant=variant: call(variant, x, w, cfg))(x, w)
+                got = jax.jit(lambda x, w, src, cfg=cfg, variant=variant: call(variant, x, w, cfg, src, True))(x, w, src)
+                if variant.startswith("copying"):
+                    got, row["copy_exact"] = got[0], bool(got[1])
                 row["max_rel_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - expected))
                                            / jnp.max(jnp.abs(expected)))
-                seconds = timed(lambda x, w, cfg=cfg, variant=variant: call(variant, x, w, cfg), x, w, args.repeats)
+                seconds = timed(lambda x, w, src, cfg=cfg, variant=variant: call(variant, x, w, cfg, src), x, w,
+                                args.repeats, src)
                 row.update(us=seconds * 1e6, vs_cublas=cublas / seconds)
                 print(f"  {variant:14s} {cfg}: {seconds * 1e6:7.1f} us  {cublas / seconds:.3f}x cuBLAS  "
-                      f"err {row['max_rel_err']:.2e}", flush=True)
+                      f"err {row['max_rel_err']:.2e}" + (f"  copy exact {row['copy_exact']}" if "copy_exact" in row
+                                                          else ""), flush=True)
             except Exception as error:  # a configuration this GPU or this Triton cannot run
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
                 print(f"  {variant:14s} {cfg}: {row['error']}", flush=True)
@@ -105,6 +122,11 @@ def main() -> None:
     report = {"device": device.device_kind, "jax": jax.__version__, "triton": triton.__version__, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "triton-matmul.json").write_text(json.dumps(report, indent=1))
+
+
+def _config(text: str) -> tuple[int, ...]:
+    shape, stages, warps = text.split("/")
+    return (*(int(v) for v in shape.split("x")), int(stages), int(warps))
 
 
 if __name__ == "__main__":

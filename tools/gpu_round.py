@@ -549,6 +549,9 @@ BENCHMARKS = {step.name: step for step in [
     Step("chunking", ["benchmarks/fused.py", "--chunking-only", "--out", "{out}"], 200, tail=20),
     Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 360, tail=30),  # 128 tokens: two chain lengths
     Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
+    Step("triton_matmul_copying", ["benchmarks/triton_matmul.py", "--variants",
+                                   "pointer,copying0,copying8,copying16,copying32", "--configs",
+                                   "128x256x64/3/8,128x128x64/3/8", "--out", "{out}"], 300, default=False, tail=24),
     Step("collectives", ["benchmarks/collectives.py", "--out", "{out}"], 540, gpus=2, default=False, tail=40),
     # latency's ops, each run donating its input: XLA replays its recorded graphs without updating them
     Step("latency_donated", ["benchmarks/collectives.py", "--ops", LATENCY_OPS, "--max-bytes", "64KiB", "--donate",

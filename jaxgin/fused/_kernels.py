@@ -99,6 +99,70 @@ def _matmul_tile(a, a_rows, w, col0, cols, K: tl.constexpr, N: tl.constexpr, BN:
 
 
 @triton.jit
+def _matmul_tile_copying(a, a_rows, w, col0, cols, src, src_stride, dst, dst_stride, copy_rows, copy_cols,
+                         K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         PRECISION: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, PIECES: tl.constexpr):
+    """_matmul_tile that also copies a [CM, CN] tile from src (row stride src_stride; its first
+    copy_rows rows and copy_cols columns; none if copy_rows is 0) to dst (row stride dst_stride),
+    PIECES row slabs spread over the K loop (PIECES = 0: the whole tile after it): a slab is loaded
+    in one K step and stored STRIDE steps later, so its latency (an NVLink read) hides under the matmul instead of stalling the program,
+    and a wave's copies go out spread over its matmuls rather than in one burst at their end."""
+    offs_k = tl.arange(0, BK)
+    offs_n = col0 + tl.arange(0, BN)
+    col_ok = tl.arange(0, BN) < cols
+    a_ptrs = a + a_rows[:, None] * K + offs_k[None, :]
+    w_ptrs = w + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((a_rows.shape[0], BN), dtype=tl.float32)
+    STEPS: tl.constexpr = (K + BK - 1) // BK
+    tl.static_assert(PIECES <= STEPS, "more copy slabs than K steps")
+    STRIDE: tl.constexpr = STEPS // max(PIECES, 1)
+    SLAB: tl.constexpr = CM // max(PIECES, 1)
+    # The copy moves 32-bit words (pairs of 16-bit elements): a slab of 16-bit values would be
+    # unpacked right after its load, which stalls the program until the load lands.
+    WORD: tl.constexpr = 32 // dst.dtype.element_ty.primitive_bitwidth  # elements per word
+    src = src.to(tl.pointer_type(tl.int32), bitcast=True)
+    dst = dst.to(tl.pointer_type(tl.int32), bitcast=True)
+    src_stride = src_stride // WORD
+    dst_stride = dst_stride // WORD
+    copy_cols = copy_cols // WORD  # whole words: callers keep widths even for 16-bit types
+    CW: tl.constexpr = CN // WORD
+    slab_rows = tl.arange(0, SLAB)
+    slab_cols = tl.arange(0, CW)
+    slab_col_ok = (slab_cols < copy_cols)[None, :]
+    slab = tl.zeros((SLAB, CW), dtype=tl.int32)
+    for k in range(0, STEPS):
+        if PIECES > 0 and k % STRIDE == 0 and k // STRIDE <= PIECES:
+            j = k // STRIDE
+            rows = (j - 1) * SLAB + slab_rows  # the slab loaded STRIDE steps ago
+            tl.store(dst + rows[:, None] * dst_stride + slab_cols[None, :], slab,
+                     mask=((j > 0) & (rows < copy_rows))[:, None] & slab_col_ok)
+            rows = j * SLAB + slab_rows
+            slab = tl.load(src + rows[:, None] * src_stride + slab_cols[None, :],
+                           mask=((j < PIECES) & (rows < copy_rows))[:, None] & slab_col_ok, other=0.0,
+                           cache_modifier=".cg")
+        if K % BK == 0:
+            x_tile = tl.load(a_ptrs)
+            w_tile = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k * BK
+            x_tile = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w_tile = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x_tile, w_tile, acc, input_precision=PRECISION)
+        a_ptrs += BK
+        w_ptrs += BK * N
+    if PIECES == 0:  # the whole tile after the K loop (the exchange kernel's copy-out today)
+        slab = tl.load(src + slab_rows[:, None] * src_stride + slab_cols[None, :],
+                       mask=(slab_rows < copy_rows)[:, None] & slab_col_ok, other=0.0, cache_modifier=".cg")
+        tl.store(dst + slab_rows[:, None] * dst_stride + slab_cols[None, :], slab,
+                 mask=(slab_rows < copy_rows)[:, None] & slab_col_ok)
+    elif STRIDE * PIECES >= STEPS:  # the last slab's store step fell past the loop
+        rows = (PIECES - 1) * SLAB + slab_rows
+        tl.store(dst + rows[:, None] * dst_stride + slab_cols[None, :], slab,
+                 mask=(rows < copy_rows)[:, None] & slab_col_ok)
+    return acc
+
+
+@triton.jit
 def matmul_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """The fused kernels' matmul alone (out = x @ w): the reference for their compute speed and
@@ -108,6 +172,24 @@ def matmul_kernel(ctx, x, w, out, M: tl.constexpr, N: tl.constexpr, K: tl.conste
     ti, tj = _tile_coords(tl.program_id(0), TM, TN, GROUP_M)
     r = ti * BM + tl.arange(0, BM)
     acc = _matmul_tile(x, r % M, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
+    c = tj * BN + tl.arange(0, BN)
+    tl.store(out + r[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=(r < M)[:, None] & (c < N)[None, :])
+
+
+@triton.jit
+def matmul_copying_kernel(ctx, x, w, src, out, copied, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          PRECISION: tl.constexpr, PIECES: tl.constexpr):
+    """matmul_kernel whose programs also copy one [BM, BN] tile of src [M, N] into copied, folded
+    into the K loop (_matmul_tile_copying) as the exchange kernel's copy-out: what that costs the
+    matmul, on one GPU."""
+    TM: tl.constexpr = (M + BM - 1) // BM
+    TN: tl.constexpr = (N + BN - 1) // BN
+    ti, tj = _tile_coords(tl.program_id(0), TM, TN, GROUP_M)
+    r = ti * BM + tl.arange(0, BM)
+    origin = (ti * BM) * N + tj * BN
+    acc = _matmul_tile_copying(x, r % M, w, tj * BN, N - tj * BN, src + origin, N, copied + origin, N,
+                               M - ti * BM, N - tj * BN, K, N, BN, BK, PRECISION, BM, BN, PIECES)
     c = tj * BN + tl.arange(0, BN)
     tl.store(out + r[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=(r < M)[:, None] & (c < N)[None, :])
 
