@@ -116,7 +116,8 @@ def spot_env(spot: bool) -> dict:
 # JAXGIN_TEST_MIXED_WORLD asks for another of EMULATED_WORLDS (world 8 on 2 GPUs: 4 hosts of 2
 # ranks, four ranks a GPU).
 MIXED_RANKS_PER_HOST = 2
-MIXED_WORLD = int(os.environ.get("JAXGIN_TEST_MIXED_WORLD") or max([w for w in EMULATED_WORLDS if w <= 2 * GPUS] or [2]))
+MIXED_WORLD = int(os.environ.get("JAXGIN_TEST_MIXED_WORLD")
+                  or max([w for w in EMULATED_WORLDS if w <= 2 * GPUS] or [min(EMULATED_WORLDS)]))
 if MIXED_WORLD not in EMULATED_WORLDS or MIXED_WORLD % MIXED_RANKS_PER_HOST:
     raise ValueError(f"JAXGIN_TEST_MIXED_WORLD={MIXED_WORLD}: pick an even world of {EMULATED_WORLDS}")
 # The JAXGIN_TEST_HEAP of an emulated rank: eight of them share one GPU with their JAX runtimes.
