@@ -74,27 +74,41 @@ def _tile_coords(t, TM: tl.constexpr, TN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _operand_pointers(a, a_rows, w, col0, cols, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
+    """The first K step's pointers into a (rows a_rows) and w (columns col0 ..), the K offsets of
+    a step, and which of the BN columns are valid (the first `cols`)."""
+    offs_k = tl.arange(0, BK)
+    col_ok = tl.arange(0, BN) < cols
+    a_ptrs = a + a_rows[:, None] * K + offs_k[None, :]
+    w_ptrs = w + offs_k[:, None] * N + (col0 + tl.arange(0, BN))[None, :]
+    return a_ptrs, w_ptrs, offs_k, col_ok
+
+
+@triton.jit
+def _k_step(acc, a_ptrs, w_ptrs, offs_k, col_ok, k, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """K step k: acc plus the step's operand tiles' product (loads past K read 0), and the next
+    step's pointers."""
+    if K % BK == 0:
+        x_tile = tl.load(a_ptrs)
+        w_tile = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        k_ok = offs_k < K - k * BK
+        x_tile = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    return tl.dot(x_tile, w_tile, acc, input_precision=PRECISION), a_ptrs + BK, w_ptrs + BK * N
+
+
+@triton.jit
 def _matmul_tile(a, a_rows, w, col0, cols, K: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, PRECISION: tl.constexpr):
     """float32 [rows of a_rows, BN] = a[a_rows, :] @ w[:, col0 + 0..BN) (columns past `cols` read as 0).
     a_rows are always valid rows (callers wrap them), so the loads of a need no mask."""
-    offs_k = tl.arange(0, BK)
-    offs_n = col0 + tl.arange(0, BN)
-    col_ok = tl.arange(0, BN) < cols
-    a_ptrs = a + a_rows[:, None] * K + offs_k[None, :]
-    w_ptrs = w + offs_k[:, None] * N + offs_n[None, :]
+    a_ptrs, w_ptrs, offs_k, col_ok = _operand_pointers(a, a_rows, w, col0, cols, K, N, BN, BK)
     acc = tl.zeros((a_rows.shape[0], BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BK)):
-        if K % BK == 0:
-            x_tile = tl.load(a_ptrs)
-            w_tile = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - k * BK
-            x_tile = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w_tile = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x_tile, w_tile, acc, input_precision=PRECISION)
-        a_ptrs += BK
-        w_ptrs += BK * N
+        acc, a_ptrs, w_ptrs = _k_step(acc, a_ptrs, w_ptrs, offs_k, col_ok, k, K, N, BK, PRECISION)
     return acc
 
 
@@ -107,11 +121,7 @@ def _matmul_tile_copying(a, a_rows, w, col0, cols, src, src_stride, dst, dst_str
     PIECES row slabs spread over the K loop (PIECES = 0: the whole tile after it): a slab is loaded
     in one K step and stored STRIDE steps later, so its latency (an NVLink read) hides under the matmul instead of stalling the program,
     and a wave's copies go out spread over its matmuls rather than in one burst at their end."""
-    offs_k = tl.arange(0, BK)
-    offs_n = col0 + tl.arange(0, BN)
-    col_ok = tl.arange(0, BN) < cols
-    a_ptrs = a + a_rows[:, None] * K + offs_k[None, :]
-    w_ptrs = w + offs_k[:, None] * N + offs_n[None, :]
+    a_ptrs, w_ptrs, offs_k, col_ok = _operand_pointers(a, a_rows, w, col0, cols, K, N, BN, BK)
     acc = tl.zeros((a_rows.shape[0], BN), dtype=tl.float32)
     STEPS: tl.constexpr = (K + BK - 1) // BK
     tl.static_assert(PIECES <= STEPS, "more copy slabs than K steps")
@@ -140,16 +150,7 @@ def _matmul_tile_copying(a, a_rows, w, col0, cols, src, src_stride, dst, dst_str
             slab = tl.load(src + rows[:, None] * src_stride + slab_cols[None, :],
                            mask=((j < PIECES) & (rows < copy_rows))[:, None] & slab_col_ok, other=0.0,
                            cache_modifier=".cg")
-        if K % BK == 0:
-            x_tile = tl.load(a_ptrs)
-            w_tile = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - k * BK
-            x_tile = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w_tile = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x_tile, w_tile, acc, input_precision=PRECISION)
-        a_ptrs += BK
-        w_ptrs += BK * N
+        acc, a_ptrs, w_ptrs = _k_step(acc, a_ptrs, w_ptrs, offs_k, col_ok, k, K, N, BK, PRECISION)
     if PIECES == 0:  # the whole tile after the K loop (the exchange kernel's copy-out today)
         slab = tl.load(src + slab_rows[:, None] * src_stride + slab_cols[None, :],
                        mask=(slab_rows < copy_rows)[:, None] & slab_col_ok, other=0.0, cache_modifier=".cg")
