@@ -9,8 +9,9 @@ calls cuBLAS, in the same process):
   (TMA), the result stored through one;
 - persistent: one program per SM walking the tiles (grouped order), TMA loads and store;
 - persistent_ws: the same with Triton's warp specialization of the tile loop;
-- copyingS: pointer, with each program also copying one tile of another array in S slabs folded
-  into its K loop (_kernels.matmul_copying_kernel; copying0: the whole tile after the loop, as
+- copyingS (only when named in --variants, as gpu_round.py's triton_matmul_copying step does):
+  pointer, with each program also copying one tile of another array in S slabs folded into its K
+  loop (_kernels.matmul_copying_kernel; copying0: the whole tile after the loop, as
   matmul_all_to_all's copy-out does today); the copy is checked bit-exact.
 
 Needs one GPU. Writes triton-matmul.json into --out (default $OUT or .).
@@ -38,7 +39,7 @@ CONFIGS = (  # block_m, block_n, block_k, num_stages, num_warps
     (128, 128, 64, 5, 4),
     (256, 128, 64, 3, 8),
 )
-VARIANTS = ("pointer", "tma", "persistent", "persistent_ws", "copying8", "copying16")
+VARIANTS = ("pointer", "tma", "persistent", "persistent_ws")  # the default run (copyingS: see above)
 
 
 def main() -> None:

@@ -119,8 +119,9 @@ def _matmul_tile_copying(a, a_rows, w, col0, cols, src, src_stride, dst, dst_str
     """_matmul_tile that also copies a [CM, CN] tile from src (row stride src_stride; its first
     copy_rows rows and copy_cols columns; none if copy_rows is 0) to dst (row stride dst_stride),
     PIECES row slabs spread over the K loop (PIECES = 0: the whole tile after it): a slab is loaded
-    in one K step and stored STRIDE steps later, so its latency (an NVLink read) hides under the matmul instead of stalling the program,
-    and a wave's copies go out spread over its matmuls rather than in one burst at their end."""
+    in one K step and stored STRIDE steps later, so its latency (an NVLink read) hides under the
+    matmul instead of stalling the program, and a wave's copies go out spread over its matmuls
+    rather than in one burst at their end."""
     a_ptrs, w_ptrs, offs_k, col_ok = _operand_pointers(a, a_rows, w, col0, cols, K, N, BN, BK)
     acc = tl.zeros((a_rows.shape[0], BN), dtype=tl.float32)
     STEPS: tl.constexpr = (K + BK - 1) // BK
