@@ -58,14 +58,36 @@ def gin_route(ctx, route, d, me, GIN: tl.constexpr):
 
 
 @triton.jit
+def _axis_hosts(route, hosts, P: tl.constexpr, BP: tl.constexpr):
+    """(axis indices [BP], the host of each [BP], -1 past P)."""
+    idx = tl.arange(0, BP)
+    ok = idx < P
+    return idx, tl.load(hosts + tl.load(route + RANKS + idx, mask=ok, other=0), mask=ok, other=-1)
+
+
+@triton.jit
+def host_place(route, hosts, d, P: tl.constexpr, BP: tl.constexpr):
+    """Axis index `d`'s place among the axis indices of its host (0 for the first in axis order)."""
+    idx, host = _axis_hosts(route, hosts, P, BP)
+    host_d = tl.sum(tl.where(idx == d, host, 0))
+    return tl.sum(tl.where((idx < d) & (host == host_d), 1, 0))
+
+
+@triton.jit
+def host_size(route, hosts, d, P: tl.constexpr, BP: tl.constexpr):
+    """How many axis indices share axis index `d`'s host (d included)."""
+    idx, host = _axis_hosts(route, hosts, P, BP)
+    host_d = tl.sum(tl.where(idx == d, host, 0))
+    return tl.sum(tl.where(host == host_d, 1, 0))
+
+
+@triton.jit
 def network_entry(route, hosts, s, d, P: tl.constexpr, BP: tl.constexpr):
     """The axis index on `d`'s host that receives over the network what axis index `s` sends to
     that host; `d` itself where s and d share a host (jaxgin.hosts.entries states the rule).
     hosts: int32 [world], each rank's host (jaxgin.hosts.rank_hosts); BP: P rounded up to a power
     of two."""
-    idx = tl.arange(0, BP)
-    ok = idx < P
-    host = tl.load(hosts + tl.load(route + RANKS + idx, mask=ok, other=0), mask=ok, other=-1)
+    idx, host = _axis_hosts(route, hosts, P, BP)
     host_s = tl.sum(tl.where(idx == s, host, 0))
     host_d = tl.sum(tl.where(idx == d, host, 0))
     place_s = tl.sum(tl.where((idx < s) & (host == host_s), 1, 0))

@@ -409,21 +409,28 @@ def test_layer_reports_what_overflows_the_capacity(init):
 # The GPU kernels, compiled and linked for sm_90a on this machine (no GPU needed).
 
 
+def _relay_pointers(rows: str) -> dict:
+    """The dispatch kernels' send and relay areas for dispatch across hosts (rows: staged rows' type)."""
+    return dict(send_slot="*i32", send_n="*i32", relay_x=rows, relay_meta="*i32", relay_w="*fp32",
+                relay_slot="*i32", relay_n="*i32")
+
+
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.moe import _kernels  # Triton is optional: imported where the test runs
     from jaxgin.triton_device import link
 
     pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
-                    send_counts="*i32", route="*i32", stage_x="*bf16", stage_meta="*i32", stage_w="*fp32",
+                    send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x="*bf16",
+                    stage_meta="*i32", stage_w="*fp32",
                     stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
                     send_x="*bf16", send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32",
-                    data_ready="*i64", sig="i32",
+                    data_ready="*i64", sig="i32", **_relay_pointers("*bf16"),
                     out_x="*bf16", out_pos="*i32", out_w="*fp32",
                     out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
     dispatch = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
         T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=1024, NS=33,
-        XB=2, GIN=gin, SW=7168, FP8=0))
+        XB=2, GIN=gin, SW=7168, FP8=0, L=2))
     pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
                     back="*bf16", flags="*i64", state="*i64", send_back="*bf16", sig="i32", out="*bf16")
     combine = compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1,
@@ -488,24 +495,25 @@ def test_the_dispatch_kernels_own_routing_is_routes():
 
 
 @pytest.mark.parametrize("fp8", [0, 1], ids=["bf16_rows", "fp8_rows"])
-@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
-def test_the_routing_dispatch_kernel_compiles_for_sm90a(toolchain, gin, fp8):
+def test_the_routing_dispatch_kernel_compiles_for_sm90a(toolchain, fp8):
     """dispatch_routing_kernel at DeepSeek-V3's low-latency shape (128 tokens, top-8 of 256 experts
-    on 4 GPUs, exchange's blocks and warps), with and without fp8 rows and GIN paths: compiled,
-    linked with the device library, its row stores 16 bytes wide."""
+    on 4 GPUs, exchange's blocks and warps), with and without fp8 rows: compiled, linked with the
+    device library, its row stores 16 bytes wide. (Jobs with GIN peers route with route() and run
+    dispatch_kernel: the host unions need its slots.)"""
     from jaxgin.moe import _kernels, _routing_device
 
     rows = "*i16" if fp8 else "*bf16"
     pointers = dict(ctx="*u8", x="*bf16", ids="*i32", weights="*fp32", route="*i32", stage_x=rows,
                     stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
                     block_flags="*i64", state="*i64", send_x=rows, send_meta="*i32", send_w="*fp32",
-                    send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32", out_x="*bf16",
+                    send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32", **_relay_pointers(rows),
+                    out_x="*bf16",
                     out_pos="*i32", out_w="*fp32", out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32",
                     slot="*i32", before="*i32", meta="*i32", dest="*i32", send_counts="*i32", masked="*i32")
     routing = _routing_device.constexprs(128, 8, 4, 64)
     kernel = compile_for_sm90(_kernels.dispatch_routing_kernel, pointers, num_warps=4, num_stages=1, constexprs=dict(
         T=128, H=7168, K=8, P=4, EL=64, C=1280, BT=2, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=128, NS=64, XB=2,
-        GIN=gin, SW=jaxgin.moe.fp8.packed_width(7168) if fp8 else 7168, FP8=fp8, SCAN=routing["SCAN"],
+        GIN=0, SW=jaxgin.moe.fp8.packed_width(7168) if fp8 else 7168, FP8=fp8, L=1, SCAN=routing["SCAN"],
         BR=routing["BE"]))
     assert kernel.asm["cubin"][:4] == b"\x7fELF"
     assert b"jaxgin_tt_wait_flag" in kernel.asm["cubin"]
@@ -537,15 +545,16 @@ def test_the_dispatch_kernel_compiles_for_fp8_rows(toolchain, gin):
 
     words = "*i16"
     pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
-                    send_counts="*i32", route="*i32", stage_x=words, stage_meta="*i32", stage_w="*fp32",
+                    send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x=words,
+                    stage_meta="*i32", stage_w="*fp32",
                     stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
                     send_x=words, send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32",
-                    data_ready="*i64", sig="i32", out_x="*bf16", out_pos="*i32", out_w="*fp32",
+                    data_ready="*i64", sig="i32", **_relay_pointers(words), out_x="*bf16", out_pos="*i32", out_w="*fp32",
                     out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
     packed = jaxgin.moe.fp8.packed_width(7168)
     kernel = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=4, num_stages=1, constexprs=dict(
         T=128, H=7168, K=8, P=4, EL=64, C=1280, BT=2, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=128, NS=8,
-        XB=2, GIN=gin, SW=packed, FP8=1))
+        XB=2, GIN=gin, SW=packed, FP8=1, L=2))
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"][:4] == b"\x7fELF"
     assert packed == 3696
@@ -927,3 +936,89 @@ def test_layer_with_fp8_dispatch_is_the_layer_on_the_rounded_rows(init):
     for g8, g in zip(*grads):
         assert np.isfinite(np.asarray(g8)).all()
         _close(g8, g, 0.1)
+
+
+@pytest.mark.parametrize("hosts", [[0, 0, 1, 1], [0, 1, 2, 3], [1, 1, 0, 0, 2, 2, 0, 1]])
+def test_host_union_rows_each_token_once_per_host_in_token_order(hosts):
+    """_routing.host_union, what dispatch across hosts sends to each other host: a token has a row
+    in the union of d's host exactly when it goes to some GPU there, rows numbered in token order
+    from 0 and the same for every GPU of the host, and the row count per host is what goes there."""
+    from jaxgin.moe import _routing
+
+    rng = np.random.default_rng(len(hosts))
+    t, p = 37, len(hosts)
+    goes = rng.random((t, p)) < 0.3
+    slot = np.where(goes, np.cumsum(goes, axis=0) - goes, -1).astype(np.int32)
+    hslot, hrows = _routing.host_union(jnp.asarray(slot), jnp.asarray(hosts, jnp.int32))
+    hslot, hrows = np.asarray(hslot), np.asarray(hrows)
+    for d in range(p):
+        there = np.any(goes[:, [e for e in range(p) if hosts[e] == hosts[d]]], axis=1)
+        assert np.array_equal(hslot[:, d] >= 0, there)
+        assert hslot[there, d].tolist() == list(range(int(there.sum())))
+        assert hrows[d] == there.sum()
+
+
+class _FakeRuntime:
+    def __init__(self, infos):
+        self.infos = infos
+
+    def device_info(self, i):
+        return self.infos[i]
+
+
+class _LoweringState:
+    """What exchange's GPU lowering reads of the runtime: heap and signal allocators, the placement
+    cache, the SM count, and the hosts (rank 1 of 4 on hosts of 2 GPUs)."""
+
+    def __init__(self):
+        import types
+
+        from jaxgin import heap
+
+        self.heap = heap.heap_allocator(0, 1 << 36)
+        self.signals = heap.signal_allocator(1024)
+        self.placements = {}
+        self.generation = 0
+        self.world_size = 4
+        self.local_devices = [types.SimpleNamespace(core_count=132)]
+        self.runtime = _FakeRuntime([{"rank": 1, "lsa_rank": 1, "lsa_size": 2}])
+        self.options = types.SimpleNamespace(force_gin=False)
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
+    """What dispatch launches on GPUs at 64 tokens: in an NVLink-only job the kernel that routes
+    itself, with no relay areas; in a job with GIN peers route() then dispatch_kernel, given each
+    rank's host, route()'s slots' per-host unions (_routing.host_union along the axis's hosts) and
+    relay areas with a row of metadata per GPU of a host (2 here)."""
+    pytest.importorskip("triton")
+    from jaxgin import op_support
+    from jaxgin.moe import _kernels, _routing, exchange
+
+    p, t, h, k, el = 4, 64, 256, 2, 2
+    plan = _routing.Plan(("ep",), p, t, h, k, el, p * t * k, "bfloat16", _routing.LOW_LATENCY)
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(exchange, "axis_route", lambda names: jnp.asarray([1, 0, 1, 2, 3], jnp.int32))
+    calls = []
+
+    def fake_call(kernel, *args, out_shape, **kw):
+        calls.append((kernel, args, kw))
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(exchange, "triton_call", fake_call)
+    ids = jax.random.randint(jax.random.key(3), (t, k), 0, p * el)
+    x, w = jnp.ones((t, h), jnp.bfloat16), jnp.ones((t, k), jnp.float32)
+    exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan)
+    ((kernel, args, kw),) = calls
+    assert kernel is (_kernels.dispatch_kernel if gin else _kernels.dispatch_routing_kernel)
+    assert kw["GIN"] == int(gin) and kw["L"] == (2 if gin else 1)
+    if not gin:
+        return
+    route, _ = _routing.route(ids, plan)
+    hslot, hrows, hosts = args[7], args[8], args[9]
+    assert np.asarray(hosts).tolist() == [0, 0, 1, 1]
+    want_slot, want_rows = _routing.host_union(route.slot, jnp.asarray([0, 0, 1, 1], jnp.int32))
+    assert np.array_equal(hslot, want_slot) and np.array_equal(hrows, want_rows)
+    buffers = args[10:]  # exchange._dispatch_launch's order: 15 buffers, then send_slot, send_n, relay_*
+    relay_meta, relay_slot = buffers[15 + 3], buffers[15 + 5]
+    assert relay_meta.shape == (2, p, 2, t, k) and relay_slot.shape == (2, p, 2, t)

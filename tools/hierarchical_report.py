@@ -42,12 +42,14 @@ def moe_cases(path: Path) -> list[dict]:
         world = process.get("processes")
         for t in process.get("traffic", []):
             d = t["dispatch"]
-            counts = t["dispatch_minimum_bytes"] - t["dispatch_rows_rank_minimum_bytes"]
+            # records from before dispatch went once per host have no counts field: their minimum
+            # was the per-GPU rows plus the counts
+            counts = t.get("dispatch_counts_bytes", t["dispatch_minimum_bytes"] - t["dispatch_rows_rank_minimum_bytes"])
             hosts = t["remote_hosts"] + 1
             cases.append({"op": "moe.dispatch", "mode": t["mode"], "world": world, "hosts": hosts, "rank": t["rank"],
                           "network_bytes": d["bytes"],
                           "host_minimum_bytes": t["dispatch_rows_host_minimum_bytes"] + counts,
-                          "rank_minimum_bytes": t["dispatch_minimum_bytes"], "network_puts": d["puts"],
+                          "rank_minimum_bytes": t["dispatch_rows_rank_minimum_bytes"] + counts, "network_puts": d["puts"],
                           "metadata_bytes": t["dispatch_metadata_bytes"], "source": path.name})
     return cases
 

@@ -12,7 +12,8 @@ flags. Whatever subset of programs holds SMs, the work that others wait for gets
 dispatch (routing arithmetic: _routing.py). Up to 256 tokens per GPU the kernel routes itself
 (dispatch_routing_kernel, with _routing_device.py's functions): each program routes the token
 blocks it sends or places, counting the earlier tokens on its own (no program waits for another's
-routing), and program 0 the totals; above, it reads route()'s arrays made by XLA (dispatch_kernel).
+routing), and program 0 the totals; above, and in jobs with GIN peers, it reads route()'s arrays
+made by XLA (dispatch_kernel).
   1. counts first: program 0 writes this GPU's send counts, and where each of its token blocks'
      rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
      there; every program routes its first block, then waits for all P, so from then on every GPU
@@ -41,29 +42,32 @@ combine:
 
 Peers on other hosts (GIN). Each peer's path is picked on the device (jaxgin.op_kernels.gin_route,
 shared with the fused kernels); NVLink peers take the stores above. A NIC reads only the symmetric
-heap and the network rewards few large transfers, so for a GIN peer d the rows above go into this
-GPU's send area for d instead (send_x, send_meta, send_w, laid out as the staging rows d will
-hold, rows 0 .. n_d - 1), and:
-  - counts: program 0 puts the counts row and the block starts (2 puts, signal `sig + me` there);
-    on the receiver, program 0 waits for those 2 arrivals and raises the same local counts flag an
-    NVLink peer would have raised, so everything after step 1 is shared;
-  - data: the last sender to finish packing puts each GIN peer's rows, codes and weights (3 puts,
-    signal `sig + P + me` there; 3 bare increments when no row goes there); on the receiver the
-    first placer to need a GIN source's rows waits for those 3 and raises that source's data_ready
-    flag, which the other placers wait on instead of the source's per-block flags;
+heap, the network rewards few large transfers, and the NIC is the scarce link, so a token crosses
+to each other host once, to that host's network entry for this GPU (jaxgin.hosts), which forwards
+it over NVLink:
+  - counts: program 0 puts the counts row and the block starts to every GIN peer itself (2 puts,
+    signal `sig + me` there); on the receiver, program 0 waits for those 2 arrivals and raises the
+    same local counts flag an NVLink peer would have raised, so everything after step 1 is shared;
+  - data: senders pack, per other host, the union of what goes to its GPUs in token order
+    (exchange routes with route() in such jobs, and _routing.host_union numbers the union's rows):
+    each row once with its weights, and per GPU of the host the row's codes and staging row there
+    (_send_block). The last sender to finish packing puts each union to the host's entry, into
+    relay areas by source (_put_host_unions: 3 + 2 x GPUs-of-the-host puts, signal `sig + P + me`
+    there; bare increments for what is empty). After their own blocks, the entry's senders wait
+    for each source whose entry they are, copy every row into the staging area for that source of
+    each GPU of the host that takes it (its own included), exactly where the source would have
+    stored it over NVLink, and raise those GPUs' data_ready flag for the source, which their
+    placers wait on instead of the source's per-block flags (_forward_from_network). Senders wait
+    only for other GPUs' last packers, which post before they wait for anything but the counts;
   - combine: the last program to finish reducing puts each GIN peer's returned rows (1 put, or 1
     increment when empty; signal `sig + 2P + me` there), then waits for 1 arrival from each GIN
-    source and raises its combine flag locally.
-Each of those waits is jaxgin.op_kernels.arrivals_to_flag (wait_gin_source for the placers').
-The counts of arrivals per call are fixed, so waits use tgl.wait_arrivals (the consumed count
-lives on the device: right under CUDA-graph replay). Send areas have two halves like the staging
+    source and raises its combine flag locally. (One row per (token, GPU) still crosses back: a
+    reduction inside the host first would round differently from the reference.)
+Counts and combine wait with jaxgin.op_kernels.arrivals_to_flag, the forwarding senders with
+tgl.wait_arrivals. The counts of arrivals per call are fixed, so the consumed count lives on the
+device: right under CUDA-graph replay. Send and relay areas have two halves like the staging
 areas: a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC
-read it.
-So a token bound for several GPUs of another host crosses the network once per GPU. Sending it
-once per host, as all_gather_matmul does (jaxgin.hosts: the host's network entry for this GPU
-forwards over NVLink), is not built yet. It fits this layout: a union send area per host, one row
-per token in token order, with each member GPU's codes and staging row beside it; the entry's
-senders would copy the rows into its host-mates' staging areas and raise their data flags.
+read it and the entry forwarded it.
 
 Buffer reuse across calls (as in jaxgin/fused/_kernels.py): staging/return/counts areas have two
 halves picked by a device-side call counter (state[CALLS]) that the last program to finish
@@ -83,8 +87,8 @@ import triton.language as tl
 import jaxgin.triton_device.language as tgl
 from jaxgin.moe import _fp8_device as fp8_rows
 from jaxgin.moe import _routing_device
-from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, rank_of, start_order,
-                                wait_gin_source)
+from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, host_place, host_size,
+                                network_entry, rank_of, start_order)
 
 # dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED].
 DISPATCH_STARTED = tl.constexpr(1)
@@ -207,14 +211,17 @@ def _entry_codes(meta, t, d, go, dest, code, K: tl.constexpr, P: tl.constexpr, B
 
 @triton.jit
 def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
-                send_x, send_meta, send_w, me, half, epoch,
+                send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
                 T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr,
                 FP8: tl.constexpr, ROUTED: tl.constexpr):
     """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
-    tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send area
-    for them instead (put later, whole). Staged rows are SW elements wide: x's rows, or with FP8
-    their e4m3 values and scales (_fp8_device.store_quantized). Each column step of x is loaded
+    tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send
+    areas for their host instead (put later, whole): each token once per host, at its union row
+    hslot[t, d] (_routing.host_union), its row in send_x / send_w of the host's network entry e
+    (jaxgin.hosts), and per GPU d of that host the token's codes there and its staging row on d
+    (-1: none) in send_meta / send_slot of d. Staged rows are SW elements wide: x's rows, or with
+    FP8 their e4m3 values and scales (_fp8_device.store_quantized). Each column step of x is loaded
     (and quantized) once and stored to every destination."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
@@ -228,6 +235,7 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
     # peer's address is a chain of dependent loads in the device library, so it is looked up once
     # per block and peer, not once per column step.
     x_at = tl.zeros((BP,), dtype=tl.int64)
+    x_rows = slots  # [BT, BP]: each token's row in what is stored for d (-1: no store for d)
     for d in tl.static_range(P):
         if d != me:
             sl = _column(slots, ps, d)
@@ -235,20 +243,28 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
             peer = rank_of(route, d)
             codes = _entry_codes(meta, t, d, go, dest, code, K, P, BK, ROUTED)
             if gin_route(ctx, route, d, me, GIN) != 0:
-                first = (half * P + d) * T
-                meta_to = send_meta
+                u = tl.load(hslot + t * P + d, mask=t_ok, other=-1)
+                in_union = u >= 0
+                e = network_entry(route, hosts, me, d, P, BP)
+                mine = (half * P + d) * T + u
+                tl.store(send_meta + mine[:, None] * K + ks[None, :], codes, mask=in_union[:, None] & k_ok[None, :])
+                tl.store(send_slot + mine, sl, mask=in_union)
+                first = (half * P + e) * T
                 w_to = send_w
                 x_to = send_x
+                row = first + u
+                go = in_union
+                x_rows = tl.where((ps == d)[None, :], tl.where(e == d, u, -1)[:, None], x_rows)  # once per host
             else:
                 first = (half * P + me) * T
                 meta_to = tgl.peer_ptr(ctx, stage_meta, peer)
                 w_to = tgl.peer_ptr(ctx, stage_w, peer)
                 x_to = tgl.peer_ptr(ctx, stage_x, peer)
-            row = first + sl
-            tl.store(meta_to + row[:, None] * K + ks[None, :], codes, mask=go[:, None] & k_ok[None, :])
+                row = first + sl
+                tl.store(meta_to + row[:, None] * K + ks[None, :], codes, mask=go[:, None] & k_ok[None, :])
             tl.store(w_to + row[:, None] * K + ks[None, :], w_rows, mask=go[:, None] & k_ok[None, :])
             x_at = tl.where(ps == d, (x_to + first.to(tl.int64) * SW).to(tl.int64), x_at)
-    remote = tl.max(tl.where((ps != me)[None, :], slots, -1), axis=1) >= 0  # [BT] rows some peer takes
+    remote = tl.max(tl.where((ps != me)[None, :], x_rows, -1), axis=1) >= 0  # [BT] rows some peer takes
     for h0 in range(0, H, BH):
         h = h0 + hs
         h_ok = h < H
@@ -258,7 +274,7 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
             q, scale = fp8_rows.quantize(rows, BT, BH)
         for d in tl.static_range(P):
             if d != me:
-                sl = _column(slots, ps, d)
+                sl = _column(x_rows, ps, d)
                 go = sl >= 0
                 to = tl.sum(tl.where(ps == d, x_at, 0)).to(stage_x.dtype)
                 if FP8:
@@ -269,6 +285,94 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
         if d != me:
             if gin_route(ctx, route, d, me, GIN) == 0:
                 tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, rank_of(route, d))
+
+
+@triton.jit
+def _put_host_unions(ctx, route, hosts, hrows, send_x, send_meta, send_w, send_slot, send_n, relay_x, relay_meta,
+                     relay_w, relay_slot, relay_n, sig, me, half, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
+                     BP: tl.constexpr, SW: tl.constexpr, XB: tl.constexpr, L: tl.constexpr):
+    """CTA-collective, by the last sender to finish packing: to the network entry e of each other
+    host, that host's union (_send_block) into this GPU's relay areas there: per GPU d of the host
+    its codes and staging rows (2 puts), then the union's row count, rows and weights (3 puts),
+    each +1 on e's signal `sig + P + me` (bare increments for what is empty)."""
+    for d in tl.static_range(P):
+        if gin_route(ctx, route, d, me, 1) != 0:
+            e = network_entry(route, hosts, me, d, P, BP)
+            entry = rank_of(route, e)
+            n = tl.load(hrows + d).to(tl.int64)
+            mine = ((half * P + d) * T).to(tl.int64)
+            there = (((half * P + me) * L + host_place(route, hosts, d, P, BP)) * T).to(tl.int64)
+            if n > 0:
+                tgl.put_signal(ctx, relay_meta + there * K, send_meta + mine * K, n * K * 4, entry, sig + P + me)
+                tgl.put_signal(ctx, relay_slot + there, send_slot + mine, n * 4, entry, sig + P + me)
+            else:
+                tgl.signal(ctx, entry, sig + P + me, 2)
+            if e == d:  # once per host
+                tl.store(send_n + half * P + d, n.to(tl.int32))
+                tl.debug_barrier()  # the count is in memory before the put reads it
+                tgl.put_signal(ctx, relay_n + half * P + me, send_n + half * P + d, 4, entry, sig + P + me)
+                rows = ((half * P + me) * T).to(tl.int64)
+                if n > 0:
+                    tgl.put_signal(ctx, relay_x + rows * SW, send_x + mine * SW, n * SW * XB, entry, sig + P + me)
+                    tgl.put_signal(ctx, relay_w + rows * K, send_w + mine * K, n * K * 4, entry, sig + P + me)
+                else:
+                    tgl.signal(ctx, entry, sig + P + me, 2)
+
+
+@triton.jit
+def _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, data_ready, relay_x, relay_meta,
+                          relay_w, relay_slot, relay_n, sig, me, half, epoch, T: tl.constexpr, K: tl.constexpr,
+                          P: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                          NS: tl.constexpr, SW: tl.constexpr, L: tl.constexpr):
+    """Senders, after their own blocks: for each source of another host whose network entry this
+    GPU is (a source per sender, round robin), waits for its union's puts, then copies each row
+    into the staging area for that source of every GPU of this host that takes it (NVLink stores;
+    this GPU's own too), in the layout the source would have written, and raises their data flags
+    for it. The waits end: every GPU's last packer posts its puts before it waits for any."""
+    ks = tl.arange(0, BK)
+    k_ok = ks < K
+    hs = tl.arange(0, BH)
+    ps = tl.arange(0, BP)
+    for s in range(pid, P, NS):
+        if gin_route(ctx, route, s, me, 1) != 0:
+            if network_entry(route, hosts, s, me, P, BP) == me:
+                tgl.wait_arrivals(ctx, sig + P + s, 3 + 2 * host_size(route, hosts, me, P, BP))
+                n = tl.load(relay_n + half * P + s, cache_modifier=".cg")
+                src = (half * P + s) * T
+                for u0 in range(0, n, BT):
+                    u = u0 + tl.arange(0, BT)
+                    u_ok = u < n
+                    w = tl.load(relay_w + (src + u)[:, None] * K + ks[None, :], mask=u_ok[:, None] & k_ok[None, :],
+                                other=0.0, cache_modifier=".cg")
+                    to_rows = tl.full((BT, BP), -1, tl.int32)  # each row's staging row on each GPU here
+                    for d in tl.static_range(P):
+                        if gin_route(ctx, route, d, me, 1) == 0:  # this host's GPUs, this one included
+                            mate = rank_of(route, d)
+                            at = ((half * P + s) * L + host_place(route, hosts, d, P, BP)) * T + u
+                            sl = tl.load(relay_slot + at, mask=u_ok, other=-1, cache_modifier=".cg")
+                            go = sl >= 0
+                            codes = tl.load(relay_meta + at[:, None] * K + ks[None, :],
+                                            mask=go[:, None] & k_ok[None, :], other=-1, cache_modifier=".cg")
+                            row = src + sl
+                            tl.store(tgl.peer_ptr(ctx, stage_meta, mate) + row[:, None] * K + ks[None, :], codes,
+                                     mask=go[:, None] & k_ok[None, :])
+                            tl.store(tgl.peer_ptr(ctx, stage_w, mate) + row[:, None] * K + ks[None, :], w,
+                                     mask=go[:, None] & k_ok[None, :])
+                            to_rows = tl.where((ps == d)[None, :], sl[:, None], to_rows)
+                    for h0 in range(0, SW, BH):
+                        h = h0 + hs
+                        h_ok = h < SW
+                        rows = tl.load(relay_x + (src + u).to(tl.int64)[:, None] * SW + h[None, :],
+                                       mask=u_ok[:, None] & h_ok[None, :], cache_modifier=".cg")
+                        for d in tl.static_range(P):
+                            if gin_route(ctx, route, d, me, 1) == 0:
+                                sl = _column(to_rows, ps, d)
+                                to = tgl.peer_ptr(ctx, stage_x, rank_of(route, d))
+                                tl.store(to + (src + sl).to(tl.int64)[:, None] * SW + h[None, :], rows,
+                                         mask=(sl >= 0)[:, None] & h_ok[None, :])
+                for d in tl.static_range(P):
+                    if gin_route(ctx, route, d, me, 1) == 0:
+                        tgl.set_flag(ctx, data_ready + s, epoch + 1, rank_of(route, d))
 
 
 @triton.jit
@@ -315,13 +419,13 @@ def _no_rows_past(out_pos, out_w, source, blk, rows, T: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready, sig,
+def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
                  out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
                  C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                  BE: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr, FP8: tl.constexpr):
-    """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up (for a GIN
-    source: once all its rows arrived; the first placer to need them waits for their puts)."""
+    """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up (for a source
+    on another host: once this host's network entry for it has placed all its rows here)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
@@ -331,8 +435,7 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
     for other in tl.static_range(P - 1):
         s = other + (other >= me).to(tl.int32)
         if gin_route(ctx, route, s, me, GIN) != 0:
-            wait_gin_source(ctx, data_ready + P + s, sig + P + s, 3, data_ready + s, epoch + 1,
-                            rank_of(route, me))
+            tgl.wait_flag(ctx, data_ready + s, epoch + 1)
         else:
             tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
         starts = stage_starts + (half * P + s) * (T + 1) + blk
@@ -362,22 +465,26 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
 
 @triton.jit
 def dispatch_kernel(
-    ctx, x, slot, before, meta, weights, send_counts, route,
+    ctx, x, slot, before, meta, weights, send_counts, route, hslot, hrows, hosts,
     stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
     send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
     out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
     BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
-    SW: tl.constexpr, FP8: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, L: tl.constexpr,
 ):
     """dispatch of x along a routing computed before (route()'s arrays slot, before, meta,
-    send_counts: _dispatch tells the rest)."""
+    send_counts; with GIN, _routing.host_union's hslot, hrows and the ranks' hosts: _dispatch
+    tells the rest)."""
     _dispatch(ctx, x, x, slot, before, meta, out_dropped, weights, send_counts, out_dropped, route,
+              hslot, hrows, hosts,
               stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
               send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+              send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
               out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
-              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, 0, 1, 1)
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 0, 1, 1)
 
 
 @triton.jit
@@ -385,35 +492,42 @@ def dispatch_routing_kernel(
     ctx, x, ids, weights, route,
     stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
     send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
     out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
     slot, before, meta, dest, send_counts, masked,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
     BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
-    SW: tl.constexpr, FP8: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, L: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
 ):
     """dispatch of x along ids int32 [T, K], routed here: every program routes the token blocks it
     sends or places (_routing_device.block_route, counting the earlier tokens itself), and program
     0 the totals it sends first, so no routing kernel runs before. Also writes route()'s arrays
     (slot, before, meta, dest, send_counts, masked: outputs here) for combine and the gradients.
-    T <= SCAN = _routing_device.scan_tokens(T); BR = _routing_device.constexprs()'s BE."""
+    T <= SCAN = _routing_device.scan_tokens(T); BR = _routing_device.constexprs()'s BE. Jobs with
+    GIN peers route with route() and dispatch_kernel (GIN must be 0 here)."""
+    tl.static_assert(GIN == 0, "dispatch across hosts needs route()'s host unions: dispatch_kernel")
     _dispatch(ctx, x, ids, slot, before, meta, dest, weights, send_counts, masked, route,
+              slot, slot, slot,  # no host unions: never read with GIN = 0
               stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
               send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+              send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
               out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
-              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, 1, SCAN, BR)
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 1, SCAN, BR)
 
 
 @triton.jit
 def _dispatch(
-    ctx, x, ids, slot, before, meta, dest_out, weights, send_counts, masked, route,
+    ctx, x, ids, slot, before, meta, dest_out, weights, send_counts, masked, route, hslot, hrows, hosts,
     stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
     send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
     out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
     BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
-    SW: tl.constexpr, FP8: tl.constexpr, ROUTED: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, L: tl.constexpr, ROUTED: tl.constexpr, SCAN: tl.constexpr,
+    BR: tl.constexpr,
 ):
     """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, SW],
     stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1], stage_starts [2, P, T + 1]
@@ -426,10 +540,15 @@ def _dispatch(
     and x's item size, or with FP8 (rows staged as e4m3 values and scales, jaxgin.moe.fp8's packed
     layout, and placed dequantized: _fp8_device.py) fp8.packed_width(H) 16-bit words and 2. The
     staging and send areas hold SW-element rows.
-    GIN (1 when the job has GIN peers; else the send areas are not used and may be any buffers):
-    send_x / send_meta / send_w / send_head / send_starts shaped like the staging areas, indexed by
-    destination instead of source; data_ready [2P] (flags by source, then the claim words of
-    their waiters); signals sig .. sig + 2P - 1."""
+    GIN (1 when the job has GIN peers; else the send and relay areas are not used and may be any
+    buffers): send_x / send_meta / send_w / send_head / send_starts shaped like the staging areas,
+    indexed by destination instead of source, send_slot [2, P, T] and send_n [2P] (_send_block:
+    rows by union row, x and weights under the host's entry, codes and staging rows under each GPU
+    of the host); relay_x / relay_w like the staging areas, relay_meta [2, P, L, T, K] and
+    relay_slot [2, P, L, T] (by source, then the GPU's place on this host: jaxgin.op_kernels.
+    host_place; L: the most GPUs of one host), relay_n [2P]: what the sources of other hosts put
+    here when this GPU is their network entry (_forward_from_network); data_ready [P] flags by
+    source; signals sig .. sig + 2P - 1."""
     TB: tl.constexpr = (T + BT - 1) // BT
     SEND_STEP: tl.constexpr = NS if NS > 0 else 1
     nprog = tl.num_programs(0)
@@ -485,28 +604,20 @@ def _dispatch(
     if pid < NS:
         while blk < TB:
             _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, stage_meta, stage_w,
-                        block_flags, send_x, send_meta, send_w, me, half, epoch, T, H, K, P, BT, BH, BK, BP, GIN,
-                        SW, FP8, ROUTED)
+                        block_flags, send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
+                        T, H, K, P, BT, BH, BK, BP, GIN, SW, FP8, ROUTED)
             blk += SEND_STEP
             if blk < TB:
                 slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
         if GIN:
-            # The last sender to finish packing puts each GIN peer's rows whole: 3 arrivals there
-            # (the first placer to need them waits for them: _place_block).
+            # The last sender to finish packing puts each other host's union to its network entry
+            # there: 3 + 2 x (GPUs of that host) arrivals (_forward_from_network).
             if _last_to_arrive(state + DISPATCH_PACKED, NS):
-                for d in tl.static_range(P):
-                    if gin_route(ctx, route, d, me, GIN) != 0:
-                        peer = rank_of(route, d)
-                        n = tl.load(send_counts + d * (EL + 1) + EL).to(tl.int64)
-                        src = (half * P + d) * T
-                        dst = (half * P + me) * T
-                        if n > 0:
-                            tgl.put_signal(ctx, stage_x + dst.to(tl.int64) * SW, send_x + src.to(tl.int64) * SW,
-                                           n * SW * XB, peer, sig + P + me)
-                            tgl.put_signal(ctx, stage_meta + dst * K, send_meta + src * K, n * K * 4, peer, sig + P + me)
-                            tgl.put_signal(ctx, stage_w + dst * K, send_w + src * K, n * K * 4, peer, sig + P + me)
-                        else:
-                            tgl.signal(ctx, peer, sig + P + me, 3)
+                _put_host_unions(ctx, route, hosts, hrows, send_x, send_meta, send_w, send_slot, send_n, relay_x,
+                                 relay_meta, relay_w, relay_slot, relay_n, sig, me, half, T, K, P, BP, SW, XB, L)
+            _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, data_ready, relay_x,
+                                  relay_meta, relay_w, relay_slot, relay_n, sig, me, half, epoch,
+                                  T, K, P, BT, BH, BK, BP, NS, SW, L)
     else:
         # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
         q = pid - NS
@@ -530,7 +641,7 @@ def _dispatch(
                     tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
                              tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
         for blk in range(q, TB, placers):
-            _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready, sig,
+            _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
                          out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                          T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
     if pid == 0:

@@ -117,6 +117,17 @@ def route(topk_ids, plan: Plan) -> tuple[SourceRoute, jax.Array]:
     return SourceRoute(slot, before, meta, dest, send_counts), per_expert[-1]
 
 
+def host_union(slot, axis_hosts):
+    """Dispatch across hosts sends a token once per other host (jaxgin.hosts). slot: route()'s
+    [T, P]; axis_hosts: int32 [P], the host of each axis index. Returns (hslot [T, P]: the token's
+    row in the union of what goes to d's host, in token order, -1 where it goes to no GPU there;
+    hrows [P]: rows of that union)."""
+    same = axis_hosts[:, None] == axis_hosts[None, :]  # [P, P]
+    goes_host = jnp.any((slot >= 0)[:, None, :] & same[None, :, :], axis=2)  # [T, P]
+    hslot = jnp.where(goes_host, _exclusive_prefix(goes_host.astype(jnp.int32)), -1)
+    return hslot.astype(jnp.int32), jnp.sum(goes_host, axis=0, dtype=jnp.int32)
+
+
 def placement(counts, codes, capacity: int, local_experts: int):
     """Receiver-side layout. counts: int32 [P, EL + 1] received from each source (send_counts
     rows); codes: int32 [P, T, K] received codes (-1: none). Returns (positions [P, T, K], -1 where

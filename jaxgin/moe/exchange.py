@@ -1,7 +1,8 @@
 """jaxgin.moe.dispatch / combine: expert-parallel token exchange inside shard_map.
 
 On GPUs each is one Triton kernel (_kernels.py) run through jaxgin.triton_call; up to 256 tokens
-per GPU dispatch's kernel also routes (no kernel before it), above that XLA's fusions route; in
+per GPU dispatch's kernel also routes (no kernel before it), above that, and in jobs with GPUs on
+other hosts, XLA's fusions route; in
 reference mode (CPU) the same placement is computed with jax.lax.all_to_all over worst-case
 staging arrays.
 Gradients (jax.custom_vjp, shared by both modes so the CPU tests check the rules the GPUs use):
@@ -21,6 +22,7 @@ import numpy as np
 from jaxgin import op_support, settings
 from jaxgin.collectives import all_to_all
 from jaxgin.ffi import axes as axes_lib
+from jaxgin.hosts import rank_hosts
 from jaxgin.route import axis_route
 from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 from jaxgin.moe import _routing
@@ -80,8 +82,9 @@ def dispatch(x, topk_ids, topk_weights, *, num_experts: int, axis_name, capacity
     capacity: rows of the grouped output (default: the worst case, P * T * min(K, E / P)); entries
     that do not fit are dropped and counted in `dropped`, never silently. mode: 'low_latency'
     (small batches, decode), 'high_throughput', or 'auto' (low_latency up to 256 tokens per GPU).
-    On GPUs, peers of this host get NVLink stores and peers on other hosts GIN puts (each token's
-    rows once per destination GPU, a few large puts per peer and call; _kernels.py tells how).
+    On GPUs, peers of this host get NVLink stores and other hosts GIN puts: each token's row once
+    per destination host, to one GPU there that forwards it over NVLink (jaxgin.hosts), in a few
+    large puts per host and call (_kernels.py tells how).
 
     fp8=True: rows travel as e4m3 with a float32 scale per 128 values (jaxgin.moe.fp8; hidden must
     be a multiple of 128), 0.52x the bytes of bfloat16; the result's x is exactly fp8.rounded(x)
@@ -229,12 +232,15 @@ def _staged_row(plan: Plan, fp8: bool) -> tuple[int, str]:
 def _buffers(state, plan: Plan, fp8: bool = False):
     """The heap buffers of one exchange configuration (op_support.placed): flags and counters start
     at zero on every GPU, as the kernels need. When the job has GIN peers, also the send areas GIN
-    puts read from (a NIC reads only the heap), a data flag and a waiter's claim word per source,
-    and 3 signals per source: counts, data, combine. fp8: dispatch(fp8=True)'s own configuration,
-    staging packed rows, with no combine buffers or signals (combine runs in x's configuration)."""
+    puts read from (a NIC reads only the heap), the relay areas where the sources of other hosts
+    put what this GPU forwards to its host-mates (_kernels._forward_from_network), a data flag per
+    source, and 3 signals per source: counts, data, combine. fp8: dispatch(fp8=True)'s own
+    configuration, staging packed rows, with no combine buffers or signals (combine runs in x's
+    configuration)."""
     from jaxgin.moe import _kernels  # needs Triton: only the kernels' lowering gets here
 
     gin = op_support.gin_in_job(state)
+    per_host = _host_gpus(state, plan) if gin else 1
     key = ("moe_fp8" if fp8 else "moe", plan.names, plan.size, plan.tokens, plan.hidden, plan.top_k,
            plan.local_experts, plan.dtype, gin)
 
@@ -256,8 +262,12 @@ def _buffers(state, plan: Plan, fp8: bool = False):
             buffers.update(
                 send_x=sym((2, p, t, sw), staged), send_meta=sym((2, p, t, k), np.int32),
                 send_w=sym((2, p, t, k), np.float32), send_head=sym((2, p, el + 1), np.int32),
-                send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((2 * p,), np.int64),
+                send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((p,), np.int64),
                 signals=state.signals.allocate((2 if fp8 else 3) * p),
+                send_slot=sym((2, p, t), np.int32), send_n=sym((2 * p,), np.int32),
+                relay_x=sym((2, p, t, sw), staged), relay_meta=sym((2, p, per_host, t, k), np.int32),
+                relay_w=sym((2, p, t, k), np.float32), relay_slot=sym((2, p, per_host, t), np.int32),
+                relay_n=sym((2 * p,), np.int32),
             )
             if not fp8:
                 buffers["send_back"] = sym((2, p, t, h), plan.dtype)
@@ -266,12 +276,26 @@ def _buffers(state, plan: Plan, fp8: bool = False):
                 send_x=buffers["stage_x"], send_meta=buffers["stage_meta"], send_w=buffers["stage_w"],
                 send_head=buffers["stage_counts"], send_starts=buffers["stage_starts"],
                 data_ready=buffers["dispatch_flags"], signals=0,
+                send_slot=buffers["stage_starts"], send_n=buffers["stage_starts"], relay_x=buffers["stage_x"],
+                relay_meta=buffers["stage_meta"], relay_w=buffers["stage_w"], relay_slot=buffers["stage_starts"],
+                relay_n=buffers["stage_starts"],
             )
             if not fp8:
                 buffers["send_back"] = buffers["back"]
         return buffers
 
     return op_support.placed(state, key, place), gin
+
+
+def _host_gpus(state, plan: Plan) -> int:
+    """The most GPUs of one host along the expert axis (bounded by the host size: the relay areas
+    keep a row of metadata per GPU of this host)."""
+    return min(plan.size, int(np.bincount(rank_hosts(state, DISPATCH)).max()))
+
+
+def _axis_hosts(state, plan: Plan):
+    """int32 [world] constant: each rank's host (the kernels look up their axis peers' in it)."""
+    return jnp.asarray(rank_hosts(state, DISPATCH))
 
 
 def _sms(state) -> int:
@@ -302,9 +326,15 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
 
     launch = _dispatch_launch(state, plan, fp8)
     buf = launch.pop("buffers")
+    axis = axis_route(plan.names)
+    if launch["GIN"]:  # each token once per other host (_routing.host_union)
+        hosts = _axis_hosts(state, plan)
+        hslot, hrows = _routing.host_union(route.slot, hosts[axis[1:]])
+    else:
+        hosts, hslot, hrows = (jnp.zeros((1,), jnp.int32),) * 3
     outs = triton_call(
         _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
-        axis_route(plan.names), *buf, out_shape=_dispatch_outputs(plan, x.dtype), **launch,
+        axis, hslot, hrows, hosts, *buf, out_shape=_dispatch_outputs(plan, x.dtype), **launch,
     )
     grouped, positions, weights_out, counts, rows, dropped = outs
     return grouped, positions, weights_out, counts, rows, dropped.reshape(())
@@ -333,12 +363,14 @@ def _dispatch_launch(state, plan: Plan, fp8: bool) -> dict:
     sw, staged = _staged_row(plan, fp8)
     programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8)
     names = ("stage_x", "stage_meta", "stage_w", "stage_counts", "stage_starts", "dispatch_flags", "block_flags",
-             "dispatch_state", "send_x", "send_meta", "send_w", "send_head", "send_starts", "data_ready", "signals")
+             "dispatch_state", "send_x", "send_meta", "send_w", "send_head", "send_starts", "data_ready", "signals",
+             "send_slot", "send_n", "relay_x", "relay_meta", "relay_w", "relay_slot", "relay_n")
     return dict(
         buffers=[buf[name] for name in names], grid=(programs,),
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, EL=el, C=c, BT=bt, BH=bh, BK=pow2(k), BP=pow2(p), BE=pow2(el + 1), BZ=_ZERO_ROWS,
         BB=pow2(-(-t // bt) + 1), NS=senders, XB=jnp.dtype(staged).itemsize, GIN=int(gin), SW=sw, FP8=int(fp8),
+        L=_host_gpus(state, plan) if gin else 1,
     )
 
 
@@ -347,7 +379,8 @@ def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool =
     routes as it goes (_kernels.dispatch_routing_kernel), above them XLA's route() then
     dispatch_kernel (routing in the kernel grows with the square of the tokens). Returns
     dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries)."""
-    if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS:
+    if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS or op_support.gin_in_job(state):
+        # across hosts, dispatch needs route()'s slots for the per-host unions too
         route, masked = _routing.route(topk_ids, plan)
         return (*dispatch_kernel(state, x, weights, route, plan, fp8), route, masked)
     op_support.require_tritongin(DISPATCH)

@@ -384,9 +384,9 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     """What one dispatch and one combine put through the host transport from this process's GPU,
     per call, next to the least they could, counting only the GPUs of other (emulated) hosts (on a
     mixed mesh, a host-mate's share goes over NVLink): for dispatch, each token's row once per such
-    destination GPU (H x item size each) plus the counts row per such peer; for combine, one row
-    back per (token, such GPU) that reduced it. What travels beyond that is routing metadata (each
-    row's codes and weights, K int32 + K float32, and the block starts per peer), reported apart."""
+    destination host (H x item size each) plus the counts row per such GPU; for combine, one row
+    back per (token, such GPU) that reduced it. What travels beyond that is routing metadata,
+    reported apart."""
     n, hidden, top_k, experts, dtype = mesh.size, 2048, 4, 8 * mesh.size, jnp.bfloat16
     spec = P("ep")
     sharding = NamedSharding(mesh, spec)
@@ -411,20 +411,29 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     dest = mine // plan_local
     remote_dests = [set(row.tolist()) & set(remote) for row in dest]  # each token's GPUs on other hosts
     sent_rows = sum(map(len, remote_dests))
-    # once per destination host instead of per destination GPU: what hierarchical routing would send
-    host_rows = sum(len({d // per_host for d in dests}) for dests in remote_dests)
+    # dispatch sends a token once per destination host (jaxgin.hosts), not once per destination GPU
+    union = {}  # rows of the union for each other host
+    for dests in remote_dests:
+        for h in {d // per_host for d in dests}:
+            union[h] = union.get(h, 0) + 1
+    host_rows = sum(union.values())
     counts_bytes = len(remote) * (plan_local + 1) * 4
-    dispatch_min = sent_rows * hidden * itemsize + counts_bytes
+    dispatch_min = host_rows * hidden * itemsize + counts_bytes
     received = np.asarray(_host(rows_back(x, ids, weights))).reshape(n, n)[me]  # rows from each source
     combine_min = int(received[remote].sum()) * hidden * itemsize
     blocks = -(-tokens // exchange._blocks(_routing.Plan(("ep",), n, tokens, hidden, top_k, plan_local, 1,
                                                          np.dtype(dtype).name, mode))[0])
-    metadata = sent_rows * top_k * 8 + len(remote) * (blocks + 1) * 4
+    # beside the rows: block starts per GPU; per host the union's weights (K float32 a row) and row
+    # count, and per GPU of it each union row's codes there and staging row (K + 1 int32)
+    metadata = (len(remote) * (blocks + 1) * 4 + host_rows * top_k * 4 + len(union) * 4
+                + host_rows * per_host * (top_k + 1) * 4)
+    puts = 2 * len(remote) + len(union) * (3 + 2 * per_host)  # every union here has rows
     combine = {k: both[k] - dispatch[k] for k in both}
     return {
         "tokens": tokens, "hidden": hidden, "top_k": top_k, "experts": experts, "mode": mode, "rank": me,
         "remote_gpus": len(remote), "remote_hosts": len({r // per_host for r in remote}),
         "dispatch": dispatch, "dispatch_minimum_bytes": dispatch_min, "dispatch_metadata_bytes": metadata,
+        "dispatch_expected_puts": puts, "dispatch_hosts_reached": len(union), "dispatch_counts_bytes": counts_bytes,
         "dispatch_ratio": dispatch["bytes"] / max(dispatch_min, 1),
         "dispatch_rows_rank_minimum_bytes": sent_rows * hidden * itemsize,
         "dispatch_rows_host_minimum_bytes": host_rows * hidden * itemsize,

@@ -99,10 +99,12 @@ def test_moe_emulated_hosts(world, command_buffers):
 
 
 def _assert_traffic(result, remote_gpus):
-    """Through the host transport went exactly each token's row once per destination GPU on
-    another host plus the routing metadata, and one reduced row back per (token, such GPU), in
-    five puts per such peer for dispatch (counts, starts, rows, codes, weights) and one for
-    combine (each below the transport's 4 MiB piece size, so one transport put each)."""
+    """Through the host transport went exactly each token's row once per destination host (to
+    its network entry there, which forwards it over NVLink) plus the counts and the routing
+    metadata, and one reduced row back per (token, GPU of another host) that reduced it: for
+    dispatch, two puts per such GPU (counts, starts) and 3 + 2 x (GPUs of the host) per such host
+    (count, rows, weights; codes and staging rows per GPU), for combine one per such GPU (each below
+    the transport's 4 MiB piece size, so one transport put each)."""
     assert len(result["traffic"]) == 2, result
     for t in result["traffic"]:
         d, c = t["dispatch"], t["combine"]
@@ -111,8 +113,9 @@ def _assert_traffic(result, remote_gpus):
         assert d["bytes"] == t["dispatch_minimum_bytes"] + t["dispatch_metadata_bytes"], t
         assert d["bytes"] <= 1.05 * t["dispatch_minimum_bytes"], t
         assert c["bytes"] == t["combine_minimum_bytes"], t
-        assert d["puts"] == 5 * remote_gpus and c["puts"] == remote_gpus, t
-        # what hierarchical routing (issue 46) would leave of the rows: one per destination host
+        assert d["puts"] == t["dispatch_expected_puts"] and c["puts"] == remote_gpus, t
+        assert t["dispatch_hosts_reached"] == t["remote_hosts"], t  # these shapes reach every host
+        # a token bound for two GPUs of one other host crossed the network once
         hosts_apart = t["dispatch_rows_host_minimum_bytes"] < t["dispatch_rows_rank_minimum_bytes"]
         assert hosts_apart if t["remote_gpus"] > t["remote_hosts"] else not hosts_apart, t
 
