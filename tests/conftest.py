@@ -168,6 +168,17 @@ def toolchain(nvcc, packaged_nccl, require):
     return packaged_nccl
 
 
+class FakeRuntime:
+    """A runtime extension that answers only device_info (rank, lsa_rank, lsa_size per local GPU):
+    what the ops' GPU lowering reads of the hosts (jaxgin.hosts.rank_hosts)."""
+
+    def __init__(self, infos):
+        self.infos = infos
+
+    def device_info(self, i):
+        return self.infos[i]
+
+
 def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, num_warps: int = 4,
                      num_stages: int = 3):
     """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), through

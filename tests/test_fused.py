@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
-from conftest import compile_for_sm90, gpu_scenario, triton_interpreter_check
+from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, triton_interpreter_check
 
 
 @pytest.fixture
@@ -216,19 +216,11 @@ def test_bad_arguments_are_named(init, call, error, message):
         _sm(mesh, call)(x, w)
 
 
-class _FakeRuntime:
-    def __init__(self, infos):
-        self.infos = infos
-
-    def device_info(self, i):
-        return self.infos[i]
-
-
 class _FakeState:
     def __init__(self, world, infos, force_gin=False):
         self.world_size = world
         self.local_devices = list(range(len(infos)))
-        self.runtime = _FakeRuntime(infos)
+        self.runtime = FakeRuntime(infos)
         self.options = types.SimpleNamespace(force_gin=force_gin)
 
 
@@ -245,7 +237,7 @@ class _HeapOnlyState:
         self.generation = 0
         # and, for routing across hosts (jaxgin.hosts), rank 1 of 4, on hosts of 2 GPUs
         self.world_size, self.local_devices = 4, [None]
-        self.runtime = _FakeRuntime([{"rank": 1, "lsa_rank": 1, "lsa_size": 2}])
+        self.runtime = FakeRuntime([{"rank": 1, "lsa_rank": 1, "lsa_size": 2}])
         self.options = types.SimpleNamespace(force_gin=False)
 
 

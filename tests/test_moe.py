@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
-from conftest import compile_for_sm90, gpu_scenario, triton_interpreter_check
+from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, triton_interpreter_check
 
 SPEC = P("ep")
 
@@ -958,14 +958,6 @@ def test_host_union_rows_each_token_once_per_host_in_token_order(hosts):
         assert hrows[d] == there.sum()
 
 
-class _FakeRuntime:
-    def __init__(self, infos):
-        self.infos = infos
-
-    def device_info(self, i):
-        return self.infos[i]
-
-
 class _LoweringState:
     """What exchange's GPU lowering reads of the runtime: heap and signal allocators, the placement
     cache, the SM count, and the hosts (rank 1 of 4 on hosts of 2 GPUs)."""
@@ -981,7 +973,7 @@ class _LoweringState:
         self.generation = 0
         self.world_size = 4
         self.local_devices = [types.SimpleNamespace(core_count=132)]
-        self.runtime = _FakeRuntime([{"rank": 1, "lsa_rank": 1, "lsa_size": 2}])
+        self.runtime = FakeRuntime([{"rank": 1, "lsa_rank": 1, "lsa_size": 2}])
         self.options = types.SimpleNamespace(force_gin=False)
 
 
