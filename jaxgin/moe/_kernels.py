@@ -320,6 +320,16 @@ def _put_host_unions(ctx, route, hosts, hrows, send_x, send_meta, send_w, send_s
 
 
 @triton.jit
+def _heap_of(ctx, route, array, d, me):
+    """`array` (a heap buffer) of axis index d, an NVLink peer or this GPU (then its own address,
+    which this GPU's placers read through)."""
+    at = array
+    if d != me:
+        at = tgl.peer_ptr(ctx, array, rank_of(route, d))
+    return at
+
+
+@triton.jit
 def _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, data_ready, relay_x, relay_meta,
                           relay_w, relay_slot, relay_n, sig, me, half, epoch, T: tl.constexpr, K: tl.constexpr,
                           P: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
@@ -347,16 +357,15 @@ def _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, 
                     to_rows = tl.full((BT, BP), -1, tl.int32)  # each row's staging row on each GPU here
                     for d in tl.static_range(P):
                         if gin_route(ctx, route, d, me, 1) == 0:  # this host's GPUs, this one included
-                            mate = rank_of(route, d)
                             at = ((half * P + s) * L + host_place(route, hosts, d, P, BP)) * T + u
                             sl = tl.load(relay_slot + at, mask=u_ok, other=-1, cache_modifier=".cg")
                             go = sl >= 0
                             codes = tl.load(relay_meta + at[:, None] * K + ks[None, :],
                                             mask=go[:, None] & k_ok[None, :], other=-1, cache_modifier=".cg")
                             row = src + sl
-                            tl.store(tgl.peer_ptr(ctx, stage_meta, mate) + row[:, None] * K + ks[None, :], codes,
+                            tl.store(_heap_of(ctx, route, stage_meta, d, me) + row[:, None] * K + ks[None, :], codes,
                                      mask=go[:, None] & k_ok[None, :])
-                            tl.store(tgl.peer_ptr(ctx, stage_w, mate) + row[:, None] * K + ks[None, :], w,
+                            tl.store(_heap_of(ctx, route, stage_w, d, me) + row[:, None] * K + ks[None, :], w,
                                      mask=go[:, None] & k_ok[None, :])
                             to_rows = tl.where((ps == d)[None, :], sl[:, None], to_rows)
                     for h0 in range(0, SW, BH):
@@ -367,7 +376,7 @@ def _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, 
                         for d in tl.static_range(P):
                             if gin_route(ctx, route, d, me, 1) == 0:
                                 sl = _column(to_rows, ps, d)
-                                to = tgl.peer_ptr(ctx, stage_x, rank_of(route, d))
+                                to = _heap_of(ctx, route, stage_x, d, me)
                                 tl.store(to + (src + sl).to(tl.int64)[:, None] * SW + h[None, :], rows,
                                          mask=(sl >= 0)[:, None] & h_ok[None, :])
                 for d in tl.static_range(P):
