@@ -432,9 +432,11 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
         T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=1024, NS=33,
         XB=2, GIN=gin, SW=7168, FP8=0, L=2))
     pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
-                    back="*bf16", flags="*i64", state="*i64", send_back="*bf16", sig="i32", out="*bf16")
+                    hslot="*i32", hosts="*i32", union_map="*i32", back="*bf16", flags="*i64", state="*i64",
+                    send_back="*bf16", send_union="*bf16", send_map="*i32", map_recv="*i32", sig="i32", out="*bf16")
     combine = compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1,
-                               constexprs=dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4, XB=2, GIN=gin))
+                               constexprs=dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4, XB=2, GIN=gin,
+                                               L=2, MW=1 + 4096 * 2))
     for kernel in (dispatch, combine):
         cubin = kernel.asm["cubin"]
         assert cubin[:4] == b"\x7fELF"
@@ -956,6 +958,43 @@ def test_host_union_rows_each_token_once_per_host_in_token_order(hosts):
         assert np.array_equal(hslot[:, d] >= 0, there)
         assert hslot[there, d].tolist() == list(range(int(there.sum())))
         assert hrows[d] == there.sum()
+
+
+@pytest.mark.parametrize(("hosts", "me"), [([0, 0, 1, 1], 1), ([0, 1, 2, 3], 2), ([0, 0, 0, 1, 1, 1], 4),
+                                           ([1, 1, 0, 0, 2, 2], 0)])
+def test_union_maps_tell_each_entry_where_its_hosts_partials_lie(hosts, me):
+    """exchange._union_maps, what combine across hosts sends each other host's network entry for
+    this GPU (jaxgin.hosts.entries): under the entry's axis index, the union's row count, then for
+    each union row (token order) the token's staging row on each GPU of that host, by its place
+    there (-1 where that GPU has none)."""
+    from jaxgin.hosts import entries
+    from jaxgin.moe import _routing, exchange
+
+    rng = np.random.default_rng(me + len(hosts))
+    t, p = 29, len(hosts)
+    per_host = max(np.bincount(hosts))
+    goes = rng.random((t, p)) < 0.3
+    slot = np.where(goes, np.cumsum(goes, axis=0) - goes, -1).astype(np.int32)
+    route = _routing.SourceRoute(jnp.asarray(slot), None, None, None, None)
+    axis_hosts = jnp.asarray(hosts, jnp.int32)
+    hslot, hrows = _routing.host_union(route.slot, axis_hosts)
+    maps = np.asarray(exchange._union_maps(route, hslot, hrows, axis_hosts, jnp.int32(me), per_host))
+    assert maps.shape == (p, exchange._map_words(_Plan(t), per_host))
+    entry = entries(hosts)
+    for host in set(hosts) - {hosts[me]}:
+        members = [d for d in range(p) if hosts[d] == host]
+        e = entry[me, members[0]]
+        tokens = [i for i in range(t) if goes[i, members].any()]
+        assert maps[e, 0] == len(tokens)
+        table = maps[e, 1:1 + len(tokens) * per_host].reshape(len(tokens), per_host)
+        for u, i in enumerate(tokens):
+            assert table[u, :len(members)].tolist() == slot[i, members].tolist()
+
+
+def _Plan(tokens):
+    import types
+
+    return types.SimpleNamespace(tokens=tokens)
 
 
 class _LoweringState:

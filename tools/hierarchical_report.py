@@ -6,8 +6,8 @@ crosses an emulated host) beside the least it could, per rank.
 
 RESULTS_DIR holds the round's records (tests/gpu's `record`): mixed_fused_check_*_Nranks.json
 (all_gather_matmul: each shard crosses to each other host once) and mixed_moe_check_*_Nranks.json
-(MoE dispatch, still sent once per destination GPU: its ratio to the host minimum is what
-hierarchical dispatch would save). Each case: {"op", "world", "hosts", "rank", "mode" or "method",
+(MoE dispatch, and combine where the record has its per-host fields: each token's row crosses
+once per other host; older records' dispatch went once per destination GPU). Each case: {"op", "world", "hosts", "rank", "mode" or "method",
 "command_buffers",
 "network_bytes", "host_minimum_bytes", "rank_minimum_bytes", "network_puts", "source"}.
 """
@@ -51,6 +51,13 @@ def moe_cases(path: Path) -> list[dict]:
                           "host_minimum_bytes": t["dispatch_rows_host_minimum_bytes"] + counts,
                           "rank_minimum_bytes": t["dispatch_rows_rank_minimum_bytes"] + counts, "network_puts": d["puts"],
                           "metadata_bytes": t["dispatch_metadata_bytes"], "source": path.name})
+            if "combine_metadata_bytes" in t:  # records since combine returned rows once per host
+                c = t["combine"]
+                cases.append({"op": "moe.combine", "mode": t["mode"], "world": world, "hosts": hosts,
+                              "rank": t["rank"], "network_bytes": c["bytes"],
+                              "host_minimum_bytes": t["combine_minimum_bytes"],
+                              "rank_minimum_bytes": t["combine_rows_rank_minimum_bytes"], "network_puts": c["puts"],
+                              "metadata_bytes": t["combine_metadata_bytes"], "source": path.name})
     return cases
 
 

@@ -59,12 +59,16 @@ it over NVLink:
     stored it over NVLink, and raise those GPUs' data_ready flag for the source, which their
     placers wait on instead of the source's per-block flags (_forward_from_network). Senders wait
     only for other GPUs' last packers, which post before they wait for anything but the counts;
-  - combine: the last program to finish reducing puts each GIN peer's returned rows (1 put, or 1
-    increment when empty; signal `sig + 2P + me` there), then waits for 1 arrival from each GIN
-    source and raises its combine flag locally. (One row per (token, GPU) still crosses back: a
-    reduction inside the host first would round differently from the reference.)
-Counts and combine wait with jaxgin.op_kernels.arrivals_to_flag, the forwarding senders with
-tgl.wait_arrivals. The counts of arrivals per call are fixed, so the consumed count lives on the
+  - combine: in reverse, once per host. Program 0 first puts each other host's entry a map of
+    where that host's GPUs will keep their rows of this GPU's tokens (_put_union_maps; signal
+    `sig + 3P + me` there). Every GPU reduces its rows for a source of another host into its own
+    send_back; after its host's GPUs have all reduced, the source's entry sums their rows of each
+    token (read over NVLink), rounds once, and puts them home (_forward_union_block: 1 put, or 1
+    increment when empty; signal `sig + 2P + me` there). Home waits for 1 arrival per other host
+    and sums one row per host; the sum inside a host is why a GIN job's combine may round
+    differently from an NVLink job's.
+Counts and combine's returns wait with jaxgin.op_kernels.arrivals_to_flag, the maps with
+wait_gin_source, the forwarding senders with tgl.wait_arrivals. The counts of arrivals per call are fixed, so the consumed count lives on the
 device: right under CUDA-graph replay. Send and relay areas have two halves like the staging
 areas: a GPU rewrites half h at call n + 2, after its peers finished call n + 1, so after the NIC
 read it and the entry forwarded it.
@@ -88,17 +92,20 @@ import jaxgin.triton_device.language as tgl
 from jaxgin.moe import _fp8_device as fp8_rows
 from jaxgin.moe import _routing_device
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, host_place, host_size,
-                                network_entry, rank_of, start_order)
+                                network_entry, rank_of, start_order, wait_gin_source)
 
 # dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED].
 DISPATCH_STARTED = tl.constexpr(1)
 DISPATCH_FINISHED = tl.constexpr(2)
 DISPATCH_PACKED = tl.constexpr(3)
-# combine's: [CALLS, COMPLETED, CLAIMED, FINISHED] (COMPLETED, CLAIMED adjacent: finish_call zeroes both).
+# combine's: [CALLS, COMPLETED, CLAIMED, FINISHED, then with GIN FORWARD_CLAIMED and P words
+# FORWARDED by source] (finish_call zeroes COMPLETED onwards: FINISHED among them, already zero).
 COMBINE_COMPLETED = tl.constexpr(1)
 COMBINE_CLAIMED = tl.constexpr(2)
 COMBINE_FINISHED = tl.constexpr(3)
-STATE_WORDS = 4  # what exchange._buffers allocates for each
+COMBINE_FORWARD_CLAIMED = tl.constexpr(4)
+COMBINE_FORWARDED = tl.constexpr(5)
+STATE_WORDS = 4  # what exchange._buffers allocates for each (combine with GIN: 2 + P more)
 
 
 @triton.jit
@@ -663,14 +670,96 @@ def _dispatch(
 
 
 @triton.jit
+def _put_union_maps(ctx, route, hosts, union_map, send_map, map_recv, sig, me, half, P: tl.constexpr,
+                    BP: tl.constexpr, MW: tl.constexpr, BM: tl.constexpr, L: tl.constexpr):
+    """CTA-collective. To the network entry e of each other host (jaxgin.hosts), which returns one
+    row per token of this GPU that went there: where each GPU of that host keeps its partial of
+    each such token. union_map [P, MW] (exchange._union_maps, under e's axis index): the union's
+    row count n, then n x L staging rows (-1: none on that GPU). Copied into the heap (a NIC reads
+    only the heap), then 1 put of 1 + n L words into map_recv [half, me] there, +1 on e's
+    `sig + P + me`."""
+    for d in tl.static_range(P):
+        if gin_route(ctx, route, d, me, 1) != 0:
+            if network_entry(route, hosts, me, d, P, BP) == d:
+                n = tl.load(union_map + d * MW)
+                words = 1 + n * L
+                mine = send_map + (half * P + d) * MW
+                for w0 in range(0, words, BM):
+                    w = w0 + tl.arange(0, BM)
+                    tl.store(mine + w, tl.load(union_map + d * MW + w, mask=w < words), mask=w < words)
+                tl.debug_barrier()  # the map is in memory before the put reads it
+                tgl.put_signal(ctx, map_recv + (half * P + me) * MW, mine, words * 4, rank_of(route, d), sig + P + me)
+
+
+@triton.jit
+def _forward_union_block(ctx, route, hosts, back, flags, send_back, send_union, map_recv, state, sig, s, blk, me,
+                         half, epoch, T: tl.constexpr, H: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                         BH: tl.constexpr, BP: tl.constexpr, MW: tl.constexpr, XB: tl.constexpr, L: tl.constexpr):
+    """Forwarding item (s, blk) of a source s on another host whose network entry this GPU is:
+    block blk of the rows that go back to s, each the sum (float32, rounded once) of the partials
+    that this host's GPUs reduced for one token of s (their send_back rows for s, read over
+    NVLink, at the staging rows s's map gives). The program that completes s's last block puts
+    all of them (1 put, or a bare increment when none) into s's return area, at this GPU's slot,
+    +1 on s's `sig + me`."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    ps = tl.arange(0, BP)
+    hs = tl.arange(0, BH)
+    for d in tl.static_range(P):  # the host's GPUs have reduced (their partials for s are in place)
+        if gin_route(ctx, route, d, me, 1) == 0:
+            tgl.wait_flag(ctx, flags + d, epoch + 1)
+    wait_gin_source(ctx, flags + 2 * P + s, sig + P + s, 1, flags + P + s, epoch + 1, rank_of(route, me))
+    got = map_recv + (half * P + s) * MW
+    n = tl.load(got, cache_modifier=".cg")
+    u = blk * BT + tl.arange(0, BT)
+    u_ok = u < n
+    rows = tl.full((BT, BP), -1, tl.int32)  # each union row's partial row on each GPU of the host
+    for d in tl.static_range(P):
+        if gin_route(ctx, route, d, me, 1) == 0:
+            sl = tl.load(got + 1 + u * L + host_place(route, hosts, d, P, BP), mask=u_ok, other=-1, cache_modifier=".cg")
+            rows = tl.where((ps == d)[None, :], sl[:, None], rows)
+    first = ((half * P + s) * T).to(tl.int64)
+    for h0 in range(0, H, BH):
+        h = h0 + hs
+        h_ok = h < H
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for d in tl.static_range(P):
+            if gin_route(ctx, route, d, me, 1) == 0:
+                sl = _column(rows, ps, d)
+                at = _heap_of(ctx, route, send_back, d, me)
+                v = tl.load(at + (first + sl)[:, None] * H + h[None, :], mask=(sl >= 0)[:, None] & h_ok[None, :],
+                            other=0.0, cache_modifier=".cg")
+                acc += v.to(tl.float32)
+        tl.store(send_union + (first + u)[:, None] * H + h[None, :], acc.to(send_union.dtype.element_ty),
+                 mask=u_ok[:, None] & h_ok[None, :])
+    tl.debug_barrier()  # the whole block is stored before it counts as forwarded
+    if tl.atomic_add(state + COMBINE_FORWARDED + s, 1, sem="acq_rel", scope="sys") == TB - 1:
+        if n > 0:
+            tgl.put_signal(ctx, back + ((half * P + me) * T).to(tl.int64) * H, send_union + first * H,
+                           n.to(tl.int64) * H * XB, rank_of(route, s), sig + me)
+        else:
+            tgl.signal(ctx, rank_of(route, s), sig + me, 1)
+
+
+@triton.jit
 def combine_kernel(
-    ctx, y, weights, pos, rows, slot, route, back, flags, state, send_back, sig, out,
+    ctx, y, weights, pos, rows, slot, route, hslot, hosts, union_map, back, flags, state, send_back, send_union,
+    send_map, map_recv, sig, out,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
+    L: tl.constexpr, MW: tl.constexpr,
 ):
     """y [C, H] expert outputs in dispatch's layout -> out [T, H]: out[t] = sum over t's entries of
-    weight * y[position]. Return area on every GPU: back [2, P, T, H] (half, GPU that reduced, row).
-    GIN: send_back [2, P, T, H] (half, GPU the rows go to, row); signals sig .. sig + P - 1."""
+    weight * y[position]. Return area on every GPU: back [2, P, T, H] (half, GPU that reduced or
+    other host's entry that summed, row). flags [3P]: reduced-here flags by GPU, then (GIN) map
+    arrival flags and their claim words by source.
+    GIN: a token's rows come back once per other host: each GPU of a host reduces its partial for
+    a source s on another host into send_back [2, P, T, H] (half, s, its staging row), and s's
+    network entry on this host (jaxgin.hosts) sums the host's partials (_forward_union_block) into
+    send_union [2, P, T, H] and puts them to s. Where the partials of each token lie comes from s
+    at the start of the call (_put_union_maps: union_map [P, MW] in, send_map / map_recv [2, P, MW]
+    heap areas). hslot [T, P]: this GPU's tokens' rows in those unions (_routing.host_union);
+    hosts: each rank's host; L: the most GPUs of a host. Signals sig .. sig + 2P - 1 (rows back,
+    maps)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -680,8 +769,12 @@ def combine_kernel(
     k_ok = ks < K
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
+    if GIN:
+        if pid == 0:  # first of all: the entries need the maps before they can sum
+            _put_union_maps(ctx, route, hosts, union_map, send_map, map_recv, sig, me, half, P, BP, MW, 1024, L)
 
-    # 1. Reduce each received token's entries here; send one row home (GIN: into the send area).
+    # 1. Reduce each received token's entries here; send one row home (GIN: into the send area,
+    #    which this host's entry for the source reads).
     #    Items are claimed from a counter rather than dealt by program id: programs that are not
     #    resident (a kernel on another stream holds their SMs, such as an XLA collective that waits
     #    for peers whose GPUs are full of programs waiting for this one) then do none of this
@@ -720,36 +813,55 @@ def combine_kernel(
         mine += 1
         item = tl.atomic_add(state + COMBINE_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
-    # 2. The program that completes the last item raises this GPU's flag on every NVLink GPU and
-    #    puts the rows of every GIN GPU (1 arrival there), then raises the flags of the GIN GPUs
-    #    whose rows arrived here.
+    # 2. The program that completes the last item raises this GPU's flag on every NVLink GPU (its
+    #    rows are in their return areas, its partials for other hosts' sources in send_back).
     tl.debug_barrier()  # the whole program's stores precede the release below
     before = tl.atomic_add(state + COMBINE_COMPLETED, mine.to(tl.int64), sem="acq_rel", scope="sys")
-    if (mine > 0) & (before + mine == ITEMS):
+    last = (mine > 0) & (before + mine == ITEMS)
+    if last:
         for d in tl.static_range(P):
-            peer = rank_of(route, d)
-            if gin_route(ctx, route, d, me, GIN) != 0:
-                n = tl.load(rows + d).to(tl.int64)
-                if n > 0:
-                    src = ((half * P + d) * T).to(tl.int64)
-                    dst = ((half * P + me) * T).to(tl.int64)
-                    tgl.put_signal(ctx, back + dst * H, send_back + src * H, n * H * XB, peer, sig + me)
-                else:
-                    tgl.signal(ctx, peer, sig + me, 1)
-            else:
-                tgl.set_flag(ctx, flags + me, epoch + 1, peer)
-        if GIN:
-            for s in tl.static_range(P):
-                if gin_route(ctx, route, s, me, GIN) != 0:
-                    arrivals_to_flag(ctx, sig + s, 1, flags + s, epoch + 1, my_rank)
+            if gin_route(ctx, route, d, me, GIN) == 0:
+                tgl.set_flag(ctx, flags + me, epoch + 1, rank_of(route, d))
 
-    # 3. Add up what every GPU returned for each token.
+    if GIN:
+        # 2b. As the network entry of other hosts' sources: sum this host's partials of their
+        #     tokens and put them home, a block per claimed item (items of sources whose entry
+        #     this GPU is not are skipped). The waits in it are for this host's GPUs' step 2 and
+        #     for maps the sources posted first: neither waits for this step anywhere.
+        item = tl.atomic_add(state + COMBINE_FORWARD_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+        while item < ITEMS:
+            s = item % P
+            if gin_route(ctx, route, s, me, GIN) != 0:
+                if network_entry(route, hosts, s, me, P, BP) == me:
+                    _forward_union_block(ctx, route, hosts, back, flags, send_back, send_union, map_recv, state, sig,
+                                         s, item // P, me, half, epoch, T, H, P, BT, BH, BP, MW, XB, L)
+            item = tl.atomic_add(state + COMBINE_FORWARD_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+        # Every forwarding item is claimed by now; the rows of each other host arrive from its
+        # entry for this GPU (1 put each).
+        if last:
+            for d in tl.static_range(P):
+                if gin_route(ctx, route, d, me, GIN) != 0:
+                    if network_entry(route, hosts, me, d, P, BP) == d:
+                        arrivals_to_flag(ctx, sig + d, 1, flags + d, epoch + 1, my_rank)
+
+    # 3. Add up what every GPU of this host, and every other host's entry, returned for each token.
     for d in tl.static_range(P):
-        tgl.wait_flag(ctx, flags + d, epoch + 1)
+        if gin_route(ctx, route, d, me, GIN) == 0:
+            tgl.wait_flag(ctx, flags + d, epoch + 1)
+        elif network_entry(route, hosts, me, d, P, BP) == d:
+            tgl.wait_flag(ctx, flags + d, epoch + 1)
     for blk in range(pid, TB, nprog):
         t = blk * BT + tl.arange(0, BT)
         t_ok = t < T
-        slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=t_ok[:, None] & (ps < P)[None, :], other=-1)
+        both = t_ok[:, None] & (ps < P)[None, :]
+        slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=both, other=-1)
+        if GIN:  # from another host: the token's row in the union its entry returned, once per host
+            hrows = tl.load(hslot + t[:, None] * P + ps[None, :], mask=both, other=-1)
+            for d in tl.static_range(P):
+                if gin_route(ctx, route, d, me, GIN) != 0:
+                    once = network_entry(route, hosts, me, d, P, BP) == d
+                    taken = tl.where(once, _column(hrows, ps, d), -1)
+                    slots = tl.where((ps == d)[None, :], taken[:, None], slots)
         for h0 in range(0, H, BH):
             h = h0 + hs
             h_ok = h < H
@@ -762,4 +874,4 @@ def combine_kernel(
                 acc += v.to(tl.float32)
             tl.store(out + t[:, None].to(tl.int64) * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=t_ok[:, None] & h_ok[None, :])
-    finish_call(state, state + COMBINE_FINISHED, epoch, nprog, state + COMBINE_COMPLETED, 2)
+    finish_call(state, state + COMBINE_FINISHED, epoch, nprog, state + COMBINE_COMPLETED, 2 + (2 + P) * GIN)

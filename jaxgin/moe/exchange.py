@@ -111,7 +111,8 @@ def combine(expert_out, handle: Handle):
     weighted by the routing weights: out[t] = sum over t's top-k entries of weight * expert_out[row],
     [T, H], where entries that landed nowhere (masked ids, over capacity) count as 0. Each token
     gets one row per GPU (that GPU's entries reduced there, float32, then rounded to x's dtype),
-    summed at home in float32. Differentiable in expert_out and, through the handle, in the
+    summed at home in float32; from another host, one row per host (its GPUs' rows summed in
+    float32 by the host's network entry, jaxgin.hosts, and rounded once). Differentiable in expert_out and, through the handle, in the
     topk_weights given to dispatch."""
     if not isinstance(handle, Handle):
         raise TypeError(f"{COMBINE}: handle must be the .handle of jaxgin.moe.dispatch's result, got {type(handle).__name__}")
@@ -256,21 +257,23 @@ def _buffers(state, plan: Plan, fp8: bool = False):
             dispatch_state=sym((_kernels.STATE_WORDS,), np.int64),
         )
         if not fp8:
-            buffers.update(back=sym((2, p, t, h), plan.dtype), combine_flags=sym((p,), np.int64),
-                           combine_state=sym((_kernels.STATE_WORDS,), np.int64))
+            buffers.update(back=sym((2, p, t, h), plan.dtype), combine_flags=sym((3 * p,), np.int64),
+                           combine_state=sym((_kernels.STATE_WORDS + (2 + p) * gin,), np.int64))
         if gin:
             buffers.update(
                 send_x=sym((2, p, t, sw), staged), send_meta=sym((2, p, t, k), np.int32),
                 send_w=sym((2, p, t, k), np.float32), send_head=sym((2, p, el + 1), np.int32),
                 send_starts=sym((2, p, t + 1), np.int32), data_ready=sym((p,), np.int64),
-                signals=state.signals.allocate((2 if fp8 else 3) * p),
+                signals=state.signals.allocate((2 if fp8 else 4) * p),
                 send_slot=sym((2, p, t), np.int32), send_n=sym((2 * p,), np.int32),
                 relay_x=sym((2, p, t, sw), staged), relay_meta=sym((2, p, per_host, t, k), np.int32),
                 relay_w=sym((2, p, t, k), np.float32), relay_slot=sym((2, p, per_host, t), np.int32),
                 relay_n=sym((2 * p,), np.int32),
             )
             if not fp8:
-                buffers["send_back"] = sym((2, p, t, h), plan.dtype)
+                buffers.update(send_back=sym((2, p, t, h), plan.dtype), send_union=sym((2, p, t, h), plan.dtype),
+                               send_map=sym((2, p, _map_words(plan, per_host)), np.int32),
+                               map_recv=sym((2, p, _map_words(plan, per_host)), np.int32))
         else:  # the kernels compile without their GIN paths and never touch these
             buffers.update(
                 send_x=buffers["stage_x"], send_meta=buffers["stage_meta"], send_w=buffers["stage_w"],
@@ -281,7 +284,8 @@ def _buffers(state, plan: Plan, fp8: bool = False):
                 relay_n=buffers["stage_starts"],
             )
             if not fp8:
-                buffers["send_back"] = buffers["back"]
+                buffers.update(send_back=buffers["back"], send_union=buffers["back"], send_map=buffers["stage_starts"],
+                               map_recv=buffers["stage_starts"])
         return buffers
 
     return op_support.placed(state, key, place), gin
@@ -291,6 +295,31 @@ def _host_gpus(state, plan: Plan) -> int:
     """The most GPUs of one host along the expert axis (bounded by the host size: the relay areas
     keep a row of metadata per GPU of this host)."""
     return min(plan.size, int(np.bincount(rank_hosts(state, DISPATCH)).max()))
+
+
+def _map_words(plan: Plan, per_host: int) -> int:
+    """int32 words of one union map (exchange._union_maps): a row count, then per union row the
+    staging row on each GPU of the host."""
+    return 1 + plan.tokens * per_host
+
+
+def _union_maps(route: SourceRoute, hslot, hrows, axis_hosts, me, per_host: int):
+    """int32 [P, _map_words]: for each other host, under its network entry's axis index e for this
+    GPU (jaxgin.hosts), what combine tells e: the union's row count hrows[e], then for each union
+    row u and each GPU of that host (by its place there) the token's staging row on that GPU (-1:
+    none), rows u * per_host .. . Rows of other axis indices are unused."""
+    p = axis_hosts.shape[0]
+    t = route.slot.shape[0]
+    same = axis_hosts[:, None] == axis_hosts[None, :]  # [P, P]
+    place = jnp.sum(jnp.tril(same, -1), axis=1)  # each index's place among its host's indices
+    size = jnp.sum(same, axis=1)
+    # entry[d]: the index of d's host whose place is this GPU's place modulo that host's size
+    entry = jnp.argmax(same & (place[None, :] == (place[me] % size)[:, None]), axis=1)
+    e = jnp.broadcast_to(entry[None, :], (t, p))
+    u = jnp.where(hslot >= 0, hslot, t)  # rows of hosts a token does not go to fall off the end
+    cols = jnp.broadcast_to(place[None, :], (t, p))
+    maps = jnp.full((p, t + 1, per_host), -1, jnp.int32).at[e, u, cols].set(route.slot, mode="drop")[:, :t]
+    return jnp.concatenate([hrows[entry][:, None], maps.reshape(p, t * per_host)], axis=1)
 
 
 def _axis_hosts(state, plan: Plan):
@@ -410,12 +439,23 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
     bt, bh, warps, _ = _blocks(plan)
     bh = min(bh, pow2(h))
     buf, gin = _buffers(state, plan)
+    axis = axis_route(plan.names)
+    per_host = _host_gpus(state, plan) if gin else 1
+    if gin:  # rows come back once per other host: where each host's GPUs keep their partials
+        hosts = _axis_hosts(state, plan)
+        axis_hosts = hosts[axis[1:]]
+        hslot, hrows = _routing.host_union(route.slot, axis_hosts)
+        union_map = _union_maps(route, hslot, hrows, axis_hosts, axis[0], per_host)
+    else:
+        hosts, hslot, union_map = (jnp.zeros((1,), jnp.int32),) * 3
     return triton_call(
-        _kernels.combine_kernel, y, weights, positions, rows, route.slot, axis_route(plan.names),
-        buf["back"], buf["combine_flags"], buf["combine_state"], buf["send_back"], buf["signals"] + 2 * p * gin,
+        _kernels.combine_kernel, y, weights, positions, rows, route.slot, axis, hslot, hosts, union_map,
+        buf["back"], buf["combine_flags"], buf["combine_state"], buf["send_back"], buf["send_union"],
+        buf["send_map"], buf["map_recv"], buf["signals"] + 2 * p * gin,
         grid=(_grid(state, p * -(-t // bt)),), out_shape=jax.core.ShapedArray((t, h), y.dtype),
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=pow2(k), BP=pow2(p), XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
+        L=per_host, MW=_map_words(plan, per_host),
     )
 
 

@@ -43,6 +43,7 @@ import jaxgin
 import job
 from harness import PhaseClock, by_tier, folded_worst, loop_fold, run_mesh_check, selected, transport_per_call
 from jaxgin import op_support
+from jaxgin.hosts import entries
 from jaxgin.moe import _routing, exchange
 from jaxgin.moe.layer import expert_ffn
 
@@ -385,8 +386,9 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     per call, next to the least they could, counting only the GPUs of other (emulated) hosts (on a
     mixed mesh, a host-mate's share goes over NVLink): for dispatch, each token's row once per such
     destination host (H x item size each) plus the counts row per such GPU; for combine, one row
-    back per (token, such GPU) that reduced it. What travels beyond that is routing metadata,
-    reported apart."""
+    per (token, other host) that this GPU returns as that token's network entry on its host (the
+    host's GPUs' partials summed), plus a map per other host of where its GPUs keep the partials
+    of this GPU's tokens. What travels beyond the rows is routing metadata, reported apart."""
     n, hidden, top_k, experts, dtype = mesh.size, 2048, 4, 8 * mesh.size, jnp.bfloat16
     spec = P("ep")
     sharding = NamedSharding(mesh, spec)
@@ -398,7 +400,6 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     go = lambda x, i, w: jaxgin.moe.dispatch(x, i, w, num_experts=experts, axis_name="ep", mode=mode)  # noqa: E731
     only_dispatch = sm(lambda x, i, w: go(x, i, w).x)
     round_trip = sm(lambda x, i, w: (lambda d: jaxgin.moe.combine(d.x, d.handle))(go(x, i, w)))
-    rows_back = sm(lambda x, i, w: go(x, i, w).handle.rows)  # [n * n]: rows this GPU got from each source
 
     dispatch = transport_per_call(lambda: only_dispatch(x, ids, weights), calls)
     both = transport_per_call(lambda: round_trip(x, ids, weights), calls)
@@ -419,8 +420,16 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
     host_rows = sum(union.values())
     counts_bytes = len(remote) * (plan_local + 1) * 4
     dispatch_min = host_rows * hidden * itemsize + counts_bytes
-    received = np.asarray(_host(rows_back(x, ids, weights))).reshape(n, n)[me]  # rows from each source
-    combine_min = int(received[remote].sum()) * hidden * itemsize
+    # combine returns, for each source of another host whose entry on this host is this GPU
+    # (jaxgin.hosts), one row per token of it that came to this host
+    entry = entries([r // per_host for r in range(n)])
+    every = np.asarray(_host(ids)).reshape(n, tokens, top_k) // plan_local  # [source, token, k]: GPU
+    my_host = [d for d in range(n) if d // per_host == me // per_host]
+    returned = sum(int(np.isin(every[s], my_host).any(axis=1).sum()) for s in remote if entry[s, me] == me)
+    combine_min = returned * hidden * itemsize
+    combine_metadata = sum(4 * (1 + rows * per_host) for rows in union.values())  # this GPU's maps
+    combine_puts = sum(1 for s in remote if entry[s, me] == me) + len(union)
+    reduced_here = sum(int((every[s] == me).any(axis=1).sum()) for s in remote)  # one row each, per GPU
     blocks = -(-tokens // exchange._blocks(_routing.Plan(("ep",), n, tokens, hidden, top_k, plan_local, 1,
                                                          np.dtype(dtype).name, mode))[0])
     # beside the rows: block starts per GPU; per host the union's weights (K float32 a row) and row
@@ -437,8 +446,9 @@ def _traffic(mesh, tokens: int, mode: str, calls: int = 4) -> dict:
         "dispatch_ratio": dispatch["bytes"] / max(dispatch_min, 1),
         "dispatch_rows_rank_minimum_bytes": sent_rows * hidden * itemsize,
         "dispatch_rows_host_minimum_bytes": host_rows * hidden * itemsize,
-        "combine": combine, "combine_minimum_bytes": combine_min,
-        "combine_ratio": combine["bytes"] / max(combine_min, 1),
+        "combine": combine, "combine_minimum_bytes": combine_min, "combine_metadata_bytes": combine_metadata,
+        "combine_expected_puts": combine_puts, "combine_ratio": combine["bytes"] / max(combine_min, 1),
+        "combine_rows_rank_minimum_bytes": reduced_here * hidden * itemsize,
     }
 
 

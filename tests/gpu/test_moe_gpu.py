@@ -101,10 +101,11 @@ def test_moe_emulated_hosts(world, command_buffers):
 def _assert_traffic(result, remote_gpus):
     """Through the host transport went exactly each token's row once per destination host (to
     its network entry there, which forwards it over NVLink) plus the counts and the routing
-    metadata, and one reduced row back per (token, GPU of another host) that reduced it: for
-    dispatch, two puts per such GPU (counts, starts) and 3 + 2 x (GPUs of the host) per such host
-    (count, rows, weights; codes and staging rows per GPU), for combine one per such GPU (each below
-    the transport's 4 MiB piece size, so one transport put each)."""
+    metadata, and for combine one summed row per (token, other host) back from its network entry
+    on each host plus the maps of where the partials lie: for dispatch, two puts per such GPU
+    (counts, starts) and 3 + 2 x (GPUs of the host) per such host (count, rows, weights; codes and
+    staging rows per GPU), for combine one map per other host and one put per source this GPU is
+    the entry for (each below the transport's 4 MiB piece size, so one transport put each)."""
     assert len(result["traffic"]) == 2, result
     for t in result["traffic"]:
         d, c = t["dispatch"], t["combine"]
@@ -112,8 +113,8 @@ def _assert_traffic(result, remote_gpus):
         # exactly the rows, the counts and the metadata; nothing resent, nothing dropped
         assert d["bytes"] == t["dispatch_minimum_bytes"] + t["dispatch_metadata_bytes"], t
         assert d["bytes"] <= 1.05 * t["dispatch_minimum_bytes"], t
-        assert c["bytes"] == t["combine_minimum_bytes"], t
-        assert d["puts"] == t["dispatch_expected_puts"] and c["puts"] == remote_gpus, t
+        assert c["bytes"] == t["combine_minimum_bytes"] + t["combine_metadata_bytes"], t
+        assert d["puts"] == t["dispatch_expected_puts"] and c["puts"] == t["combine_expected_puts"], t
         assert t["dispatch_hosts_reached"] == t["remote_hosts"], t  # these shapes reach every host
         # a token bound for two GPUs of one other host crossed the network once
         hosts_apart = t["dispatch_rows_host_minimum_bytes"] < t["dispatch_rows_rank_minimum_bytes"]
