@@ -322,9 +322,13 @@ def _union_maps(route: SourceRoute, hslot, hrows, axis_hosts, me, per_host: int)
     return jnp.concatenate([hrows[entry][:, None], maps.reshape(p, t * per_host)], axis=1)
 
 
-def _axis_hosts(state, plan: Plan):
-    """int32 [world] constant: each rank's host (the kernels look up their axis peers' in it)."""
-    return jnp.asarray(rank_hosts(state, DISPATCH))
+def _host_unions(state, route: SourceRoute, axis):
+    """What dispatch and combine across hosts take beside the routing: (int32 [world] constant,
+    each rank's host, which the kernels look up their axis peers' in; the host of each axis index;
+    _routing.host_union's hslot and hrows for route's slots). axis: axis_route's array."""
+    hosts = jnp.asarray(rank_hosts(state, DISPATCH))
+    axis_hosts = hosts[axis[1:]]
+    return (hosts, axis_hosts, *_routing.host_union(route.slot, axis_hosts))
 
 
 def _sms(state) -> int:
@@ -357,8 +361,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
     buf = launch.pop("buffers")
     axis = axis_route(plan.names)
     if launch["GIN"]:  # each token once per other host (_routing.host_union)
-        hosts = _axis_hosts(state, plan)
-        hslot, hrows = _routing.host_union(route.slot, hosts[axis[1:]])
+        hosts, _, hslot, hrows = _host_unions(state, route, axis)
     else:
         hosts, hslot, hrows = (jnp.zeros((1,), jnp.int32),) * 3
     outs = triton_call(
@@ -442,9 +445,7 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
     axis = axis_route(plan.names)
     per_host = _host_gpus(state, plan) if gin else 1
     if gin:  # rows come back once per other host: where each host's GPUs keep their partials
-        hosts = _axis_hosts(state, plan)
-        axis_hosts = hosts[axis[1:]]
-        hslot, hrows = _routing.host_union(route.slot, axis_hosts)
+        hosts, axis_hosts, hslot, hrows = _host_unions(state, route, axis)
         union_map = _union_maps(route, hslot, hrows, axis_hosts, axis[0], per_host)
     else:
         hosts, hslot, union_map = (jnp.zeros((1,), jnp.int32),) * 3
