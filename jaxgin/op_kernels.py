@@ -66,37 +66,50 @@ def _axis_hosts(route, hosts, P: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def _host_of(idx, host, d):
+    return tl.sum(tl.where(idx == d, host, 0))
+
+
+@triton.jit
+def _place(idx, host, d):
+    """host_place, from _axis_hosts' arrays."""
+    return tl.sum(tl.where((idx < d) & (host == _host_of(idx, host, d)), 1, 0))
+
+
+@triton.jit
+def _size(idx, host, d):
+    """host_size, from _axis_hosts' arrays."""
+    return tl.sum(tl.where(host == _host_of(idx, host, d), 1, 0))
+
+
+@triton.jit
 def host_place(route, hosts, d, P: tl.constexpr, BP: tl.constexpr):
     """Axis index `d`'s place among the axis indices of its host (0 for the first in axis order)."""
     idx, host = _axis_hosts(route, hosts, P, BP)
-    host_d = tl.sum(tl.where(idx == d, host, 0))
-    return tl.sum(tl.where((idx < d) & (host == host_d), 1, 0))
+    return _place(idx, host, d)
 
 
 @triton.jit
 def host_size(route, hosts, d, P: tl.constexpr, BP: tl.constexpr):
     """How many axis indices share axis index `d`'s host (d included)."""
     idx, host = _axis_hosts(route, hosts, P, BP)
-    host_d = tl.sum(tl.where(idx == d, host, 0))
-    return tl.sum(tl.where(host == host_d, 1, 0))
+    return _size(idx, host, d)
 
 
 @triton.jit
 def network_entry(route, hosts, s, d, P: tl.constexpr, BP: tl.constexpr):
     """The axis index on `d`'s host that receives over the network what axis index `s` sends to
-    that host; `d` itself where s and d share a host (jaxgin.hosts.entries states the rule).
+    that host; `d` itself where s and d share a host (jaxgin.hosts.entries states the rule): the
+    index of d's host whose place there is s's place modulo the host's size.
     hosts: int32 [world], each rank's host (jaxgin.hosts.rank_hosts); BP: P rounded up to a power
     of two."""
     idx, host = _axis_hosts(route, hosts, P, BP)
-    host_s = tl.sum(tl.where(idx == s, host, 0))
-    host_d = tl.sum(tl.where(idx == d, host, 0))
-    place_s = tl.sum(tl.where((idx < s) & (host == host_s), 1, 0))
-    size_d = tl.sum(tl.where(host == host_d, 1, 0))
+    host_d = _host_of(idx, host, d)
     # each axis index's place among its host's (those before it on the same host)
     earlier = (host[:, None] == host[None, :]) & (idx[None, :] < idx[:, None])
     place = tl.sum(tl.where(earlier, 1, 0), axis=1)
-    entry = tl.sum(tl.where((host == host_d) & (place == place_s % size_d), idx, 0))
-    return tl.where(host_s == host_d, d, entry)
+    entry = tl.sum(tl.where((host == host_d) & (place == _place(idx, host, s) % _size(idx, host, d)), idx, 0))
+    return tl.where(_host_of(idx, host, s) == host_d, d, entry)
 
 
 @triton.jit

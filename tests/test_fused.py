@@ -617,10 +617,12 @@ def test_network_entry_on_the_device_follows_the_hosts_rule():
     all_gather_matmul's forwarding), run by Triton's interpreter for every sender and destination,
     equals jaxgin.hosts.entries over six layouts (unsorted axes and an axis over some ranks
     included); each other host gets a sender's data at one GPU, and with equal hosts each GPU
-    receives from one sender per host."""
+    receives from one sender per host. host_place and host_size (MoE's relay rows) equal each
+    index's place and count among its host's."""
     checked = triton_interpreter_check("network_entries")
     assert len(checked) == 6, checked
-    assert all(c["equal"] and c["once_per_host"] and c["one_sender_per_host_each"] for c in checked), checked
+    assert all(c["equal"] and c["places_and_sizes"] and c["once_per_host"] and c["one_sender_per_host_each"]
+               for c in checked), checked
 
 
 def test_rank_hosts_follows_the_lsa_teams_and_names_a_layout_it_cannot_express():

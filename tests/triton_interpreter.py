@@ -29,7 +29,7 @@ from jaxgin.fused import _kernels as fused_kernels  # noqa: E402  (only pure hel
 from jaxgin.moe import _kernels  # noqa: E402        never their tritongin calls)
 from jaxgin.moe import _routing_device  # noqa: E402
 from jaxgin import op_support  # noqa: E402
-from jaxgin.op_kernels import network_entry  # noqa: E402
+from jaxgin.op_kernels import host_place, host_size, network_entry  # noqa: E402
 
 
 class HostArray:
@@ -288,8 +288,16 @@ def _entries(route, hosts, out, P: tl.constexpr, BP: tl.constexpr):
         tl.store(out + s * P + d, network_entry(route, hosts, s, d, P, BP))
 
 
+@triton.jit
+def _places(route, hosts, out, P: tl.constexpr, BP: tl.constexpr):
+    d = tl.program_id(0)
+    tl.store(out + d * 2, host_place(route, hosts, d, P, BP))
+    tl.store(out + d * 2 + 1, host_size(route, hosts, d, P, BP))
+
+
 def network_entries() -> list[dict]:
     """op_kernels.network_entry for every (sender, destination) pair against jaxgin.hosts.entries,
+    and host_place / host_size for every axis index,
     over host layouts (hosts of 2 and 4 GPUs, every GPU a host of its own, axes whose order is not
     the ranks'), and the rule's promises: each other host gets a sender's data once, at one GPU of
     that host, and with hosts of equal size every GPU receives from one sender per host."""
@@ -308,6 +316,10 @@ def network_entries() -> list[dict]:
                        out, P=p, BP=op_support.pow2(p))
         axis_hosts = [rank_hosts[r] for r in axis_ranks]
         want = entries(axis_hosts)
+        places = HostArray(np.full((p, 2), -1, np.int32))
+        _places[(p,)](HostArray(np.asarray([p, *axis_ranks], np.int32)), HostArray(np.asarray(rank_hosts, np.int32)),
+                      places, P=p, BP=op_support.pow2(p))
+        want_places = [[axis_hosts[:d].count(axis_hosts[d]), axis_hosts.count(axis_hosts[d])] for d in range(p)]
         once = all(
             len({int(want[s, d]) for d in range(p) if axis_hosts[d] == h}) == 1
             and axis_hosts[int(want[s, [d for d in range(p) if axis_hosts[d] == h][0]])] == h
@@ -317,7 +329,8 @@ def network_entries() -> list[dict]:
             for d in range(p):
                 if axis_hosts[d] != axis_hosts[s]:
                     receivers.setdefault((int(want[s, d]), axis_hosts[s]), set()).add(s)
-        checked.append(dict(hosts=axis_hosts, equal=bool(np.array_equal(out.array, want)), once_per_host=once,
+        checked.append(dict(hosts=axis_hosts, equal=bool(np.array_equal(out.array, want)),
+                            places_and_sizes=bool(np.array_equal(places.array, want_places)), once_per_host=once,
                             one_sender_per_host_each=all(len(v) == 1 for v in receivers.values())))
     return checked
 
