@@ -321,3 +321,8 @@ def test_hierarchical_report_rebuilds_the_committed_file_from_its_records(tmp_pa
     assert all(1.0 <= c["network_to_host_minimum"] <= 1.05 and c["rank_to_host_minimum"] > 1.3 for c in moe), moe
     empty = _run("tools/hierarchical_report.py", str(tmp_path), "--out", str(tmp_path / "none.json"))
     assert empty.returncode != 0 and "no mixed-mesh traffic records" in empty.stderr, empty.stderr
+    old = tmp_path / "before" / "mixed_moe_check_plain_4ranks.json"  # dispatch once per GPU, no combine fields
+    old.parent.mkdir()
+    old.write_text(json.dumps({"processes": [{"processes": 4, "traffic": [{"dispatch": {"bytes": 1, "puts": 1}}]}]}))
+    refused = _run("tools/hierarchical_report.py", str(old.parent), "--out", str(tmp_path / "old.json"))
+    assert refused.returncode != 0 and f"{old}: a record from before" in refused.stderr, refused.stderr

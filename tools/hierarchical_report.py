@@ -6,10 +6,10 @@ crosses an emulated host) beside the least it could, per rank.
 
 RESULTS_DIR holds the round's records (tests/gpu's `record`): mixed_fused_check_*_Nranks.json
 (all_gather_matmul: each shard crosses to each other host once) and mixed_moe_check_*_Nranks.json
-(MoE dispatch, and combine where the record has its per-host fields: each token's row crosses
-once per other host; older records' dispatch went once per destination GPU). Each case: {"op", "world", "hosts", "rank", "mode" or "method",
-"command_buffers",
-"network_bytes", "host_minimum_bytes", "rank_minimum_bytes", "network_puts", "source"}.
+(MoE dispatch and combine: each token's row crosses once per other host; records from before
+that are refused). Each case: {"op", "world", "hosts", "rank", "mode" or "method",
+"command_buffers", "network_bytes", "host_minimum_bytes", "rank_minimum_bytes", "network_puts",
+"source"}.
 """
 
 from __future__ import annotations
@@ -41,23 +41,22 @@ def moe_cases(path: Path) -> list[dict]:
     for process in _processes(path):
         world = process.get("processes")
         for t in process.get("traffic", []):
-            d = t["dispatch"]
-            # records from before dispatch went once per host have no counts field: their minimum
-            # was the per-GPU rows plus the counts
-            counts = t.get("dispatch_counts_bytes", t["dispatch_minimum_bytes"] - t["dispatch_rows_rank_minimum_bytes"])
+            if "combine_metadata_bytes" not in t:
+                raise SystemExit(f"{path}: a record from before MoE dispatch and combine went once per host "
+                                 "(no per-host fields); run the round again")
+            d, c = t["dispatch"], t["combine"]
+            counts = t["dispatch_counts_bytes"]
             hosts = t["remote_hosts"] + 1
             cases.append({"op": "moe.dispatch", "mode": t["mode"], "world": world, "hosts": hosts, "rank": t["rank"],
                           "network_bytes": d["bytes"],
                           "host_minimum_bytes": t["dispatch_rows_host_minimum_bytes"] + counts,
                           "rank_minimum_bytes": t["dispatch_rows_rank_minimum_bytes"] + counts, "network_puts": d["puts"],
                           "metadata_bytes": t["dispatch_metadata_bytes"], "source": path.name})
-            if "combine_metadata_bytes" in t:  # records since combine returned rows once per host
-                c = t["combine"]
-                cases.append({"op": "moe.combine", "mode": t["mode"], "world": world, "hosts": hosts,
-                              "rank": t["rank"], "network_bytes": c["bytes"],
-                              "host_minimum_bytes": t["combine_minimum_bytes"],
-                              "rank_minimum_bytes": t["combine_rows_rank_minimum_bytes"], "network_puts": c["puts"],
-                              "metadata_bytes": t["combine_metadata_bytes"], "source": path.name})
+            cases.append({"op": "moe.combine", "mode": t["mode"], "world": world, "hosts": hosts,
+                          "rank": t["rank"], "network_bytes": c["bytes"],
+                          "host_minimum_bytes": t["combine_minimum_bytes"],
+                          "rank_minimum_bytes": t["combine_rows_rank_minimum_bytes"], "network_puts": c["puts"],
+                          "metadata_bytes": t["combine_metadata_bytes"], "source": path.name})
     return cases
 
 
