@@ -454,6 +454,43 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
         assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
 
 
+def _memory_ops(kernel) -> int:
+    """Loads, stores and atomics in a compiled kernel's Triton IR: its size, as the compiler sees it."""
+    return len(re.findall(r"\btt\.(?:load|store|atomic_\w+)\b", kernel.asm["ttir"]))
+
+
+def test_moe_kernels_compile_to_one_size_at_any_axis(toolchain):
+    """dispatch and combine loop over the axis's GPUs at run time, so their code is the same size
+    at any axis size. Unrolled, they grew with the axis, and so did Triton's compile time
+    (docs/measurements.md, twentieth session)."""
+    from jaxgin.moe import _kernels
+
+    def dispatch(p):
+        pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
+                        send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x="*bf16",
+                        stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
+                        block_flags="*i64", state="*i64", send_x="*bf16", send_meta="*i32", send_w="*fp32",
+                        send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32",
+                        **_relay_pointers("*bf16"), out_x="*bf16", out_pos="*i32", out_w="*fp32",
+                        out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
+        return compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
+            T=128, H=512, K=4, P=p, EL=64 // p, C=512 * p, BT=2, BH=512, BK=4, BP=p, BE=64, BZ=16, BB=128, NS=33,
+            XB=2, GIN=1, SW=512, FP8=0, L=2))
+
+    def combine(p):
+        pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
+                        hslot="*i32", hosts="*i32", union_map="*i32", back="*bf16", flags="*i64", state="*i64",
+                        send_back="*bf16", send_union="*bf16", send_map="*i32", map_recv="*i32", sig="i32",
+                        out="*bf16")
+        return compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
+            T=128, H=512, K=4, P=p, BT=2, BH=512, BK=4, BP=p, XB=2, GIN=1, L=2, MW=1 + 128 * 2))
+
+    for build in (dispatch, combine):
+        sizes = {p: _memory_ops(build(p)) for p in (2, 8)}
+        # combine's finish_call zeroes a counter word per GPU (one store each, unrolled)
+        assert 0 < sizes[2] <= sizes[8] <= sizes[2] + (8 - 2), (build.__name__, sizes)
+
+
 def test_the_kernels_placement_is_the_routings_placement():
     """The dispatch kernel's placers' arithmetic (_kernels._first_rows, _positions), run by Triton's
     interpreter on this machine, puts every received entry where _routing.placement does, for every

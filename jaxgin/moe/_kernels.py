@@ -243,7 +243,7 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
     # per block and peer, not once per column step.
     x_at = tl.zeros((BP,), dtype=tl.int64)
     x_rows = slots  # [BT, BP]: each token's row in what is stored for d (-1: no store for d)
-    for d in tl.static_range(P):
+    for d in range(P):
         if d != me:
             sl = _column(slots, ps, d)
             go = sl >= 0
@@ -279,7 +279,7 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
                        other=0.0)
         if FP8:
             q, scale = fp8_rows.quantize(rows, BT, BH)
-        for d in tl.static_range(P):
+        for d in range(P):
             if d != me:
                 sl = _column(x_rows, ps, d)
                 go = sl >= 0
@@ -288,7 +288,7 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
                     fp8_rows.store_quantized(to, sl, q, scale, h0, go, H, SW, BT, BH)
                 else:
                     tl.store(to + sl.to(tl.int64)[:, None] * SW + h[None, :], rows, mask=go[:, None] & h_ok[None, :])
-    for d in tl.static_range(P):
+    for d in range(P):
         if d != me:
             if gin_route(ctx, route, d, me, GIN) == 0:
                 tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, rank_of(route, d))
@@ -302,7 +302,7 @@ def _put_host_unions(ctx, route, hosts, hrows, send_x, send_meta, send_w, send_s
     host, that host's union (_send_block) into this GPU's relay areas there: per GPU d of the host
     its codes and staging rows (2 puts), then the union's row count, rows and weights (3 puts),
     each +1 on e's signal `sig + P + me` (bare increments for what is empty)."""
-    for d in tl.static_range(P):
+    for d in range(P):
         if gin_route(ctx, route, d, me, 1) != 0:
             e = network_entry(route, hosts, me, d, P, BP)
             entry = rank_of(route, e)
@@ -362,7 +362,7 @@ def _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, 
                     w = tl.load(relay_w + (src + u)[:, None] * K + ks[None, :], mask=u_ok[:, None] & k_ok[None, :],
                                 other=0.0, cache_modifier=".cg")
                     to_rows = tl.full((BT, BP), -1, tl.int32)  # each row's staging row on each GPU here
-                    for d in tl.static_range(P):
+                    for d in range(P):
                         if gin_route(ctx, route, d, me, 1) == 0:  # this host's GPUs, this one included
                             at = ((half * P + s) * L + host_place(route, hosts, d, P, BP)) * T + u
                             sl = tl.load(relay_slot + at, mask=u_ok, other=-1, cache_modifier=".cg")
@@ -380,13 +380,13 @@ def _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, 
                         h_ok = h < SW
                         rows = tl.load(relay_x + (src + u).to(tl.int64)[:, None] * SW + h[None, :],
                                        mask=u_ok[:, None] & h_ok[None, :], cache_modifier=".cg")
-                        for d in tl.static_range(P):
+                        for d in range(P):
                             if gin_route(ctx, route, d, me, 1) == 0:
                                 sl = _column(to_rows, ps, d)
                                 to = _heap_of(ctx, route, stage_x, d, me)
                                 tl.store(to + (src + sl).to(tl.int64)[:, None] * SW + h[None, :], rows,
                                          mask=(sl >= 0)[:, None] & h_ok[None, :])
-                for d in tl.static_range(P):
+                for d in range(P):
                     if gin_route(ctx, route, d, me, 1) == 0:
                         tgl.set_flag(ctx, data_ready + s, epoch + 1, rank_of(route, d))
 
@@ -448,7 +448,7 @@ def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, bl
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
     es = tl.arange(0, BE)
-    for other in tl.static_range(P - 1):
+    for other in range(P - 1):
         s = other + (other >= me).to(tl.int32)
         if gin_route(ctx, route, s, me, GIN) != 0:
             tgl.wait_flag(ctx, data_ready + s, epoch + 1)
@@ -581,7 +581,7 @@ def _dispatch(
     # 1. Counts and block starts first.
     if pid == 0:
         per_bin, tokens_to, before_all = _sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, ROUTED)
-        for d in tl.static_range(P):
+        for d in range(P):
             peer = rank_of(route, d)
             counts, starts = _counts_and_starts(d, send_counts, before, per_bin, tokens_to, before_all,
                                                 T, P, EL, BT, BP, BE, BB, ROUTED)
@@ -601,13 +601,13 @@ def _dispatch(
                          mask=bs <= TB)
                 tgl.set_flag(ctx, flags + me, epoch + 1, peer)
         if GIN:  # what GIN sources put arrives counted: raise their counts flags here
-            for s in tl.static_range(P):
+            for s in range(P):
                 if gin_route(ctx, route, s, me, GIN) != 0:
                     arrivals_to_flag(ctx, sig + s, 2, flags + s, epoch + 1, my_rank)
     # The first block this program sends or places is routed while the counts travel.
     blk = tl.where(pid < NS, pid, pid - NS)
     slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
-    for source in tl.static_range(P):
+    for source in range(P):
         tgl.wait_flag(ctx, flags + source, epoch + 1)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
                      mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
@@ -678,7 +678,7 @@ def _put_union_maps(ctx, route, hosts, union_map, send_map, map_recv, sig, me, h
     row count n, then n x L staging rows (-1: none on that GPU). Copied into the heap (a NIC reads
     only the heap), then 1 put of 1 + n L words into map_recv [half, me] there, +1 on e's
     `sig + P + me`."""
-    for d in tl.static_range(P):
+    for d in range(P):
         if gin_route(ctx, route, d, me, 1) != 0:
             if network_entry(route, hosts, me, d, P, BP) == d:
                 n = tl.load(union_map + d * MW)
@@ -704,7 +704,7 @@ def _forward_union_block(ctx, route, hosts, back, flags, send_back, send_union, 
     TB: tl.constexpr = (T + BT - 1) // BT
     ps = tl.arange(0, BP)
     hs = tl.arange(0, BH)
-    for d in tl.static_range(P):  # the host's GPUs have reduced (their partials for s are in place)
+    for d in range(P):  # the host's GPUs have reduced (their partials for s are in place)
         if gin_route(ctx, route, d, me, 1) == 0:
             tgl.wait_flag(ctx, flags + d, epoch + 1)
     wait_gin_source(ctx, flags + 2 * P + s, sig + P + s, 1, flags + P + s, epoch + 1, rank_of(route, me))
@@ -713,7 +713,7 @@ def _forward_union_block(ctx, route, hosts, back, flags, send_back, send_union, 
     u = blk * BT + tl.arange(0, BT)
     u_ok = u < n
     rows = tl.full((BT, BP), -1, tl.int32)  # each union row's partial row on each GPU of the host
-    for d in tl.static_range(P):
+    for d in range(P):
         if gin_route(ctx, route, d, me, 1) == 0:
             sl = tl.load(got + 1 + u * L + host_place(route, hosts, d, P, BP), mask=u_ok, other=-1, cache_modifier=".cg")
             rows = tl.where((ps == d)[None, :], sl[:, None], rows)
@@ -722,7 +722,7 @@ def _forward_union_block(ctx, route, hosts, back, flags, send_back, send_union, 
         h = h0 + hs
         h_ok = h < H
         acc = tl.zeros((BT, BH), dtype=tl.float32)
-        for d in tl.static_range(P):
+        for d in range(P):
             if gin_route(ctx, route, d, me, 1) == 0:
                 sl = _column(rows, ps, d)
                 at = _heap_of(ctx, route, send_back, d, me)
@@ -819,7 +819,7 @@ def combine_kernel(
     before = tl.atomic_add(state + COMBINE_COMPLETED, mine.to(tl.int64), sem="acq_rel", scope="sys")
     last = (mine > 0) & (before + mine == ITEMS)
     if last:
-        for d in tl.static_range(P):
+        for d in range(P):
             if gin_route(ctx, route, d, me, GIN) == 0:
                 tgl.set_flag(ctx, flags + me, epoch + 1, rank_of(route, d))
 
@@ -839,13 +839,13 @@ def combine_kernel(
         # Every forwarding item is claimed by now; the rows of each other host arrive from its
         # entry for this GPU (1 put each).
         if last:
-            for d in tl.static_range(P):
+            for d in range(P):
                 if gin_route(ctx, route, d, me, GIN) != 0:
                     if network_entry(route, hosts, me, d, P, BP) == d:
                         arrivals_to_flag(ctx, sig + d, 1, flags + d, epoch + 1, my_rank)
 
     # 3. Add up what every GPU of this host, and every other host's entry, returned for each token.
-    for d in tl.static_range(P):
+    for d in range(P):
         if gin_route(ctx, route, d, me, GIN) == 0:
             tgl.wait_flag(ctx, flags + d, epoch + 1)
         elif network_entry(route, hosts, me, d, P, BP) == d:
@@ -857,7 +857,7 @@ def combine_kernel(
         slots = tl.load(slot + t[:, None] * P + ps[None, :], mask=both, other=-1)
         if GIN:  # from another host: the token's row in the union its entry returned, once per host
             hrows = tl.load(hslot + t[:, None] * P + ps[None, :], mask=both, other=-1)
-            for d in tl.static_range(P):
+            for d in range(P):
                 if gin_route(ctx, route, d, me, GIN) != 0:
                     once = network_entry(route, hosts, me, d, P, BP) == d
                     taken = tl.where(once, _column(hrows, ps, d), -1)
@@ -866,7 +866,7 @@ def combine_kernel(
             h = h0 + hs
             h_ok = h < H
             acc = tl.zeros((BT, BH), dtype=tl.float32)
-            for d in tl.static_range(P):
+            for d in range(P):
                 sl = _column(slots, ps, d)
                 row = ((half * P + d) * T + sl).to(tl.int64)
                 v = tl.load(back + row[:, None] * H + h[None, :], mask=(sl >= 0)[:, None] & h_ok[None, :], other=0.0,

@@ -133,7 +133,7 @@ def store_block_route(t0, dest, code, slot_rows, first, slot, before, meta, dest
     tl.store(before + t[:, None] * P + ps[None, :], first, mask=rows_ok)
     tl.store(slot + t[:, None] * P + ps[None, :], slot_rows, mask=rows_ok)
     tl.store(dest_out + t[:, None] * K + ks[None, :], dest, mask=present)
-    for d in tl.static_range(P):
+    for d in range(P):
         tl.store(meta + (t[:, None] * P + d) * K + ks[None, :], tl.where(dest == d, code, -1), mask=present)
 
 
