@@ -192,6 +192,12 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, nu
     return _compile(kernel, signature, constexprs, num_warps, num_stages, (9, 0), OWN_KERNELS_FP_FUSION)
 
 
+def memory_operations(kernel) -> int:
+    """Loads, stores and atomics in a compiled kernel's Triton IR: its size as the compiler's
+    layout passes see it (their time grows faster than it)."""
+    return len(re.findall(r"\btt\.(?:load|store|atomic_\w+)\b", kernel.asm["ttir"]))
+
+
 def triton_interpreter_check(name: str) -> list[dict]:
     """The cases tests/triton_interpreter.py checked for `name` (fp8, placement, tile_order): it
     runs jaxgin's pure Triton device functions in Triton's interpreter, in a process of its own."""

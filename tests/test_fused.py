@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
-from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, triton_interpreter_check
+from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, triton_interpreter_check
 
 
 @pytest.fixture
@@ -669,6 +669,24 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         calls = set(link.library_calls(ptx))
         gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_wait_arrivals"}
         assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
+
+
+def test_all_gather_matmul_kernel_compiles_to_one_size_at_any_axis(toolchain):
+    """The senders' loops over the other GPUs run at run time, so the kernel is the same size at
+    any axis size (docs/measurements.md, twentieth session: unrolled, it grew with the axis)."""
+    from jaxgin.fused import _kernels
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "hosts": "*i32", "gather": "*bf16",
+                "flags": "*i64", "state": "*i64", "sig": "i32", "out": "*bf16"}
+
+    def size(p):
+        return memory_operations(compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8,
+                                                  constexprs=dict(ML=1024, N=2048, K=7168, P=p, G=8, R=1, SENDERS=16,
+                                                                  BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
+                                                                  SEND_BM=32, SEND_BK=1024, GIN=1, XB=2, BP=p)))
+
+    sizes = {p: size(p) for p in (2, 8)}
+    assert sizes[8] == sizes[2] > 0, sizes
 
 
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])

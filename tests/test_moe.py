@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
-from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, triton_interpreter_check
+from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, triton_interpreter_check
 
 SPEC = P("ep")
 
@@ -454,11 +454,6 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
         assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
 
 
-def _memory_ops(kernel) -> int:
-    """Loads, stores and atomics in a compiled kernel's Triton IR: its size, as the compiler sees it."""
-    return len(re.findall(r"\btt\.(?:load|store|atomic_\w+)\b", kernel.asm["ttir"]))
-
-
 def test_moe_kernels_compile_to_one_size_at_any_axis(toolchain):
     """dispatch and combine loop over the axis's GPUs at run time, so their code is the same size
     at any axis size. Unrolled, they grew with the axis, and so did Triton's compile time
@@ -486,7 +481,7 @@ def test_moe_kernels_compile_to_one_size_at_any_axis(toolchain):
             T=128, H=512, K=4, P=p, BT=2, BH=512, BK=4, BP=p, XB=2, GIN=1, L=2, MW=1 + 128 * 2))
 
     for build in (dispatch, combine):
-        sizes = {p: _memory_ops(build(p)) for p in (2, 8)}
+        sizes = {p: memory_operations(build(p)) for p in (2, 8)}
         # combine's finish_call zeroes a counter word per GPU (one store each, unrolled)
         assert 0 < sizes[2] <= sizes[8] <= sizes[2] + (8 - 2), (build.__name__, sizes)
 

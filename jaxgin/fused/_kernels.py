@@ -604,7 +604,7 @@ def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half
                 lo = g * R * BM
                 hi = tl.minimum(ML, (g + 1) * R * BM)
                 slot = (half * P + s) * (ML * K)
-                for j in tl.static_range(1, P):
+                for j in range(1, P):
                     m = (me + j) % P
                     if gin_route(ctx, route, m, me, 1) == 0:  # a host-mate: its entry for s is this GPU
                         mate = rank_of(route, m)
@@ -644,7 +644,7 @@ def all_gather_matmul_kernel(
         if GIN:
             own = gather + (half * P + me) * (ML * K)
             networked = 0  # destinations this GPU puts to: a group is staged only for them
-            for j in tl.static_range(1, P):
+            for j in range(1, P):
                 d = (me + j) % P
                 if gin_route(ctx, route, d, me, GIN) != 0:
                     networked += tl.where(network_entry(route, hosts, me, d, P, BP) == d, 1, 0)
@@ -653,7 +653,7 @@ def all_gather_matmul_kernel(
                 hi = tl.minimum(ML, (g + 1) * R * BM)
                 if networked > 0:
                     _copy_rows(own, x, lo, hi, K, SEND_BM, SEND_BK)
-                for j in tl.static_range(1, P):
+                for j in range(1, P):
                     d = (me + j) % P
                     peer = rank_of(route, d)
                     if gin_route(ctx, route, d, me, GIN) != 0:
