@@ -361,7 +361,7 @@ def test_a_round_started_after_another_keeps_the_summary_it_goes_on_from(tmp_pat
                          "--durations", str(tmp_path / "missing.json"),
                          "--durations", str(root / "earlier/1-gpu-round.json"), "-k", "x"]
     monkeypatch.setattr(gpu_round, "copy_tree", lambda r: (shutil.rmtree(r), r.mkdir()))  # no repository copy
-    monkeypatch.setattr(gpu_round, "git_commit", lambda: "abc")
+    monkeypatch.setattr(gpu_round, "git_commit", lambda *a, **k: "abc")
     monkeypatch.setenv("ROUND_COMMIT", "abc")
     monkeypatch.setenv("ROUND_TREE", "def")
     monkeypatch.setattr(gpu_round.subprocess, "Popen", lambda *a, **k: types.SimpleNamespace(pid=12345))
@@ -418,7 +418,8 @@ def test_wait_stops_at_once_when_the_rounds_process_is_gone(tmp_path, monkeypatc
 
 def test_the_summary_names_the_tree_that_ran_even_with_a_stale_git(tmp_path):
     """A device's copy may carry a .git from an older sync, whose HEAD is not what runs (the round of
-    2026-11-27 said 0cf6e17 for 2ee5fbf): the tree hash of the files themselves is."""
+    2026-11-27 said 0cf6e17 for 2ee5fbf): the tree hash of the files themselves is, and the commit
+    is named only when its tree is that one."""
     repo = tmp_path / "repo"
     repo.mkdir()
     git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
@@ -438,5 +439,11 @@ def test_the_summary_names_the_tree_that_ran_even_with_a_stale_git(tmp_path):
     (repo / "build").mkdir()
     (repo / "build" / "x.o").write_text("ignored\n")
     assert gpu_round.git_tree(repo) == new_tree
+    old_head = git("rev-parse", "HEAD")
+    assert gpu_round.git_commit(repo).startswith(f"unknown (the copy's HEAD {old_head[:12]} holds another tree")
+    git("add", "-A")
+    git("commit", "-qm", "again")  # now HEAD holds the files: it is the commit that runs
+    assert gpu_round.git_commit(repo) == git("rev-parse", "HEAD")
     (tmp_path / "no_git").mkdir()
     assert gpu_round.git_tree(tmp_path / "no_git") == "unknown"
+    assert gpu_round.git_commit(tmp_path / "no_git") == "unknown"

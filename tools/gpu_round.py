@@ -293,9 +293,14 @@ def visible_gpus() -> int:
     return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+def git_commit(repo: Path = REPO, tree: str | None = None) -> str:
+    """HEAD, when it holds the tree that runs (`tree`, else git_tree's); a stale .git's HEAD is not
+    what ran, so then "unknown" with that HEAD named (the tree field says what ran)."""
+    out = subprocess.run(["git", "rev-parse", "HEAD", "HEAD^{tree}"], cwd=repo, capture_output=True, text=True)
+    head, _, head_tree = out.stdout.strip().partition("\n")
+    if out.returncode != 0 or not head:
+        return "unknown"
+    return head if head_tree == (tree or git_tree(repo)) else f"unknown (the copy's HEAD {head[:12]} holds another tree)"
 
 
 def git_tree(repo: Path = REPO) -> str:
@@ -313,7 +318,8 @@ def git_tree(repo: Path = REPO) -> str:
 def provenance() -> dict[str, str]:
     """What ran: the commit and the tree (ROUND_COMMIT / ROUND_TREE, set by in_background before
     the copy that leaves .git behind, else read here)."""
-    return {"commit": os.environ.get("ROUND_COMMIT") or git_commit(), "tree": os.environ.get("ROUND_TREE") or git_tree()}
+    tree = os.environ.get("ROUND_TREE") or git_tree()
+    return {"commit": os.environ.get("ROUND_COMMIT") or git_commit(tree=tree), "tree": tree}
 
 
 def nccl_version() -> str:
