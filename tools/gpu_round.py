@@ -804,7 +804,10 @@ def session(argv: list[str]) -> int:
                     "DIR/phase-N.log, its files to DIR/phase-N/.",
         epilog="phases:\n"
                "  run|bench|examples|cluster [OPTIONS]   a command of this tool\n"
-               "  await nccl VERSION [SECONDS]           until pip's nvidia-nccl-cu13 is VERSION or newer\n"
+               "  await nccl VERSION [SECONDS]           until pip's nvidia-nccl-cu13 is VERSION or newer (the\n"
+               "                                         staging's last chunk installs it: run that one in the\n"
+               "                                         foreground, a few seconds; a process left in the\n"
+               "                                         background ends with its device call)\n"
                "  await file PATH [SECONDS]              until PATH exists (default 1200 s; if never, the session ends)\n"
                "  anything else                          a shell command; $RESULTS names its folder\n"
                "NAME=VALUE words in front of a phase set its environment. For example:\n"
