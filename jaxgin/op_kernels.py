@@ -105,10 +105,11 @@ def network_entry(route, hosts, s, d, P: tl.constexpr, BP: tl.constexpr):
     of two."""
     idx, host = _axis_hosts(route, hosts, P, BP)
     host_d = _host_of(idx, host, d)
-    # each axis index's place among its host's (those before it on the same host)
+    # each axis index's place among its host's (those before it on the same host): s's is among them
     earlier = (host[:, None] == host[None, :]) & (idx[None, :] < idx[:, None])
     place = tl.sum(tl.where(earlier, 1, 0), axis=1)
-    entry = tl.sum(tl.where((host == host_d) & (place == _place(idx, host, s) % _size(idx, host, d)), idx, 0))
+    place_s = tl.sum(tl.where(idx == s, place, 0))
+    entry = tl.sum(tl.where((host == host_d) & (place == place_s % _size(idx, host, d)), idx, 0))
     return tl.where(_host_of(idx, host, s) == host_d, d, entry)
 
 
