@@ -639,6 +639,11 @@ def test_rank_hosts_follows_the_lsa_teams_and_names_a_layout_it_cannot_express()
         rank_hosts(_FakeState(4, shifted), "op")
 
 
+# all_gather_matmul_kernel's runtime parameters, bfloat16
+_ALL_GATHER_POINTERS = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "hosts": "*i32", "gather": "*bf16",
+                        "flags": "*i64", "state": "*i64", "sig": "i32", "out": "*bf16"}
+
+
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
@@ -651,10 +656,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
         GIN=gin, COPIERS=32 * gin, XB=2))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
-    pointers["gather"] = pointers.pop("recv")
-    pointers["hosts"] = "*i32"
-    pointers = {k: pointers[k] for k in ("ctx", "x", "w", "route", "hosts", "gather", "flags", "state", "sig", "out")}
-    ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8, constexprs=dict(
+    ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, R=1, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
         SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2, BP=4))
     for kernel in (a2a, ag):
@@ -676,11 +678,8 @@ def test_all_gather_matmul_kernel_compiles_to_one_size_at_any_axis(toolchain):
     any axis size (docs/measurements.md, twentieth session: unrolled, it grew with the axis)."""
     from jaxgin.fused import _kernels
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "hosts": "*i32", "gather": "*bf16",
-                "flags": "*i64", "state": "*i64", "sig": "i32", "out": "*bf16"}
-
     def size(p):
-        return memory_operations(compile_for_sm90(_kernels.all_gather_matmul_kernel, pointers, num_warps=8,
+        return memory_operations(compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8,
                                                   constexprs=dict(ML=1024, N=2048, K=7168, P=p, G=8, R=1, SENDERS=16,
                                                                   BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
                                                                   SEND_BM=32, SEND_BK=1024, GIN=1, XB=2, BP=p)))

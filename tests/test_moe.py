@@ -415,26 +415,33 @@ def _relay_pointers(rows: str) -> dict:
                 relay_slot="*i32", relay_n="*i32")
 
 
+def _dispatch_pointers(rows: str) -> dict:
+    """dispatch_kernel's runtime parameters, bfloat16 x (rows: staged rows' type, "*i16" for fp8's
+    packed words)."""
+    return dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
+                send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x=rows,
+                stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
+                block_flags="*i64", state="*i64", send_x=rows, send_meta="*i32", send_w="*fp32", send_head="*i32",
+                send_starts="*i32", data_ready="*i64", sig="i32", **_relay_pointers(rows), out_x="*bf16",
+                out_pos="*i32", out_w="*fp32", out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
+
+
+# combine_kernel's runtime parameters, bfloat16 rows
+_COMBINE_POINTERS = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
+                         hslot="*i32", hosts="*i32", union_map="*i32", back="*bf16", flags="*i64", state="*i64",
+                         send_back="*bf16", send_union="*bf16", send_map="*i32", map_recv="*i32", sig="i32",
+                         out="*bf16")
+
+
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.moe import _kernels  # Triton is optional: imported where the test runs
     from jaxgin.triton_device import link
 
-    pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
-                    send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x="*bf16",
-                    stage_meta="*i32", stage_w="*fp32",
-                    stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
-                    send_x="*bf16", send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32",
-                    data_ready="*i64", sig="i32", **_relay_pointers("*bf16"),
-                    out_x="*bf16", out_pos="*i32", out_w="*fp32",
-                    out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
-    dispatch = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
-        T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=1024, NS=33,
-        XB=2, GIN=gin, SW=7168, FP8=0, L=2))
-    pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
-                    hslot="*i32", hosts="*i32", union_map="*i32", back="*bf16", flags="*i64", state="*i64",
-                    send_back="*bf16", send_union="*bf16", send_map="*i32", map_recv="*i32", sig="i32", out="*bf16")
-    combine = compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1,
+    dispatch = compile_for_sm90(_kernels.dispatch_kernel, _dispatch_pointers("*bf16"), num_warps=8, num_stages=1,
+                                constexprs=dict(T=4096, H=7168, K=8, P=4, EL=64, C=40960, BT=8, BH=1024, BK=8, BP=4,
+                                                BE=128, BZ=16, BB=1024, NS=33, XB=2, GIN=gin, SW=7168, FP8=0, L=2))
+    combine = compile_for_sm90(_kernels.combine_kernel, _COMBINE_POINTERS, num_warps=8, num_stages=1,
                                constexprs=dict(T=4096, H=7168, K=8, P=4, BT=8, BH=1024, BK=8, BP=4, XB=2, GIN=gin,
                                                L=2, MW=1 + 4096 * 2))
     for kernel in (dispatch, combine):
@@ -461,24 +468,14 @@ def test_moe_kernels_compile_to_one_size_at_any_axis(toolchain):
     from jaxgin.moe import _kernels
 
     def dispatch(p):
-        pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
-                        send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x="*bf16",
-                        stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
-                        block_flags="*i64", state="*i64", send_x="*bf16", send_meta="*i32", send_w="*fp32",
-                        send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32",
-                        **_relay_pointers("*bf16"), out_x="*bf16", out_pos="*i32", out_w="*fp32",
-                        out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
-        return compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
-            T=128, H=512, K=4, P=p, EL=64 // p, C=512 * p, BT=2, BH=512, BK=4, BP=p, BE=64, BZ=16, BB=128, NS=33,
-            XB=2, GIN=1, SW=512, FP8=0, L=2))
+        return compile_for_sm90(_kernels.dispatch_kernel, _dispatch_pointers("*bf16"), num_warps=8, num_stages=1,
+                                constexprs=dict(T=128, H=512, K=4, P=p, EL=64 // p, C=512 * p, BT=2, BH=512, BK=4,
+                                                BP=p, BE=64, BZ=16, BB=128, NS=33, XB=2, GIN=1, SW=512, FP8=0, L=2))
 
     def combine(p):
-        pointers = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
-                        hslot="*i32", hosts="*i32", union_map="*i32", back="*bf16", flags="*i64", state="*i64",
-                        send_back="*bf16", send_union="*bf16", send_map="*i32", map_recv="*i32", sig="i32",
-                        out="*bf16")
-        return compile_for_sm90(_kernels.combine_kernel, pointers, num_warps=8, num_stages=1, constexprs=dict(
-            T=128, H=512, K=4, P=p, BT=2, BH=512, BK=4, BP=p, XB=2, GIN=1, L=2, MW=1 + 128 * 2))
+        return compile_for_sm90(_kernels.combine_kernel, _COMBINE_POINTERS, num_warps=8, num_stages=1,
+                                constexprs=dict(T=128, H=512, K=4, P=p, BT=2, BH=512, BK=4, BP=p, XB=2, GIN=1, L=2,
+                                                MW=1 + 128 * 2))
 
     for build in (dispatch, combine):
         sizes = {p: memory_operations(build(p)) for p in (2, 8)}
@@ -577,14 +574,7 @@ def test_the_dispatch_kernel_compiles_for_fp8_rows(toolchain, gin):
     dequantized: byte stores of the values, 16-byte row stores, and no XLA program around it."""
     from jaxgin.moe import _kernels
 
-    words = "*i16"
-    pointers = dict(ctx="*u8", x="*bf16", slot="*i32", before="*i32", meta="*i32", weights="*fp32",
-                    send_counts="*i32", route="*i32", hslot="*i32", hrows="*i32", hosts="*i32", stage_x=words,
-                    stage_meta="*i32", stage_w="*fp32",
-                    stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
-                    send_x=words, send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32",
-                    data_ready="*i64", sig="i32", **_relay_pointers(words), out_x="*bf16", out_pos="*i32", out_w="*fp32",
-                    out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
+    pointers = _dispatch_pointers("*i16")  # fp8's packed rows: 16-bit words
     packed = jaxgin.moe.fp8.packed_width(7168)
     kernel = compile_for_sm90(_kernels.dispatch_kernel, pointers, num_warps=4, num_stages=1, constexprs=dict(
         T=128, H=7168, K=8, P=4, EL=64, C=1280, BT=2, BH=1024, BK=8, BP=4, BE=128, BZ=16, BB=128, NS=8,
