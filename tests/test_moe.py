@@ -571,7 +571,8 @@ def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
 def test_the_dispatch_kernel_compiles_for_fp8_rows(toolchain, gin):
     """fp8=True: the dispatch kernel reads bfloat16 rows, stages them as e4m3 values and scales
     (jaxgin.moe.fp8's packed rows, 3696 16-bit words at DeepSeek-V3's hidden size) and places them
-    dequantized: byte stores of the values, 16-byte row stores, and no XLA program around it."""
+    dequantized: byte stores of the values, 16-byte row stores, the GPU's fp8 conversions, and no XLA
+    program around it."""
     from jaxgin.moe import _kernels
 
     pointers = _dispatch_pointers("*i16")  # fp8's packed rows: 16-bit words
@@ -587,6 +588,12 @@ def test_the_dispatch_kernel_compiles_for_fp8_rows(toolchain, gin):
     assert re.search(r"mul\.f32", ptx) and not re.search(r"\bdiv\.[a-z.]*f32", ptx)
     assert not re.search(r"\.ftz", ptx) and not re.search(r"\bfma\.", ptx)
     assert re.search(r"st\.global\.v4", ptx)
+    # the GPU's own conversions, two values an instruction, not the interpreter's integer arithmetic:
+    # to e4m3 (rounded to nearest even), back through f16, and the bfloat16 rows rounded by cvt.rn
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "no hardware conversion to e4m3"
+    assert re.search(r"cvt\.rn\.f16x2\.e4m3x2", ptx), "no hardware conversion from e4m3"
+    assert re.search(r"cvt\.rn\.bf16x2\.f32|cvt\.rn\.bf16\.f32", ptx), "no hardware rounding to bfloat16"
+    assert not re.search(r"0x43E80000|1139277824", ptx), "the interpreter's integer e4m3 path was compiled"
 
 
 def test_expert_ids_out_of_range_are_reported_not_sent(init):

@@ -6,7 +6,14 @@ A staged row is fp8.pack's layout: H bytes of e4m3 values, then H / 128 float32 
 endian), SW = fp8.packed_width(H) 16-bit words in all. The arithmetic is fp8.quantize's and
 fp8.dequantize's operation for operation (power-of-two scales, so exact multiplications and one
 rounding to nearest even), so the placed rows equal fp8.rounded(x) bit for bit.
+
+Compiled, the conversions are the GPU's own (cvt to and from e4m3x2, cvt.rn to bfloat16): a few
+instructions per pair of values. Triton's interpreter converts through numpy with other rounding, so
+there the same roundings run in integer arithmetic (to_e4m3, from_e4m3), checked against the
+reference by tests/triton_interpreter.py.
 """
+
+import os
 
 import triton
 import triton.language as tl
@@ -14,11 +21,22 @@ import triton.language as tl
 BLOCK: tl.constexpr = tl.constexpr(128)  # values per scale (jaxgin.moe.fp8.BLOCK)
 
 
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime") and hasattr(knobs.runtime, "interpret"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# read once, as Triton reads TRITON_INTERPRET once when a kernel is defined
+CONVERT_IN_HARDWARE: tl.constexpr = tl.constexpr(not _interpreting())
+
+
 @triton.jit
 def to_e4m3(v):
     """float32 -> e4m3fn bits (int32, 0..255), rounded to nearest even, in integer arithmetic (the
-    same on every GPU and in Triton's interpreter); past 464 in magnitude, NaN (quantize stays
-    within 448)."""
+    interpreter's path); past 464 in magnitude, NaN where the GPU's conversion saturates to 448
+    (quantize stays within 448, where the two agree)."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
@@ -50,7 +68,7 @@ def from_e4m3(code):
 
 @triton.jit
 def quantize(rows, BT: tl.constexpr, BH: tl.constexpr):
-    """rows [BT, BH] (BH a multiple of 128, any float dtype) -> (e4m3fn bits [BT, BH] int32, float32
+    """rows [BT, BH] (BH a multiple of 128, any float dtype) -> (e4m3fn bits [BT, BH] uint8, float32
     scales [BT, BH / 128]): a block's scale is jaxgin.moe.fp8.power_of_two_scales' power of two;
     values are multiplied by its inverse (exactly) and rounded to nearest even."""
     NB: tl.constexpr = BH // BLOCK
@@ -62,17 +80,26 @@ def quantize(rows, BT: tl.constexpr, BH: tl.constexpr):
     scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
     inverse = ((127 - k) << 23).to(tl.float32, bitcast=True)
     q = v * tl.broadcast_to(inverse[:, :, None], (BT, NB, BLOCK))
-    return tl.reshape(to_e4m3(q), (BT, BH)), scale
+    if CONVERT_IN_HARDWARE:
+        codes = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        codes = to_e4m3(q).to(tl.uint8)
+    return tl.reshape(codes, (BT, BH)), scale
 
 
 @triton.jit
 def dequantize(q, scale, dtype: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """quantize's inverse: e4m3fn bits [BT, BH] and float32 scales [BT, BH / 128] -> [BT, BH] in dtype."""
+    """quantize's inverse: e4m3fn bits [BT, BH] uint8 and float32 scales [BT, BH / 128] -> [BT, BH]
+    in dtype."""
     NB: tl.constexpr = BH // BLOCK
-    v = tl.reshape(tl.reshape(from_e4m3(q), (BT, NB, BLOCK)) * scale[:, :, None], (BT, BH))
+    if CONVERT_IN_HARDWARE:
+        values = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        values = from_e4m3(q.to(tl.int32))
+    v = tl.reshape(tl.reshape(values, (BT, NB, BLOCK)) * scale[:, :, None], (BT, BH))
     if dtype == tl.float32:
         return v
-    if dtype == tl.bfloat16:
+    if dtype == tl.bfloat16 and not CONVERT_IN_HARDWARE:
         # round to nearest even in integer arithmetic, as the GPU's conversion does (Triton's
         # interpreter truncates); the values are finite
         bits = v.to(tl.int32, bitcast=True)
@@ -87,7 +114,7 @@ def store_quantized(to, row, q, scale, h0, ok_rows, H: tl.constexpr, SW: tl.cons
     16-bit area `to` (SW words a row); rows where ok_rows is false are left alone."""
     base = to.to(tl.pointer_type(tl.uint8)) + row.to(tl.int64)[:, None] * (2 * SW)
     h = h0 + tl.arange(0, BH)
-    tl.store(base + h[None, :], q.to(tl.uint8), mask=ok_rows[:, None] & (h < H)[None, :])
+    tl.store(base + h[None, :], q, mask=ok_rows[:, None] & (h < H)[None, :])
     j = h0 // BLOCK + tl.arange(0, BH // BLOCK)
     scales = (base + H).to(tl.pointer_type(tl.float32))
     tl.store(scales + j[None, :], scale, mask=ok_rows[:, None] & (j < H // BLOCK)[None, :])
@@ -105,4 +132,4 @@ def load_rows(src, row, h0, ok_rows, dtype: tl.constexpr, H: tl.constexpr, SW: t
     scales = (base + H).to(tl.pointer_type(tl.float32))
     scale = tl.load(scales + j[None, :], mask=ok_rows[:, None] & (j < H // BLOCK)[None, :], other=1.0,
                     cache_modifier=".cg")
-    return dequantize(q.to(tl.int32), scale, dtype, BT, BH)
+    return dequantize(q, scale, dtype, BT, BH)
