@@ -6,6 +6,7 @@ in emulated-hosts jobs, every peer through GIN over jaxgin's host transport, and
 there a survivor also says which rank's process ended."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -135,8 +136,9 @@ def _check_survivors_name_the_dead_rank(finished, world, name):
     """After the last rank of a job died mid-loop: each survivor failed with jaxgin's named timeout
     naming the dead rank's process end, within the timeout, and finalized cleanly; or, where XLA
     still waited for the faulted program, jaxgin's fault watch ended it with the same words on
-    stderr. Any other end before a report (a signal: a crash in finalize() or JAX's coordination
-    service) fails."""
+    stderr; or, where rank 0 ended first (after its report: JAX's coordination service goes with it),
+    JAX's client aborted it after it printed jaxgin's fault naming the dead rank. Any other end before
+    a report (a signal: a crash in finalize(), an abort before jaxgin named the fault) fails."""
     from jaxgin.fault_watch import FAULT_EXIT_CODE
 
     victim = world - 1
@@ -153,16 +155,25 @@ def _check_survivors_name_the_dead_rank(finished, world, name):
             report.update(result(out))
         elif code == FAULT_EXIT_CODE:
             report["ended_by_the_fault_watch"] = "still waits for device results" in err
+        elif code == -signal.SIGABRT and "CoordinationServiceAgent" in err and "rank 0's process end" in err:
+            # still in the watch's grace (XLA had queued the whole program) when rank 0, done, exited
+            # and took the coordination service along (mixed mesh, 2 x H200, 2026-11-29)
+            report["aborted_by_jax_after_rank_0_ended"] = True
+            report["printed_the_fault"] = "device fault recorded in this process" in err
+            report["stderr"] = digest(err, 20)
         else:
             report["stderr"] = digest(err, 20)
         reports.append(report)
     record(name, {"survivors": reports})
+    rank0_reported = "faults" in reports[0]
     for report in reports:
         if "faults" in report:
             assert report["error"] and any("timed out" in f for f in report["faults"]), report
             assert any(gone in f for f in report["faults"]), report["faults"]
             assert report["seconds_to_error"] < report["timeout_s"] + 30, report
             assert report["finalize_error"] == "", report
+        elif report.get("aborted_by_jax_after_rank_0_ended"):
+            assert rank0_reported and report["printed_the_fault"] and report["stderr_names_the_dead_rank"], report
         else:
             assert report.get("ended_by_the_fault_watch") and report["stderr_names_the_dead_rank"], report
 
