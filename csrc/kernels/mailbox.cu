@@ -28,7 +28,10 @@ constexpr int kThreads = 512;
 struct mailbox_header {
   uint32_t put_done;   // CTAs of the running put that finished (the last one resets it)
   uint32_t wait_done;  // CTAs of the running wait's copy that finished
-  uint8_t arrived[kMailboxHeaderBytes - 8];  // per sender: taken by the last wait
+  uint32_t waits;      // waits finished on this mailbox (the last CTA of each advances it)
+  uint32_t decided;    // waits + 1 once the running wait's CTA 0 published `taken`
+  uint64_t taken;      // the senders the running wait takes, as a mask
+  uint8_t unused[kMailboxHeaderBytes - 24];
 };
 static_assert(sizeof(mailbox_header) == kMailboxHeaderBytes, "mailbox header layout");
 static_assert(kMaxExchangePeers <= 64, "a wait keeps the senders it took in a 64-bit mask");
@@ -169,7 +172,7 @@ __device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box,
 }
 
 // CTA-collective: waits until puts of at least `count` senders are complete, takes every complete
-// one (arrival flags in the header, consumed counts advanced) and returns them as a mask.
+// one (consumed counts advanced) and returns them as a mask.
 __device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, int32_t count) {
   // Every sender's consumed count, read once and all at once: only this wait advances them, after
   // it decided, so the polls below need not read them again (one round trip to memory less each).
@@ -192,19 +195,33 @@ __device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, i
     }
   }
   if (linear_thread() == 0) {
-    mailbox_header* h = header(box);
-    for (int s = 0; s < box.axis_size; s++) {
-      const bool took = taken >> s & 1;
-      h->arrived[s] = took;
-      if (took) box.consumed[data_signal(box, s)] = consumed[s] + box.put_parts;  // a line put is one part
-    }
+    for (int s = 0; s < box.axis_size; s++)
+      if (taken >> s & 1) box.consumed[data_signal(box, s)] = consumed[s] + box.put_parts;  // a line put is one part
   }
   return taken;
 }
 
-__global__ void __launch_bounds__(kThreads) decide_kernel(const jaxgin_context* ctx,
-                                                          const __grid_constant__ mailbox_desc box, int32_t count) {
-  decide(ctx, box, count);
+// Thread 0 of CTA 0, after deciding wait number `wait` + 1: the other CTAs may copy.
+__device__ __forceinline__ void publish_decision(mailbox_header* h, uint32_t wait, uint64_t taken) {
+  *reinterpret_cast<volatile uint64_t*>(&h->taken) = taken;
+  __threadfence();
+  *reinterpret_cast<volatile uint32_t*>(&h->decided) = wait + 1;
+}
+
+// Thread 0 of any other CTA: CTA 0's decision for wait number `wait` + 1. Bounded at twice the
+// timeout, so that a timeout of CTA 0's own wait is the fault reported.
+__device__ uint64_t await_decision(const jaxgin_context* ctx, const mailbox_desc& box, const mailbox_header* h,
+                                   uint32_t wait, int32_t count) {
+  const volatile uint32_t* decided = &h->decided;
+  uint64_t deadline = 0;
+  while (*decided != wait + 1) {
+    const uint64_t now = clock_ns();
+    if (deadline == 0) deadline = now + 2 * ctx->timeout_ns;
+    else if (now > deadline)
+      fail(ctx, JAXGIN_FAULT_WAIT_TIMEOUT, JAXGIN_OP_WAIT_SIGNAL, -1, box.signal_base, (uint64_t)count, 0);
+  }
+  __threadfence();
+  return *reinterpret_cast<const volatile uint64_t*>(&h->taken);
 }
 
 // Part [begin, end) of sender `s`'s taken put, from its slot or its lines, into `row`.
@@ -236,28 +253,39 @@ __device__ __forceinline__ void cta_zero(char* dst, uint64_t bytes) {
   for (uint64_t i = head + vecs * 16 + t; i < bytes; i += n) dst[i] = 0;
 }
 
-// Returns the credits of the taken senders once every CTA read its part (the last CTA does it).
-__device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const mailbox_desc& box, uint64_t taken) {
+// Returns the credits of the taken senders once every CTA read its part, and ends wait number
+// `wait` + 1 (the last CTA does both).
+__device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const mailbox_desc& box, uint64_t taken,
+                                               uint32_t wait) {
   __syncthreads();  // every read of the slots precedes the credits that free them
   if (linear_thread() == 0 && last_block(&header(box)->wait_done)) {
     for (int s = 0; s < box.axis_size; s++)
       if (taken >> s & 1) signal_peer(ctx, box, s, credit_signal(box, box.my_index), /*release=*/false);
+    header(box)->waits = wait + 1;
   }
 }
 
-// Copies the taken puts into `out` (zeros elsewhere), then the last CTA returns the credits.
-// With `also_decide` (single-CTA launches) it first makes the decision itself.
-template <bool also_decide>
+// Waits for puts of at least `count` senders and copies the taken ones into `out` (zeros in the
+// other rows); the last CTA returns the credits. CTA 0 decides which senders the wait takes and
+// publishes that in the header for the other CTAs, which wait for it there: one launch, not a
+// deciding kernel and a copying one. Every CTA reads the wait's number before any can end it.
 __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context* ctx,
                                                            const __grid_constant__ mailbox_desc box, int32_t count,
                                                            char* out) {
-  uint64_t taken = 0;
-  if (also_decide) {
-    taken = decide(ctx, box, count);
-  } else {
-    const mailbox_header* h = header(box);
-    for (int s = 0; s < box.axis_size; s++) taken |= (uint64_t)(h->arrived[s] != 0) << s;
+  __shared__ uint64_t decision;
+  mailbox_header* h = header(box);
+  const uint32_t wait = *reinterpret_cast<const volatile uint32_t*>(&h->waits);
+  if (blockIdx.x == 0) {
+    const uint64_t taken = decide(ctx, box, count);
+    if (linear_thread() == 0) {
+      decision = taken;
+      if (gridDim.x > 1) publish_decision(h, wait, taken);
+    }
+  } else if (linear_thread() == 0) {
+    decision = await_decision(ctx, box, h, wait, count);
   }
+  __syncthreads();
+  const uint64_t taken = decision;
   uint64_t begin, end;
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
   for (int s = 0; s < box.axis_size; s++) {
@@ -268,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
       cta_zero(row + begin, end - begin);
     }
   }
-  return_credits(ctx, box, taken);
+  return_credits(ctx, box, taken, wait);
 }
 
 // Waits for the next put of the sender at axis index *source and copies it to `out`. Every CTA
@@ -305,9 +333,10 @@ __global__ void __launch_bounds__(kThreads) wait_from_kernel(const jaxgin_contex
   }
 }
 
-// About 256 KiB of output per CTA, at most 64 CTAs.
+// About 16 KiB of output per CTA, at most 64 CTAs: a CTA copies tens of GB/s, so a message of
+// hundreds of KiB needs tens of them (docs/measurements.md, twenty-second session).
 uint32_t copy_parts(uint64_t bytes) {
-  const uint64_t wanted = (bytes + (256u << 10) - 1) / (256u << 10);
+  const uint64_t wanted = (bytes + (16u << 10) - 1) / (16u << 10);
   return wanted <= 1 ? 1 : wanted > 64 ? 64 : (uint32_t)wanted;
 }
 
@@ -323,12 +352,7 @@ cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box
 cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out,
                         cudaStream_t stream) {
   const uint32_t parts = copy_parts(box.payload_bytes * (uint64_t)box.axis_size);
-  if (parts == 1) {
-    collect_kernel<true><<<1, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
-  } else {
-    decide_kernel<<<1, kThreads, 0, stream>>>(device_ctx, box, count);
-    collect_kernel<false><<<parts, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
-  }
+  collect_kernel<<<parts, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
   return cudaGetLastError();
 }
 
@@ -341,9 +365,8 @@ cudaError_t launch_wait_from(const jaxgin_context* device_ctx, const mailbox_des
 
 cudaError_t preload_mailbox_kernels() {
   cudaFuncAttributes attributes;
-  for (cudaError_t e : {cudaFuncGetAttributes(&attributes, put_kernel), cudaFuncGetAttributes(&attributes, decide_kernel),
-                        cudaFuncGetAttributes(&attributes, collect_kernel<true>),
-                        cudaFuncGetAttributes(&attributes, collect_kernel<false>),
+  for (cudaError_t e : {cudaFuncGetAttributes(&attributes, put_kernel),
+                        cudaFuncGetAttributes(&attributes, collect_kernel),
                         cudaFuncGetAttributes(&attributes, wait_from_kernel)})
     if (e != cudaSuccess) return e;
   return cudaSuccess;

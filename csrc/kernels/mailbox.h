@@ -9,7 +9,7 @@
 namespace jaxgin {
 
 // A mailbox lives at the same heap offset on every rank of a mesh axis of size `axis_size`:
-//   [header: counters and the arrival flags of the last wait][slot per sender][GIN staging slot]
+//   [header: counters and the running wait's decision][slot per sender][GIN staging slot]
 //   [line slot per sender, for payloads of at most JAXGIN_LINE_MAX_BYTES]
 // with signals [data from sender s][credit from receiver r], 2 * axis_size of them. A put to an
 // LSA peer of a payload that fits a line slot travels as lines (no data signal); any other put
@@ -42,7 +42,7 @@ __host__ __device__ inline bool puts_as_lines(const mailbox_desc& box, int index
   return box.line_slot_bytes > 0 && box.peer_heaps[index] != nullptr;
 }
 
-constexpr uint64_t kMailboxHeaderBytes = JAXGIN_MAILBOX_HEADER_BYTES;  // 2 counters + one arrival flag per sender (<= 64)
+constexpr uint64_t kMailboxHeaderBytes = JAXGIN_MAILBOX_HEADER_BYTES;  // counters and the running wait's decision
 
 __host__ __device__ inline uint64_t mailbox_slot_bytes(uint64_t payload_bytes) {
   return payload_bytes == 0 ? 16 : (payload_bytes + 15) / 16 * 16;
@@ -58,10 +58,10 @@ __host__ __device__ inline uint64_t mailbox_bytes(uint64_t payload_bytes, int ax
 }
 
 __host__ __device__ inline uint32_t mailbox_put_parts(uint64_t payload_bytes) {
-  const uint64_t parts = (payload_bytes + (64u << 10) - 1) / (64u << 10);  // 64 KiB per CTA
+  const uint64_t parts = (payload_bytes + (16u << 10) - 1) / (16u << 10);  // 16 KiB per CTA
   return parts < 1 ? 1 : parts > 32 ? 32 : (uint32_t)parts;
 }
-static_assert(JAXGIN_LINE_MAX_BYTES <= (64u << 10), "a line-sized put must be one CTA");
+static_assert(JAXGIN_LINE_MAX_BYTES <= (16u << 10), "a line-sized put must be one CTA");
 
 // `peer_index` is a device int32 (the destination's index along the axis, possibly data
 // dependent); `token` receives it.

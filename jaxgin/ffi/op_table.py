@@ -167,7 +167,7 @@ FAMILIES: tuple[Family, ...] = (
                  Target("jaxgin_wait_signal_from", {"execute": "jaxgin_ffi_wait_from"},
                         (Op("jaxgin.wait_signal_from", "WAIT_SIGNAL_FROM"),), capturable=True)),
         preload=("preload_mailbox_kernels",),
-        constants={"mailbox_header_bytes": 256},  # 2 counters + one arrival flag per sender (csrc/kernels/mailbox.h)
+        constants={"mailbox_header_bytes": 256},  # counters and the running wait's decision (csrc/kernels/mailbox.cu)
     ),
     Family(
         "fused",  # method="chunked": cuBLAS chunks handed over by the copy engine

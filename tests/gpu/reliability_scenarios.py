@@ -42,9 +42,10 @@ def memory_model(argv):
     """Would catch a missing fence: in one jitted loop, each iteration writes a payload (an XLA
     fusion right before the put), sends it, waits, and compares every element right after the
     wait. Element j of the payload sender s writes in iteration i is (i * n + s) * E + j (mod 2^32),
-    so a read that ran ahead of the data sees the previous iteration's value and counts. Three
-    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 64 CTAs write, 16 read),
-    ppermute's line exchange (8 KiB) and ppermute's rings (4 MiB over many lanes)."""
+    so a read that ran ahead of the data sees the previous iteration's value and counts. The
+    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 32 CTAs write, 64 read) taken by
+    wait_signal_from and by wait_signal (whose CTA 0 decides for the others), ppermute's line
+    exchange (8 KiB) and ppermute's rings (4 MiB over many lanes)."""
     jax, jaxgin = ops_scenarios._setup(argv)
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -53,7 +54,7 @@ def memory_model(argv):
     n = mesh.size
     ring = [(i, (i + 1) % n) for i in range(n)]
     report = {"devices": n, "iterations": MEMORY_MODEL_ITERATIONS, "paths": {}}
-    paths = {"lines": 2048, "slots": 1 << 20, "ppermute_lines": 2048, "ppermute": 1 << 20}
+    paths = {"lines": 2048, "slots": 1 << 20, "slots_inbox": 1 << 20, "ppermute_lines": 2048, "ppermute": 1 << 20}
     for path, elements in paths.items():
         box = jaxgin.Mailbox(f"memory_model_{path}", (elements,), jnp.uint32)
 
@@ -69,7 +70,10 @@ def memory_model(argv):
                     got = jaxgin.ppermute(payload, "x", ring)
                 else:
                     token = jaxgin.put_signal(payload, box, (me + 1) % n, axis_name="x")
-                    got = jaxgin.wait_signal_from(box, left, axis_name="x", after=token)
+                    if path == "slots_inbox":
+                        got = jaxgin.wait_signal(box, 1, axis_name="x", after=token)[left]
+                    else:
+                        got = jaxgin.wait_signal_from(box, left, axis_name="x", after=token)
                 want = (i * n + left) * elements + j + dummy[0]
                 # read right after the wait; the second count is of payloads compared
                 return tally + jnp.stack([jnp.sum(got != want, dtype=jnp.int32), jnp.int32(1)])

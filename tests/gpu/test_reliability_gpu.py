@@ -102,7 +102,7 @@ def test_payloads_are_complete_when_the_wait_returns():
 def _check_every_payload_compared(out, iterations, world):
     """Every payload of every iteration was compared on every device (counted by the devices) and
     none differed."""
-    assert set(out["paths"]) == {"lines", "slots", "ppermute_lines", "ppermute"}, out
+    assert set(out["paths"]) == {"lines", "slots", "slots_inbox", "ppermute_lines", "ppermute"}, out
     for path, r in out["paths"].items():
         assert r["elements_checked"] == iterations * (r["payload_bytes"] // 4) * world, (path, r)
         assert r["mismatched_elements"] == 0, (path, r)
