@@ -7,9 +7,9 @@ Runs a random sequence of ppermute (random permutations), all_to_all and put_sig
 device, several dtypes, and data that changes every op. Each op is one jitted program that computes
 jaxgin's result and jax.lax's on the same data and counts differing elements on the device, so a
 mismatch anywhere is caught without copying results to the host. Reports the ops run, mismatches,
-and the device memory in use after one warm-up pass (so compilation is not counted as growth),
-half-way and at the end; the second half replays the first half's ops, so growth between the last
-two is a leak, not a pool reaching a new high-water mark. On GPUs this exercises the CUDA kernels (and, under XLA command buffers,
+and the device memory in use after one warm-up pass (so compilation is not counted as growth), after
+a first run of the sequence and after each of two replays of its start; a pool may reach a new
+high-water mark once, but a leak grows at every replay, so growth over the last replay is a leak. On GPUs this exercises the CUDA kernels (and, under XLA command buffers,
 graph replay); in reference mode it checks the reference lowering and this harness itself.
 """
 
@@ -191,27 +191,32 @@ def stress(mesh: Mesh, ops: int, *, seed: int = 0, max_bytes: int = 64 << 20) ->
         jax.block_until_ready(s._program(key)(jnp.int32(0)))
     warm_s = time.perf_counter() - start
     s.ops = dict.fromkeys(s.ops, 0)
-    # Memory is sampled after warm-up, half-way and at the end: the first half may still raise a
-    # pool's high-water mark (more results in flight than during warm-up); the second half replays
-    # the first half's sequence, so it raises no mark the first did not, and what it adds is a leak.
+    # Memory is sampled after warm-up, after the first run and after each replay of its start. The
+    # first run may raise a pool's high-water mark (more results in flight than during warm-up), and
+    # so may a replay, once (+4 MiB in the first replay under command buffers, 2 x H200, NCCL
+    # 2.32.3); a leak grows at every replay, so what the last replay adds is a leak.
     before = memory_in_use()
     start = time.perf_counter()
     replay = copy.deepcopy(s.rng)
-    first = s.run(ops // 2)
-    half = memory_in_use()
-    s.rng = replay
-    second = s.run(ops - ops // 2)
-    result = {"ops": ops, "mismatches": first["mismatches"] + second["mismatches"], "by_op": second["by_op"],
-              "by_op_halves": [first["this_run"], second["this_run"]]}
+    replayed = ops // 3
+    runs = [s.run(ops - 2 * replayed)]
+    samples = [memory_in_use()]
+    for _ in range(2):
+        s.rng = copy.deepcopy(replay)
+        runs.append(s.run(replayed))
+        samples.append(memory_in_use())
+    result = {"ops": ops, "mismatches": sum(r["mismatches"] for r in runs), "by_op": runs[-1]["by_op"],
+              "by_op_runs": [r["this_run"] for r in runs]}
     result.update(
-        memory_half=half,
+        memory_after_first_run=samples[0],
+        memory_after_first_replay=samples[1],
         programs=len(s.programs),
         sizes=s.sizes,
         dtypes=[np.dtype(d).name for d in DTYPES],
         warmup_seconds=round(warm_s, 2),
         seconds=round(time.perf_counter() - start, 2),
         memory_before=before,
-        memory_after=memory_in_use(),
+        memory_after=samples[2],
         devices=mesh.size,
         processes=jax.process_count(),
     )

@@ -29,13 +29,13 @@ def test_stress_equals_lax_without_memory_growth(command_buffers):
     record(f"stress_{'graphs' if command_buffers else 'plain'}_{GPUS}gpu", out)
     assert out["ops"] == STRESS_OPS and out["mismatches"] == 0, out
     assert min(out["by_op"].values()) > 0, out["by_op"]
-    # Nothing accumulates per op: over the second half of the run (5,000 ops of the same mix) the
-    # device's used memory stays put, to the driver's 2 MiB granularity. The first half may raise
-    # pools' high-water marks once (measured on 2 x H200: +8 MiB plain, +68 MiB under command
-    # buffers from warm-up to the end, which is why the halves are told apart).
-    half, after = out["memory_half"]["device"], out["memory_after"]["device"]
-    assert half and half > 0, out  # the measurement itself worked
-    assert after - half <= 2 << 20, out
+    # Nothing accumulates per op: over the last replay (a third of the ops, the same mix) the
+    # device's used memory stays put, to the driver's 2 MiB granularity. The first run and the first
+    # replay may raise pools' high-water marks once (measured on 2 x H200: +8 MiB plain, +68 MiB
+    # under command buffers from warm-up to the end, 4 MiB of it in the replay with NCCL 2.32.3).
+    replayed, after = out["memory_after_first_replay"]["device"], out["memory_after"]["device"]
+    assert replayed and replayed > 0, out  # the measurement itself worked
+    assert after - replayed <= 2 << 20, out
 
 
 # Everything the survivors' finalize() may leave on their GPU once NCCL's allocations came back: JAX's
