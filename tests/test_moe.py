@@ -455,10 +455,20 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
         calls = set(link.library_calls(kernel.asm["ptx"]))
         gin_calls = {"jaxgin_tt_gin_peer", "jaxgin_tt_put_signal", "jaxgin_tt_signal", "jaxgin_tt_wait_arrivals"}
         assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
+    _rows_stored_16_bytes_at_a_time(dispatch)
     # the "all sent" / "all packed" counts are system-scope (they order stores before flags and puts)
     assert re.search(r"atom\.[a-z.]*sys", combine.asm["ptx"])
     if gin:
         assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
+
+
+def _rows_stored_16_bytes_at_a_time(kernel):
+    """No 1- or 2-byte stores: the staged rows (bfloat16 values, fp8's bytes) leave in 16-byte
+    stores. The address a dispatch kernel stores a peer's rows at is picked out of a vector by a
+    sum, which tells Triton nothing of its alignment; without tl.multiple_of the rows went out in
+    stores of one element (st.global.b16 / .b8)."""
+    narrow = re.findall(r"st\.global[\w.]*\.b(?:8|16)\b", kernel.asm["ptx"])
+    assert not narrow, narrow[:4]
 
 
 def test_moe_kernels_compile_to_one_size_at_any_axis(toolchain):
@@ -549,6 +559,7 @@ def test_the_routing_dispatch_kernel_compiles_for_sm90a(toolchain, fp8):
     assert kernel.asm["cubin"][:4] == b"\x7fELF"
     assert b"jaxgin_tt_wait_flag" in kernel.asm["cubin"]
     assert re.search(r"st\.global\.v4", kernel.asm["ptx"])
+    _rows_stored_16_bytes_at_a_time(kernel)
 
 
 @pytest.mark.parametrize("tokens, gpus, warps", [(128, 4, 4), (256, 8, 8)])
@@ -594,6 +605,7 @@ def test_the_dispatch_kernel_compiles_for_fp8_rows(toolchain, gin):
     assert re.search(r"cvt\.rn\.f16x2\.e4m3x2", ptx), "no hardware conversion from e4m3"
     assert re.search(r"cvt\.rn\.bf16x2\.f32|cvt\.rn\.bf16\.f32", ptx), "no hardware rounding to bfloat16"
     assert not re.search(r"0x43E80000|1139277824", ptx), "the interpreter's integer e4m3 path was compiled"
+    _rows_stored_16_bytes_at_a_time(kernel)
 
 
 def test_expert_ids_out_of_range_are_reported_not_sent(init):

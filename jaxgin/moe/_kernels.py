@@ -231,6 +231,8 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
     FP8 their e4m3 values and scales (_fp8_device.store_quantized). Each column step of x is loaded
     (and quantized) once and stored to every destination."""
     TB: tl.constexpr = (T + BT - 1) // BT
+    ROW_BYTES: tl.constexpr = SW * (stage_x.dtype.element_ty.primitive_bitwidth // 8)
+    ROW_ALIGN: tl.constexpr = 16 if ROW_BYTES % 16 == 0 else ROW_BYTES & -ROW_BYTES  # bytes, a power of 2
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
@@ -283,7 +285,9 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
             if d != me:
                 sl = _column(x_rows, ps, d)
                 go = sl >= 0
-                to = tl.sum(tl.where(ps == d, x_at, 0)).to(stage_x.dtype)
+                # x_at's addresses are rows of 16-byte aligned areas, SW * XB bytes apart: saying
+                # so lets Triton store 16 bytes at a time (a sum of addresses tells it nothing)
+                to = tl.multiple_of(tl.sum(tl.where(ps == d, x_at, 0)).to(stage_x.dtype), ROW_ALIGN)
                 if FP8:
                     fp8_rows.store_quantized(to, sl, q, scale, h0, go, H, SW, BT, BH)
                 else:
