@@ -184,6 +184,18 @@ def persistent_push_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr, STAG
 
 
 @triton.jit
+def tma_push_kernel(ctx, src, dst, rows, peer, BR: tl.constexpr, C: tl.constexpr, STAGES: tl.constexpr):
+    """persistent_push_kernel's copy as [rows, C] tiles through tensor descriptors: a TMA load brings
+    each [BR, C] tile into shared memory and a TMA store (a bulk copy, not per-thread vector stores)
+    sends it to the peer's heap."""
+    src_tiles = tl.make_tensor_descriptor(src, shape=[rows, C], strides=[C, 1], block_shape=[BR, C])
+    dst_tiles = tl.make_tensor_descriptor(tgl.peer_ptr(ctx, dst, peer), shape=[rows, C], strides=[C, 1],
+                                          block_shape=[BR, C])
+    for t in tl.range(tl.program_id(0), tl.cdiv(rows, BR), tl.num_programs(0), num_stages=STAGES):
+        dst_tiles.store([t * BR, 0], src_tiles.load([t * BR, 0]))
+
+
+@triton.jit
 def _global_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
@@ -360,20 +372,33 @@ def bandwidth():
                           persistent_push_kernel[(per_sm * sms,)](ctx, src.local(0), dst.local(0), count, 1,
                                                                    BLOCK=block, STAGES=stages, EVICT=evict,
                                                                    num_warps=warps))
-    dst_on_1 = torch.from_dlpack(dst.local(1))
-    for name, launch in variants.items():
-        dst_on_1.zero_()
-        torch.cuda.synchronize(1)
-        seconds = timed(launch)
-        out["triton_peer_ptr"][name] = round(nbytes / seconds / 1e9, 1)
-        torch.cuda.synchronize(1)
-        out["variant_copy_correct"][name] = bool(torch.equal(dst_on_1, expected))  # every byte, every variant
-    out["copy_correct"] = all(out["variant_copy_correct"].values())
-    del expected
+    # Tensor descriptors made on the device need Triton's global scratch (128 bytes per descriptor
+    # and program), which Triton's own launcher takes from this allocator.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda:0"))
+    columns = 256  # the largest TMA box side: [rows, 256] float32 rows of 1 KiB
+    for per_sm, rows, warps, stages in ((1, 32, 4, 3), (1, 64, 4, 2), (2, 16, 4, 3), (1, 32, 8, 4)):
+        name = f"tma persistent {per_sm}/SM,tile={rows}x{columns},num_warps={warps},stages={stages}"
+        variants[name] = (lambda per_sm=per_sm, rows=rows, warps=warps, stages=stages:
+                          tma_push_kernel[(per_sm * sms,)](ctx, src.local(0), dst.local(0), count // columns, 1,
+                                                           BR=rows, C=columns, STAGES=stages, num_warps=warps))
+    # The ceiling first: a variant that faults leaves the context unusable for what follows.
     plain_src = torch.arange(count, dtype=torch.float32, device="cuda:0")
     plain_dst = torch.empty(count, dtype=torch.float32, device="cuda:1")
     seconds = timed(lambda: plain_dst.copy_(plain_src, non_blocking=True))
     out["plain_peer_copy_GBs"] = round(nbytes / seconds / 1e9, 1)
+    dst_on_1 = torch.from_dlpack(dst.local(1))
+    for name, launch in variants.items():
+        try:
+            dst_on_1.zero_()
+            torch.cuda.synchronize(1)
+            seconds = timed(launch)
+            torch.cuda.synchronize(1)
+        except Exception as error:  # reported with what was measured before it; the rest cannot run
+            out["variant_error"] = {name: f"{type(error).__name__}: {error}"}
+            break
+        out["triton_peer_ptr"][name] = round(nbytes / seconds / 1e9, 1)
+        out["variant_copy_correct"][name] = bool(torch.equal(dst_on_1, expected))  # every byte, every variant
+    out["copy_correct"] = "variant_error" not in out and all(out["variant_copy_correct"].values())
     best = max(out["triton_peer_ptr"].values())
     out["best_triton_GBs"] = best
     out["best_variant"] = max(out["triton_peer_ptr"], key=out["triton_peer_ptr"].get)
