@@ -7,7 +7,8 @@ the jaxgin context of the GPU the op runs on. Positional arguments, in the kerne
 ``ctx``, may be jax arrays (device pointers), ``tritongin.empty`` heap buffers (pointers into this
 GPU's symmetric heap, the same offset on every rank), Python ints (int32 or int64 scalars) and
 floats (float32); the outputs follow them, then the keyword arguments bind ``tl.constexpr``
-parameters.
+parameters. An int that is a multiple of 16 compiles as one, as Triton's own launcher specializes
+it, so that loads and stores masked against it stay 16-byte vectors.
 
 The kernel is compiled for the GPU when the program is traced, linked with the device library,
 and carried inside the program (a serialized executable keeps its kernel). The op is a
@@ -85,12 +86,16 @@ def _out_types(out_shape, arrays) -> tuple[list, bool]:
 OWN_KERNELS_FP_FUSION = True
 
 
-def _compile(kernel, signature, constexprs, num_warps, num_stages, capability, enable_fp_fusion=None):
+def _compile(kernel, signature, constexprs, num_warps, num_stages, capability, enable_fp_fusion=None,
+             multiples_of_16=frozenset()):
+    """`multiples_of_16`: names of integer parameters whose value is a multiple of 16 in this call,
+    specialized as Triton's own launcher does: a mask against such a bound keeps vector accesses."""
     import triton  # Triton is optional: only triton_call on GPUs needs it
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
+             if t.startswith("*") or name in multiples_of_16}
     source = ASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     major, minor = capability
     return triton.compile(
@@ -155,6 +160,7 @@ def triton_call(
         raise TypeError(f"jaxgin.triton_call: kernel {kernel.__name__} has no parameter(s) {unknown}")
 
     signature: dict[str, str] = {}
+    multiples_of_16: set[str] = set()
     params: list[int] = []
     operands = []
     it = iter(runtime_params)
@@ -173,6 +179,8 @@ def triton_call(
             small = -(2**31) <= value < 2**31
             signature[name] = "i32" if small else "i64"
             params += [ParamKind.INT32 if small else ParamKind.INT64, value]
+            if value % 16 == 0:
+                multiples_of_16.add(name)
         elif isinstance(arg, (float, np.floating)):
             signature[name] = "fp32"
             params += [ParamKind.FLOAT32, int(np.array(arg, dtype=np.float32).view(np.uint32))]
@@ -193,7 +201,8 @@ def triton_call(
         if name in constexprs:
             signature[name] = "constexpr"
 
-    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state), enable_fp_fusion)
+    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state), enable_fp_fusion,
+                        frozenset(multiples_of_16))
     metadata = compiled.metadata
     if getattr(metadata, "num_ctas", 1) != 1:
         raise JaxginError(f"jaxgin.triton_call: kernel {kernel.__name__} uses thread-block clusters (num_ctas > 1)")

@@ -305,6 +305,41 @@ def descriptor_copy(ctx, src, dst, N: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(dst + offs + tl.arange(0, BLOCK), desc.load([offs]))
 
 
+@triton.jit
+def masked_copy(ctx, src, n, dst, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@pytest.mark.parametrize("n, vectors", [(4096, True), (4100, False)])
+def test_triton_call_specializes_ints_that_are_multiples_of_16(monkeypatch, n, vectors):
+    """As Triton's own launcher does: a bound that is a multiple of 16 compiles as one, so the
+    accesses masked against it stay 16-byte vectors (st.global.v4); another bound cannot."""
+    import re
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgin import triton_op as tc
+
+    device = types.SimpleNamespace(compute_capability="9.0")
+    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=1, capture=(False, "a fake runtime"),
+                                  captured_lowered=False)
+    monkeypatch.setattr(tc.runtime, "current", lambda: state)
+    monkeypatch.setattr(link, "install", lambda: None)
+    compiled = []
+    real_compile = tc._compile
+    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
+    monkeypatch.setattr(jax.ffi, "ffi_call", lambda target, out_types, has_side_effect: (
+        lambda *operands, **attrs: [jnp.zeros(t.shape, t.dtype) for t in out_types]))
+    src = jnp.zeros(n, jnp.float32)
+    tc.triton_call(masked_copy, src, n, grid=(triton.cdiv(n, 1024),), out_shape=src, enable_fp_fusion=False,
+                   BLOCK=1024)
+    stores = set(re.findall(r"st\.global[\w.]*", compiled[0].asm["ptx"]))
+    assert ("st.global.v4.b32" in stores) == vectors, stores
+
+
 def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
     """A kernel that makes tensor descriptors on the device needs Triton's global scratch, a slice
     per program: triton_call hands it over as one more XLA result, the size of the whole grid's
