@@ -173,14 +173,15 @@ def push_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr):
 
 @triton.jit
 def persistent_push_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                           EVICT: tl.constexpr):
+                           EVICT: tl.constexpr, STORE_CACHE: tl.constexpr = ""):
     """push_kernel's copy from a grid of a few programs per SM, each walking every grid-th block, so
     the loads of its next blocks are in flight while it stores this one (STAGES deep)."""
     to = tgl.peer_ptr(ctx, dst, peer)
     for b in tl.range(tl.program_id(0), tl.cdiv(count, BLOCK), tl.num_programs(0), num_stages=STAGES):
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < count
-        tl.store(to + offs, tl.load(src + offs, mask=mask, eviction_policy=EVICT), mask=mask)
+        tl.store(to + offs, tl.load(src + offs, mask=mask, eviction_policy=EVICT), mask=mask,
+                 cache_modifier=STORE_CACHE)
 
 
 @triton.jit
@@ -372,6 +373,14 @@ def bandwidth():
                           persistent_push_kernel[(per_sm * sms,)](ctx, src.local(0), dst.local(0), count, 1,
                                                                    BLOCK=block, STAGES=stages, EVICT=evict,
                                                                    num_warps=warps))
+    # Fewer programs than SMs (NVLink, not the SMs, may be the limit: fewer writers contend less),
+    # and streaming stores (.cs: no reuse expected in L2).
+    for programs, store_cache in ((16, ""), (32, ""), (64, ""), (sms, ".cs"), (2 * sms, ".cs")):
+        name = f"persistent {programs} programs,BLOCK=8192,num_warps=8,stages=3,store {store_cache or 'default'}"
+        variants[name] = (lambda programs=programs, store_cache=store_cache:
+                          persistent_push_kernel[(programs,)](ctx, src.local(0), dst.local(0), count, 1, BLOCK=8192,
+                                                              STAGES=3, EVICT="", STORE_CACHE=store_cache,
+                                                              num_warps=8))
     # Tensor descriptors made on the device need Triton's global scratch (128 bytes per descriptor
     # and program), which Triton's own launcher takes from this allocator.
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda:0"))
