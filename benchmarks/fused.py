@@ -490,6 +490,57 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
+# all_gather_matmul's Triton kernel: programs that push the shard, and tile configurations.
+GATHER_SENDERS = (16, 32, 64)
+GATHER_TILES = (
+    _common.TileConfig(128, 128, 64, 8, 8, 3),  # two programs per SM
+    _common.TileConfig(128, 256, 64, 8, 8, 4),  # one per SM: senders have SMs to themselves
+)
+
+
+def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """all_gather_matmul's Triton kernel (M gathered rows, M / devices per device) under each count
+    of sending programs and tile configuration, each checked against XLA's all_gather then matmul,
+    next to that composition, the default method and the Triton tile code alone on the gathered
+    rows."""
+    import importlib
+
+    fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
+    state = jaxgin.runtime.current()
+    keys = jax.random.split(jax.random.key(4))
+    xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    expected = _once(mesh, xla_all_gather_matmul)(xs, w)
+    def chain(op):
+        return _chain(mesh, op)
+
+    row = {"m": m, "k": k, "n": n, "shard": [m // mesh.size, k],
+           "xla_all_gather_matmul_us": best_seconds(chain(xla_all_gather_matmul), xs, w, repeats=repeats) / STEPS * 1e6,
+           "fused_all_gather_us": best_seconds(chain(lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x")),
+                                               xs, w, repeats=repeats) / STEPS * 1e6,
+           "tiles": {}}
+    precision = _common.dot_precision(dtype, None)
+    whole, _ = _operands(mesh, keys, m, k, n, dtype)  # [M, K] on every device: the gathered rows' shape
+    for tiles in GATHER_TILES:
+        def tile_code(x, w, tiles=tiles):
+            return _common.matmul(x, w, tiles, precision)
+
+        times = {"tile code alone, gathered rows": best_seconds(chain(tile_code), whole, w, repeats=repeats) / STEPS * 1e6}
+        for senders in GATHER_SENDERS:
+            plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
+
+            def op(x, w, plan=plan, senders=senders):
+                return fused_ag._triton(state, x, w, plan, False, senders)
+
+            rel = _rel(_once(mesh, op)(xs, w), expected)
+            t = best_seconds(chain(op), xs, w, repeats=repeats) / STEPS * 1e6
+            times[f"senders={senders}"] = {"us": t, "rel_err": rel,
+                                           "speedup_vs_unfused": row["xla_all_gather_matmul_us"] / t}
+        row["tiles"][str(dataclasses.astuple(tiles))] = times
+        print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **times}), flush=True)
+    return row
+
+
 # matmul_reduce_scatter's reducers: tiles of slack behind the partials they wait for (LAG; "all"
 # puts every reducer after every partial) and whether one waits for every source before loading.
 REDUCER_LAGS = (0, 2, 8, 32, "all")
@@ -663,6 +714,9 @@ def main() -> None:
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout, and "
                              "matmul_reduce_scatter under each reducer layout (fused_variants.json)")
+    parser.add_argument("--gather-variants-only", action="store_true",
+                        help="only all_gather_matmul's Triton kernel under each count of sending programs and tile "
+                             "configuration (fused_gather_variants.json)")
     parser.add_argument("--chunked-layouts-only", action="store_true",
                         help="only the chunked method of the three fused ops under each chunk layout, with the "
                              "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
@@ -696,7 +750,7 @@ def main() -> None:
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
     windowed, pallas = [], {}
     full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only
-                or args.chunked_layouts_only or args.sweep_only)
+                or args.chunked_layouts_only or args.sweep_only or args.gather_variants_only)
     if full and not (args.no_windowed and args.no_pallas):
         # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
         # this one holds the GPUs
@@ -716,6 +770,7 @@ def main() -> None:
         "chunking_only": (chunking, "fused_chunking.json", kind, issue_shapes),
         "gspmd_only": (gspmd, "fused_gspmd.json", {}, issue_shapes),
         "variants_only": (variants, "fused_variants.json", {}, issue_shapes),
+        "gather_variants_only": (gather_variants, "fused_gather_variants.json", kind, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
         "sweep_only": (measure, "fused_sweep.json", kind,

@@ -95,9 +95,9 @@ def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
                              lambda gin: _triton(state, x, w, plan, gin))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool):
-    """The Triton kernel: a grid of senders that push this GPU's shard, and the matmul's programs,
-    each waiting for its source's rows."""
+def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS):
+    """The Triton kernel: a grid of `senders` programs that push this GPU's shard, and the matmul's
+    programs, each waiting for its source's rows."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -114,9 +114,9 @@ def _triton(state, x, w, plan: _Plan, gin: bool):
     return triton_call(
         _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), hosts, buffers.exchange, buffers.flags,
         buffers.state, buffers.signals,
-        grid=(SENDERS + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
+        grid=(senders + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=SENDERS,
+        ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, R=per_group, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=op_support.pow2(size),
     )
