@@ -286,7 +286,8 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
     else:
         groups = kw["G"]
         assert groups <= (module.GIN_GROUPS if gin else 32)
-        assert groups * kw["R"] >= -(-512 // tiles.block_m) > (groups - 1) * kw["R"]  # every row tile, once
+        assert groups * kw["GR"] >= 512 > (groups - 1) * kw["GR"]  # every row, once
+        assert kw["GR"] % tiles.block_m == 0  # whole tile rows per group
         assert state.signals.available() == 1024 - 2 * size * groups * gin
         assert buffers.flags.shape == (size * groups,)
         assert args[7] == buffers.signals
@@ -657,7 +658,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
         GIN=gin, COPIERS=32 * gin, XB=2))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
-        ML=1024, N=2048, K=7168, P=4, G=8, R=1, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
+        ML=1024, N=2048, K=7168, P=4, G=8, GR=128, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
         SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2, BP=4))
     for kernel in (a2a, ag):
         ptx = kernel.asm["ptx"]
@@ -680,7 +681,7 @@ def test_all_gather_matmul_kernel_compiles_to_one_size_at_any_axis(toolchain):
 
     def size(p):
         return memory_operations(compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8,
-                                                  constexprs=dict(ML=1024, N=2048, K=7168, P=p, G=8, R=1, SENDERS=16,
+                                                  constexprs=dict(ML=1024, N=2048, K=7168, P=p, G=8, GR=128, SENDERS=16,
                                                                   BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
                                                                   SEND_BM=32, SEND_BK=1024, GIN=1, XB=2, BP=p)))
 

@@ -588,7 +588,7 @@ def _copy_rows(dst, x, lo, hi, K: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: 
 
 @triton.jit
 def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML: tl.constexpr,
-                          K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+                          K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
                           SENDERS: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, BP: tl.constexpr):
     """Senders, after their own puts: for each (source on another host, row group) this GPU is
     the network entry of (jaxgin.hosts), waits for the group's put, copies it into the same slot
@@ -601,8 +601,8 @@ def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half
         if gin_route(ctx, route, s, me, 1) != 0:
             if network_entry(route, hosts, s, me, P, BP) == me:
                 tgl.wait_arrivals(ctx, sig + (half * P + s) * G + g, 1)
-                lo = g * R * BM
-                hi = tl.minimum(ML, (g + 1) * R * BM)
+                lo = g * GR
+                hi = tl.minimum(ML, (g + 1) * GR)
                 slot = (half * P + s) * (ML * K)
                 for j in range(1, P):
                     m = (me + j) % P
@@ -616,13 +616,13 @@ def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half
 @triton.jit
 def all_gather_matmul_kernel(
     ctx, x, w, route, hosts, gather, flags, state, sig, out,
-    ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
     BP: tl.constexpr,
 ):
     """out [P*ML, N] = all_gather(x [ML, K]) @ w. The shard from s lands in gather half
-    `epoch % 2`, slot s, on every other GPU, row group by row group (R tile rows each);
+    `epoch % 2`, slot s, on every other GPU, row group by row group (GR rows each);
     flags[s * G + g] there = the call counter + 1 once group g has landed.
     Grid: SENDERS + P * TM * TN.
 
@@ -649,8 +649,8 @@ def all_gather_matmul_kernel(
                 if gin_route(ctx, route, d, me, GIN) != 0:
                     networked += tl.where(network_entry(route, hosts, me, d, P, BP) == d, 1, 0)
             for g in range(pid, G, SENDERS):
-                lo = g * R * BM
-                hi = tl.minimum(ML, (g + 1) * R * BM)
+                lo = g * GR
+                hi = tl.minimum(ML, (g + 1) * GR)
                 if networked > 0:
                     _copy_rows(own, x, lo, hi, K, SEND_BM, SEND_BK)
                 for j in range(1, P):
@@ -665,7 +665,7 @@ def all_gather_matmul_kernel(
                         _copy_rows(tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K), x, lo, hi, K,
                                    SEND_BM, SEND_BK)
                         tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
-            _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML, K, P, G, R, BM,
+            _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML, K, P, G, GR,
                                   SENDERS, SEND_BM, SEND_BK, BP)
         else:
             for item in range(pid, (P - 1) * G, SENDERS):
@@ -673,7 +673,7 @@ def all_gather_matmul_kernel(
                 g = item % G
                 peer = rank_of(route, d)
                 slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
-                _copy_rows(slot, x, g * R * BM, tl.minimum(ML, (g + 1) * R * BM), K, SEND_BM, SEND_BK)
+                _copy_rows(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), K, SEND_BM, SEND_BK)
                 tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
     else:
         q = pid - SENDERS
@@ -683,7 +683,8 @@ def all_gather_matmul_kernel(
         if s == me:
             a = x
         else:
-            tgl.wait_flag(ctx, flags + s * G + ti // R, epoch + 1)
+            for g in range(ti * BM // GR, tl.minimum(G, ((ti + 1) * BM + GR - 1) // GR)):  # its rows' groups
+                tgl.wait_flag(ctx, flags + s * G + g, epoch + 1)
             a = gather + (half * P + s) * (ML * K)
         acc = _matmul_tile(a, r % ML, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
         c = tj * BN + tl.arange(0, BN)
