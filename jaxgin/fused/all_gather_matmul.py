@@ -112,7 +112,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, group_r
     else:
         groups = -(-plan.m // group_rows)
     buffers = _common.op_buffers(
-        state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin),
+        state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin, groups),
         (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
     )
     hosts = jnp.asarray(rank_hosts(state, OP) if gin else np.zeros(1, np.int32))
