@@ -492,7 +492,6 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
 
 # all_gather_matmul's Triton kernel: programs that push the shard, and tile configurations.
 GATHER_SENDERS = (16, 32, 64)
-GATHER_GROUP_ROWS = (None, 32)  # None: a group per tile row (at most 32 groups)
 GATHER_TILES = (
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two programs per SM
     _common.TileConfig(128, 256, 64, 8, 8, 4),  # one per SM: senders have SMs to themselves
@@ -527,17 +526,16 @@ def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             return _common.matmul(x, w, tiles, precision)
 
         times = {"tile code alone, gathered rows": best_seconds(chain(tile_code), whole, w, repeats=repeats) / STEPS * 1e6}
-        for group_rows in GATHER_GROUP_ROWS:
-            for senders in GATHER_SENDERS:
-                plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
+        for senders in GATHER_SENDERS:
+            plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
 
-                def op(x, w, plan=plan, senders=senders, group_rows=group_rows):
-                    return fused_ag._triton(state, x, w, plan, False, senders, group_rows)
+            def op(x, w, plan=plan, senders=senders):
+                return fused_ag._triton(state, x, w, plan, False, senders)
 
-                rel = _rel(_once(mesh, op)(xs, w), expected)
-                t = best_seconds(chain(op), xs, w, repeats=repeats) / STEPS * 1e6
-                times[f"senders={senders},group_rows={group_rows or 'tile row'}"] = {
-                    "us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_all_gather_matmul_us"] / t}
+            rel = _rel(_once(mesh, op)(xs, w), expected)
+            t = best_seconds(chain(op), xs, w, repeats=repeats) / STEPS * 1e6
+            times[f"senders={senders}"] = {"us": t, "rel_err": rel,
+                                           "speedup_vs_unfused": row["xla_all_gather_matmul_us"] / t}
         row["tiles"][str(dataclasses.astuple(tiles))] = times
         print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **times}), flush=True)
     return row

@@ -95,22 +95,17 @@ def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
                              lambda gin: _triton(state, x, w, plan, gin))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, group_rows: int | None = None):
+def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS):
     """The Triton kernel: a grid of `senders` programs that push this GPU's shard, and the matmul's
-    programs, each waiting for its source's rows. Without GIN the shard moves in groups of
-    `group_rows` rows (None: whole tile rows, at most 32 groups), one flag each."""
+    programs, each waiting for its source's rows."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
     precision = _common.dot_precision(dtype, plan.precision)
     tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles)
     tm, tn = -(-plan.m // tiles.block_m), -(-plan.n // tiles.block_n)
-    if gin or group_rows is None:
-        # GIN: fewer, larger row groups (each a put and a signal per source and call parity)
-        groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
-        group_rows = per_group * tiles.block_m
-    else:
-        groups = -(-plan.m // group_rows)
+    # GIN: fewer, larger row groups (each a put and a signal per source and call parity)
+    groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
     buffers = _common.op_buffers(
         state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin, groups),
         (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
@@ -121,7 +116,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, group_r
         buffers.state, buffers.signals,
         grid=(senders + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=group_rows, SENDERS=senders,
+        ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=per_group * tiles.block_m, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=op_support.pow2(size),
     )
