@@ -192,6 +192,41 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, nu
     return _compile(kernel, signature, constexprs, num_warps, num_stages, (9, 0), OWN_KERNELS_FP_FUSION)
 
 
+def registers_per_thread(kernel) -> int:
+    """The registers per thread ptxas gave a compiled kernel's entry function: the largest
+    EIATTR_REGCOUNT record in the cubin's .nv.info sections (a linked device function has its own,
+    smaller, record)."""
+    import struct
+
+    cubin = kernel.asm["cubin"]
+    (section_table,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i):  # name offset, type, flags, address, offset, size, link, info, align, entry size
+        return struct.unpack_from("<IIQQQQIIQQ", cubin, section_table + i * entry_size)
+
+    names = section(names_index)[4]
+    counts = []
+    for i in range(count):
+        name_at, _, _, _, offset, size, *_ = section(i)
+        if not cubin[names + name_at:].startswith(b".nv.info"):
+            continue
+        at = offset
+        while at < offset + size:  # records: format, attribute, then a payload by format
+            form, attribute = cubin[at], cubin[at + 1]
+            if form == 0x04:  # sized payload
+                (length,) = struct.unpack_from("<H", cubin, at + 2)
+                if attribute == 0x2F:  # EIATTR_REGCOUNT: symbol index, registers
+                    counts.append(struct.unpack_from("<II", cubin, at + 4)[1])
+                at += 4 + length
+            elif form in (0x01, 0x02, 0x03):  # no payload, 1-byte or 2-byte value
+                at += {0x01: 2, 0x02: 4, 0x03: 4}[form]
+            else:
+                raise AssertionError(f"unknown .nv.info record format {form:#x}")
+    assert counts, "no register count in the cubin"
+    return max(counts)
+
+
 def memory_operations(kernel) -> int:
     """Loads, stores and atomics in a compiled kernel's Triton IR: its size as the compiler's
     layout passes see it (their time grows faster than it)."""

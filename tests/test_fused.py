@@ -23,7 +23,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
-from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, triton_interpreter_check
+from conftest import (FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, registers_per_thread,
+                      triton_interpreter_check)
 
 
 @pytest.fixture
@@ -444,6 +445,7 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     cm, cn = (512 // size, 384) if rows else (512, 384 // size)
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
     assert (kw["CM"], kw["CN"], kw["SCATTER_ROWS"], kw["GIN"]) == (cm, cn, rows, int(gin))
+    assert kw["REDUCE_SLABS"] == (1 if gin else 4)  # GIN keeps the whole-tile sum
     assert kw["grid"] == (size * count + count,) and kw["out_shape"].shape == (cm, cn)
     (buffers,) = state.placements.values()
     assert buffers.exchange.shape == (2, size, cm, cn)
@@ -689,6 +691,47 @@ def test_all_gather_matmul_kernel_compiles_to_one_size_at_any_axis(toolchain):
     assert sizes[8] == sizes[2] > 0, sizes
 
 
+@pytest.mark.parametrize("warps", [8, 4])
+def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps):
+    """128 x 128 x 64 tiles with 3 stages take 96 KiB of shared memory so that two programs share
+    an SM; their registers must allow it too: at most 65536 / (2 x 32 x warps) per thread. The
+    registers are the most any path of the kernel needs: the senders' copy blocks (32 x 1024, 128
+    elements per thread, had made it 216 at 8 warps, one program per SM) count as much as the
+    tile's accumulator. Checked as an NVLink-only job compiles it, at the tile code's own count."""
+    import importlib
+
+    from jaxgin.fused import _kernels
+
+    ag_module = importlib.import_module("jaxgin.fused.all_gather_matmul")
+    tile = dict(BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32")
+    kernel = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=warps, constexprs=dict(
+        ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=ag_module.SENDERS, GIN=0, XB=2, BP=2,
+        SEND_BM=ag_module.send_rows(warps), SEND_BK=ag_module.SEND_COLUMNS, **tile))
+    tile_code = compile_for_sm90(_kernels.matmul_kernel, {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "out": "*bf16"},
+                                 num_warps=warps, constexprs=dict(M=4096, N=2048, K=7168, **tile))
+    assert kernel.metadata.shared <= 228 * 1024 // 2
+    assert registers_per_thread(kernel) <= 65536 // (2 * 32 * warps), registers_per_thread(kernel)
+    assert registers_per_thread(kernel) <= registers_per_thread(tile_code) + 24
+
+
+@pytest.mark.parametrize("warps", [8, 4])
+def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps):
+    """As for all_gather_matmul: the exchange's 128 x 128 x 64 tiles share an SM two by two, so the
+    reducers' sum, which is in the same kernel, must not need more registers than that allows (a
+    whole-tile sum made it 175 at 8 warps, and 255, the most there is, at 4)."""
+    import importlib
+
+    from jaxgin.fused import _kernels
+
+    rs_module = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=warps, constexprs=dict(
+        M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
+        PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=rs_module.reduce_slabs(128, False)))
+    assert registers_per_thread(kernel) <= min(65536 // (2 * 32 * warps), 240), registers_per_thread(kernel)
+
+
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
@@ -698,7 +741,7 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False))
+        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4 - 3 * gin))
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in ptx
     calls = set(link.library_calls(ptx))
@@ -718,7 +761,7 @@ def test_matmul_reduce_scatter_reducer_layouts_compile_for_sm90a(toolchain, lag,
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first))
+        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first, REDUCE_SLABS=4))
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in kernel.asm["ptx"]
     assert {"jaxgin_tt_wait_flag", "jaxgin_tt_wait_peer_flag"} <= set(link.library_calls(kernel.asm["ptx"]))
 

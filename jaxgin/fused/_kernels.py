@@ -470,7 +470,7 @@ def _partial_tile(
 def _reduce_tile(
     ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
     P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    GROUP_M: tl.constexpr, GIN: tl.constexpr, WAIT_FIRST: tl.constexpr,
+    GROUP_M: tl.constexpr, GIN: tl.constexpr, WAIT_FIRST: tl.constexpr, REDUCE_SLABS: tl.constexpr,
 ):
     """Reducer t of matmul_reduce_scatter_kernel: tile t of this GPU's chunk, the sum of every
     source's partial in float32, source 0 first (the same bits on every run); with WAIT_FIRST
@@ -478,29 +478,36 @@ def _reduce_tile(
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
+    # Summed in slabs of rows: a whole [BM, BN] sum with its loads and addresses needs more
+    # registers than the partials' matmul, and the kernel's count is the most any path needs.
+    SLAB: tl.constexpr = BM // REDUCE_SLABS
     ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-    r = ti * BM + tl.arange(0, BM)
     c = tj * BN + tl.arange(0, BN)
-    ok = (r < CM)[:, None] & (c < CN)[None, :]
-    within = r[:, None] * CN + c[None, :]
-    total = tl.zeros((BM, BN), dtype=tl.float32)
+    cols = tl.minimum(CN - tj * BN, BN)
     if WAIT_FIRST:
         for s in tl.static_range(P):
             _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
-    for s in tl.static_range(P):
-        if not WAIT_FIRST:
-            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
-        if s == me:
-            part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0, cache_modifier=".cg")
-        elif gin_route(ctx, route, s, me, GIN) != 0:
-            packed, _, _ = _packed_tile(ti, tj, CM, CN, BM, BN)
-            part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok, other=0.0,
-                           cache_modifier=".cg")
-        else:
-            there = tgl.peer_ptr(ctx, partials, rank_of(route, s)) + (half * P + me) * (CM * CN)
-            part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
-        total += part.to(tl.float32)
-    tl.store(out + within, total.to(out.dtype.element_ty), mask=ok)
+    for slab in tl.static_range(REDUCE_SLABS):
+        rows = slab * SLAB + tl.arange(0, SLAB)
+        r = ti * BM + rows
+        ok = (r < CM)[:, None] & (c < CN)[None, :]
+        within = r[:, None] * CN + c[None, :]
+        total = tl.zeros((SLAB, BN), dtype=tl.float32)
+        for s in tl.static_range(P):
+            if not WAIT_FIRST and slab == 0:  # every source waited for once, before its first load
+                _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
+            if s == me:
+                part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0,
+                               cache_modifier=".cg")
+            elif gin_route(ctx, route, s, me, GIN) != 0:
+                packed = rows[:, None] * cols + tl.arange(0, BN)[None, :]  # _packed_tile's layout, these rows
+                part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok,
+                               other=0.0, cache_modifier=".cg")
+            else:
+                there = tgl.peer_ptr(ctx, partials, rank_of(route, s)) + (half * P + me) * (CM * CN)
+                part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
+            total += part.to(tl.float32)
+        tl.store(out + within, total.to(out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -523,6 +530,7 @@ def matmul_reduce_scatter_kernel(
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
+    REDUCE_SLABS: tl.constexpr,
 ):
     """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
     owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; P * TILES
@@ -547,7 +555,9 @@ def matmul_reduce_scatter_kernel(
     reducers come last: the first one to need a source waits for all of its TILES puts, which
     later programs make. Reuse of a half is safe as in
     matmul_all_to_all_kernel: a GPU starts call n only after reading every source's partials of
-    call n - 1, so every source has finished call n - 2, whose half call n rewrites."""
+    call n - 1, so every source has finished call n - 2, whose half call n rewrites. REDUCE_SLABS:
+    row slabs a reducer sums its tile in (a power of two dividing BM), each element's sources in
+    the same order."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -570,7 +580,7 @@ def matmul_reduce_scatter_kernel(
     else:
         t = tl.where(block < BLOCKS, block, BLOCKS + q - BLOCKS * (P + 1))
         _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
-                     P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST)
+                     P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS)
     finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
 
 

@@ -21,6 +21,16 @@ OP = "jaxgin.fused.all_gather_matmul"
 # Programs that push this GPU's shard to its peers; the rest of the grid computes. Enough CTAs to
 # keep NVLink busy (a CTA's stores reach ~20-30 GB/s) while leaving the SMs to the matmul.
 SENDERS = 16
+# The senders copy blocks of 1024 columns and as many rows as the program has warps: 32 elements
+# per thread. Larger blocks (32 x 1024 were) raise the whole kernel's registers past what two
+# programs of 128 x 128 tiles and 8 warps may share on an SM.
+SEND_COLUMNS = 1024
+
+
+def send_rows(num_warps: int) -> int:
+    return num_warps
+
+
 # Row groups per shard in a job with GIN peers: each is one put and one signal per source and call
 # parity, so 2 * axis size * GIN_GROUPS signals per op configuration.
 GIN_GROUPS = 8
@@ -118,7 +128,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS):
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=per_group * tiles.block_m, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        SEND_BM=32, SEND_BK=1024, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=op_support.pow2(size),
+        SEND_BM=send_rows(tiles.num_warps), SEND_BK=SEND_COLUMNS, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=op_support.pow2(size),
     )
 
 

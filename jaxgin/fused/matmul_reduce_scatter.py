@@ -156,7 +156,15 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool):
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,
+        REDUCE_SLABS=reduce_slabs(tiles.block_m, gin),
     )
+
+
+def reduce_slabs(block_m: int, gin: bool) -> int:
+    """Row slabs a reducer sums a tile in: 4 (32 rows of a 128-row tile) keeps the kernel's
+    registers within what two programs of 8 warps may share on an SM; with GIN the put paths need
+    more than that anyway, and the reducer keeps its whole-tile sum."""
+    return 1 if gin else max(1, min(4, block_m // 16))
 
 
 _fused = op_support.differentiable(reference, _kernel, _backward)
