@@ -541,6 +541,65 @@ def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
+def _trace_summary(records: np.ndarray, shards: int) -> dict:
+    """One GPU's records of a traced all_gather_matmul call (_kernels._trace_program: start, tile,
+    waits ended, end, SM per program) over `shards` sources, in us from the first program's start."""
+    start, tile, waited, end, sm = (records[:, i] for i in range(5))
+    t0 = start.min()
+
+    def us(values):
+        values = (np.asarray(values) - t0) / 1e3
+        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
+                "max": round(float(values.max()), 1)} if len(values) else {}
+
+    senders, tiles = tile < 0, tile >= 0
+    per_shard = (tile[tiles].max() + 1) // shards if tiles.any() else 0  # own shard's tiles first
+    own, peer = tiles & (tile < per_shard), tiles & (tile >= per_shard)
+    # the most programs one SM ran at once
+    events = sorted([(t, 1, m) for t, m in zip(start, sm)] + [(t, -1, m) for t, m in zip(end, sm)])
+    running, most = {}, 0
+    for _, step, m in events:
+        running[m] = running.get(m, 0) + step
+        most = max(most, running[m])
+    return {
+        "span_us": round(float((end.max() - t0) / 1e3), 1),
+        "senders_done_us": us(waited[senders]),
+        "own_tiles_start_us": us(start[own]), "own_tiles_end_us": us(end[own]),
+        "peer_tiles_start_us": us(start[peer]), "peer_tiles_waits_end_us": us(waited[peer]),
+        "peer_tiles_end_us": us(end[peer]),
+        "tile_compute_us_median": round(float(np.median(end[tiles] - waited[tiles]) / 1e3), 1),
+        "peer_tile_wait_us_median": round(float(np.median(waited[peer] - start[peer]) / 1e3), 1),
+        "most_programs_at_once_on_one_sm": most, "sms_used": int(len(set(sm.tolist()))),
+    }
+
+
+def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """all_gather_matmul's Triton kernel with a record per program (start, waits ended, end, SM;
+    _kernels.all_gather_matmul_traced_kernel) from one call after warm-up, per tile configuration:
+    when the senders finish, when the peer's tiles can start, how long a tile computes, how many
+    programs share an SM. The raw records of GPU 0 are kept."""
+    import importlib
+
+    fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
+    state = jaxgin.runtime.current()
+    keys = jax.random.split(jax.random.key(5))
+    xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
+    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    row = {"m": m, "k": k, "n": n, "shard": [m // mesh.size, k], "tiles": {}}
+    for tiles in GATHER_TILES:
+        plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
+        traced = jax.jit(jax.shard_map(lambda x, w, plan=plan: fused_ag._triton(state, x, w, plan, False, trace=True),
+                                       mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
+        for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
+            _, trace = traced(xs, w)
+        per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
+        key = str(dataclasses.astuple(tiles))
+        row["tiles"][key] = {"gpus": [_trace_summary(g, mesh.size) for g in per_gpu],
+                             "gpu0_records": per_gpu[0, :, :5].tolist()}
+        print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **row["tiles"][key]["gpus"][0]}), flush=True)
+    return row
+
+
 # matmul_reduce_scatter's reducers: tiles of slack behind the partials they wait for (LAG; "all"
 # puts every reducer after every partial) and whether one waits for every source before loading.
 REDUCER_LAGS = (0, 2, 8, 32, "all")
@@ -717,6 +776,9 @@ def main() -> None:
     parser.add_argument("--gather-variants-only", action="store_true",
                         help="only all_gather_matmul's Triton kernel under each count of sending programs and tile "
                              "configuration (fused_gather_variants.json)")
+    parser.add_argument("--gather-trace-only", action="store_true",
+                        help="only all_gather_matmul's Triton kernel with a record per program (when senders finish, "
+                             "when tiles wait and compute, programs per SM; fused_gather_trace.json)")
     parser.add_argument("--chunked-layouts-only", action="store_true",
                         help="only the chunked method of the three fused ops under each chunk layout, with the "
                              "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
@@ -750,7 +812,8 @@ def main() -> None:
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
     windowed, pallas = [], {}
     full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only
-                or args.chunked_layouts_only or args.sweep_only or args.gather_variants_only)
+                or args.chunked_layouts_only or args.sweep_only or args.gather_variants_only
+                or args.gather_trace_only)
     if full and not (args.no_windowed and args.no_pallas):
         # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
         # this one holds the GPUs
@@ -771,6 +834,7 @@ def main() -> None:
         "gspmd_only": (gspmd, "fused_gspmd.json", {}, issue_shapes),
         "variants_only": (variants, "fused_variants.json", {}, issue_shapes),
         "gather_variants_only": (gather_variants, "fused_gather_variants.json", kind, issue_shapes),
+        "gather_trace_only": (gather_trace, "fused_gather_trace.json", kind, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
         "sweep_only": (measure, "fused_sweep.json", kind,

@@ -331,3 +331,26 @@ def test_hierarchical_report_rebuilds_the_committed_file_from_its_records(tmp_pa
     old.write_text(json.dumps({"processes": [{"processes": 4, "traffic": [{"dispatch": {"bytes": 1, "puts": 1}}]}]}))
     refused = _run("tools/hierarchical_report.py", str(old.parent), "--out", str(tmp_path / "old.json"))
     assert refused.returncode != 0 and f"{old}: a record from before" in refused.stderr, refused.stderr
+
+
+def test_a_traced_all_gather_call_is_summarized_from_its_program_records():
+    """fused._trace_summary on records as the traced kernel writes them (start, tile, waits ended,
+    end, SM; ns): two senders, two own tiles, two peer tiles whose waits end when the senders are
+    done, on SMs 0-1. Times come out in us from the first start; an SM that held a sender and a
+    tile at once counts two programs."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import numpy as np, fused;"
+            "r = np.array([[1000, -1, 90000, 90000, 0], [1000, -1, 95000, 95000, 1],"
+            "              [2000, 0, 2000, 100000, 0], [2000, 1, 2000, 101000, 1],"
+            "              [100000, 2, 120000, 220000, 0], [101000, 3, 125000, 230000, 1]]);"
+            "print(json.dumps(fused._trace_summary(r, 2)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["span_us"] == 229.0
+    assert summary["senders_done_us"] == {"min": 89.0, "median": 91.5, "max": 94.0}
+    assert summary["own_tiles_end_us"]["max"] == 100.0
+    assert summary["peer_tiles_waits_end_us"] == {"min": 119.0, "median": 121.5, "max": 124.0}
+    assert summary["peer_tile_wait_us_median"] == 22.0
+    assert summary["tile_compute_us_median"] == 99.5
+    assert summary["most_programs_at_once_on_one_sm"] == 2 and summary["sms_used"] == 2

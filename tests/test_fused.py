@@ -714,6 +714,23 @@ def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain,
     assert registers_per_thread(kernel) <= registers_per_thread(tile_code) + 24
 
 
+def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolchain):
+    """all_gather_matmul_traced_kernel (benchmarks/fused.py --gather-trace-only) reads the GPU's
+    timer and SM id and stores each program's record; the kernel the op runs has none of it, and
+    the records cost the traced one few registers."""
+    from jaxgin.fused import _kernels
+
+    constexprs = dict(ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=16, BM=128, BN=128, BK=64, GROUP_M=8,
+                      PRECISION="tf32", SEND_BM=8, SEND_BK=1024, GIN=0, XB=2, BP=2)
+    plain = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8,
+                             constexprs=constexprs)
+    traced = compile_for_sm90(_kernels.all_gather_matmul_traced_kernel, dict(_ALL_GATHER_POINTERS, trace="*i32"),
+                              num_warps=8, constexprs=constexprs)
+    for register in ("%globaltimer", "%smid"):
+        assert register in traced.asm["ptx"] and register not in plain.asm["ptx"]
+    assert registers_per_thread(traced) <= 128  # still two programs per SM, as the plain kernel
+
+
 @pytest.mark.parametrize("warps", [8, 4])
 def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps):
     """As for all_gather_matmul: the exchange's 128 x 128 x 64 tiles share an SM two by two, so the

@@ -570,6 +570,8 @@ BENCHMARKS = {step.name: step for step in [
          tail=12),
     Step("fused_variants", ["benchmarks/fused.py", "--variants-only", "--out", "{out}"], 300, gpus=2, default=False,
          tail=20),
+    Step("fused_gather_trace", ["benchmarks/fused.py", "--gather-trace-only", "--out", "{out}"], 240, gpus=2,
+         default=False, tail=8),
     Step("fused_gather_variants", ["benchmarks/fused.py", "--gather-variants-only", "--repeats", "3", "--out", "{out}"],
          420, gpus=2, default=False, tail=12),
     # every entry local: the HBM side of dispatch and combine alone (benchmarks/results/1xh200/moe_one_gpu.json)

@@ -624,12 +624,35 @@ def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half
 
 
 @triton.jit
-def all_gather_matmul_kernel(
-    ctx, x, w, route, hosts, gather, flags, state, sig, out,
+def _now_ns(TRACE: tl.constexpr):
+    """The GPU's global timer in ns when TRACE, else 0 (no instruction)."""
+    if TRACE:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def _trace_program(trace, place, started, tile, waited, ended):
+    """One program's record in a traced kernel, 8 int64 words at place * 8 (`trace` any pointer to
+    them; XLA outside x64 mode has no int64 arrays): start, tile (-1: a sender), when its waits
+    ended (a sender: when its sends did), end (ns, the GPU's global timer), its SM."""
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    at = trace.to(tl.pointer_type(tl.int64), bitcast=True) + place.to(tl.int64) * 8
+    tl.store(at, started)
+    tl.store(at + 1, tile)
+    tl.store(at + 2, waited)
+    tl.store(at + 3, ended)
+    tl.store(at + 4, sm.to(tl.int64))
+
+
+@triton.jit
+def _all_gather_matmul(
+    ctx, x, w, route, hosts, gather, flags, state, sig, out, trace,
     ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    BP: tl.constexpr,
+    BP: tl.constexpr, TRACE: tl.constexpr,
 ):
     """out [P*ML, N] = all_gather(x [ML, K]) @ w. The shard from s lands in gather half
     `epoch % 2`, slot s, on every other GPU, row group by row group (GR rows each);
@@ -644,12 +667,16 @@ def all_gather_matmul_kernel(
     group and source, because puts complete in any order). Then the senders of each entry forward
     what arrived to its host-mates (_forward_from_network) and raise the flags an NVLink source
     would have raised. Computing programs only wait for flags, which senders raise; senders wait
-    only for other GPUs' senders' puts, posted before any sender waits: no wait can deadlock."""
+    only for other GPUs' senders' puts, posted before any sender waits: no wait can deadlock.
+
+    TRACE: each program also writes trace[place] (_trace_program's record), place being its start
+    order."""
     TM: tl.constexpr = (ML + BM - 1) // BM
     TN: tl.constexpr = (N + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)  # senders start first
+    started = _now_ns(TRACE)
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
@@ -685,6 +712,9 @@ def all_gather_matmul_kernel(
                 slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
                 _copy_rows(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), K, SEND_BM, SEND_BK)
                 tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
+        if TRACE:
+            sent = _now_ns(TRACE)
+            _trace_program(trace, pid, started, -1, sent, sent)
     else:
         q = pid - SENDERS
         s = (me + P - q // TILES) % P  # own shard first, then the nearest sender's
@@ -696,8 +726,38 @@ def all_gather_matmul_kernel(
             for g in range(ti * BM // GR, tl.minimum(G, ((ti + 1) * BM + GR - 1) // GR)):  # its rows' groups
                 tgl.wait_flag(ctx, flags + s * G + g, epoch + 1)
             a = gather + (half * P + s) * (ML * K)
+        waited = _now_ns(TRACE)
         acc = _matmul_tile(a, r % ML, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
         c = tj * BN + tl.arange(0, BN)
         ok = (r < ML)[:, None] & (c < N)[None, :]
         tl.store(out + (s * ML + r)[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=ok)
+        if TRACE:
+            _trace_program(trace, pid, started, q, waited, _now_ns(TRACE))
     finish_call(state, state + FINISHED, epoch, SENDERS + P * TILES, state + STARTED, 1)
+
+
+@triton.jit
+def all_gather_matmul_kernel(
+    ctx, x, w, route, hosts, gather, flags, state, sig, out,
+    ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
+    SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """out [P*ML, N] = all_gather(x [ML, K]) @ w: _all_gather_matmul."""
+    _all_gather_matmul(ctx, x, w, route, hosts, gather, flags, state, sig, out, flags,
+                       ML, N, K, P, G, GR, SENDERS, BM, BN, BK, GROUP_M, PRECISION, SEND_BM, SEND_BK, GIN, XB, BP, 0)
+
+
+@triton.jit
+def all_gather_matmul_traced_kernel(
+    ctx, x, w, route, hosts, gather, flags, state, sig, out, trace,
+    ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
+    SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """all_gather_matmul_kernel that also writes a record per program into trace (int32 [programs,
+    16], 8 int64 words each; benchmarks/fused.py --gather-trace-only: where the kernel's time goes)."""
+    _all_gather_matmul(ctx, x, w, route, hosts, gather, flags, state, sig, out, trace,
+                       ML, N, K, P, G, GR, SENDERS, BM, BN, BK, GROUP_M, PRECISION, SEND_BM, SEND_BK, GIN, XB, BP, 1)

@@ -105,9 +105,10 @@ def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
                              lambda gin: _triton(state, x, w, plan, gin))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS):
+def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: bool = False):
     """The Triton kernel: a grid of `senders` programs that push this GPU's shard, and the matmul's
-    programs, each waiting for its source's rows."""
+    programs, each waiting for its source's rows. With `trace`, (out, trace): int32 [programs, 16],
+    8 int64 words per program in start order (_kernels._trace_program; view it as int64)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -121,14 +122,17 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS):
         (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
     )
     hosts = jnp.asarray(rank_hosts(state, OP) if gin else np.zeros(1, np.int32))
+    programs = senders + size * tm * tn
+    out = jax.core.ShapedArray((size * plan.m, plan.n), dtype)
     return triton_call(
-        _kernels.all_gather_matmul_kernel, x, w, axis_route(plan.names), hosts, buffers.exchange, buffers.flags,
-        buffers.state, buffers.signals,
-        grid=(senders + size * tm * tn,), out_shape=jax.core.ShapedArray((size * plan.m, plan.n), dtype),
+        _kernels.all_gather_matmul_traced_kernel if trace else _kernels.all_gather_matmul_kernel,
+        x, w, axis_route(plan.names), hosts, buffers.exchange, buffers.flags, buffers.state, buffers.signals,
+        grid=(programs,), out_shape=[out, jax.core.ShapedArray((programs, 16), jnp.int32)] if trace else out,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=per_group * tiles.block_m, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
-        SEND_BM=send_rows(tiles.num_warps), SEND_BK=SEND_COLUMNS, GIN=int(gin), XB=np.dtype(dtype).itemsize, BP=op_support.pow2(size),
+        SEND_BM=send_rows(tiles.num_warps), SEND_BK=SEND_COLUMNS, GIN=int(gin), XB=np.dtype(dtype).itemsize,
+        BP=op_support.pow2(size),
     )
 
 
