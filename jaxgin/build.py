@@ -55,6 +55,10 @@ BACKEND_SOURCES = op_table.sources()
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 BACKEND_LIBRARY = "libjaxgin_backend.so"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
+# A Triton kernel that calls a device-library function needs at least that function's registers
+# per thread; uncapped, the GIN put took 173, so a fused kernel with GIN paths could not run two
+# programs of 8 warps per SM (at most 128 each). Capped, the put spills 76 bytes.
+DEVICE_LIBRARY_REGISTERS = 128
 # Where a build writes what it generates from jaxgin/ffi/op_table.py (op_table.HEADER), inside its
 # own directory (kept in the cache entry: the header that build compiled with); every nvcc command
 # has it on its include path.
@@ -203,7 +207,8 @@ def write_generated(out: Path) -> Path:
 def _device_library_commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path,
                              out: Path) -> list[list[list[str]]]:
     """The device library alone, as PTX and as a relocatable cubin: one stage of two commands."""
-    base, library = _base_command(nvcc, nccl, arch, root, out), str(root / DEVICE_LIBRARY_SOURCE)
+    base = _base_command(nvcc, nccl, arch, root, out) + [f"-maxrregcount={DEVICE_LIBRARY_REGISTERS}"]
+    library = str(root / DEVICE_LIBRARY_SOURCE)
     return [[base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
              base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")]]]
 

@@ -691,13 +691,15 @@ def test_all_gather_matmul_kernel_compiles_to_one_size_at_any_axis(toolchain):
     assert sizes[8] == sizes[2] > 0, sizes
 
 
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 @pytest.mark.parametrize("warps", [8, 4])
-def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps):
+def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps, gin):
     """128 x 128 x 64 tiles with 3 stages take 96 KiB of shared memory so that two programs share
     an SM; their registers must allow it too: at most 65536 / (2 x 32 x warps) per thread. The
     registers are the most any path of the kernel needs: the senders' copy blocks (32 x 1024, 128
     elements per thread, had made it 216 at 8 warps, one program per SM) count as much as the
-    tile's accumulator. Checked as an NVLink-only job compiles it, at the tile code's own count."""
+    tile's accumulator, and so does a device-library function it calls (the GIN put: 173 before
+    the library was built with at most 128)."""
     import importlib
 
     from jaxgin.fused import _kernels
@@ -705,7 +707,7 @@ def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain,
     ag_module = importlib.import_module("jaxgin.fused.all_gather_matmul")
     tile = dict(BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32")
     kernel = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=warps, constexprs=dict(
-        ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=ag_module.SENDERS, GIN=0, XB=2, BP=2,
+        ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=ag_module.SENDERS, GIN=gin, XB=2, BP=2,
         SEND_BM=ag_module.send_rows(warps), SEND_BK=ag_module.SEND_COLUMNS, **tile))
     tile_code = compile_for_sm90(_kernels.matmul_kernel, {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "out": "*bf16"},
                                  num_warps=warps, constexprs=dict(M=4096, N=2048, K=7168, **tile))
