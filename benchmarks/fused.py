@@ -498,6 +498,14 @@ GATHER_TILES = (
 )
 
 
+def _gather_operands(mesh, seed: int, m: int, k: int, n: int, dtype):
+    """all_gather_matmul's operands as measure() lays them out: x [M, K] sharded by rows (M / devices
+    each), w [K, N] whole on every GPU."""
+    keys = jax.random.split(jax.random.key(seed))
+    return (jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x"))),
+            jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P())))
+
+
 def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """all_gather_matmul's Triton kernel (M gathered rows, M / devices per device) under each count
     of sending programs and tile configuration, each checked against XLA's all_gather then matmul,
@@ -507,25 +515,22 @@ def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
 
     fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
     state = jaxgin.runtime.current()
-    keys = jax.random.split(jax.random.key(4))
-    xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
-    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    xs, w = _gather_operands(mesh, 4, m, k, n, dtype)
     expected = _once(mesh, xla_all_gather_matmul)(xs, w)
-    def chain(op):
-        return _chain(mesh, op)
-
+    fused = lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x")  # noqa: E731
     row = {"m": m, "k": k, "n": n, "shard": [m // mesh.size, k],
-           "xla_all_gather_matmul_us": best_seconds(chain(xla_all_gather_matmul), xs, w, repeats=repeats) / STEPS * 1e6,
-           "fused_all_gather_us": best_seconds(chain(lambda x, w: jaxgin.fused.all_gather_matmul(x, w, axis_name="x")),
-                                               xs, w, repeats=repeats) / STEPS * 1e6,
+           "xla_all_gather_matmul_us": best_seconds(_chain(mesh, xla_all_gather_matmul), xs, w,
+                                                    repeats=repeats) / STEPS * 1e6,
+           "fused_all_gather_us": best_seconds(_chain(mesh, fused), xs, w, repeats=repeats) / STEPS * 1e6,
            "tiles": {}}
     precision = _common.dot_precision(dtype, None)
-    whole, _ = _operands(mesh, keys, m, k, n, dtype)  # [M, K] on every device: the gathered rows' shape
+    whole, _ = _operands(mesh, jax.random.split(jax.random.key(4)), m, k, n, dtype)  # [M, K] on every device
     for tiles in GATHER_TILES:
         def tile_code(x, w, tiles=tiles):
             return _common.matmul(x, w, tiles, precision)
 
-        times = {"tile code alone, gathered rows": best_seconds(chain(tile_code), whole, w, repeats=repeats) / STEPS * 1e6}
+        times = {"tile code alone, gathered rows": best_seconds(_chain(mesh, tile_code), whole, w,
+                                                                repeats=repeats) / STEPS * 1e6}
         for senders in GATHER_SENDERS:
             plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
 
@@ -533,7 +538,7 @@ def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
                 return fused_ag._triton(state, x, w, plan, False, senders)
 
             rel = _rel(_once(mesh, op)(xs, w), expected)
-            t = best_seconds(chain(op), xs, w, repeats=repeats) / STEPS * 1e6
+            t = best_seconds(_chain(mesh, op), xs, w, repeats=repeats) / STEPS * 1e6
             times[f"senders={senders}"] = {"us": t, "rel_err": rel,
                                            "speedup_vs_unfused": row["xla_all_gather_matmul_us"] / t}
         row["tiles"][str(dataclasses.astuple(tiles))] = times
@@ -582,9 +587,7 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
 
     fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
     state = jaxgin.runtime.current()
-    keys = jax.random.split(jax.random.key(5))
-    xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
-    w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), NamedSharding(mesh, P()))
+    xs, w = _gather_operands(mesh, 5, m, k, n, dtype)
     row = {"m": m, "k": k, "n": n, "shard": [m // mesh.size, k], "tiles": {}}
     for tiles in GATHER_TILES:
         plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")

@@ -284,13 +284,21 @@ def _gin_tile_slot(gin_tiles, incoming, half, peer_index, t, P: tl.constexpr, TI
 
 
 @triton.jit
+def _packed_offsets(rows, tj, CN: tl.constexpr, BN: tl.constexpr):
+    """Offsets in the GIN tile area (_packed_tile's layout) of rows `rows` (within the tile) of
+    column tile tj: a row holds only the tile's valid columns."""
+    cols = tl.minimum(CN - tj * BN, BN)
+    return rows[:, None] * cols + tl.arange(0, BN)[None, :]
+
+
+@triton.jit
 def _packed_tile(ti, tj, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The layout of tile (ti, tj) of a [CM, CN] chunk in the GIN tile area, the same on both
     sides of the put: its valid rows of its valid columns, packed. Returns (offsets of the
     [BM, BN] tile's elements there, valid rows, valid columns)."""
     rows = tl.minimum(CM - ti * BM, BM)
     cols = tl.minimum(CN - tj * BN, BN)
-    return tl.arange(0, BM)[:, None] * cols + tl.arange(0, BN)[None, :], rows, cols
+    return _packed_offsets(tl.arange(0, BM), tj, CN, BN), rows, cols
 
 
 @triton.jit
@@ -483,7 +491,6 @@ def _reduce_tile(
     SLAB: tl.constexpr = BM // REDUCE_SLABS
     ti, tj = _tile_coords(t, TM, TN, GROUP_M)
     c = tj * BN + tl.arange(0, BN)
-    cols = tl.minimum(CN - tj * BN, BN)
     if WAIT_FIRST:
         for s in tl.static_range(P):
             _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
@@ -500,9 +507,8 @@ def _reduce_tile(
                 part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0,
                                cache_modifier=".cg")
             elif gin_route(ctx, route, s, me, GIN) != 0:
-                packed = rows[:, None] * cols + tl.arange(0, BN)[None, :]  # _packed_tile's layout, these rows
-                part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok,
-                               other=0.0, cache_modifier=".cg")
+                part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN)
+                               + _packed_offsets(rows, tj, CN, BN), mask=ok, other=0.0, cache_modifier=".cg")
             else:
                 there = tgl.peer_ptr(ctx, partials, rank_of(route, s)) + (half * P + me) * (CM * CN)
                 part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
