@@ -241,7 +241,9 @@ def triton_call(
     )
     if scratch:
         results = results[:-1]
-    return results[0] if single else results
+    if single:
+        return results[0]
+    return tuple(results) if isinstance(out_shape, tuple) else list(results)  # shard_map's out_specs match it
 
 
 def _global_scratch_bytes(metadata, grid) -> int:
