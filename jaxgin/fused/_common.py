@@ -59,11 +59,10 @@ CANDIDATES = {
 }
 
 
-# matmul_all_to_all keeps to configurations whose pipeline buffers let two programs share an SM:
-# its programs finish their K loops together, then store or fetch whole remote tiles over NVLink;
-# with one program per SM that traffic leaves the SM idle, with two the other one computes. On
-# 2 x H200 (4096x7168x2048 bf16) 128x256x64 with 4 stages has the fastest matmul alone (185 us vs
-# 213 us) and still loses the fused op, 277 us against 231 us for 128x128x64 with 3 stages.
+# matmul_all_to_all and all_gather_matmul keep to configurations whose pipeline buffers let two
+# programs share an SM: while one stores or fetches remote tiles, or waits for rows, or sends the
+# shard, the other computes. The fastest matmul alone (one program per SM) loses both fused ops
+# (docs/measurements.md).
 EXCHANGE_CANDIDATES = {
     2: (
         TileConfig(128, 128, 64, 8, 8, 3),

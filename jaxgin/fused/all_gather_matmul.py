@@ -113,7 +113,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
 
     size, dtype = plan.size, x.dtype
     precision = _common.dot_precision(dtype, plan.precision)
-    tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles)
+    # two programs per SM: one waits for rows or sends while the other computes
+    tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "exchange")
     tm, tn = -(-plan.m // tiles.block_m), -(-plan.n // tiles.block_n)
     # GIN: fewer, larger row groups (each a put and a signal per source and call parity)
     groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
@@ -127,7 +128,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
     return triton_call(
         _kernels.all_gather_matmul_traced_kernel if trace else _kernels.all_gather_matmul_kernel,
         x, w, axis_route(plan.names), hosts, buffers.exchange, buffers.flags, buffers.state, buffers.signals,
-        grid=(programs,), out_shape=[out, jax.core.ShapedArray((programs, 16), jnp.int32)] if trace else out,
+        grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=per_group * tiles.block_m, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
