@@ -600,7 +600,38 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
         row["tiles"][key] = {"gpus": [_trace_summary(g, mesh.size) for g in per_gpu],
                              "gpu0_records": per_gpu[0, :, :5].tolist()}
         print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **row["tiles"][key]["gpus"][0]}), flush=True)
+
+        def chain(x, w, plan=plan):  # as _chain times the op, keeping every call's records
+            records = []
+            for _ in range(STEPS):
+                out, trace = fused_ag._triton(state, x, w, plan, False, trace=True)
+                x = after(x, out)
+                records.append(trace)
+            return x, jnp.stack(records)
+
+        chained = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
+        for _ in range(max(repeats, 2)):
+            _, traces = chained(xs, w)
+        calls = np.asarray(traces).reshape(mesh.size, STEPS, -1, 16).view(np.int64)  # [GPUs, calls, programs, 8]
+        row["tiles"][key]["chained"] = {"gpus": [_chain_summary(g) for g in calls],
+                                        "call_starts_gpu1_minus_gpu0_us": [
+                                            round(float(d) / 1e3, 1)
+                                            for d in (calls[-1, :, :, 0].min(1) - calls[0, :, :, 0].min(1))]}
+        print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), "chained": row["tiles"][key]["chained"]}),
+              flush=True)
     return row
+
+
+def _chain_summary(calls: np.ndarray) -> dict:
+    """One GPU's records of consecutive traced calls [calls, programs, 8]: each call's span (first
+    program's start to last program's end) and the gap before the next call's first program, in us;
+    per call, the tail from the last peer tile's wait ending to its end."""
+    start, end = calls[:, :, 0].min(1), calls[:, :, 3].max(1)
+    spans, gaps = (end - start) / 1e3, (start[1:] - end[:-1]) / 1e3
+    med = lambda v: round(float(np.median(v)), 1)  # noqa: E731
+    return {"calls": len(calls), "span_us_median": med(spans), "gap_us_median": med(gaps),
+            "gap_us_max": round(float(gaps.max()), 1), "per_call_us": med(np.diff(start) / 1e3),
+            "spans_us": [round(float(s), 1) for s in spans], "gaps_us": [round(float(g), 1) for g in gaps]}
 
 
 # matmul_reduce_scatter's reducers: tiles of slack behind the partials they wait for (LAG; "all"

@@ -333,6 +333,25 @@ def test_hierarchical_report_rebuilds_the_committed_file_from_its_records(tmp_pa
     assert refused.returncode != 0 and f"{old}: a record from before" in refused.stderr, refused.stderr
 
 
+def test_chained_traced_calls_report_each_span_and_the_gap_before_the_next():
+    """fused._chain_summary on three consecutive calls of two programs each (start, tile, waits
+    ended, end; ns): spans 100 / 150 / 100 us, gaps of 20 and 50 us between one call's last end
+    and the next call's first start."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import numpy as np, fused;"
+            "c = np.zeros((3, 2, 8), np.int64);"
+            "c[0, :, 0], c[0, :, 3] = [0, 10_000], [90_000, 100_000];"
+            "c[1, :, 0], c[1, :, 3] = [120_000, 130_000], [270_000, 200_000];"
+            "c[2, :, 0], c[2, :, 3] = [320_000, 330_000], [400_000, 420_000];"
+            "print(json.dumps(fused._chain_summary(c)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["spans_us"] == [100.0, 150.0, 100.0] and summary["span_us_median"] == 100.0
+    assert summary["gaps_us"] == [20.0, 50.0] and summary["gap_us_max"] == 50.0
+    assert summary["gap_us_median"] == 35.0 and summary["per_call_us"] == 160.0 and summary["calls"] == 3
+
+
 def test_a_traced_all_gather_call_is_summarized_from_its_program_records():
     """fused._trace_summary on records as the traced kernel writes them (start, tile, waits ended,
     end, SM; ns): two senders, two own tiles, two peer tiles whose waits end when the senders are
