@@ -614,6 +614,9 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             _, traces = chained(xs, w)
         calls = np.asarray(traces).reshape(mesh.size, STEPS, -1, 16).view(np.int64)  # [GPUs, calls, programs, 8]
         row["tiles"][key]["chained"] = {"gpus": [_chain_summary(g) for g in calls],
+                                        # the same chain timed as every other row here (host clock, whole jit)
+                                        "timed_per_call_us": round(best_seconds(chained, xs, w, repeats=repeats)
+                                                                   / STEPS * 1e6, 1),
                                         "call_starts_gpu1_minus_gpu0_us": [
                                             round(float(d) / 1e3, 1)
                                             for d in (calls[-1, :, :, 0].min(1) - calls[0, :, :, 0].min(1))]}
