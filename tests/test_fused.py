@@ -277,7 +277,11 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
         return
     assert kw["GIN"] == int(gin)
     (buffers,) = state.placements.values()
-    tiles = _common.FAMILIES["exchange"][2][0]  # every fused op keeps to two programs per SM
+    # two programs per SM in both; all_gather_matmul's senders at 8 warps
+    tiles = _common.FAMILIES["exchange" if op == "matmul_all_to_all" else "gather"][2][0]
+    assert (kw["BM"], kw["BN"], kw["BK"], kw["num_warps"]) == (tiles.block_m, tiles.block_n, tiles.block_k,
+                                                                tiles.num_warps)
+    assert op == "matmul_all_to_all" or tiles.num_warps == 8
     if op == "matmul_all_to_all":
         count = -(-512 // size // tiles.block_m) * -(-384 // tiles.block_n)  # tiles of one chunk
         assert kw["COPIERS"] == (_common.gin_copiers(size, count) if gin else 0)

@@ -254,8 +254,14 @@ def _cache_file() -> Path:
     return build.default_cache_dir() / "fused-tiles.json"
 
 
-# Candidate sets by name: "matmul" (CANDIDATES), "exchange" (EXCHANGE_CANDIDATES).
-FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES}
+# all_gather_matmul: the exchange configurations with 8 warps only. Its senders copy num_warps
+# rows at a time, and at 4 warps the op was slower though the matmul alone was faster.
+GATHER_CANDIDATES = {itemsize: tuple(t for t in configs if t.num_warps == 8)
+                     for itemsize, configs in EXCHANGE_CANDIDATES.items()}
+
+# Candidate sets by name: "matmul" (CANDIDATES), "exchange" (EXCHANGE_CANDIDATES), "gather"
+# (GATHER_CANDIDATES).
+FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES, "gather": GATHER_CANDIDATES}
 
 
 def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: TileConfig | None,
@@ -268,7 +274,7 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
         return tiles
     dtype = np.dtype(dtype)
     candidates = FAMILIES[family][min(dtype.itemsize, 4)]
-    if not _tuning_enabled():
+    if not _tuning_enabled() or len(candidates) == 1:
         return candidates[0]
     device = state.local_devices[0]
     key = f"{device.device_kind}|{m}x{n}x{k}|{dtype.name}|{precision}" + ("" if family == "matmul" else f"|{family}")
