@@ -551,7 +551,7 @@ LATENCY_OPS = "ppermute,all_to_all,put_wait,put_wait_from,self_copy"
 BENCHMARKS = {step.name: step for step in [
     Step("latency", ["benchmarks/collectives.py", "--ops", LATENCY_OPS, "--max-bytes", "64KiB", "--out", "{out}",
                      "--name", "latency"], 200, gpus=2, tail=40),
-    Step("fused", ["benchmarks/fused.py", "--out", "{out}"], 480, gpus=2, tail=30),  # with the Pallas job
+    Step("fused", ["benchmarks/fused.py", "--out", "{out}"], 540, gpus=2, tail=30),  # with the Pallas job
     Step("chunking", ["benchmarks/fused.py", "--chunking-only", "--out", "{out}"], 200, tail=20),
     Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 360, tail=30),  # 128 tokens: two chain lengths
     Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
