@@ -333,6 +333,14 @@ def test_hierarchical_report_rebuilds_the_committed_file_from_its_records(tmp_pa
     assert refused.returncode != 0 and f"{old}: a record from before" in refused.stderr, refused.stderr
 
 
+def _fused_bench_json(code: str):
+    """The JSON that `code` (which imports benchmarks/fused.py) prints last, run on CPU."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_chain_times_split_a_chain_into_per_call_and_once_per_run_costs():
     """fused._chain_times: chains of 20 and 40 calls taking 5 and 9 ms give 250 us per call of the
     short chain, 200 us per further call and 1 ms paid once per run; _ratios then reads either
@@ -346,10 +354,7 @@ def test_chain_times_split_a_chain_into_per_call_and_once_per_run_costs():
             "       'triton_all_gather_us': 250, 'xla_all_gather_matmul_per_call_us': 280,"
             "       'fused_all_gather_per_call_us': 140, 'triton_all_gather_per_call_us': 200};"
             "print(json.dumps([t, fused._ratios(row, ''), fused._ratios(row, '_per_call')]))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    times, chain, per_call = json.loads(done.stdout.strip().splitlines()[-1])
+    times, chain, per_call = _fused_bench_json(code)
     assert times == pytest.approx({"us": 250.0, "per_call_us": 200.0, "fixed_us": 1000.0})
     assert chain == pytest.approx({"triton_vs_xla_matmul": 0.8, "all_gather_speedup": 1.5,
                                    "triton_all_gather_speedup": 1.2})
@@ -367,10 +372,7 @@ def test_chained_traced_calls_report_each_span_and_the_gap_before_the_next():
             "c[1, :, 0], c[1, :, 3] = [120_000, 130_000], [270_000, 200_000];"
             "c[2, :, 0], c[2, :, 3] = [320_000, 330_000], [400_000, 420_000];"
             "print(json.dumps(fused._chain_summary(c)))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = _fused_bench_json(code)
     assert summary["spans_us"] == [100.0, 150.0, 100.0] and summary["span_us_median"] == 100.0
     assert summary["gaps_us"] == [20.0, 50.0] and summary["gap_us_max"] == 50.0
     assert summary["gap_us_median"] == 35.0 and summary["per_call_us"] == 160.0 and summary["calls"] == 3
@@ -386,10 +388,7 @@ def test_a_traced_all_gather_call_is_summarized_from_its_program_records():
             "              [2000, 0, 2000, 100000, 0], [2000, 1, 2000, 101000, 1],"
             "              [100000, 2, 120000, 220000, 0], [101000, 3, 125000, 230000, 1]]);"
             "print(json.dumps(fused._trace_summary(r, 2)))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = _fused_bench_json(code)
     assert summary["span_us"] == 229.0
     assert summary["senders_done_us"] == {"min": 89.0, "median": 91.5, "max": 94.0}
     assert summary["own_tiles_end_us"]["max"] == 100.0
