@@ -690,11 +690,15 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
     layouts = {f"lag={lag}{', wait first' if wait_first else ''}": (lag, wait_first)
                for lag in REDUCER_LAGS for wait_first in (False, True)}
+    layouts["folded"] = "fold"  # no reducer programs: the own chunk's programs sum (FOLD)
     layouts["chunked"] = None  # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
     for name, layout in layouts.items():
         if layout is None:
             def op(x, w):
                 return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"))
+        elif layout == "fold":
+            def op(x, w):
+                return fused_rs._kernel(state, x, w, plan, fold=True)
         else:
             def op(x, w, lag=layout[0], wait_first=layout[1]):
                 return fused_rs._kernel(state, x, w, plan, 1 << 30 if lag == "all" else lag, wait_first)
@@ -844,6 +848,9 @@ def main() -> None:
     parser.add_argument("--variants-only", action="store_true",
                         help="only matmul_all_to_all under each tile configuration and exchange layout, and "
                              "matmul_reduce_scatter under each reducer layout (fused_variants.json)")
+    parser.add_argument("--reduce-scatter-variants-only", action="store_true",
+                        help="only matmul_reduce_scatter's Triton kernel under each reducer layout, folded reducers "
+                             "included (fused_reduce_scatter_variants.json)")
     parser.add_argument("--gather-variants-only", action="store_true",
                         help="only all_gather_matmul's Triton kernel under each count of sending programs and tile "
                              "configuration (fused_gather_variants.json)")
@@ -884,6 +891,7 @@ def main() -> None:
     windowed, pallas = [], {}
     full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only
                 or args.chunked_layouts_only or args.sweep_only or args.gather_variants_only
+                or args.reduce_scatter_variants_only
                 or args.gather_trace_only)
     if full and not (args.no_windowed and args.no_pallas):
         # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
@@ -905,6 +913,8 @@ def main() -> None:
         "gspmd_only": (gspmd, "fused_gspmd.json", {}, issue_shapes),
         "variants_only": (variants, "fused_variants.json", {}, issue_shapes),
         "gather_variants_only": (gather_variants, "fused_gather_variants.json", kind, issue_shapes),
+        "reduce_scatter_variants_only": (reduce_scatter_variants, "fused_reduce_scatter_variants.json", kind,
+                                         issue_shapes),
         "gather_trace_only": (gather_trace, "fused_gather_trace.json", kind, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),

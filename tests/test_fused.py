@@ -796,11 +796,13 @@ def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolch
     assert registers_per_thread(traced) <= 128  # still two programs per SM, as the plain kernel
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["reducer_programs", "folded_reducers"])
 @pytest.mark.parametrize("warps", [8, 4])
-def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps):
+def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps, fold):
     """As for all_gather_matmul: the exchange's 128 x 128 x 64 tiles share an SM two by two, so the
-    reducers' sum, which is in the same kernel, must not need more registers than that allows (a
-    whole-tile sum made it 175 at 8 warps, and 255, the most there is, at 4)."""
+    reducers' sum, which is in the same kernel (in the same program as a partial when folded),
+    must not need more registers than that allows (a whole-tile sum made it 175 at 8 warps, and
+    255, the most there is, at 4)."""
     import importlib
 
     from jaxgin.fused import _kernels
@@ -810,7 +812,8 @@ def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolch
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=warps, constexprs=dict(
         M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=rs_module.reduce_slabs(128, False)))
+        PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=rs_module.reduce_slabs(128, False),
+        FOLD=fold))
     assert registers_per_thread(kernel) <= min(65536 // (2 * 32 * warps), 240), registers_per_thread(kernel)
 
 
@@ -823,7 +826,7 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4 - 3 * gin))
+        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4 - 3 * gin, FOLD=False))
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in ptx
     calls = set(link.library_calls(ptx))
@@ -843,9 +846,44 @@ def test_matmul_reduce_scatter_reducer_layouts_compile_for_sm90a(toolchain, lag,
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first, REDUCE_SLABS=4))
+        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first, REDUCE_SLABS=4, FOLD=False))
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in kernel.asm["ptx"]
     assert {"jaxgin_tt_wait_flag", "jaxgin_tt_wait_peer_flag"} <= set(link.library_calls(kernel.asm["ptx"]))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_folded_reducers_wait_only_for_lower_places(p):
+    """matmul_reduce_scatter_kernel with FOLD, in plain Python: place q is tile q // P for owner
+    (me + 1 + q % P) % P, so each GPU's own-chunk program of tile t is the last of t's places, and
+    the P - 1 peer programs it waits for (tile t of this GPU's chunk, on each peer) sit below it."""
+    tiles = 5
+    for me in range(p):
+        own = [q for q in range(p * tiles) if (me + 1 + q % p) % p == me]
+        assert own == [t * p + p - 1 for t in range(tiles)]
+        for t in range(tiles):
+            for peer in set(range(p)) - {me}:
+                (place,) = [q for q in range(p * tiles) if q // p == t and (peer + 1 + q % p) % p == me]
+                assert place < t * p + p - 1
+
+
+def test_folded_reducers_drop_the_reducer_programs(monkeypatch):
+    """fold=True: a grid of the partials alone, FOLD given to the kernel; refused with GIN peers."""
+    import importlib
+
+    rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(rs, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    calls = []
+    monkeypatch.setattr(rs, "triton_call", lambda kernel, *args, **kw: calls.append(kw))
+    size = 4
+    x, w = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 384), jnp.bfloat16)
+    plan = rs._Plan(("x",), size, 512, 384, 256, True, None, None, "triton")
+    for fold in (False, True):
+        rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, fold)
+    count = -(-(512 // size) // calls[0]["BM"]) * -(-384 // calls[0]["BN"])
+    assert [(kw["grid"], kw["FOLD"]) for kw in calls] == [((size * count + count,), False), ((size * count,), True)]
+    with pytest.raises(ValueError, match="folded reducers run over NVLink only"):
+        rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, True)
 
 
 def test_reducer_places_cover_every_program_once():

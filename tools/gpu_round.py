@@ -574,6 +574,8 @@ BENCHMARKS = {step.name: step for step in [
          default=False, tail=8),
     Step("fused_gather_variants", ["benchmarks/fused.py", "--gather-variants-only", "--repeats", "3", "--out", "{out}"],
          420, gpus=2, default=False, tail=12),
+    Step("fused_rs_variants", ["benchmarks/fused.py", "--reduce-scatter-variants-only", "--repeats", "3", "--out",
+                               "{out}"], 300, gpus=2, default=False, tail=16),
     # every entry local: the HBM side of dispatch and combine alone (benchmarks/results/1xh200/moe_one_gpu.json)
     Step("moe_one_gpu", ["benchmarks/moe.py", "--tokens", "4096", "--experts", "128", "--only",
                          "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],

@@ -536,7 +536,7 @@ def matmul_reduce_scatter_kernel(
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
-    REDUCE_SLABS: tl.constexpr,
+    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr,
 ):
     """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
     owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; P * TILES
@@ -563,31 +563,43 @@ def matmul_reduce_scatter_kernel(
     matmul_all_to_all_kernel: a GPU starts call n only after reading every source's partials of
     call n - 1, so every source has finished call n - 2, whose half call n rewrites. REDUCE_SLABS:
     row slabs a reducer sums its tile in (a power of two dividing BM), each element's sources in
-    the same order."""
+    the same order.
+
+    FOLD (NVLink only; LAG unused): no reducer programs (grid P * TILES, tile-major). The program
+    of the own chunk's tile t, last of tile t's P places, reduces tile t itself once its partial is
+    stored: it waits only for the peers' programs of tile t, at lower places, which never wait."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)
-    # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
-    # tile t + LAG and reducer t; then the last LAG reducers (with GIN: every partial, then every
-    # reducer, which is LAG = TILES).
-    LEAD: tl.constexpr = TILES if GIN else LAG
-    BLOCKS: tl.constexpr = TILES - LEAD
-    q = pid - LEAD * P
-    block = q // (P + 1)
-    place = q % (P + 1)
-    if pid < LEAD * P:
+    if FOLD:
         _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
                       N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
-    elif (block < BLOCKS) & (place < P):
-        _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (block + LEAD) * P + place, me, epoch,
-                      half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+        if pid % P == P - 1:  # step P - 1: the tile of this GPU's own chunk
+            _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // P, me, epoch, half,
+                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS)
+        finish_call(state, state + FINISHED, epoch, P * TILES, state + STARTED, 1)
     else:
-        t = tl.where(block < BLOCKS, block, BLOCKS + q - BLOCKS * (P + 1))
-        _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
-                     P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS)
-    finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
+        # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
+        # tile t + LAG and reducer t; then the last LAG reducers (with GIN: every partial, then every
+        # reducer, which is LAG = TILES).
+        LEAD: tl.constexpr = TILES if GIN else LAG
+        BLOCKS: tl.constexpr = TILES - LEAD
+        q = pid - LEAD * P
+        block = q // (P + 1)
+        place = q % (P + 1)
+        if pid < LEAD * P:
+            _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
+                          N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+        elif (block < BLOCKS) & (place < P):
+            _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (block + LEAD) * P + place, me, epoch,
+                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+        else:
+            t = tl.where(block < BLOCKS, block, BLOCKS + q - BLOCKS * (P + 1))
+            _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
+                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS)
+        finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
 
 
 @triton.jit

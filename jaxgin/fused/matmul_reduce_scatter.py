@@ -116,21 +116,24 @@ def reference(x, w, plan: _Plan):
     return reduce_in_order(arrived, x.dtype)
 
 
-def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer"):
+def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer",
+            fold: bool = False):
     """The op on GPUs, as _common.plan_method picks it: XLA's matmul and all_to_all with the
     ordered sum (the reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
-    `lag` and `wait_first` place and order (LAG and WAIT_FIRST of
-    _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
+    `lag` and `wait_first` place and order, or `fold` into the own chunk's programs (LAG,
+    WAIT_FIRST and FOLD of _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares
+    the non-defaults."""
     return _common.by_method(
         OP, state, plan, x.dtype, lambda: reference(x, w, plan),
         lambda: reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype),
-        lambda gin: _triton(state, x, w, plan, gin, lag, wait_first))
+        lambda gin: _triton(state, x, w, plan, gin, lag, wait_first, fold))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool):
+def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool = False):
     """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue, and the
-    owner's reducers summing the arrived partials in the axis's order."""
+    owner's reducers summing the arrived partials in the axis's order (`fold`: the programs of the
+    owner's own partials sum them, NVLink only)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -138,6 +141,9 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool):
     precision = _common.dot_precision(dtype, plan.precision)
     tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "exchange")
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)  # tiles of one chunk
+    if fold and gin:
+        raise ValueError("matmul_reduce_scatter: folded reducers run over NVLink only; a job with GIN peers needs "
+                         "reducer programs (a GIN source's puts are waited for all at once)")
     buffers = _common.op_buffers(
         state, ("matmul_reduce_scatter", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
         # this GPU's partial of every chunk, two halves; a flag per (chunk, tile); GIN: per source a
@@ -151,12 +157,12 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool):
     return triton_call(
         _kernels.matmul_reduce_scatter_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
-        grid=(size * count + count,), out_shape=jax.core.ShapedArray((cm, cn), dtype),
+        grid=(size * count + (0 if fold else count),), out_shape=jax.core.ShapedArray((cm, cn), dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,
-        REDUCE_SLABS=reduce_slabs(tiles.block_m, gin),
+        REDUCE_SLABS=reduce_slabs(tiles.block_m, gin), FOLD=fold,
     )
 
 
