@@ -621,6 +621,24 @@ def _copy_rows(dst, x, lo, hi, K: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: 
 
 
 @triton.jit
+def _push_shard(ctx, route, x, gather, flags, me, epoch, half, first, stride, ML: tl.constexpr, K: tl.constexpr,
+                P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr, SLICES: tl.constexpr, KS: tl.constexpr,
+                SEND_BM: tl.constexpr, SEND_BK: tl.constexpr):
+    """Pieces first, first + stride, ... of this GPU's shard over NVLink, numbered by (destination,
+    row group, column slice): each copied into the destination's gather slot for this GPU, then
+    flagged there (flags[(me * G + g) * SLICES + c])."""
+    for item in range(first, (P - 1) * G * SLICES, stride):
+        d = (me + 1 + item // (G * SLICES)) % P
+        g = (item // SLICES) % G
+        c = item % SLICES
+        peer = rank_of(route, d)
+        slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
+        _copy_block(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), c * KS, tl.minimum(K, (c + 1) * KS), K,
+                    SEND_BM, SEND_BK)
+        tgl.set_flag(ctx, flags + (me * G + g) * SLICES + c, epoch + 1, peer)
+
+
+@triton.jit
 def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML: tl.constexpr,
                           K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
                           SENDERS: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, BP: tl.constexpr):
@@ -734,13 +752,8 @@ def _all_gather_matmul(
             _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML, K, P, G, GR,
                                   SENDERS, SEND_BM, SEND_BK, BP)
         else:
-            for item in range(pid, (P - 1) * G, SENDERS):
-                d = (me + 1 + item // G) % P
-                g = item % G
-                peer = rank_of(route, d)
-                slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
-                _copy_rows(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), K, SEND_BM, SEND_BK)
-                tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
+            _push_shard(ctx, route, x, gather, flags, me, epoch, half, pid, SENDERS, ML, K, P, G, GR, SLICES, KS,
+                        SEND_BM, SEND_BK)
         if TRACE:
             sent = _now_ns(TRACE)
             _trace_program(trace, pid, started, -1, sent, sent)
@@ -749,15 +762,8 @@ def _all_gather_matmul(
         s = (me + P - q // TILES) % P  # own shard first, then the nearest sender's
         if SENDERS == 0:
             if q < TILES:  # an own tile: its share of the pushes first
-                for item in range(q, (P - 1) * G * SLICES, TILES):
-                    d = (me + 1 + item // (G * SLICES)) % P
-                    g = (item // SLICES) % G
-                    c = item % SLICES
-                    peer = rank_of(route, d)
-                    slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
-                    _copy_block(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), c * KS, tl.minimum(K, (c + 1) * KS),
-                                K, SEND_BM, SEND_BK)
-                    tgl.set_flag(ctx, flags + (me * G + g) * SLICES + c, epoch + 1, peer)
+                _push_shard(ctx, route, x, gather, flags, me, epoch, half, q, TILES, ML, K, P, G, GR, SLICES, KS,
+                            SEND_BM, SEND_BK)
         ti, tj = _tile_coords(q % TILES, TM, TN, GROUP_M)
         r = ti * BM + tl.arange(0, BM)
         if s == me:
