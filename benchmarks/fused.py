@@ -688,20 +688,16 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
     expected = _once(mesh, lambda x, w: fused_rs.reference(x, w, plan), K_SHARDED)(x, w)
     row = {"xla_matmul_reduce_scatter_us": best_seconds(_chain(mesh, xla_matmul_reduce_scatter, K_SHARDED), x, w,
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
-    layouts = {f"lag={lag}{', wait first' if wait_first else ''}": (lag, wait_first)
+    # each layout: its plan and its arguments to the op's _kernel
+    layouts = {f"lag={lag}{', wait first' if wait_first else ''}":
+               (plan, dict(lag=1 << 30 if lag == "all" else lag, wait_first=wait_first))
                for lag in REDUCER_LAGS for wait_first in (False, True)}
-    layouts["folded"] = "fold"  # no reducer programs: the own chunk's programs sum (FOLD)
-    layouts["chunked"] = None  # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
-    for name, layout in layouts.items():
-        if layout is None:
-            def op(x, w):
-                return fused_rs._kernel(state, x, w, dataclasses.replace(plan, method="chunked"))
-        elif layout == "fold":
-            def op(x, w):
-                return fused_rs._kernel(state, x, w, plan, fold=True)
-        else:
-            def op(x, w, lag=layout[0], wait_first=layout[1]):
-                return fused_rs._kernel(state, x, w, plan, 1 << 30 if lag == "all" else lag, wait_first)
+    layouts["folded"] = (plan, dict(fold=True))  # no reducer programs: the own chunk's programs sum (FOLD)
+    # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
+    layouts["chunked"] = (dataclasses.replace(plan, method="chunked"), {})
+    for name, (layout_plan, kwargs) in layouts.items():
+        def op(x, w, layout_plan=layout_plan, kwargs=kwargs):
+            return fused_rs._kernel(state, x, w, layout_plan, **kwargs)
 
         rel = _rel(_once(mesh, op, K_SHARDED)(x, w), expected)
         t = best_seconds(_chain(mesh, op, K_SHARDED), x, w, repeats=repeats) / STEPS * 1e6
