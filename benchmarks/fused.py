@@ -690,9 +690,9 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
                                                         repeats=repeats) / STEPS * 1e6, "layouts": {}}
     # each layout: its plan and its arguments to the op's _kernel
     layouts = {f"lag={lag}{', wait first' if wait_first else ''}":
-               (plan, dict(lag=1 << 30 if lag == "all" else lag, wait_first=wait_first))
+               (plan, dict(lag=1 << 30 if lag == "all" else lag, wait_first=wait_first, fold=False))
                for lag in REDUCER_LAGS for wait_first in (False, True)}
-    layouts["folded"] = (plan, dict(fold=True))  # no reducer programs: the own chunk's programs sum (FOLD)
+    layouts["folded"] = (plan, dict(fold=True))  # no reducer programs, the op's default: the own chunk's programs sum
     # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
     layouts["chunked"] = (dataclasses.replace(plan, method="chunked"), {})
     for name, (layout_plan, kwargs) in layouts.items():

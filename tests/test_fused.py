@@ -422,8 +422,9 @@ def test_the_unfused_method_equals_the_reference(op):
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
 @pytest.mark.parametrize("rows", [True, False], ids=["scatter_rows", "scatter_columns"])
 def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
-    """matmul_reduce_scatter's GPU lowering: a partial program per (owner, tile) and a reducer per
-    tile of the own chunk; a flag per (owner, tile), and in a job with GIN peers a ready flag and
+    """matmul_reduce_scatter's GPU lowering: a partial program per (owner, tile), which also sums
+    the tile where it is the own chunk's, or, in a job with GIN peers, a reducer per tile of the
+    own chunk besides; a flag per (owner, tile), and in a job with GIN peers a ready flag and
     a claim word per source, the GIN tile area and a signal per (call parity, source)."""
     import importlib
 
@@ -450,7 +451,9 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
     assert (kw["CM"], kw["CN"], kw["SCATTER_ROWS"], kw["GIN"]) == (cm, cn, rows, int(gin))
     assert kw["REDUCE_SLABS"] == (1 if gin else 4)  # GIN keeps the whole-tile sum
-    assert kw["grid"] == (size * count + count,) and kw["out_shape"].shape == (cm, cn)
+    # NVLink only: the own chunk's programs sum (FOLD, no reducer programs); GIN: reducers after the partials
+    assert kw["FOLD"] is (not gin)
+    assert kw["grid"] == (size * count + count * gin,) and kw["out_shape"].shape == (cm, cn)
     (buffers,) = state.placements.values()
     assert buffers.exchange.shape == (2, size, cm, cn)
     assert buffers.flags.shape == (size * count + 2 * size * gin,)
@@ -835,6 +838,22 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
     assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
 
 
+def test_folded_reduce_scatter_waits_on_peers_alone(toolchain):
+    """FOLD, the NVLink default: the own chunk's partial is summed by the program that stored it,
+    so nothing sets or waits on a local flag for it; the peers' partials are still flagged and
+    waited for over NVLink."""
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_device import link
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
+        M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
+        PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True))
+    calls = set(link.library_calls(kernel.asm["ptx"]))
+    assert {"jaxgin_tt_set_flag", "jaxgin_tt_wait_peer_flag"} <= calls and "jaxgin_tt_wait_flag" not in calls, calls
+
+
 @pytest.mark.parametrize(("lag", "wait_first"), [(4, False), (0, True), (16, True)])
 def test_matmul_reduce_scatter_reducer_layouts_compile_for_sm90a(toolchain, lag, wait_first):
     """The reducer placements and orders benchmarks/fused.py --variants-only compares (LAG tiles of
@@ -867,7 +886,8 @@ def test_folded_reducers_wait_only_for_lower_places(p):
 
 
 def test_folded_reducers_drop_the_reducer_programs(monkeypatch):
-    """fold=True: a grid of the partials alone, FOLD given to the kernel; refused with GIN peers."""
+    """fold=True: a grid of the partials alone, FOLD given to the kernel; refused with GIN peers;
+    the default folds in a job without them."""
     import importlib
 
     rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
@@ -878,10 +898,12 @@ def test_folded_reducers_drop_the_reducer_programs(monkeypatch):
     size = 4
     x, w = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 384), jnp.bfloat16)
     plan = rs._Plan(("x",), size, 512, 384, 256, True, None, None, "triton")
-    for fold in (False, True):
-        rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, fold)
+    for gin, fold in ((False, False), (False, True), (False, None), (True, None)):
+        rs._triton(_HeapOnlyState(), x, w, plan, gin, 0, False, fold)
     count = -(-(512 // size) // calls[0]["BM"]) * -(-384 // calls[0]["BN"])
-    assert [(kw["grid"], kw["FOLD"]) for kw in calls] == [((size * count + count,), False), ((size * count,), True)]
+    # None (the op's default) folds where every peer is on NVLink
+    assert [(kw["grid"], kw["FOLD"]) for kw in calls] == [
+        ((size * count + count,), False), ((size * count,), True), ((size * count,), True), ((size * count + count,), False)]
     with pytest.raises(ValueError, match="folded reducers run over NVLink only"):
         rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, True)
 

@@ -454,11 +454,12 @@ def _partial_tile(
     ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
     N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Program (step, t) of matmul_reduce_scatter_kernel: this GPU's partial of tile t of the chunk
     owned by d = (me + 1 + step) % P, in the dtype; kept and flagged here (d's reducers fetch it),
-    or, for d on another host, packed and put into d's incoming area."""
+    or, for d on another host, packed and put into d's incoming area. FOLD: the own chunk's partial
+    is not flagged (the program that stored it sums it)."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -471,7 +472,8 @@ def _partial_tile(
         _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     else:
         tl.store(partials + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
-        tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, rank_of(route, me))
+        if not FOLD or d != me:
+            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, rank_of(route, me))
 
 
 @triton.jit
@@ -479,10 +481,12 @@ def _reduce_tile(
     ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
     P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     GROUP_M: tl.constexpr, GIN: tl.constexpr, WAIT_FIRST: tl.constexpr, REDUCE_SLABS: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """Reducer t of matmul_reduce_scatter_kernel: tile t of this GPU's chunk, the sum of every
     source's partial in float32, source 0 first (the same bits on every run); with WAIT_FIRST
-    every source waited for before any is loaded."""
+    every source waited for before any is loaded. FOLD: this program stored the own partial
+    itself, so a CTA barrier stands in for its flag."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -491,9 +495,11 @@ def _reduce_tile(
     SLAB: tl.constexpr = BM // REDUCE_SLABS
     ti, tj = _tile_coords(t, TM, TN, GROUP_M)
     c = tj * BN + tl.arange(0, BN)
+    if FOLD:
+        tl.debug_barrier()  # every thread's stores of the own partial precede the loads below
     if WAIT_FIRST:
         for s in tl.static_range(P):
-            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
+            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD)
     for slab in tl.static_range(REDUCE_SLABS):
         rows = slab * SLAB + tl.arange(0, SLAB)
         r = ti * BM + rows
@@ -502,7 +508,7 @@ def _reduce_tile(
         total = tl.zeros((SLAB, BN), dtype=tl.float32)
         for s in tl.static_range(P):
             if not WAIT_FIRST and slab == 0:  # every source waited for once, before its first load
-                _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN)
+                _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD)
             if s == me:
                 part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0,
                                cache_modifier=".cg")
@@ -518,10 +524,12 @@ def _reduce_tile(
 
 @triton.jit
 def _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P: tl.constexpr, TILES: tl.constexpr,
-                 GIN: tl.constexpr):
-    """Until source s's partial of this GPU's tile t is here (own, on an NVLink peer, or put over GIN)."""
+                 GIN: tl.constexpr, FOLD: tl.constexpr):
+    """Until source s's partial of this GPU's tile t is here (own, on an NVLink peer, or put over
+    GIN; with FOLD the own one is, stored by the waiting program)."""
     if s == me:
-        tgl.wait_flag(ctx, flags + me * TILES + t, epoch + 1)
+        if not FOLD:
+            tgl.wait_flag(ctx, flags + me * TILES + t, epoch + 1)
     elif gin_route(ctx, route, s, me, GIN) != 0:
         # the first reducer to need source s waits for its TILES puts of this call (one claim per call)
         wait_gin_source(ctx, flags + P * TILES + P + s, sig + half * P + s, TILES, flags + P * TILES + s,
@@ -567,7 +575,8 @@ def matmul_reduce_scatter_kernel(
 
     FOLD (NVLink only; LAG unused): no reducer programs (grid P * TILES, tile-major). The program
     of the own chunk's tile t, last of tile t's P places, reduces tile t itself once its partial is
-    stored: it waits only for the peers' programs of tile t, at lower places, which never wait."""
+    stored: it waits only for the peers' programs of tile t, at lower places, which never wait.
+    Its own partial goes unflagged (a CTA barrier orders its stores before its loads)."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -575,10 +584,10 @@ def matmul_reduce_scatter_kernel(
     pid = start_order(state + STARTED)
     if FOLD:
         _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
-                      N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+                      N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD)
         if pid % P == P - 1:  # step P - 1: the tile of this GPU's own chunk
             _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // P, me, epoch, half,
-                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS)
+                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD)
         finish_call(state, state + FINISHED, epoch, P * TILES, state + STARTED, 1)
     else:
         # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
@@ -591,14 +600,14 @@ def matmul_reduce_scatter_kernel(
         place = q % (P + 1)
         if pid < LEAD * P:
             _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
-                          N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+                          N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD)
         elif (block < BLOCKS) & (place < P):
             _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (block + LEAD) * P + place, me, epoch,
-                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB)
+                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD)
         else:
             t = tl.where(block < BLOCKS, block, BLOCKS + q - BLOCKS * (P + 1))
             _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
-                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS)
+                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD)
         finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
 
 

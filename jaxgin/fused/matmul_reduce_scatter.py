@@ -117,23 +117,24 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer",
-            fold: bool = False):
+            fold: bool | None = None):
     """The op on GPUs, as _common.plan_method picks it: XLA's matmul and all_to_all with the
     ordered sum (the reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
-    `lag` and `wait_first` place and order, or `fold` into the own chunk's programs (LAG,
-    WAIT_FIRST and FOLD of _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares
-    the non-defaults."""
+    `fold` into the own chunk's programs (None: wherever every peer is on NVLink) or are programs
+    of their own that `lag` and `wait_first` place and order (LAG, WAIT_FIRST and FOLD of
+    _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
     return _common.by_method(
         OP, state, plan, x.dtype, lambda: reference(x, w, plan),
         lambda: reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype),
         lambda gin: _triton(state, x, w, plan, gin, lag, wait_first, fold))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool = False):
+def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool | None = None):
     """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue, and the
-    owner's reducers summing the arrived partials in the axis's order (`fold`: the programs of the
-    owner's own partials sum them, NVLink only)."""
+    owner summing the arrived partials in the axis's order: in the programs of its own partials
+    (`fold`, NVLink only; None folds in a job without GIN peers, where it was measured faster) or
+    in reducer programs."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -141,6 +142,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
     precision = _common.dot_precision(dtype, plan.precision)
     tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "exchange")
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)  # tiles of one chunk
+    if fold is None:
+        fold = not gin
     if fold and gin:
         raise ValueError("matmul_reduce_scatter: folded reducers run over NVLink only; a job with GIN peers needs "
                          "reducer programs (a GIN source's puts are waited for all at once)")
