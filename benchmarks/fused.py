@@ -521,9 +521,8 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
-# all_gather_matmul's Triton kernel: programs that push the shard (0: the own tiles' programs push
-# before computing), and tile configurations.
-GATHER_SENDERS = (0, 16, 32, 64)
+# all_gather_matmul's Triton kernel: programs that push the shard, and tile configurations.
+GATHER_SENDERS = (16, 32, 64)
 GATHER_TILES = (
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two programs per SM
     _common.TileConfig(128, 256, 64, 8, 8, 4),  # one per SM: senders have SMs to themselves
@@ -612,8 +611,7 @@ def _trace_summary(records: np.ndarray, shards: int) -> dict:
 
 def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """all_gather_matmul's Triton kernel with a record per program (start, waits ended, end, SM;
-    _kernels.all_gather_matmul_traced_kernel) from one call after warm-up, per tile configuration,
-    with its senders and with none (own tiles push):
+    _kernels.all_gather_matmul_traced_kernel) from one call after warm-up, per tile configuration:
     when the senders finish, when the peer's tiles can start, how long a tile computes, how many
     programs share an SM. The raw records of GPU 0 are kept."""
     import importlib
@@ -622,25 +620,22 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     state = jaxgin.runtime.current()
     xs, w = _gather_operands(mesh, 5, m, k, n, dtype)
     row = {"m": m, "k": k, "n": n, "shard": [m // mesh.size, k], "tiles": {}}
-    for tiles, senders in ((t, s) for t in GATHER_TILES for s in (fused_ag.SENDERS, 0)):
+    for tiles in GATHER_TILES:
         plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
-
-        def call(x, w, plan=plan, senders=senders):
-            return fused_ag._triton(state, x, w, plan, False, senders, trace=True)
-
-        traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
+        traced = jax.jit(jax.shard_map(lambda x, w, plan=plan: fused_ag._triton(state, x, w, plan, False, trace=True),
+                                       mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
         for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
             _, trace = traced(xs, w)
         per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
-        key = str(dataclasses.astuple(tiles)) + ("" if senders else " own tiles push")
-        row["tiles"][key] = {"senders": senders, "gpus": [_trace_summary(g, mesh.size) for g in per_gpu],
+        key = str(dataclasses.astuple(tiles))
+        row["tiles"][key] = {"gpus": [_trace_summary(g, mesh.size) for g in per_gpu],
                              "gpu0_records": per_gpu[0, :, :5].tolist()}
-        print(json.dumps({"m": m, "tiles": key, **row["tiles"][key]["gpus"][0]}), flush=True)
+        print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), **row["tiles"][key]["gpus"][0]}), flush=True)
 
-        def chain(x, w, call=call):  # as _chain times the op, keeping every call's records
+        def chain(x, w, plan=plan):  # as _chain times the op, keeping every call's records
             records = []
             for _ in range(STEPS):
-                out, trace = call(x, w)
+                out, trace = fused_ag._triton(state, x, w, plan, False, trace=True)
                 x = after(x, out)
                 records.append(trace)
             return x, jnp.stack(records)
@@ -656,7 +651,8 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
                                         "call_starts_gpu1_minus_gpu0_us": [
                                             round(float(d) / 1e3, 1)
                                             for d in (calls[-1, :, :, 0].min(1) - calls[0, :, :, 0].min(1))]}
-        print(json.dumps({"m": m, "tiles": key, "chained": row["tiles"][key]["chained"]}), flush=True)
+        print(json.dumps({"m": m, "tiles": dataclasses.astuple(tiles), "chained": row["tiles"][key]["chained"]}),
+              flush=True)
     return row
 
 

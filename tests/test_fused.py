@@ -654,64 +654,6 @@ _ALL_GATHER_POINTERS = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32
                         "flags": "*i64", "state": "*i64", "sig": "i32", "out": "*bf16"}
 
 
-@pytest.mark.parametrize(("own_tiles", "size", "groups", "k", "expected"), [
-    (128, 2, 16, 7168, (7, 1024)),  # 4096 x 7168 x 2048 on 2 GPUs, 128 x 256 tiles: 112 pieces
-    (512, 2, 32, 4096, (4, 1024)),  # 8192 x 4096 x 4096 on 2 GPUs: no narrower than a copy block
-    (64, 4, 8, 7168, (3, 3072)),  # 4 GPUs: 72 pieces for 64 own tiles
-    (16, 8, 8, 7168, (1, 7168)),  # more pieces than own tiles already
-    (16, 1, 1, 7168, (1, 7168)),  # one GPU: nothing to push
-])
-def test_own_tiles_push_pieces_that_cover_each_row_group(own_tiles, size, groups, k, expected):
-    import importlib
-
-    ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
-    slices, per_slice = ag.push_slices(own_tiles, size, groups, k)
-    assert (slices, per_slice) == expected
-    assert per_slice % ag.SEND_COLUMNS == 0 or slices == 1
-    assert (slices - 1) * per_slice < k <= slices * per_slice  # every column once, no empty slice
-
-
-def test_own_tiles_push_without_senders_over_nvlink_only(monkeypatch):
-    """senders=0: the grid is the tiles alone, each (source, group, slice) piece has its flag, and
-    the kernel gets the slices; with GIN peers it is refused (senders forward for the network)."""
-    import importlib
-
-    ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
-    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
-    monkeypatch.setattr(ag, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
-    calls = []
-    monkeypatch.setattr(ag, "triton_call", lambda kernel, *args, **kw: calls.append(kw))
-    size, dtype = 2, jnp.bfloat16
-    x, w = jnp.zeros((2048, 7168), dtype), jnp.zeros((7168, 2048), dtype)
-    plan = ag._Plan(("x",), size, 2048, 2048, 7168, None, None, "triton")
-    state = _HeapOnlyState()
-    ag._triton(state, x, w, plan, False, senders=0)
-    (kw,) = calls
-    tiles = (2048 // kw["BM"]) * (2048 // kw["BN"])
-    assert kw["SENDERS"] == 0 and kw["grid"] == (size * tiles,)
-    assert (kw["SLICES"], kw["KS"]) == ag.push_slices(tiles, size, kw["G"], 7168) != (1, 7168)
-    (buffers,) = state.placements.values()
-    assert buffers.flags.shape == (size * kw["G"] * kw["SLICES"],)
-    ag._triton(state, x, w, plan, False)  # with senders: a flag per group, buffers of their own
-    assert (calls[-1]["SLICES"], calls[-1]["KS"]) == (1, 7168) and len(state.placements) == 2
-    with pytest.raises(ValueError, match="GIN peers needs senders > 0"):
-        ag._triton(state, x, w, plan, True, senders=0)
-
-
-def test_all_gather_kernel_without_senders_keeps_two_programs_per_sm(toolchain):
-    """The own tiles' pushes are in the same programs as their matmul; they must not raise its
-    registers past what two programs of 8 warps may share."""
-    from jaxgin.fused import _kernels
-    from jaxgin.triton_device import link
-
-    kernel = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
-        ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=0, BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32",
-        SEND_BM=8, SEND_BK=1024, GIN=0, XB=2, BP=2, SLICES=7, KS=1024))
-    assert registers_per_thread(kernel) <= 128, registers_per_thread(kernel)
-    calls = set(link.library_calls(kernel.asm["ptx"]))
-    assert {"jaxgin_tt_set_flag", "jaxgin_tt_wait_flag", "jaxgin_tt_peer_delta"} <= calls, calls
-
-
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
@@ -726,7 +668,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, GR=128, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
-        SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2, BP=4, SLICES=1, KS=7168))
+        SEND_BM=32, SEND_BK=1024, GIN=gin, XB=2, BP=4))
     for kernel in (a2a, ag):
         ptx = kernel.asm["ptx"]
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
@@ -750,8 +692,7 @@ def test_all_gather_matmul_kernel_compiles_to_one_size_at_any_axis(toolchain):
         return memory_operations(compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8,
                                                   constexprs=dict(ML=1024, N=2048, K=7168, P=p, G=8, GR=128, SENDERS=16,
                                                                   BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
-                                                                  SEND_BM=32, SEND_BK=1024, GIN=1, XB=2, BP=p,
-                                                                  SLICES=1, KS=7168)))
+                                                                  SEND_BM=32, SEND_BK=1024, GIN=1, XB=2, BP=p)))
 
     sizes = {p: size(p) for p in (2, 8)}
     assert sizes[8] == sizes[2] > 0, sizes
@@ -773,7 +714,7 @@ def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain,
     ag_module = importlib.import_module("jaxgin.fused.all_gather_matmul")
     tile = dict(BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32")
     kernel = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=warps, constexprs=dict(
-        ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=ag_module.SENDERS, GIN=gin, XB=2, BP=2, SLICES=1, KS=7168,
+        ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=ag_module.SENDERS, GIN=gin, XB=2, BP=2,
         SEND_BM=ag_module.send_rows(warps), SEND_BK=ag_module.SEND_COLUMNS, **tile))
     tile_code = compile_for_sm90(_kernels.matmul_kernel, {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "out": "*bf16"},
                                  num_warps=warps, constexprs=dict(M=4096, N=2048, K=7168, **tile))
@@ -789,7 +730,7 @@ def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolch
     from jaxgin.fused import _kernels
 
     constexprs = dict(ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=16, BM=128, BN=128, BK=64, GROUP_M=8,
-                      PRECISION="tf32", SEND_BM=8, SEND_BK=1024, GIN=0, XB=2, BP=2, SLICES=1, KS=7168)
+                      PRECISION="tf32", SEND_BM=8, SEND_BK=1024, GIN=0, XB=2, BP=2)
     plain = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8,
                              constexprs=constexprs)
     traced = compile_for_sm90(_kernels.all_gather_matmul_traced_kernel, dict(_ALL_GATHER_POINTERS, trace="*i32"),

@@ -612,39 +612,15 @@ def matmul_reduce_scatter_kernel(
 
 
 @triton.jit
-def _copy_block(dst, x, lo, hi, k_lo, k_hi, K: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr):
-    """dst[lo:hi, k_lo:k_hi] = x[lo:hi, k_lo:k_hi] for row-major [*, K] arrays, with the whole program."""
-    for r0 in range(lo, hi, SEND_BM):
-        r = r0 + tl.arange(0, SEND_BM)
-        for k0 in range(k_lo, k_hi, SEND_BK):
-            k = k0 + tl.arange(0, SEND_BK)
-            ok = (r < hi)[:, None] & (k < k_hi)[None, :]
-            block = tl.load(x + r[:, None] * K + k[None, :], mask=ok)
-            tl.store(dst + r[:, None] * K + k[None, :], block, mask=ok)
-
-
-@triton.jit
 def _copy_rows(dst, x, lo, hi, K: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr):
     """dst[lo:hi, :] = x[lo:hi, :] for row-major [*, K] arrays, with the whole program."""
-    _copy_block(dst, x, lo, hi, 0, K, K, SEND_BM, SEND_BK)
-
-
-@triton.jit
-def _push_shard(ctx, route, x, gather, flags, me, epoch, half, first, stride, ML: tl.constexpr, K: tl.constexpr,
-                P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr, SLICES: tl.constexpr, KS: tl.constexpr,
-                SEND_BM: tl.constexpr, SEND_BK: tl.constexpr):
-    """Pieces first, first + stride, ... of this GPU's shard over NVLink, numbered by (destination,
-    row group, column slice): each copied into the destination's gather slot for this GPU, then
-    flagged there (flags[(me * G + g) * SLICES + c])."""
-    for item in range(first, (P - 1) * G * SLICES, stride):
-        d = (me + 1 + item // (G * SLICES)) % P
-        g = (item // SLICES) % G
-        c = item % SLICES
-        peer = rank_of(route, d)
-        slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
-        _copy_block(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), c * KS, tl.minimum(K, (c + 1) * KS), K,
-                    SEND_BM, SEND_BK)
-        tgl.set_flag(ctx, flags + (me * G + g) * SLICES + c, epoch + 1, peer)
+    for r0 in range(lo, hi, SEND_BM):
+        r = r0 + tl.arange(0, SEND_BM)
+        for k0 in range(0, K, SEND_BK):
+            k = k0 + tl.arange(0, SEND_BK)
+            ok = (r < hi)[:, None] & (k < K)[None, :]
+            block = tl.load(x + r[:, None] * K + k[None, :], mask=ok)
+            tl.store(dst + r[:, None] * K + k[None, :], block, mask=ok)
 
 
 @triton.jit
@@ -703,17 +679,12 @@ def _all_gather_matmul(
     ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    BP: tl.constexpr, SLICES: tl.constexpr, KS: tl.constexpr, TRACE: tl.constexpr,
+    BP: tl.constexpr, TRACE: tl.constexpr,
 ):
     """out [P*ML, N] = all_gather(x [ML, K]) @ w. The shard from s lands in gather half
-    `epoch % 2`, slot s, on every other GPU, row group by row group (GR rows each) and column
-    slice by slice (KS columns each, SLICES of them; 1 with senders);
-    flags[(s * G + g) * SLICES + c] there = the call counter + 1 once slice c of group g has landed.
+    `epoch % 2`, slot s, on every other GPU, row group by row group (GR rows each);
+    flags[s * G + g] there = the call counter + 1 once group g has landed.
     Grid: SENDERS + P * TM * TN.
-
-    SENDERS = 0 (NVLink only): no program only sends. The programs of this GPU's own tiles, which
-    start first and never wait, each push a share of the (destination, group, slice) pieces before
-    computing, so that every SM computes from the start.
 
     GIN (1 when the job has GPUs on other hosts; else hosts and sig are unused): each shard crosses
     to each other host once. Senders go group by group; a group bound for another host is first
@@ -761,26 +732,26 @@ def _all_gather_matmul(
             _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half, pid, ML, K, P, G, GR,
                                   SENDERS, SEND_BM, SEND_BK, BP)
         else:
-            _push_shard(ctx, route, x, gather, flags, me, epoch, half, pid, SENDERS, ML, K, P, G, GR, SLICES, KS,
-                        SEND_BM, SEND_BK)
+            for item in range(pid, (P - 1) * G, SENDERS):
+                d = (me + 1 + item // G) % P
+                g = item % G
+                peer = rank_of(route, d)
+                slot = tgl.peer_ptr(ctx, gather, peer) + (half * P + me) * (ML * K)
+                _copy_rows(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), K, SEND_BM, SEND_BK)
+                tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
         if TRACE:
             sent = _now_ns(TRACE)
             _trace_program(trace, pid, started, -1, sent, sent)
     else:
         q = pid - SENDERS
         s = (me + P - q // TILES) % P  # own shard first, then the nearest sender's
-        if SENDERS == 0:
-            if q < TILES:  # an own tile: its share of the pushes first
-                _push_shard(ctx, route, x, gather, flags, me, epoch, half, q, TILES, ML, K, P, G, GR, SLICES, KS,
-                            SEND_BM, SEND_BK)
         ti, tj = _tile_coords(q % TILES, TM, TN, GROUP_M)
         r = ti * BM + tl.arange(0, BM)
         if s == me:
             a = x
         else:
             for g in range(ti * BM // GR, tl.minimum(G, ((ti + 1) * BM + GR - 1) // GR)):  # its rows' groups
-                for c in range(SLICES):
-                    tgl.wait_flag(ctx, flags + (s * G + g) * SLICES + c, epoch + 1)
+                tgl.wait_flag(ctx, flags + s * G + g, epoch + 1)
             a = gather + (half * P + s) * (ML * K)
         waited = _now_ns(TRACE)
         acc = _matmul_tile(a, r % ML, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
@@ -798,12 +769,11 @@ def all_gather_matmul_kernel(
     ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    BP: tl.constexpr, SLICES: tl.constexpr, KS: tl.constexpr,
+    BP: tl.constexpr,
 ):
     """out [P*ML, N] = all_gather(x [ML, K]) @ w: _all_gather_matmul."""
     _all_gather_matmul(ctx, x, w, route, hosts, gather, flags, state, sig, out, flags,
-                       ML, N, K, P, G, GR, SENDERS, BM, BN, BK, GROUP_M, PRECISION, SEND_BM, SEND_BK, GIN, XB, BP,
-                       SLICES, KS, 0)
+                       ML, N, K, P, G, GR, SENDERS, BM, BN, BK, GROUP_M, PRECISION, SEND_BM, SEND_BK, GIN, XB, BP, 0)
 
 
 @triton.jit
@@ -812,10 +782,9 @@ def all_gather_matmul_traced_kernel(
     ML: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GR: tl.constexpr,
     SENDERS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SEND_BM: tl.constexpr, SEND_BK: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    BP: tl.constexpr, SLICES: tl.constexpr, KS: tl.constexpr,
+    BP: tl.constexpr,
 ):
     """all_gather_matmul_kernel that also writes a record per program into trace (int32 [programs,
     16], 8 int64 words each; benchmarks/fused.py --gather-trace-only: where the kernel's time goes)."""
     _all_gather_matmul(ctx, x, w, route, hosts, gather, flags, state, sig, out, trace,
-                       ML, N, K, P, G, GR, SENDERS, BM, BN, BK, GROUP_M, PRECISION, SEND_BM, SEND_BK, GIN, XB, BP,
-                       SLICES, KS, 1)
+                       ML, N, K, P, G, GR, SENDERS, BM, BN, BK, GROUP_M, PRECISION, SEND_BM, SEND_BK, GIN, XB, BP, 1)

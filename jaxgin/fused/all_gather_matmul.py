@@ -31,18 +31,6 @@ def send_rows(num_warps: int) -> int:
     return num_warps
 
 
-def push_slices(own_tiles: int, size: int, groups: int, k: int) -> tuple[int, int]:
-    """With no senders (own tiles push, NVLink only): (column slices per row group, columns per
-    slice), so that the (destination, group, slice) pieces about match the own tiles that push
-    them, each slice whole SEND_COLUMNS blocks."""
-    if size == 1:
-        return 1, k
-    blocks = -(-k // SEND_COLUMNS)
-    slices = max(1, min(-(-own_tiles // ((size - 1) * groups)), blocks))
-    per_slice = -(-blocks // slices) * SEND_COLUMNS
-    return -(-k // per_slice), per_slice
-
-
 # Row groups per shard in a job with GIN peers: each is one put and one signal per source and call
 # parity, so 2 * axis size * GIN_GROUPS signals per op configuration.
 GIN_GROUPS = 8
@@ -119,9 +107,8 @@ def _kernel(state, x, w, plan: _Plan, chunk_layout: str = "chunk_per_peer"):
 
 def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: bool = False):
     """The Triton kernel: a grid of `senders` programs that push this GPU's shard, and the matmul's
-    programs, each waiting for its source's rows (`senders` = 0: the own tiles' programs push,
-    NVLink only). With `trace`, (out, trace): int32 [programs, 16], 8 int64 words per program in
-    start order (_kernels._trace_program; view it as int64)."""
+    programs, each waiting for its source's rows. With `trace`, (out, trace): int32 [programs, 16],
+    8 int64 words per program in start order (_kernels._trace_program; view it as int64)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -131,13 +118,9 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
     tm, tn = -(-plan.m // tiles.block_m), -(-plan.n // tiles.block_n)
     # GIN: fewer, larger row groups (each a put and a signal per source and call parity)
     groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
-    if senders == 0 and gin:
-        raise ValueError("all_gather_matmul: own tiles push over NVLink only; a job with GIN peers needs senders > 0")
-    slices, per_slice = push_slices(tm * tn, size, groups, plan.k) if senders == 0 else (1, plan.k)
     buffers = _common.op_buffers(
-        state,
-        ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin, groups, slices),
-        (2, size, plan.m, plan.k), dtype, size * groups * slices, signals=2 * size * groups * gin,
+        state, ("all_gather_matmul", plan.names, size, plan.m, plan.k, np.dtype(dtype).name, tiles, gin, groups),
+        (2, size, plan.m, plan.k), dtype, size * groups, signals=2 * size * groups * gin,
     )
     hosts = jnp.asarray(rank_hosts(state, OP) if gin else np.zeros(1, np.int32))
     programs = senders + size * tm * tn
@@ -150,7 +133,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=per_group * tiles.block_m, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=send_rows(tiles.num_warps), SEND_BK=SEND_COLUMNS, GIN=int(gin), XB=np.dtype(dtype).itemsize,
-        BP=op_support.pow2(size), SLICES=slices, KS=per_slice,
+        BP=op_support.pow2(size),
     )
 
 
