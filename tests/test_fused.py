@@ -740,9 +740,10 @@ def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolch
     assert registers_per_thread(traced) <= 128  # still two programs per SM, as the plain kernel
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["reducer_programs", "folded_reducers"])
+@pytest.mark.parametrize(("fold", "push"), [(False, False), (True, False), (True, True)],
+                         ids=["reducer_programs", "folded_reducers", "folded_pushed"])
 @pytest.mark.parametrize("warps", [8, 4])
-def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps, fold):
+def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolchain, warps, fold, push):
     """As for all_gather_matmul: the exchange's 128 x 128 x 64 tiles share an SM two by two, so the
     reducers' sum, which is in the same kernel (in the same program as a partial when folded),
     must not need more registers than that allows (a whole-tile sum made it 175 at 8 warps, and
@@ -757,7 +758,7 @@ def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolch
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=warps, constexprs=dict(
         M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
         PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=rs_module.reduce_slabs(128, False),
-        FOLD=fold))
+        FOLD=fold, PUSH=push))
     assert registers_per_thread(kernel) <= min(65536 // (2 * 32 * warps), 240), registers_per_thread(kernel)
 
 
@@ -770,7 +771,7 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4 - 3 * gin, FOLD=False))
+        PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4 - 3 * gin, FOLD=False, PUSH=False))
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in ptx
     calls = set(link.library_calls(ptx))
@@ -779,10 +780,12 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
     assert (gin_calls <= calls) if gin else not (gin_calls & calls), calls
 
 
-def test_folded_reduce_scatter_waits_on_peers_alone(toolchain):
+@pytest.mark.parametrize("push", [False, True], ids=["pulled", "pushed"])
+def test_folded_reduce_scatter_waits_on_peers_alone(toolchain, push):
     """FOLD, the NVLink default: the own chunk's partial is summed by the program that stored it,
     so nothing sets or waits on a local flag for it; the peers' partials are still flagged and
-    waited for over NVLink."""
+    waited for over NVLink. With PUSH a partial is stored and flagged in its owner's buffer, so
+    the owner waits on local flags alone."""
     from jaxgin.fused import _kernels
     from jaxgin.triton_device import link
 
@@ -790,9 +793,13 @@ def test_folded_reduce_scatter_waits_on_peers_alone(toolchain):
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True))
+        PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True, PUSH=push))
     calls = set(link.library_calls(kernel.asm["ptx"]))
-    assert {"jaxgin_tt_set_flag", "jaxgin_tt_wait_peer_flag"} <= calls and "jaxgin_tt_wait_flag" not in calls, calls
+    assert {"jaxgin_tt_set_flag", "jaxgin_tt_peer_delta"} <= calls, calls
+    if push:
+        assert "jaxgin_tt_wait_flag" in calls and "jaxgin_tt_wait_peer_flag" not in calls, calls
+    else:
+        assert "jaxgin_tt_wait_peer_flag" in calls and "jaxgin_tt_wait_flag" not in calls, calls
 
 
 @pytest.mark.parametrize(("lag", "wait_first"), [(4, False), (0, True), (16, True)])
@@ -806,7 +813,7 @@ def test_matmul_reduce_scatter_reducer_layouts_compile_for_sm90a(toolchain, lag,
                 "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
-        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first, REDUCE_SLABS=4, FOLD=False))
+        PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first, REDUCE_SLABS=4, FOLD=False, PUSH=False))
     assert kernel.asm["cubin"][:4] == b"\x7fELF" and "wgmma" in kernel.asm["ptx"]
     assert {"jaxgin_tt_wait_flag", "jaxgin_tt_wait_peer_flag"} <= set(link.library_calls(kernel.asm["ptx"]))
 
@@ -847,6 +854,10 @@ def test_folded_reducers_drop_the_reducer_programs(monkeypatch):
         ((size * count + count,), False), ((size * count,), True), ((size * count,), True), ((size * count + count,), False)]
     with pytest.raises(ValueError, match="folded reducers run over NVLink only"):
         rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, True)
+    with pytest.raises(ValueError, match="push is an NVLink layout"):
+        rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, False, True)
+    rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, True, True)
+    assert calls[-1]["PUSH"] is True and calls[-1]["FOLD"] is True
 
 
 def test_reducer_places_cover_every_program_once():

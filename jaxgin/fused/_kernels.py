@@ -454,12 +454,13 @@ def _partial_tile(
     ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
     N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, FOLD: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr,
 ):
     """Program (step, t) of matmul_reduce_scatter_kernel: this GPU's partial of tile t of the chunk
     owned by d = (me + 1 + step) % P, in the dtype; kept and flagged here (d's reducers fetch it),
-    or, for d on another host, packed and put into d's incoming area. FOLD: the own chunk's partial
-    is not flagged (the program that stored it sums it)."""
+    with PUSH stored and flagged in d's buffer instead, or, for d on another host, packed and put
+    into d's incoming area. FOLD: the own chunk's partial is not flagged (the program that stored
+    it sums it)."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -471,9 +472,16 @@ def _partial_tile(
     if gin_route(ctx, route, d, me, GIN) != 0:
         _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     else:
-        tl.store(partials + (half * P + d) * (CM * CN) + r[:, None] * CN + c[None, :], tile, mask=ok)
+        owner = rank_of(route, me)
+        slot = partials + (half * P + d) * (CM * CN)
+        flag = flags + d * TILES + t
+        if PUSH and d != me:  # slot and flag of this source in the owner's buffers
+            owner = rank_of(route, d)
+            slot = tgl.peer_ptr(ctx, partials, owner) + (half * P + me) * (CM * CN)
+            flag = flags + me * TILES + t
+        tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
         if not FOLD or d != me:
-            tgl.set_flag(ctx, flags + d * TILES + t, epoch + 1, rank_of(route, me))
+            tgl.set_flag(ctx, flag, epoch + 1, owner)
 
 
 @triton.jit
@@ -481,7 +489,7 @@ def _reduce_tile(
     ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
     P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     GROUP_M: tl.constexpr, GIN: tl.constexpr, WAIT_FIRST: tl.constexpr, REDUCE_SLABS: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, PUSH: tl.constexpr,
 ):
     """Reducer t of matmul_reduce_scatter_kernel: tile t of this GPU's chunk, the sum of every
     source's partial in float32, source 0 first (the same bits on every run); with WAIT_FIRST
@@ -499,7 +507,7 @@ def _reduce_tile(
         tl.debug_barrier()  # every thread's stores of the own partial precede the loads below
     if WAIT_FIRST:
         for s in tl.static_range(P):
-            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD)
+            _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD, PUSH)
     for slab in tl.static_range(REDUCE_SLABS):
         rows = slab * SLAB + tl.arange(0, SLAB)
         r = ti * BM + rows
@@ -508,13 +516,16 @@ def _reduce_tile(
         total = tl.zeros((SLAB, BN), dtype=tl.float32)
         for s in tl.static_range(P):
             if not WAIT_FIRST and slab == 0:  # every source waited for once, before its first load
-                _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD)
+                _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD, PUSH)
             if s == me:
                 part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0,
                                cache_modifier=".cg")
             elif gin_route(ctx, route, s, me, GIN) != 0:
                 part = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN)
                                + _packed_offsets(rows, tj, CN, BN), mask=ok, other=0.0, cache_modifier=".cg")
+            elif PUSH:  # stored here by the source, slot s
+                part = tl.load(partials + (half * P + s) * (CM * CN) + within, mask=ok, other=0.0,
+                               cache_modifier=".cg")
             else:
                 there = tgl.peer_ptr(ctx, partials, rank_of(route, s)) + (half * P + me) * (CM * CN)
                 part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
@@ -524,9 +535,10 @@ def _reduce_tile(
 
 @triton.jit
 def _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P: tl.constexpr, TILES: tl.constexpr,
-                 GIN: tl.constexpr, FOLD: tl.constexpr):
-    """Until source s's partial of this GPU's tile t is here (own, on an NVLink peer, or put over
-    GIN; with FOLD the own one is, stored by the waiting program)."""
+                 GIN: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr):
+    """Until source s's partial of this GPU's tile t is here (own, on an NVLink peer or, with
+    PUSH, stored here by it, or put over GIN; with FOLD the own one is, stored by the waiting
+    program)."""
     if s == me:
         if not FOLD:
             tgl.wait_flag(ctx, flags + me * TILES + t, epoch + 1)
@@ -534,6 +546,8 @@ def _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P: tl.constexpr,
         # the first reducer to need source s waits for its TILES puts of this call (one claim per call)
         wait_gin_source(ctx, flags + P * TILES + P + s, sig + half * P + s, TILES, flags + P * TILES + s,
                         epoch + 1, rank_of(route, me))
+    elif PUSH:
+        tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
     else:
         tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, rank_of(route, s))
 
@@ -544,7 +558,7 @@ def matmul_reduce_scatter_kernel(
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
-    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr,
+    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr,
 ):
     """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
     owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; P * TILES
@@ -576,7 +590,11 @@ def matmul_reduce_scatter_kernel(
     FOLD (NVLink only; LAG unused): no reducer programs (grid P * TILES, tile-major). The program
     of the own chunk's tile t, last of tile t's P places, reduces tile t itself once its partial is
     stored: it waits only for the peers' programs of tile t, at lower places, which never wait.
-    Its own partial goes unflagged (a CTA barrier orders its stores before its loads)."""
+    Its own partial goes unflagged (a CTA barrier orders its stores before its loads).
+
+    PUSH (NVLink only): a partial for an NVLink owner is stored into the owner's buffer instead
+    (half `epoch % 2`, slot me there) and flagged there (flags[me * TILES + t]), so the owner's
+    sums load local memory and wait on local flags. Reuse is safe by the same argument."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -584,10 +602,10 @@ def matmul_reduce_scatter_kernel(
     pid = start_order(state + STARTED)
     if FOLD:
         _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
-                      N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD)
+                      N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD, PUSH)
         if pid % P == P - 1:  # step P - 1: the tile of this GPU's own chunk
             _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // P, me, epoch, half,
-                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD)
+                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH)
         finish_call(state, state + FINISHED, epoch, P * TILES, state + STARTED, 1)
     else:
         # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
@@ -600,14 +618,14 @@ def matmul_reduce_scatter_kernel(
         place = q % (P + 1)
         if pid < LEAD * P:
             _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
-                          N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD)
+                          N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD, PUSH)
         elif (block < BLOCKS) & (place < P):
             _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, (block + LEAD) * P + place, me, epoch,
-                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD)
+                          half, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD, PUSH)
         else:
             t = tl.where(block < BLOCKS, block, BLOCKS + q - BLOCKS * (P + 1))
             _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
-                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD)
+                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH)
         finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
 
 

@@ -117,24 +117,27 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer",
-            fold: bool | None = None):
+            fold: bool | None = None, push: bool = False):
     """The op on GPUs, as _common.plan_method picks it: XLA's matmul and all_to_all with the
     ordered sum (the reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
     `fold` into the own chunk's programs (None: wherever every peer is on NVLink) or are programs
-    of their own that `lag` and `wait_first` place and order (LAG, WAIT_FIRST and FOLD of
+    of their own that `lag` and `wait_first` place and order; `push` stores each partial into its
+    owner's buffer rather than keeping it for the owner to fetch (LAG, WAIT_FIRST, FOLD and PUSH of
     _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
     return _common.by_method(
         OP, state, plan, x.dtype, lambda: reference(x, w, plan),
         lambda: reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype),
-        lambda gin: _triton(state, x, w, plan, gin, lag, wait_first, fold))
+        lambda gin: _triton(state, x, w, plan, gin, lag, wait_first, fold, push))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool | None = None):
-    """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue, and the
-    owner summing the arrived partials in the axis's order: in the programs of its own partials
-    (`fold`, NVLink only; None folds in a job without GIN peers, where it was measured faster) or
-    in reducer programs."""
+def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool | None = None,
+            push: bool = False):
+    """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue (kept for
+    the owner to fetch, or with `push` stored into the owner's buffer; NVLink only), and the owner
+    summing the arrived partials in the axis's order: in the programs of its own partials (`fold`,
+    NVLink only; None folds in a job without GIN peers, where it was measured faster) or in reducer
+    programs."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -147,6 +150,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
     if fold and gin:
         raise ValueError("matmul_reduce_scatter: folded reducers run over NVLink only; a job with GIN peers needs "
                          "reducer programs (a GIN source's puts are waited for all at once)")
+    if push and gin:
+        raise ValueError("matmul_reduce_scatter: push is an NVLink layout; a job with GIN peers puts its partials")
     buffers = _common.op_buffers(
         state, ("matmul_reduce_scatter", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
         # this GPU's partial of every chunk, two halves; a flag per (chunk, tile); GIN: per source a
@@ -165,7 +170,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,
-        REDUCE_SLABS=reduce_slabs(tiles.block_m, gin), FOLD=fold,
+        REDUCE_SLABS=reduce_slabs(tiles.block_m, gin), FOLD=fold, PUSH=push,
     )
 
 
