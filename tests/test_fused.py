@@ -452,7 +452,7 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     assert (kw["CM"], kw["CN"], kw["SCATTER_ROWS"], kw["GIN"]) == (cm, cn, rows, int(gin))
     assert kw["REDUCE_SLABS"] == (1 if gin else 4)  # GIN keeps the whole-tile sum
     # NVLink only: the own chunk's programs sum (FOLD, no reducer programs); GIN: reducers after the partials
-    assert kw["FOLD"] is kw["PUSH"] is (not gin)  # NVLink only: pushed partials, too
+    assert kw["FOLD"] is (not gin)
     assert kw["grid"] == (size * count + count * gin,) and kw["out_shape"].shape == (cm, cn)
     (buffers,) = state.placements.values()
     assert buffers.exchange.shape == (2, size, cm, cn)
@@ -849,16 +849,15 @@ def test_folded_reducers_drop_the_reducer_programs(monkeypatch):
     for gin, fold in ((False, False), (False, True), (False, None), (True, None)):
         rs._triton(_HeapOnlyState(), x, w, plan, gin, 0, False, fold)
     count = -(-(512 // size) // calls[0]["BM"]) * -(-384 // calls[0]["BN"])
-    # None (the op's default) folds where every peer is on NVLink; push left to its default pushes there
-    assert [(kw["grid"], kw["FOLD"], kw["PUSH"]) for kw in calls] == [
-        ((size * count + count,), False, True), ((size * count,), True, True), ((size * count,), True, True),
-        ((size * count + count,), False, False)]
+    # None (the op's default) folds where every peer is on NVLink
+    assert [(kw["grid"], kw["FOLD"]) for kw in calls] == [
+        ((size * count + count,), False), ((size * count,), True), ((size * count,), True), ((size * count + count,), False)]
     with pytest.raises(ValueError, match="folded reducers run over NVLink only"):
         rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, True)
     with pytest.raises(ValueError, match="push is an NVLink layout"):
         rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, False, True)
-    rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, True, False)
-    assert calls[-1]["PUSH"] is False and calls[-1]["FOLD"] is True
+    rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, True, True)
+    assert calls[-1]["PUSH"] is True and calls[-1]["FOLD"] is True
 
 
 def test_reducer_places_cover_every_program_once():

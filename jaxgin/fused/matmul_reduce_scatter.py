@@ -117,14 +117,13 @@ def reference(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, chunk_layout: str = "chunk_per_peer",
-            fold: bool | None = None, push: bool | None = None):
+            fold: bool | None = None, push: bool = False):
     """The op on GPUs, as _common.plan_method picks it: XLA's matmul and all_to_all with the
     ordered sum (the reference), the chunked custom call (its cuBLAS calls laid out by `chunk_layout`,
     _chunked.LAYOUTS) and the sum of the partials it exchanged, or the Triton kernel, whose reducers
     `fold` into the own chunk's programs (None: wherever every peer is on NVLink) or are programs
     of their own that `lag` and `wait_first` place and order; `push` stores each partial into its
-    owner's buffer rather than keeping it for the owner to fetch (None: wherever every peer is on
-    NVLink) (LAG, WAIT_FIRST, FOLD and PUSH of
+    owner's buffer rather than keeping it for the owner to fetch (LAG, WAIT_FIRST, FOLD and PUSH of
     _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
     return _common.by_method(
         OP, state, plan, x.dtype, lambda: reference(x, w, plan),
@@ -133,12 +132,12 @@ def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, ch
 
 
 def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool | None = None,
-            push: bool | None = None):
+            push: bool = False):
     """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue (kept for
-    the owner to fetch, or with `push` stored into the owner's buffer; NVLink only, None pushes in
-    a job without GIN peers), and the owner summing the arrived partials in the axis's order: in
-    the programs of its own partials (`fold`, NVLink only; None folds in a job without GIN peers,
-    where it was measured faster) or in reducer programs."""
+    the owner to fetch, or with `push` stored into the owner's buffer; NVLink only), and the owner
+    summing the arrived partials in the axis's order: in the programs of its own partials (`fold`,
+    NVLink only; None folds in a job without GIN peers, where it was measured faster) or in reducer
+    programs."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -148,8 +147,6 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)  # tiles of one chunk
     if fold is None:
         fold = not gin
-    if push is None:
-        push = not gin
     if fold and gin:
         raise ValueError("matmul_reduce_scatter: folded reducers run over NVLink only; a job with GIN peers needs "
                          "reducer programs (a GIN source's puts are waited for all at once)")
