@@ -690,9 +690,6 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
                for lag in REDUCER_LAGS for wait_first in (False, True)}
     layouts["folded"] = (plan, dict(fold=True))  # no reducer programs, the op's default: the own chunk's programs sum
     layouts["folded, push"] = (plan, dict(fold=True, push=True))  # partials stored into their owner's buffer
-    wide = dataclasses.replace(plan, tiles=_common.TileConfig(128, 256, 64, 8, 8, 4))  # one program per SM
-    layouts["folded, 128 x 256"] = (wide, dict(fold=True))
-    layouts["folded, push, 128 x 256"] = (wide, dict(fold=True, push=True))
     # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
     layouts["chunked"] = (dataclasses.replace(plan, method="chunked"), {})
     for name, (layout_plan, kwargs) in layouts.items():
