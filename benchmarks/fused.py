@@ -591,12 +591,6 @@ def _trace_summary(records: np.ndarray, shards: int) -> dict:
     senders, tiles = tile < 0, tile >= 0
     per_shard = (tile[tiles].max() + 1) // shards if tiles.any() else 0  # own shard's tiles first
     own, peer = tiles & (tile < per_shard), tiles & (tile >= per_shard)
-    # the most programs one SM ran at once
-    events = sorted([(t, 1, m) for t, m in zip(start, sm)] + [(t, -1, m) for t, m in zip(end, sm)])
-    running, most = {}, 0
-    for _, step, m in events:
-        running[m] = running.get(m, 0) + step
-        most = max(most, running[m])
     return {
         "span_us": round(float((end.max() - t0) / 1e3), 1),
         "senders_done_us": us(waited[senders]),
@@ -605,8 +599,18 @@ def _trace_summary(records: np.ndarray, shards: int) -> dict:
         "peer_tiles_end_us": us(end[peer]),
         "tile_compute_us_median": round(float(np.median(end[tiles] - waited[tiles]) / 1e3), 1),
         "peer_tile_wait_us_median": round(float(np.median(waited[peer] - start[peer]) / 1e3), 1),
-        "most_programs_at_once_on_one_sm": most, "sms_used": int(len(set(sm.tolist()))),
+        **_sm_occupancy(start, end, sm),
     }
+
+
+def _sm_occupancy(start, end, sm) -> dict:
+    """The most programs one SM ran at once, and how many SMs ran any, from per-program records."""
+    events = sorted([(t, 1, m) for t, m in zip(start, sm)] + [(t, -1, m) for t, m in zip(end, sm)])
+    running, most = {}, 0
+    for _, step, m in events:
+        running[m] = running.get(m, 0) + step
+        most = max(most, running[m])
+    return {"most_programs_at_once_on_one_sm": most, "sms_used": int(len(set(sm.tolist())))}
 
 
 def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -700,6 +704,63 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
         t = best_seconds(_chain(mesh, op, K_SHARDED), x, w, repeats=repeats) / STEPS * 1e6
         row["layouts"][name] = {"us": t, "rel_err": rel, "speedup_vs_unfused": row["xla_matmul_reduce_scatter_us"] / t}
         print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]}), flush=True)
+    return row
+
+
+def _reduce_scatter_trace_summary(records: np.ndarray, shards: int) -> dict:
+    """One GPU's records of a traced folded matmul_reduce_scatter call (_kernels._matmul_reduce_scatter's
+    TRACE: start, place, waits ended, end, SM, matmul ended), in us from the first program's start.
+    Programs of the peers' chunks compute, store and flag; those of the own chunk compute, store,
+    wait for the peers' partials of their tile and sum them (their `reduce` includes the loads)."""
+    start, place, waited, end, sm, computed = (records[:, i] for i in range(6))
+    t0 = start.min()
+
+    def us(values):
+        values = (np.asarray(values) - t0) / 1e3
+        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
+                "max": round(float(values.max()), 1)} if len(values) else {}
+
+    def median_us(values):
+        return round(float(np.median(values)) / 1e3, 1) if len(values) else None
+
+    own = place % shards == shards - 1
+    peers = ~own
+    return {
+        "span_us": round(float((end.max() - t0) / 1e3), 1),
+        "peer_chunks": {"start_us": us(start[peers]), "end_us": us(end[peers]),
+                        "matmul_us_median": median_us(computed[peers] - start[peers]),
+                        "store_and_flag_us_median": median_us(waited[peers] - computed[peers])},
+        "own_chunk": {"start_us": us(start[own]), "end_us": us(end[own]),
+                      "matmul_us_median": median_us(computed[own] - start[own]),
+                      "store_and_wait_us_median": median_us(waited[own] - computed[own]),
+                      "reduce_us_median": median_us(end[own] - waited[own])},
+        **_sm_occupancy(start, end, sm),
+    }
+
+
+def reduce_scatter_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """matmul_reduce_scatter's folded Triton kernel (the default), its partials pulled and pushed,
+    with a record per program (_kernels.matmul_reduce_scatter_traced_kernel) from one call after
+    warm-up: how long the matmul, the stores and flags, the waits for peers' partials and the sums
+    take, and when each kind of program ends. The raw records of GPU 0 are kept."""
+    import importlib
+
+    fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+    state = jaxgin.runtime.current()
+    x, w = _operands(mesh, jax.random.split(jax.random.key(3)), m, k, n, dtype, K_SHARDED)
+    plan = fused_rs._Plan(("x",), mesh.size, m, n, k, True, None, None, "triton")
+    row = {"m": m, "k": k, "n": n, "layouts": {}}
+    for name, push in (("folded", False), ("folded, push", True)):
+        def call(x, w, push=push):
+            return fused_rs._triton(state, x, w, plan, False, 0, False, fold=True, push=push, trace=True)
+
+        traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=K_SHARDED[:2], out_specs=(P("x"), P("x"))))
+        for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
+            _, trace = traced(x, w)
+        per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
+        row["layouts"][name] = {"gpus": [_reduce_scatter_trace_summary(g, mesh.size) for g in per_gpu],
+                                "gpu0_records": per_gpu[0, :, :6].tolist()}
+        print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]["gpus"][0]}), flush=True)
     return row
 
 
@@ -827,6 +888,13 @@ def plot(report: dict, path: Path) -> Path:
     return path
 
 
+# The --*-only modes that measure one thing and write it alone (main's `only` table): any of them
+# replaces the full run.
+SINGLE_MEASURE_MODES = ("chunking_only", "gspmd_only", "variants_only", "gather_variants_only",
+                        "reduce_scatter_variants_only", "gather_trace_only", "reduce_scatter_trace_only",
+                        "chunked_layouts_only", "sweep_only")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -850,6 +918,9 @@ def main() -> None:
     parser.add_argument("--gather-trace-only", action="store_true",
                         help="only all_gather_matmul's Triton kernel with a record per program (when senders finish, "
                              "when tiles wait and compute, programs per SM; fused_gather_trace.json)")
+    parser.add_argument("--reduce-scatter-trace-only", action="store_true",
+                        help="only matmul_reduce_scatter's folded Triton kernel with a record per program (matmul, "
+                             "stores and flags, waits, sums; fused_reduce_scatter_trace.json)")
     parser.add_argument("--chunked-layouts-only", action="store_true",
                         help="only the chunked method of the three fused ops under each chunk layout, with the "
                              "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
@@ -882,10 +953,7 @@ def main() -> None:
     need, what = ((1, "it times cuBLAS and the fused ops' Triton tile code on them") if args.chunking_only else
                   (2, "it times jaxgin.fused against XLA's matmul and collectives between them"))
     windowed, pallas = [], {}
-    full = not (args.chunking_only or args.variants_only or args.gspmd_only or args.breakdown_only
-                or args.chunked_layouts_only or args.sweep_only or args.gather_variants_only
-                or args.reduce_scatter_variants_only
-                or args.gather_trace_only)
+    full = not (args.breakdown_only or any(getattr(args, mode) for mode in SINGLE_MEASURE_MODES))
     if full and not (args.no_windowed and args.no_pallas):
         # XLA's windowed einsum and JAX's Pallas kernel first, in processes of their own, before
         # this one holds the GPUs
@@ -909,11 +977,13 @@ def main() -> None:
         "reduce_scatter_variants_only": (reduce_scatter_variants, "fused_reduce_scatter_variants.json", kind,
                                          issue_shapes),
         "gather_trace_only": (gather_trace, "fused_gather_trace.json", kind, issue_shapes),
+        "reduce_scatter_trace_only": (reduce_scatter_trace, "fused_reduce_scatter_trace.json", kind, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
         "sweep_only": (measure, "fused_sweep.json", kind,
                        [((int(m), 7168, 2048), (("all_to_all",),)) for m in args.sweep.split(",")]),
     }
+    assert set(only) == set(SINGLE_MEASURE_MODES), "SINGLE_MEASURE_MODES names the modes of `only`"
     for mode, (measure_one, name, extra, calls) in only.items():
         if getattr(args, mode):
             rows = [measure_one(mesh, *shape, dtype, args.repeats, *more) for shape, more in calls]

@@ -396,3 +396,36 @@ def test_a_traced_all_gather_call_is_summarized_from_its_program_records():
     assert summary["peer_tile_wait_us_median"] == 22.0
     assert summary["tile_compute_us_median"] == 99.5
     assert summary["most_programs_at_once_on_one_sm"] == 2 and summary["sms_used"] == 2
+
+
+def test_a_traced_folded_reduce_scatter_call_is_summarized_from_its_program_records():
+    """fused._reduce_scatter_trace_summary on records as the traced folded kernel writes them
+    (start, place, waits ended, end, SM, matmul ended; ns) for two sources: places 0 and 2 are
+    tiles of the peer's chunk (their `waits ended` is when their flag was set), 1 and 3 of the own
+    chunk (stored, waited for the peer's partial, summed). Times come out in us."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import numpy as np, fused;"
+            "r = np.array([[0, 0, 110000, 110000, 0, 100000], [0, 1, 130000, 140000, 1, 100000],"
+            "              [0, 2, 114000, 114000, 2, 100000], [10000, 3, 150000, 170000, 0, 120000]]);"
+            "print(json.dumps(fused._reduce_scatter_trace_summary(r, 2)))")
+    summary = _fused_bench_json(code)
+    assert summary["span_us"] == 170.0
+    assert summary["peer_chunks"]["matmul_us_median"] == 100.0
+    assert summary["peer_chunks"]["store_and_flag_us_median"] == 12.0
+    assert summary["own_chunk"]["matmul_us_median"] == 105.0
+    assert summary["own_chunk"]["store_and_wait_us_median"] == 30.0
+    assert summary["own_chunk"]["reduce_us_median"] == 15.0
+    assert summary["own_chunk"]["end_us"] == {"min": 140.0, "median": 155.0, "max": 170.0}
+    assert summary["most_programs_at_once_on_one_sm"] == 2 and summary["sms_used"] == 3
+
+
+def test_every_single_measure_mode_of_the_fused_bench_is_a_flag():
+    """benchmarks/fused.py: each name in SINGLE_MEASURE_MODES (which replace the full run) is one of
+    its --*-only flags, and every --*-only flag that measures one thing alone is named there."""
+    import re
+
+    source = (Path(__file__).resolve().parent.parent / "benchmarks" / "fused.py").read_text()
+    flags = {f.replace("-", "_") for f in re.findall(r'"--([a-z-]+-only)"', source)}
+    modes = set(re.search(r"SINGLE_MEASURE_MODES = \(([^)]*)\)", source).group(1).replace('"', "").replace(
+        "\n", "").replace(" ", "").split(","))
+    # breakdown, shapes, windowed and pallas have paths of their own in main
+    assert modes == flags - {"breakdown_only", "shapes_only", "windowed_only", "pallas_only"}

@@ -740,6 +740,25 @@ def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolch
     assert registers_per_thread(traced) <= 128  # still two programs per SM, as the plain kernel
 
 
+def test_the_traced_reduce_scatter_kernel_records_what_the_plain_one_does_not(toolchain):
+    """matmul_reduce_scatter_traced_kernel (benchmarks/fused.py --reduce-scatter-trace-only) reads
+    the GPU's timer and SM id and stores each program's record; the kernel the op runs has none of
+    it, and the traced one still fits two programs of 8 warps on an SM."""
+    from jaxgin.fused import _kernels
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    constexprs = dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64,
+                      GROUP_M=8, PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True,
+                      PUSH=False)
+    plain = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=constexprs)
+    traced = compile_for_sm90(_kernels.matmul_reduce_scatter_traced_kernel, dict(pointers, trace="*i32"),
+                              num_warps=8, constexprs=constexprs)
+    for register in ("%globaltimer", "%smid"):
+        assert register in traced.asm["ptx"] and register not in plain.asm["ptx"]
+    assert registers_per_thread(traced) <= 128
+
+
 @pytest.mark.parametrize(("fold", "push"), [(False, False), (True, False), (True, True)],
                          ids=["reducer_programs", "folded_reducers", "folded_pushed"])
 @pytest.mark.parametrize("warps", [8, 4])
@@ -858,6 +877,12 @@ def test_folded_reducers_drop_the_reducer_programs(monkeypatch):
         rs._triton(_HeapOnlyState(), x, w, plan, True, 0, False, False, True)
     rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, True, True)
     assert calls[-1]["PUSH"] is True and calls[-1]["FOLD"] is True
+    # traced (the benchmark's records): folded only, a record of 16 int32 per program beside the result
+    with pytest.raises(ValueError, match="only the folded kernel is traced"):
+        rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, False, trace=True)
+    rs._triton(_HeapOnlyState(), x, w, plan, False, 0, False, True, trace=True)
+    result, records = calls[-1]["out_shape"]
+    assert result.shape == (512 // size, 384) and records.shape == (size * count, 16) and records.dtype == jnp.int32
 
 
 def test_reducer_places_cover_every_program_once():

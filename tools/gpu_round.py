@@ -572,6 +572,8 @@ BENCHMARKS = {step.name: step for step in [
          tail=20),
     Step("fused_gather_trace", ["benchmarks/fused.py", "--gather-trace-only", "--out", "{out}"], 240, gpus=2,
          default=False, tail=8),
+    Step("fused_rs_trace", ["benchmarks/fused.py", "--reduce-scatter-trace-only", "--out", "{out}"], 180, gpus=2,
+         default=False, tail=8),
     Step("fused_gather_variants", ["benchmarks/fused.py", "--gather-variants-only", "--repeats", "3", "--out", "{out}"],
          420, gpus=2, default=False, tail=12),
     Step("fused_rs_variants", ["benchmarks/fused.py", "--reduce-scatter-variants-only", "--repeats", "3", "--out",

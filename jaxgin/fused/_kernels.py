@@ -455,12 +455,13 @@ def _partial_tile(
     N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr,
+    TRACE: tl.constexpr = 0,
 ):
     """Program (step, t) of matmul_reduce_scatter_kernel: this GPU's partial of tile t of the chunk
     owned by d = (me + 1 + step) % P, in the dtype; kept and flagged here (d's reducers fetch it),
     with PUSH stored and flagged in d's buffer instead, or, for d on another host, packed and put
     into d's incoming area. FOLD: the own chunk's partial is not flagged (the program that stored
-    it sums it)."""
+    it sums it). Returns when the tile's matmul ended (TRACE; else 0)."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -469,6 +470,7 @@ def _partial_tile(
     d = (me + 1 + step) % P
     ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, t, N, K, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION)
     tile = acc.to(partials.dtype.element_ty)
+    computed = _now_ns(TRACE)
     if gin_route(ctx, route, d, me, GIN) != 0:
         _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     else:
@@ -482,6 +484,7 @@ def _partial_tile(
         tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
         if not FOLD or d != me:
             tgl.set_flag(ctx, flag, epoch + 1, owner)
+    return computed
 
 
 @triton.jit
@@ -489,12 +492,13 @@ def _reduce_tile(
     ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
     P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     GROUP_M: tl.constexpr, GIN: tl.constexpr, WAIT_FIRST: tl.constexpr, REDUCE_SLABS: tl.constexpr,
-    FOLD: tl.constexpr, PUSH: tl.constexpr,
+    FOLD: tl.constexpr, PUSH: tl.constexpr, TRACE: tl.constexpr = 0,
 ):
     """Reducer t of matmul_reduce_scatter_kernel: tile t of this GPU's chunk, the sum of every
     source's partial in float32, source 0 first (the same bits on every run); with WAIT_FIRST
     every source waited for before any is loaded. FOLD: this program stored the own partial
-    itself, so a CTA barrier stands in for its flag."""
+    itself, so a CTA barrier stands in for its flag. Returns when its last wait ended (TRACE;
+    else 0)."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -508,6 +512,7 @@ def _reduce_tile(
     if WAIT_FIRST:
         for s in tl.static_range(P):
             _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD, PUSH)
+    waited = _now_ns(TRACE)
     for slab in tl.static_range(REDUCE_SLABS):
         rows = slab * SLAB + tl.arange(0, SLAB)
         r = ti * BM + rows
@@ -517,6 +522,8 @@ def _reduce_tile(
         for s in tl.static_range(P):
             if not WAIT_FIRST and slab == 0:  # every source waited for once, before its first load
                 _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD, PUSH)
+                if s == P - 1:
+                    waited = _now_ns(TRACE)
             if s == me:
                 part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0,
                                cache_modifier=".cg")
@@ -531,6 +538,7 @@ def _reduce_tile(
                 part = tl.load(there + within, mask=ok, other=0.0, cache_modifier=".cg")
             total += part.to(tl.float32)
         tl.store(out + within, total.to(out.dtype.element_ty), mask=ok)
+    return waited
 
 
 @triton.jit
@@ -553,12 +561,12 @@ def _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P: tl.constexpr,
 
 
 @triton.jit
-def matmul_reduce_scatter_kernel(
-    ctx, x, w, route, partials, flags, state, gin_tiles, sig, out,
+def _matmul_reduce_scatter(
+    ctx, x, w, route, partials, flags, state, gin_tiles, sig, out, trace,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
     SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
-    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr,
+    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr, TRACE: tl.constexpr,
 ):
     """out [CM, CN] = the sum over the axis of every GPU's x @ w restricted to the chunk this GPU
     owns (rows me*CM.. if SCATTER_ROWS, else columns me*CN..). Grid: P * TILES + TILES; P * TILES
@@ -594,18 +602,28 @@ def matmul_reduce_scatter_kernel(
 
     PUSH (NVLink only): a partial for an NVLink owner is stored into the owner's buffer instead
     (half `epoch % 2`, slot me there) and flagged there (flags[me * TILES + t]), so the owner's
-    sums load local memory and wait on local flags. Reuse is safe by the same argument."""
+    sums load local memory and wait on local flags. Reuse is safe by the same argument.
+
+    TRACE (with FOLD): each program also writes trace[place] (_trace_program's record: start, its
+    place, when its waits ended, end, SM; the own chunk's programs wait, the others' record their
+    flag's time there) and in word 5 when its matmul ended."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)
     if FOLD:
-        _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
-                      N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD, PUSH)
+        started = _now_ns(TRACE)
+        computed = _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
+                                 N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD, PUSH,
+                                 TRACE)
+        waited = _now_ns(TRACE)
         if pid % P == P - 1:  # step P - 1: the tile of this GPU's own chunk
-            _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // P, me, epoch, half,
-                         P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH)
+            waited = _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // P, me, epoch, half,
+                                  P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH, TRACE)
+        if TRACE:
+            _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
+            tl.store(trace.to(tl.pointer_type(tl.int64), bitcast=True) + pid.to(tl.int64) * 8 + 5, computed)
         finish_call(state, state + FINISHED, epoch, P * TILES, state + STARTED, 1)
     else:
         # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
@@ -627,6 +645,35 @@ def matmul_reduce_scatter_kernel(
             _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, t, me, epoch, half,
                          P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH)
         finish_call(state, state + FINISHED, epoch, P * TILES + TILES, state + STARTED, 1)
+
+
+@triton.jit
+def matmul_reduce_scatter_kernel(
+    ctx, x, w, route, partials, flags, state, gin_tiles, sig, out,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
+    SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
+    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr,
+):
+    """out [CM, CN] = psum_scatter of every GPU's x @ w: _matmul_reduce_scatter."""
+    _matmul_reduce_scatter(ctx, x, w, route, partials, flags, state, gin_tiles, sig, out, flags,
+                           M, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, LAG,
+                           WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH, 0)
+
+
+@triton.jit
+def matmul_reduce_scatter_traced_kernel(
+    ctx, x, w, route, partials, flags, state, gin_tiles, sig, out, trace,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
+    SCATTER_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr, LAG: tl.constexpr, WAIT_FIRST: tl.constexpr,
+    REDUCE_SLABS: tl.constexpr, FOLD: tl.constexpr, PUSH: tl.constexpr,
+):
+    """matmul_reduce_scatter_kernel (FOLD) that also writes a record per program into trace (int32
+    [programs, 16]; benchmarks/fused.py --reduce-scatter-trace-only: where the kernel's time goes)."""
+    _matmul_reduce_scatter(ctx, x, w, route, partials, flags, state, gin_tiles, sig, out, trace,
+                           M, N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, LAG,
+                           WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH, 1)
 
 
 @triton.jit

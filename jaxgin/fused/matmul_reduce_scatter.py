@@ -132,12 +132,13 @@ def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, ch
 
 
 def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fold: bool | None = None,
-            push: bool = False):
+            push: bool = False, trace: bool = False):
     """The Triton kernel: each partial tile handed to its chunk's owner from the epilogue (kept for
     the owner to fetch, or with `push` stored into the owner's buffer; NVLink only), and the owner
     summing the arrived partials in the axis's order: in the programs of its own partials (`fold`,
     NVLink only; None folds in a job without GIN peers, where it was measured faster) or in reducer
-    programs."""
+    programs. With `trace` (folded only), (out, trace): int32 [programs, 16], 8 int64 words per
+    program in start order (_kernels._matmul_reduce_scatter's TRACE; view it as int64)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -152,6 +153,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
                          "reducer programs (a GIN source's puts are waited for all at once)")
     if push and gin:
         raise ValueError("matmul_reduce_scatter: push is an NVLink layout; a job with GIN peers puts its partials")
+    if trace and not fold:
+        raise ValueError("matmul_reduce_scatter: only the folded kernel is traced")
     buffers = _common.op_buffers(
         state, ("matmul_reduce_scatter", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
         # this GPU's partial of every chunk, two halves; a flag per (chunk, tile); GIN: per source a
@@ -162,10 +165,13 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
         gin_area_shape=(2, 2, size, count, tiles.block_m * tiles.block_n) if gin else None,
         signals=2 * size * gin,
     )
+    programs = size * count + (0 if fold else count)
+    out = jax.core.ShapedArray((cm, cn), dtype)
     return triton_call(
-        _kernels.matmul_reduce_scatter_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
+        _kernels.matmul_reduce_scatter_traced_kernel if trace else _kernels.matmul_reduce_scatter_kernel,
+        x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
-        grid=(size * count + (0 if fold else count),), out_shape=jax.core.ShapedArray((cm, cn), dtype),
+        grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
