@@ -341,25 +341,26 @@ def _fused_bench_json(code: str):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_chain_times_split_a_chain_into_per_call_and_once_per_run_costs():
-    """fused._chain_times: chains of 20 and 40 calls taking 5 and 9 ms give 250 us per call of the
-    short chain, 200 us per further call and 1 ms paid once per run; _ratios then reads either
-    timing (XLA's time over jaxgin's), named by it."""
+def test_chain_times_give_the_host_clock_and_the_device_span_per_call():
+    """fused._chain_times: a chain of 20 calls taking 5 ms by the host's clock and spanning 4 ms on
+    GPU 0 gives 250 and 200 us per call; _ratios then reads either timing (XLA's time over
+    jaxgin's), named by it."""
     code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import fused;"
             "fused._chain = lambda mesh, op, specs, steps=fused.STEPS: steps;"
-            "fused.best_seconds = lambda steps, *args, repeats: {20: 5e-3, 40: 9e-3}[steps];"
+            "fused.best_seconds = lambda steps, *args, repeats: {20: 5e-3}[steps];"
+            "fused.device_span_seconds = lambda steps, *args: {20: 4e-3}[steps];"
             "t = fused._chain_times(None, None, (), None, 3);"
-            "row = {'xla_matmul_us': 100, 'triton_matmul_us': 125, 'xla_matmul_per_call_us': 90,"
-            "       'triton_matmul_per_call_us': 100, 'xla_all_gather_matmul_us': 300, 'fused_all_gather_us': 200,"
-            "       'triton_all_gather_us': 250, 'xla_all_gather_matmul_per_call_us': 280,"
-            "       'fused_all_gather_per_call_us': 140, 'triton_all_gather_per_call_us': 200};"
-            "print(json.dumps([t, fused._ratios(row, ''), fused._ratios(row, '_per_call')]))")
-    times, chain, per_call = _fused_bench_json(code)
-    assert times == pytest.approx({"us": 250.0, "per_call_us": 200.0, "fixed_us": 1000.0})
+            "row = {'xla_matmul_us': 100, 'triton_matmul_us': 125, 'xla_matmul_device_us': 90,"
+            "       'triton_matmul_device_us': 100, 'xla_all_gather_matmul_us': 300, 'fused_all_gather_us': 200,"
+            "       'triton_all_gather_us': 250, 'xla_all_gather_matmul_device_us': 280,"
+            "       'fused_all_gather_device_us': 140, 'triton_all_gather_device_us': 200};"
+            "print(json.dumps([t, fused._ratios(row, ''), fused._ratios(row, '_device')]))")
+    times, chain, device = _fused_bench_json(code)
+    assert times == pytest.approx({"us": 250.0, "device_us": 200.0})
     assert chain == pytest.approx({"triton_vs_xla_matmul": 0.8, "all_gather_speedup": 1.5,
                                    "triton_all_gather_speedup": 1.2})
-    assert per_call == pytest.approx({"triton_vs_xla_matmul_per_call": 0.9, "all_gather_speedup_per_call": 2.0,
-                                      "triton_all_gather_speedup_per_call": 1.4})
+    assert device == pytest.approx({"triton_vs_xla_matmul_device": 0.9, "all_gather_speedup_device": 2.0,
+                                    "triton_all_gather_speedup_device": 1.4})
 
 
 def test_chained_traced_calls_report_each_span_and_the_gap_before_the_next():
