@@ -61,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 from jaxgin.fused import _common
-from timing import after, best_seconds, device_span_seconds
+from timing import after, best_seconds, device_windows_seconds
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
@@ -125,11 +125,14 @@ def _chain(mesh, op, specs=ROWS, check_vma=True, steps=STEPS):
 def _chain_times(mesh, op, args, specs, repeats: int) -> dict:
     """The chain of STEPS calls timed two ways, per call: `us` by the host's clock around the whole
     program (best of `repeats`, as every other row here); `device_us` as GPU 0's span from its first
-    kernel to its last in one run (JAX's profiler), without the launch, the wait for the other GPU
-    to start and the final wait that the host's clock adds once per run."""
-    chain = _chain(mesh, op, specs)
-    return {"us": best_seconds(chain, *args, repeats=repeats) / STEPS * 1e6,
-            "device_us": device_span_seconds(chain, *args) / STEPS * 1e6}
+    kernel to its last in one run (JAX's profiler), without the launch and the final wait that the
+    host's clock adds once per run. `gpu_windows_us`: in that run, each GPU's first start and last
+    end, in us from the earliest start (whole run, not per call): how much later each GPU began."""
+    windows = device_windows_seconds(_chain(mesh, op, specs), *args)
+    start, end = windows[min(windows)]
+    return {"us": best_seconds(_chain(mesh, op, specs), *args, repeats=repeats) / STEPS * 1e6,
+            "device_us": (end - start) / STEPS * 1e6,
+            "gpu_windows_us": [[round(s * 1e6, 1), round(e * 1e6, 1)] for _, (s, e) in sorted(windows.items())]}
 
 
 def _once(mesh, op, specs=ROWS, check_vma=True):
@@ -1022,7 +1025,8 @@ def main() -> None:
         "nccl": jaxgin.info().get("nccl_version"),
         "timing": f"best of {args.repeats} runs of one jitted loop of {STEPS} dependent calls, divided by {STEPS}; "
                   f"*_device_us (the issue's shapes): GPU 0's span of one run of the same loop (JAX's profiler), "
-                  f"divided by {STEPS}",
+                  f"divided by {STEPS}; *_gpu_windows_us: each GPU's first start and last end in that run, in us "
+                  f"from the earliest",
         "shapes": shapes,
         "sweep": sweep,
         "breakdown": parts,

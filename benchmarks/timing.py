@@ -23,26 +23,63 @@ def best_seconds(f, *args, repeats: int) -> float:
     return best
 
 
-def device_events(trace_dir: Path) -> list[dict]:
-    """Complete events ('X') of the first GPU's streams, by start time, from the Perfetto trace that
-    jax.profiler.trace(..., create_perfetto_trace=True) wrote under trace_dir."""
+def _trace_events(trace_dir: Path) -> list[dict]:
+    """Every event of the Perfetto trace that jax.profiler.trace(..., create_perfetto_trace=True)
+    wrote under trace_dir."""
     files = sorted(Path(trace_dir).rglob("*.trace.json.gz")) or sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
     if not files:
         raise RuntimeError(f"no trace under {trace_dir}")
     with gzip.open(files[-1], "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = [pid for pid, name in names.items() if "GPU:0" in name or "/device:GPU:0" in name]
-    if not device:
-        device = [pid for pid, name in names.items() if "device" in name.lower()][:1]
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _gpu_stream_events(events: list[dict], pids: list[int]) -> list[dict]:
+    """Complete events ('X') on the stream lines of the processes `pids`, by start time. A device's
+    stream lines hold the kernels and copies; its "XLA Ops" / "XLA Modules" lines repeat them by
+    HLO name."""
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device}
-    # The device's stream lines hold the kernels and copies; its "XLA Ops" / "XLA Modules" lines
-    # repeat them by HLO name.
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in pids}
     streams = {key for key, name in threads.items() if name.lower().startswith("stream")} or set(threads)
     return sorted((e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams),
                   key=lambda e: e["ts"])
+
+
+def _gpu_pids(events: list[dict]) -> dict[int, int]:
+    """GPU index -> the trace's process id for it ("/device:GPU:N")."""
+    found = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            name = e["args"]["name"]
+            if "GPU:" in name and name.rsplit("GPU:", 1)[1].isdigit():
+                found[int(name.rsplit("GPU:", 1)[1])] = e["pid"]
+    return found
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Complete events ('X') of the first GPU's streams, by start time, from the trace under trace_dir."""
+    events = _trace_events(trace_dir)
+    gpus = _gpu_pids(events)
+    if 0 in gpus:
+        device = [gpus[0]]
+    else:
+        names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+        device = [pid for pid, name in names.items() if "device" in name.lower()][:1]
+    return _gpu_stream_events(events, device)
+
+
+def device_windows(trace_dir: Path) -> dict[int, tuple[float, float]]:
+    """Per GPU of the trace under trace_dir: (its first stream event's start, its last one's end),
+    in seconds on the trace's clock, which JAX's profiler shares between the GPUs of a process."""
+    events = _trace_events(trace_dir)
+    windows = {}
+    for gpu, pid in sorted(_gpu_pids(events).items()):
+        mine = _gpu_stream_events(events, [pid])
+        if mine:
+            windows[gpu] = (mine[0]["ts"] * 1e-6, max(e["ts"] + e["dur"] for e in mine) * 1e-6)
+    if not windows:
+        raise RuntimeError(f"the trace under {trace_dir} holds no GPU's stream events")
+    return windows
 
 
 def span_seconds(events: list[dict]) -> float:
@@ -61,6 +98,18 @@ def device_span_seconds(f, *args) -> float:
         with jax.profiler.trace(where, create_perfetto_trace=True):
             jax.block_until_ready(f(*args))
         return span_seconds(device_events(Path(where)))
+
+
+def device_windows_seconds(f, *args) -> dict[int, tuple[float, float]]:
+    """Every GPU's (first start, last end) in one call of f (after a warm-up call), in seconds from
+    the earliest first start of any GPU: how much later each GPU began, and when each finished."""
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory(prefix="device-windows-") as where:
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            jax.block_until_ready(f(*args))
+        windows = device_windows(Path(where))
+    t0 = min(start for start, _ in windows.values())
+    return {gpu: (start - t0, end - t0) for gpu, (start, end) in windows.items()}
 
 
 def best_seconds_threaded(f, x, *, repeats: int) -> float:

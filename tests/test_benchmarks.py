@@ -281,6 +281,22 @@ def _perfetto_trace(where: Path) -> None:
         json.dump({"traceEvents": events}, f)
 
 
+def test_device_windows_give_each_gpus_first_start_and_last_end(tmp_path):
+    """timing.device_windows: per GPU of the trace, its stream events' first start and last end
+    (seconds on the trace's clock), the XLA-op line and the host left out."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import timing
+    finally:
+        sys.path.pop(0)
+    _perfetto_trace(tmp_path / "run")
+    windows = timing.device_windows(tmp_path / "run")
+    assert windows.keys() == {0, 1}
+    assert windows[0] == pytest.approx((100e-6, 130e-6)) and windows[1] == pytest.approx((90e-6, 170e-6))
+    with pytest.raises(RuntimeError, match="no trace under"):
+        timing.device_windows(tmp_path / "empty")
+
+
 def test_device_span_reads_the_first_gpus_streams_only(tmp_path):
     """The benchmarks' device span (timing.device_events, span_seconds): GPU 0's stream events in
     start order, not its XLA-op line, GPU 1 or the host; the span from the first start to the
@@ -343,12 +359,12 @@ def _fused_bench_json(code: str):
 
 def test_chain_times_give_the_host_clock_and_the_device_span_per_call():
     """fused._chain_times: a chain of 20 calls taking 5 ms by the host's clock and spanning 4 ms on
-    GPU 0 gives 250 and 200 us per call; _ratios then reads either timing (XLA's time over
-    jaxgin's), named by it."""
+    GPU 0 gives 250 and 200 us per call, and each GPU's window of the run (GPU 1 began 0.3 ms
+    later); _ratios then reads either timing (XLA's time over jaxgin's), named by it."""
     code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import fused;"
             "fused._chain = lambda mesh, op, specs, steps=fused.STEPS: steps;"
             "fused.best_seconds = lambda steps, *args, repeats: {20: 5e-3}[steps];"
-            "fused.device_span_seconds = lambda steps, *args: {20: 4e-3}[steps];"
+            "fused.device_windows_seconds = lambda steps, *args: {20: {0: (0.0, 4e-3), 1: (3e-4, 4.5e-3)}}[steps];"
             "t = fused._chain_times(None, None, (), None, 3);"
             "row = {'xla_matmul_us': 100, 'triton_matmul_us': 125, 'xla_matmul_device_us': 90,"
             "       'triton_matmul_device_us': 100, 'xla_all_gather_matmul_us': 300, 'fused_all_gather_us': 200,"
@@ -356,6 +372,7 @@ def test_chain_times_give_the_host_clock_and_the_device_span_per_call():
             "       'fused_all_gather_device_us': 140, 'triton_all_gather_device_us': 200};"
             "print(json.dumps([t, fused._ratios(row, ''), fused._ratios(row, '_device')]))")
     times, chain, device = _fused_bench_json(code)
+    assert times.pop("gpu_windows_us") == [[0.0, 4000.0], [300.0, 4500.0]]
     assert times == pytest.approx({"us": 250.0, "device_us": 200.0})
     assert chain == pytest.approx({"triton_vs_xla_matmul": 0.8, "all_gather_speedup": 1.5,
                                    "triton_all_gather_speedup": 1.2})
