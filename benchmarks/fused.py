@@ -767,6 +767,63 @@ def reduce_scatter_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> d
     return row
 
 
+def _all_to_all_trace_summary(records: np.ndarray, shards: int) -> dict:
+    """One GPU's records of a traced matmul_all_to_all call (_kernels._matmul_all_to_all's TRACE:
+    start, place, waits ended, end, SM, matmul ended, stored), in us from the first program's start.
+    The op's programs are tile-major (place = tile * shards + step): step `shards - 1` computes a
+    tile of this GPU's own chunk, the others a tile for a peer (stored here and flagged: the peer
+    pulls it); every step after the first then waits for the arrival of its tile from a peer and
+    copies it out (`copy` includes the load over NVLink)."""
+    start, place, waited, end, sm, computed, stored = (records[:, i] for i in range(7))
+    t0 = start.min()
+    step = place % shards
+
+    def us(values):
+        values = (np.asarray(values) - t0) / 1e3
+        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
+                "max": round(float(values.max()), 1)} if len(values) else {}
+
+    def median_us(values):
+        return round(float(np.median(values)) / 1e3, 1) if len(values) else None
+
+    own, sending, copying = step == shards - 1, step != shards - 1, step > 0
+    return {
+        "span_us": round(float((end.max() - t0) / 1e3), 1),
+        "matmul_us_median": median_us(computed - start),
+        "sending": {"end_us": us(end[sending]), "store_and_flag_us_median": median_us(stored[sending] - computed[sending])},
+        "own_chunk": {"end_us": us(end[own]), "store_us_median": median_us(stored[own] - computed[own])},
+        "copy_out": {"wait_us_median": median_us(waited[copying] - stored[copying]),
+                     "copy_us_median": median_us(end[copying] - waited[copying]), "end_us": us(end[copying])},
+        **_sm_occupancy(start, end, sm),
+    }
+
+
+def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
+    """matmul_all_to_all's Triton kernel (the op's layout) with a record per program
+    (_kernels.matmul_all_to_all_traced_kernel) from one call after warm-up, per part of the
+    exchange switched on (PARTS, as the breakdown): how long the matmul, the stores and flags, the
+    waits for arrivals and the copies out take. The raw records of GPU 0 are kept."""
+    import importlib
+
+    fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    state = jaxgin.runtime.current()
+    x, w = _operands(mesh, jax.random.split(jax.random.key(m + k + n)), m, k, n, dtype)
+    plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, None, "triton")
+    row = {"m": m, "k": k, "n": n, "parts": {}}
+    for name, parts in (("matmul only", 0), ("+ remote tile stores", 1), ("+ flags", 3), ("the op", 7)):
+        def call(x, w, parts=parts):
+            return fused_a2a._triton(state, x, w, plan, False, parts, True, True, trace=True)
+
+        traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
+        for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
+            _, trace = traced(x, w)
+        per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
+        row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size) for g in per_gpu],
+                              "gpu0_records": per_gpu[0, :, :7].tolist()}
+        print(json.dumps({"m": m, "all_to_all": name, **row["parts"][name]["gpus"][0]}), flush=True)
+    return row
+
+
 # The chunked method's layouts (how the peers' chunks are split into cuBLAS calls) with the ops
 # each shape times: matmul_all_to_all over the sweep (K = 7168, N = 2048; the default is below
 # XLA's composition up to M = 2048), all three at the issue's shapes, all_gather_matmul at the
@@ -895,6 +952,7 @@ def plot(report: dict, path: Path) -> Path:
 # replaces the full run.
 SINGLE_MEASURE_MODES = ("chunking_only", "gspmd_only", "variants_only", "gather_variants_only",
                         "reduce_scatter_variants_only", "gather_trace_only", "reduce_scatter_trace_only",
+                        "all_to_all_trace_only",
                         "chunked_layouts_only", "sweep_only")
 
 
@@ -924,6 +982,9 @@ def main() -> None:
     parser.add_argument("--reduce-scatter-trace-only", action="store_true",
                         help="only matmul_reduce_scatter's folded Triton kernel with a record per program (matmul, "
                              "stores and flags, waits, sums; fused_reduce_scatter_trace.json)")
+    parser.add_argument("--all-to-all-trace-only", action="store_true",
+                        help="only matmul_all_to_all's Triton kernel with a record per program, per part of the "
+                             "exchange (matmul, stores and flags, waits, copies out; fused_all_to_all_trace.json)")
     parser.add_argument("--chunked-layouts-only", action="store_true",
                         help="only the chunked method of the three fused ops under each chunk layout, with the "
                              "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
@@ -981,6 +1042,7 @@ def main() -> None:
                                          issue_shapes),
         "gather_trace_only": (gather_trace, "fused_gather_trace.json", kind, issue_shapes),
         "reduce_scatter_trace_only": (reduce_scatter_trace, "fused_reduce_scatter_trace.json", kind, issue_shapes),
+        "all_to_all_trace_only": (all_to_all_trace, "fused_all_to_all_trace.json", kind, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
         "sweep_only": (measure, "fused_sweep.json", kind,

@@ -447,3 +447,21 @@ def test_every_single_measure_mode_of_the_fused_bench_is_a_flag():
         "\n", "").replace(" ", "").split(","))
     # breakdown, shapes, windowed and pallas have paths of their own in main
     assert modes == flags - {"breakdown_only", "shapes_only", "windowed_only", "pallas_only"}
+
+
+def test_a_traced_all_to_all_call_is_summarized_from_its_program_records():
+    """fused._all_to_all_trace_summary on records as the traced kernel writes them (start, place,
+    waits ended, end, SM, matmul ended, stored; ns) for two sources: places 0 and 2 compute tiles
+    for the peer (stored here and flagged), 1 and 3 tiles of the own chunk, which then wait for the
+    peer's tile and copy it out."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import numpy as np, fused;"
+            "r = np.array([[0, 0, 104000, 104000, 0, 100000, 104000], [0, 1, 110000, 120000, 1, 100000, 101000],"
+            "              [0, 2, 106000, 106000, 2, 100000, 106000], [5000, 3, 120000, 132000, 0, 110000, 112000]]);"
+            "print(json.dumps(fused._all_to_all_trace_summary(r, 2)))")
+    summary = _fused_bench_json(code)
+    assert summary["span_us"] == 132.0 and summary["matmul_us_median"] == 100.0
+    assert summary["sending"]["store_and_flag_us_median"] == 5.0
+    assert summary["own_chunk"]["store_us_median"] == 1.5
+    assert summary["copy_out"]["wait_us_median"] == 8.5 and summary["copy_out"]["copy_us_median"] == 11.0
+    assert summary["copy_out"]["end_us"] == {"min": 120.0, "median": 126.0, "max": 132.0}
+    assert summary["most_programs_at_once_on_one_sm"] == 2 and summary["sms_used"] == 3

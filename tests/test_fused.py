@@ -740,6 +740,50 @@ def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolch
     assert registers_per_thread(traced) <= 128  # still two programs per SM, as the plain kernel
 
 
+def test_the_traced_all_to_all_kernel_records_what_the_plain_one_does_not(toolchain):
+    """matmul_all_to_all_traced_kernel (benchmarks/fused.py --all-to-all-trace-only) reads the GPU's
+    timer and SM id and stores each program's record; the kernel the op runs has none of it, and
+    the traced one still fits two programs of 8 warps on an SM."""
+    from jaxgin.fused import _kernels
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
+                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    constexprs = dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
+                      BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
+                      GIN=0, COPIERS=0, XB=2)
+    plain = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=constexprs)
+    traced = compile_for_sm90(_kernels.matmul_all_to_all_traced_kernel, dict(pointers, trace="*i32"),
+                              num_warps=8, constexprs=constexprs)
+    for register in ("%globaltimer", "%smid"):
+        assert register in traced.asm["ptx"] and register not in plain.asm["ptx"]
+    assert registers_per_thread(traced) <= 128
+
+
+def test_a_traced_all_to_all_returns_its_records_beside_the_result(monkeypatch):
+    """matmul_all_to_all._triton(trace=True): the traced kernel, a record of 16 int32 per program
+    beside the result; refused in a job with GIN peers (its copy-out programs are not traced)."""
+    import importlib
+
+    a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    from jaxgin.fused import _kernels
+
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(a2a, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    calls = []
+    monkeypatch.setattr(a2a, "triton_call", lambda kernel, *args, **kw: calls.append((kernel, kw)))
+    size = 4
+    x, w = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 384), jnp.bfloat16)
+    plan = a2a._Plan(("x",), size, 512, 384, 256, True, True, None, None, "triton")
+    a2a._triton(_HeapOnlyState(), x, w, plan, False, 7, True, True, trace=True)
+    ((kernel, kw),) = calls
+    count = -(-(512 // size) // kw["BM"]) * -(-384 // kw["BN"])
+    result, records = kw["out_shape"]
+    assert kernel is _kernels.matmul_all_to_all_traced_kernel
+    assert result.shape == plan.out_shape and records.shape == (size * count, 16) and records.dtype == jnp.int32
+    with pytest.raises(ValueError, match="traced kernel runs over NVLink only"):
+        a2a._triton(_HeapOnlyState(), x, w, plan, True, 7, True, True, trace=True)
+
+
 def test_the_traced_reduce_scatter_kernel_records_what_the_plain_one_does_not(toolchain):
     """matmul_reduce_scatter_traced_kernel (benchmarks/fused.py --reduce-scatter-trace-only) reads
     the GPU's timer and SM id and stores each program's record; the kernel the op runs has none of

@@ -575,6 +575,8 @@ BENCHMARKS = {step.name: step for step in [
     # the issue's shapes alone (host clock and device span), without the sweep, breakdown and baselines' processes
     Step("fused_shapes", ["benchmarks/fused.py", "--shapes-only", "--no-windowed", "--no-pallas", "--out", "{out}"],
          360, gpus=2, default=False, tail=8),
+    Step("fused_a2a_trace", ["benchmarks/fused.py", "--all-to-all-trace-only", "--out", "{out}"], 240, gpus=2,
+         default=False, tail=10),
     Step("fused_rs_trace", ["benchmarks/fused.py", "--reduce-scatter-trace-only", "--out", "{out}"], 180, gpus=2,
          default=False, tail=8),
     Step("fused_gather_variants", ["benchmarks/fused.py", "--gather-variants-only", "--repeats", "3", "--out", "{out}"],

@@ -321,8 +321,11 @@ def _exchange_tile(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
+    TRACE: tl.constexpr = 0,
 ):
-    """Program (step, t) of matmul_all_to_all_kernel below a GIN job's copy-out programs."""
+    """Program (step, t) of matmul_all_to_all_kernel below a GIN job's copy-out programs. Returns
+    when its matmul ended, when its tile was stored (and flagged), when its wait for the arrival
+    it copies out ended (TRACE; else zeros)."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -335,6 +338,7 @@ def _exchange_tile(
     d = (me + 1 + step) % P
     ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, t, N, K, CM, CN, SPLIT_ROWS, BM, BN, BK, GROUP_M, PRECISION)
     tile = acc.to(out.dtype.element_ty)
+    computed = _now_ns(TRACE)
     if d == me or (PARTS & 1) == 0:
         _store_chunk_tile(out, tile, d, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     elif gin_route(ctx, route, d, me, GIN) != 0:
@@ -349,6 +353,8 @@ def _exchange_tile(
         tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
         if PARTS & 2:
             tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
+    stored = _now_ns(TRACE)
+    waited = stored
     s = (me + P - step) % P
     if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
         if PULL:
@@ -358,8 +364,10 @@ def _exchange_tile(
         else:
             tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
             slot = recv + (half * P + s) * (CM * CN)
+        waited = _now_ns(TRACE)
         arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
         _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+    return computed, stored, waited
 
 
 @triton.jit
@@ -394,13 +402,13 @@ def _copy_out_gin_source(
 
 
 @triton.jit
-def matmul_all_to_all_kernel(
-    ctx, x, w, route, recv, flags, state, gin_tiles, sig, out,
+def _matmul_all_to_all(
+    ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, trace,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr,
+    XB: tl.constexpr, TRACE: tl.constexpr,
 ):
     """y = x @ w; chunk [CM, CN] of y for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
     d*CN..) goes to d, whose output holds the chunk from s at rows s*CM.. if CONCAT_ROWS, else at
@@ -431,6 +439,10 @@ def matmul_all_to_all_kernel(
     (one per source waits for its TILES puts and raises flags[P * TILES + s], the rest wait on that
     flag). Reuse is safe for the same reason as the exchange buffers: a GPU rewrites half h at call
     n + 2, after every peer finished call n + 1, so after its puts of call n were read and counted.
+
+    TRACE (NVLink only): each program also writes trace[place] (_trace_program's record: start,
+    its place, when its wait for the arrival it copies out ended, end, SM) and in words 5 and 6
+    when its matmul ended and when its tile was stored and flagged.
     """
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
@@ -439,14 +451,52 @@ def matmul_all_to_all_kernel(
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)  # the program numbers that waits rely on
     if pid < P * TILES:
-        _exchange_tile(ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
-                       M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, XB)
+        started = _now_ns(TRACE)
+        computed, stored, waited = _exchange_tile(
+            ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
+            M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
+            PARTS, INTERLEAVE, PULL, GIN, XB, TRACE)
+        if TRACE:
+            _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
+            words = trace.to(tl.pointer_type(tl.int64), bitcast=True) + pid.to(tl.int64) * 8
+            tl.store(words + 5, computed)
+            tl.store(words + 6, stored)
     else:
         if GIN:  # the copy-out programs exist only in a GIN job (compiled away otherwise: COPIERS = 0)
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
                                  P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN, GROUP_M, COPIERS, GIN)
     finish_call(state, state + FINISHED, epoch, PROGRAMS, state + STARTED, 1)
+
+
+@triton.jit
+def matmul_all_to_all_kernel(
+    ctx, x, w, route, recv, flags, state, gin_tiles, sig, out,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
+    CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
+    XB: tl.constexpr,
+):
+    """y = x @ w, its chunks exchanged over the axis: _matmul_all_to_all."""
+    _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, flags,
+                       M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, 0)
+
+
+@triton.jit
+def matmul_all_to_all_traced_kernel(
+    ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, trace,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
+    CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
+    XB: tl.constexpr,
+):
+    """matmul_all_to_all_kernel (NVLink only) that also writes a record per program into trace (int32
+    [programs, 16]; benchmarks/fused.py --all-to-all-trace-only: where the kernel's time goes)."""
+    _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, trace,
+                       M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, 1)
 
 
 @triton.jit

@@ -129,8 +129,10 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
                              lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool):
-    """The Triton kernel: the matmul's tiles handed to their destinations from its epilogue."""
+def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool, trace: bool = False):
+    """The Triton kernel: the matmul's tiles handed to their destinations from its epilogue. With
+    `trace` (NVLink only), (out, trace): int32 [programs, 16], 8 int64 words per program in start
+    order (_kernels._matmul_all_to_all's TRACE; view it as int64)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -140,6 +142,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
                                  "exchange")
     tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
     copiers = _common.gin_copiers(size, tm * tn) if gin else 0
+    if trace and gin:
+        raise ValueError("matmul_all_to_all: the traced kernel runs over NVLink only")
     buffers = _common.op_buffers(
         state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
         (2, size, cm, cn), dtype, size * tm * tn + size * gin,
@@ -148,10 +152,13 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         gin_area_shape=(2, 2, size, tm * tn, tiles.block_m * tiles.block_n) if gin else None,
         signals=2 * size * gin,
     )
+    programs = size * tm * tn + size * copiers
+    out = jax.core.ShapedArray(plan.out_shape, dtype)
     return triton_call(
-        _kernels.matmul_all_to_all_kernel, x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
+        _kernels.matmul_all_to_all_traced_kernel if trace else _kernels.matmul_all_to_all_kernel,
+        x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
-        grid=(size * tm * tn + size * copiers,), out_shape=jax.core.ShapedArray(plan.out_shape, dtype),
+        grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
