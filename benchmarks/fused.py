@@ -580,17 +580,36 @@ def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     return row
 
 
+def _spread_from(t0):
+    """For traced records: a function giving the min, median and max of ns timestamps, in us from t0."""
+    def spread(values):
+        values = (np.asarray(values) - t0) / 1e3
+        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
+                "max": round(float(values.max()), 1)} if len(values) else {}
+
+    return spread
+
+
+def _median_us(durations) -> float | None:
+    """The median of ns durations, in us."""
+    return round(float(np.median(durations)) / 1e3, 1) if len(durations) else None
+
+
+def _traced_records(mesh, call, args, in_specs, repeats: int) -> np.ndarray:
+    """Every GPU's program records [GPUs, programs, 8] (int64) from the last of a few calls of a
+    traced kernel's `call` (returning (out, trace)), so it ran compiled with its buffers touched."""
+    traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=(P("x"), P("x"))))
+    for _ in range(max(repeats, 2)):
+        _, trace = traced(*args)
+    return np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)
+
+
 def _trace_summary(records: np.ndarray, shards: int) -> dict:
     """One GPU's records of a traced all_gather_matmul call (_kernels._trace_program: start, tile,
     waits ended, end, SM per program) over `shards` sources, in us from the first program's start."""
     start, tile, waited, end, sm = (records[:, i] for i in range(5))
     t0 = start.min()
-
-    def us(values):
-        values = (np.asarray(values) - t0) / 1e3
-        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
-                "max": round(float(values.max()), 1)} if len(values) else {}
-
+    us = _spread_from(t0)
     senders, tiles = tile < 0, tile >= 0
     per_shard = (tile[tiles].max() + 1) // shards if tiles.any() else 0  # own shard's tiles first
     own, peer = tiles & (tile < per_shard), tiles & (tile >= per_shard)
@@ -629,11 +648,8 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     row = {"m": m, "k": k, "n": n, "shard": [m // mesh.size, k], "tiles": {}}
     for tiles in GATHER_TILES:
         plan = fused_ag._Plan(("x",), mesh.size, m // mesh.size, n, k, None, tiles, "triton")
-        traced = jax.jit(jax.shard_map(lambda x, w, plan=plan: fused_ag._triton(state, x, w, plan, False, trace=True),
-                                       mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
-        for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
-            _, trace = traced(xs, w)
-        per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
+        per_gpu = _traced_records(mesh, lambda x, w, plan=plan: fused_ag._triton(state, x, w, plan, False, trace=True),
+                                  (xs, w), (P("x"), P()), repeats)
         key = str(dataclasses.astuple(tiles))
         row["tiles"][key] = {"gpus": [_trace_summary(g, mesh.size) for g in per_gpu],
                              "gpu0_records": per_gpu[0, :, :5].tolist()}
@@ -717,26 +733,18 @@ def _reduce_scatter_trace_summary(records: np.ndarray, shards: int) -> dict:
     wait for the peers' partials of their tile and sum them (their `reduce` includes the loads)."""
     start, place, waited, end, sm, computed = (records[:, i] for i in range(6))
     t0 = start.min()
-
-    def us(values):
-        values = (np.asarray(values) - t0) / 1e3
-        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
-                "max": round(float(values.max()), 1)} if len(values) else {}
-
-    def median_us(values):
-        return round(float(np.median(values)) / 1e3, 1) if len(values) else None
-
+    us = _spread_from(t0)
     own = place % shards == shards - 1
     peers = ~own
     return {
         "span_us": round(float((end.max() - t0) / 1e3), 1),
         "peer_chunks": {"start_us": us(start[peers]), "end_us": us(end[peers]),
-                        "matmul_us_median": median_us(computed[peers] - start[peers]),
-                        "store_and_flag_us_median": median_us(waited[peers] - computed[peers])},
+                        "matmul_us_median": _median_us(computed[peers] - start[peers]),
+                        "store_and_flag_us_median": _median_us(waited[peers] - computed[peers])},
         "own_chunk": {"start_us": us(start[own]), "end_us": us(end[own]),
-                      "matmul_us_median": median_us(computed[own] - start[own]),
-                      "store_and_wait_us_median": median_us(waited[own] - computed[own]),
-                      "reduce_us_median": median_us(end[own] - waited[own])},
+                      "matmul_us_median": _median_us(computed[own] - start[own]),
+                      "store_and_wait_us_median": _median_us(waited[own] - computed[own]),
+                      "reduce_us_median": _median_us(end[own] - waited[own])},
         **_sm_occupancy(start, end, sm),
     }
 
@@ -757,10 +765,7 @@ def reduce_scatter_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> d
         def call(x, w, push=push):
             return fused_rs._triton(state, x, w, plan, False, 0, False, fold=True, push=push, trace=True)
 
-        traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=K_SHARDED[:2], out_specs=(P("x"), P("x"))))
-        for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
-            _, trace = traced(x, w)
-        per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
+        per_gpu = _traced_records(mesh, call, (x, w), K_SHARDED[:2], repeats)
         row["layouts"][name] = {"gpus": [_reduce_scatter_trace_summary(g, mesh.size) for g in per_gpu],
                                 "gpu0_records": per_gpu[0, :, :6].tolist()}
         print(json.dumps({"m": m, "reduce_scatter": name, **row["layouts"][name]["gpus"][0]}), flush=True)
@@ -777,23 +782,15 @@ def _all_to_all_trace_summary(records: np.ndarray, shards: int) -> dict:
     start, place, waited, end, sm, computed, stored = (records[:, i] for i in range(7))
     t0 = start.min()
     step = place % shards
-
-    def us(values):
-        values = (np.asarray(values) - t0) / 1e3
-        return {"min": round(float(values.min()), 1), "median": round(float(np.median(values)), 1),
-                "max": round(float(values.max()), 1)} if len(values) else {}
-
-    def median_us(values):
-        return round(float(np.median(values)) / 1e3, 1) if len(values) else None
-
+    us = _spread_from(t0)
     own, sending, copying = step == shards - 1, step != shards - 1, step > 0
     return {
         "span_us": round(float((end.max() - t0) / 1e3), 1),
-        "matmul_us_median": median_us(computed - start),
-        "sending": {"end_us": us(end[sending]), "store_and_flag_us_median": median_us(stored[sending] - computed[sending])},
-        "own_chunk": {"end_us": us(end[own]), "store_us_median": median_us(stored[own] - computed[own])},
-        "copy_out": {"wait_us_median": median_us(waited[copying] - stored[copying]),
-                     "copy_us_median": median_us(end[copying] - waited[copying]), "end_us": us(end[copying])},
+        "matmul_us_median": _median_us(computed - start),
+        "sending": {"end_us": us(end[sending]), "store_and_flag_us_median": _median_us(stored[sending] - computed[sending])},
+        "own_chunk": {"end_us": us(end[own]), "store_us_median": _median_us(stored[own] - computed[own])},
+        "copy_out": {"wait_us_median": _median_us(waited[copying] - stored[copying]),
+                     "copy_us_median": _median_us(end[copying] - waited[copying]), "end_us": us(end[copying])},
         **_sm_occupancy(start, end, sm),
     }
 
@@ -814,10 +811,7 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
         def call(x, w, parts=parts):
             return fused_a2a._triton(state, x, w, plan, False, parts, True, True, trace=True)
 
-        traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
-        for _ in range(max(repeats, 2)):  # the last call's records: compiled, buffers touched
-            _, trace = traced(x, w)
-        per_gpu = np.asarray(trace).reshape(mesh.size, -1, 16).view(np.int64)  # [GPUs, programs, 8]
+        per_gpu = _traced_records(mesh, call, (x, w), (P("x"), P()), repeats)
         row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size) for g in per_gpu],
                               "gpu0_records": per_gpu[0, :, :7].tolist()}
         print(json.dumps({"m": m, "all_to_all": name, **row["parts"][name]["gpus"][0]}), flush=True)

@@ -259,6 +259,16 @@ def test_check_fp8_agrees_with_its_numpy_oracle_on_cpu(tmp_path):
         assert case["rounded_mismatches"] == case["dispatch_mismatches"] == 0, case
 
 
+def _timing_module():
+    """benchmarks/timing.py, imported as the benchmarks import it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import timing
+    finally:
+        sys.path.pop(0)
+    return timing
+
+
 def _perfetto_trace(where: Path) -> None:
     """A trace as jax.profiler.trace(..., create_perfetto_trace=True) writes it: GPU 0 with a
     stream line and an "XLA Ops" line repeating its kernels, GPU 1, and the host."""
@@ -284,11 +294,7 @@ def _perfetto_trace(where: Path) -> None:
 def test_device_windows_give_each_gpus_first_start_and_last_end(tmp_path):
     """timing.device_windows: per GPU of the trace, its stream events' first start and last end
     (seconds on the trace's clock), the XLA-op line and the host left out."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import timing
-    finally:
-        sys.path.pop(0)
+    timing = _timing_module()
     _perfetto_trace(tmp_path / "run")
     windows = timing.device_windows(tmp_path / "run")
     assert windows.keys() == {0, 1}
@@ -301,11 +307,7 @@ def test_device_span_reads_the_first_gpus_streams_only(tmp_path):
     """The benchmarks' device span (timing.device_events, span_seconds): GPU 0's stream events in
     start order, not its XLA-op line, GPU 1 or the host; the span from the first start to the
     latest end, in seconds; a trace without device events is an error, not a zero."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import timing
-    finally:
-        sys.path.pop(0)
+    timing = _timing_module()
     _perfetto_trace(tmp_path / "run")
     events = timing.device_events(tmp_path / "run")
     assert [(e["name"], e["ts"]) for e in events] == [("dispatch_kernel", 100.0), ("route_kernel", 110.0),

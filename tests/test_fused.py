@@ -649,7 +649,11 @@ def test_rank_hosts_follows_the_lsa_teams_and_names_a_layout_it_cannot_express()
         rank_hosts(_FakeState(4, shifted), "op")
 
 
-# all_gather_matmul_kernel's runtime parameters, bfloat16
+# The fused kernels' runtime pointer parameters (bfloat16), as the compile tests give them to Triton.
+_ALL_TO_ALL_POINTERS = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
+                        "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+_REDUCE_SCATTER_POINTERS = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16",
+                            "flags": "*i64", "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
 _ALL_GATHER_POINTERS = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "hosts": "*i32", "gather": "*bf16",
                         "flags": "*i64", "state": "*i64", "sig": "i32", "out": "*bf16"}
 
@@ -659,8 +663,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     from jaxgin.fused import _kernels
     from jaxgin.triton_device import link
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _ALL_TO_ALL_POINTERS
     a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
         BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
@@ -746,8 +749,7 @@ def test_the_traced_all_to_all_kernel_records_what_the_plain_one_does_not(toolch
     the traced one still fits two programs of 8 warps on an SM."""
     from jaxgin.fused import _kernels
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "recv": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _ALL_TO_ALL_POINTERS
     constexprs = dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
                       BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
                       GIN=0, COPIERS=0, XB=2)
@@ -790,8 +792,7 @@ def test_the_traced_reduce_scatter_kernel_records_what_the_plain_one_does_not(to
     it, and the traced one still fits two programs of 8 warps on an SM."""
     from jaxgin.fused import _kernels
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _REDUCE_SCATTER_POINTERS
     constexprs = dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64,
                       GROUP_M=8, PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True,
                       PUSH=False)
@@ -816,8 +817,7 @@ def test_matmul_reduce_scatter_kernel_leaves_room_for_two_programs_per_sm(toolch
     from jaxgin.fused import _kernels
 
     rs_module = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _REDUCE_SCATTER_POINTERS
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=warps, constexprs=dict(
         M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
         PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=rs_module.reduce_slabs(128, False),
@@ -830,8 +830,7 @@ def test_matmul_reduce_scatter_kernel_compiles_and_links_for_sm90a(toolchain, gi
     from jaxgin.fused import _kernels
     from jaxgin.triton_device import link
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _REDUCE_SCATTER_POINTERS
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
         PRECISION="tf32", GIN=gin, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4 - 3 * gin, FOLD=False, PUSH=False))
@@ -852,8 +851,7 @@ def test_folded_reduce_scatter_waits_on_peers_alone(toolchain, push):
     from jaxgin.fused import _kernels
     from jaxgin.triton_device import link
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _REDUCE_SCATTER_POINTERS
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
         PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True, PUSH=push))
@@ -872,8 +870,7 @@ def test_matmul_reduce_scatter_reducer_layouts_compile_for_sm90a(toolchain, lag,
     from jaxgin.fused import _kernels
     from jaxgin.triton_device import link
 
-    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "partials": "*bf16", "flags": "*i64",
-                "state": "*i64", "gin_tiles": "*bf16", "sig": "i32", "out": "*bf16"}
+    pointers = _REDUCE_SCATTER_POINTERS
     kernel = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=dict(
         M=8192, N=4096, K=1024, P=4, CM=2048, CN=4096, SCATTER_ROWS=True, BM=128, BN=128, BK=64, GROUP_M=8,
         PRECISION="tf32", GIN=0, XB=2, LAG=lag, WAIT_FIRST=wait_first, REDUCE_SLABS=4, FOLD=False, PUSH=False))
