@@ -726,36 +726,36 @@ def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain,
     assert registers_per_thread(kernel) <= registers_per_thread(tile_code) + 24
 
 
-def test_the_traced_all_gather_kernel_records_what_the_plain_one_does_not(toolchain):
-    """all_gather_matmul_traced_kernel (benchmarks/fused.py --gather-trace-only) reads the GPU's
-    timer and SM id and stores each program's record; the kernel the op runs has none of it, and
-    the records cost the traced one few registers."""
+# Each fused kernel the benchmarks trace (benchmarks/fused.py --*-trace-only): its plain and traced
+# forms, pointer parameters and constexprs at the issue's first shape on 2 GPUs.
+_TRACED_KERNELS = {
+    "all_gather_matmul": ("all_gather_matmul_kernel", "all_gather_matmul_traced_kernel", "_ALL_GATHER_POINTERS",
+                          dict(ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=16, BM=128, BN=128, BK=64,
+                               GROUP_M=8, PRECISION="tf32", SEND_BM=8, SEND_BK=1024, GIN=0, XB=2, BP=2)),
+    "matmul_all_to_all": ("matmul_all_to_all_kernel", "matmul_all_to_all_traced_kernel", "_ALL_TO_ALL_POINTERS",
+                          dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True,
+                               OUT_N=2048, BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7,
+                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2)),
+    "matmul_reduce_scatter": ("matmul_reduce_scatter_kernel", "matmul_reduce_scatter_traced_kernel",
+                              "_REDUCE_SCATTER_POINTERS",
+                              dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128,
+                                   BK=64, GROUP_M=8, PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False,
+                                   REDUCE_SLABS=4, FOLD=True, PUSH=False)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_TRACED_KERNELS))
+def test_traced_kernels_record_what_the_plain_ones_do_not(toolchain, op):
+    """A fused op's traced kernel reads the GPU's timer and SM id and stores each program's record;
+    the kernel the op runs has none of it, and the records cost the traced one few registers: it
+    still fits two programs of 8 warps on an SM, as the plain kernel does."""
     from jaxgin.fused import _kernels
 
-    constexprs = dict(ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=16, BM=128, BN=128, BK=64, GROUP_M=8,
-                      PRECISION="tf32", SEND_BM=8, SEND_BK=1024, GIN=0, XB=2, BP=2)
-    plain = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8,
-                             constexprs=constexprs)
-    traced = compile_for_sm90(_kernels.all_gather_matmul_traced_kernel, dict(_ALL_GATHER_POINTERS, trace="*i32"),
-                              num_warps=8, constexprs=constexprs)
-    for register in ("%globaltimer", "%smid"):
-        assert register in traced.asm["ptx"] and register not in plain.asm["ptx"]
-    assert registers_per_thread(traced) <= 128  # still two programs per SM, as the plain kernel
-
-
-def test_the_traced_all_to_all_kernel_records_what_the_plain_one_does_not(toolchain):
-    """matmul_all_to_all_traced_kernel (benchmarks/fused.py --all-to-all-trace-only) reads the GPU's
-    timer and SM id and stores each program's record; the kernel the op runs has none of it, and
-    the traced one still fits two programs of 8 warps on an SM."""
-    from jaxgin.fused import _kernels
-
-    pointers = _ALL_TO_ALL_POINTERS
-    constexprs = dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
-                      BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
-                      GIN=0, COPIERS=0, XB=2)
-    plain = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=constexprs)
-    traced = compile_for_sm90(_kernels.matmul_all_to_all_traced_kernel, dict(pointers, trace="*i32"),
-                              num_warps=8, constexprs=constexprs)
+    plain_name, traced_name, pointers_name, constexprs = _TRACED_KERNELS[op]
+    pointers = globals()[pointers_name]
+    plain = compile_for_sm90(getattr(_kernels, plain_name), pointers, num_warps=8, constexprs=constexprs)
+    traced = compile_for_sm90(getattr(_kernels, traced_name), dict(pointers, trace="*i32"), num_warps=8,
+                              constexprs=constexprs)
     for register in ("%globaltimer", "%smid"):
         assert register in traced.asm["ptx"] and register not in plain.asm["ptx"]
     assert registers_per_thread(traced) <= 128
@@ -784,24 +784,6 @@ def test_a_traced_all_to_all_returns_its_records_beside_the_result(monkeypatch):
     assert result.shape == plan.out_shape and records.shape == (size * count, 16) and records.dtype == jnp.int32
     with pytest.raises(ValueError, match="traced kernel runs over NVLink only"):
         a2a._triton(_HeapOnlyState(), x, w, plan, True, 7, True, True, trace=True)
-
-
-def test_the_traced_reduce_scatter_kernel_records_what_the_plain_one_does_not(toolchain):
-    """matmul_reduce_scatter_traced_kernel (benchmarks/fused.py --reduce-scatter-trace-only) reads
-    the GPU's timer and SM id and stores each program's record; the kernel the op runs has none of
-    it, and the traced one still fits two programs of 8 warps on an SM."""
-    from jaxgin.fused import _kernels
-
-    pointers = _REDUCE_SCATTER_POINTERS
-    constexprs = dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128, BK=64,
-                      GROUP_M=8, PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False, REDUCE_SLABS=4, FOLD=True,
-                      PUSH=False)
-    plain = compile_for_sm90(_kernels.matmul_reduce_scatter_kernel, pointers, num_warps=8, constexprs=constexprs)
-    traced = compile_for_sm90(_kernels.matmul_reduce_scatter_traced_kernel, dict(pointers, trace="*i32"),
-                              num_warps=8, constexprs=constexprs)
-    for register in ("%globaltimer", "%smid"):
-        assert register in traced.asm["ptx"] and register not in plain.asm["ptx"]
-    assert registers_per_thread(traced) <= 128
 
 
 @pytest.mark.parametrize(("fold", "push"), [(False, False), (True, False), (True, True)],
