@@ -942,12 +942,31 @@ def plot(report: dict, path: Path) -> Path:
     return path
 
 
-# The --*-only modes that measure one thing and write it alone (main's `only` table): any of them
-# replaces the full run.
-SINGLE_MEASURE_MODES = ("chunking_only", "gspmd_only", "variants_only", "gather_variants_only",
-                        "reduce_scatter_variants_only", "gather_trace_only", "reduce_scatter_trace_only",
-                        "all_to_all_trace_only",
-                        "chunked_layouts_only", "sweep_only")
+# The --*-only modes that measure one thing and write it alone (main's `only` table), with their
+# help: any of them replaces the full run.
+SINGLE_MEASURE_MODES = {
+    "chunking_only": "only the matmuls alone (cuBLAS, Triton) over 1/2/4/8 row chunks of the issue's shapes "
+                     "(fused_chunking.json; one GPU is enough)",
+    "variants_only": "only matmul_all_to_all under each tile configuration and exchange layout, and "
+                     "matmul_reduce_scatter under each reducer layout (fused_variants.json)",
+    "reduce_scatter_variants_only": "only matmul_reduce_scatter's Triton kernel under each reducer layout, folded "
+                                    "reducers included (fused_reduce_scatter_variants.json)",
+    "gather_variants_only": "only all_gather_matmul's Triton kernel under each count of sending programs and tile "
+                            "configuration (fused_gather_variants.json)",
+    "gather_trace_only": "only all_gather_matmul's Triton kernel with a record per program (when senders finish, "
+                         "when tiles wait and compute, programs per SM; fused_gather_trace.json)",
+    "reduce_scatter_trace_only": "only matmul_reduce_scatter's folded Triton kernel with a record per program "
+                                 "(matmul, stores and flags, waits, sums; fused_reduce_scatter_trace.json)",
+    "all_to_all_trace_only": "only matmul_all_to_all's Triton kernel with a record per program, per part of the "
+                             "exchange (matmul, stores and flags, waits, copies out; fused_all_to_all_trace.json)",
+    "chunked_layouts_only": "only the chunked method of the three fused ops under each chunk layout, with the "
+                            "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
+                            "(fused_chunked_layouts.json)",
+    "sweep_only": "only the sweep of matmul_all_to_all (--sweep; the default method, recorded per row, and the "
+                  "Triton kernel against XLA's composition; fused_sweep.json)",
+    "gspmd_only": "only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS given "
+                  "(fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)",
+}
 
 
 def main() -> None:
@@ -958,37 +977,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--breakdown-only", action="store_true", help="only the breakdown of matmul_all_to_all")
     parser.add_argument("--shapes-only", action="store_true", help="only the issue's shapes (no breakdown or sweep)")
-    parser.add_argument("--chunking-only", action="store_true",
-                        help="only the matmuls alone (cuBLAS, Triton) over 1/2/4/8 row chunks of the issue's shapes "
-                             "(fused_chunking.json; one GPU is enough)")
-    parser.add_argument("--variants-only", action="store_true",
-                        help="only matmul_all_to_all under each tile configuration and exchange layout, and "
-                             "matmul_reduce_scatter under each reducer layout (fused_variants.json)")
-    parser.add_argument("--reduce-scatter-variants-only", action="store_true",
-                        help="only matmul_reduce_scatter's Triton kernel under each reducer layout, folded reducers "
-                             "included (fused_reduce_scatter_variants.json)")
-    parser.add_argument("--gather-variants-only", action="store_true",
-                        help="only all_gather_matmul's Triton kernel under each count of sending programs and tile "
-                             "configuration (fused_gather_variants.json)")
-    parser.add_argument("--gather-trace-only", action="store_true",
-                        help="only all_gather_matmul's Triton kernel with a record per program (when senders finish, "
-                             "when tiles wait and compute, programs per SM; fused_gather_trace.json)")
-    parser.add_argument("--reduce-scatter-trace-only", action="store_true",
-                        help="only matmul_reduce_scatter's folded Triton kernel with a record per program (matmul, "
-                             "stores and flags, waits, sums; fused_reduce_scatter_trace.json)")
-    parser.add_argument("--all-to-all-trace-only", action="store_true",
-                        help="only matmul_all_to_all's Triton kernel with a record per program, per part of the "
-                             "exchange (matmul, stores and flags, waits, copies out; fused_all_to_all_trace.json)")
-    parser.add_argument("--chunked-layouts-only", action="store_true",
-                        help="only the chunked method of the three fused ops under each chunk layout, with the "
-                             "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
-                             "(fused_chunked_layouts.json)")
-    parser.add_argument("--sweep-only", action="store_true",
-                        help="only the sweep of matmul_all_to_all (--sweep; the default method, recorded per row, and "
-                             "the Triton kernel against XLA's composition; fused_sweep.json)")
-    parser.add_argument("--gspmd-only", action="store_true",
-                        help="only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS "
-                             "given (fused_gspmd.json; the full run starts this under each of WINDOWED_EINSUM_FLAGS)")
+    for mode, help_text in SINGLE_MEASURE_MODES.items():
+        parser.add_argument(f"--{mode.replace('_', '-')}", action="store_true", help=help_text)
     parser.add_argument("--windowed-only", action="store_true",
                         help="only XLA's windowed einsum and its control (XLA's default flags), each in a process of "
                              "its own, at the issue's shapes (fused_windowed.json)")
@@ -1042,7 +1032,7 @@ def main() -> None:
         "sweep_only": (measure, "fused_sweep.json", kind,
                        [((int(m), 7168, 2048), (("all_to_all",),)) for m in args.sweep.split(",")]),
     }
-    assert set(only) == set(SINGLE_MEASURE_MODES), "SINGLE_MEASURE_MODES names the modes of `only`"
+    assert only.keys() == SINGLE_MEASURE_MODES.keys(), "SINGLE_MEASURE_MODES names the modes of `only`"
     for mode, (measure_one, name, extra, calls) in only.items():
         if getattr(args, mode):
             rows = [measure_one(mesh, *shape, dtype, args.repeats, *more) for shape, more in calls]

@@ -439,16 +439,16 @@ def test_a_traced_folded_reduce_scatter_call_is_summarized_from_its_program_reco
 
 
 def test_every_single_measure_mode_of_the_fused_bench_is_a_flag():
-    """benchmarks/fused.py: each name in SINGLE_MEASURE_MODES (which replace the full run) is one of
-    its --*-only flags, and every --*-only flag that measures one thing alone is named there."""
-    import re
-
-    source = (Path(__file__).resolve().parent.parent / "benchmarks" / "fused.py").read_text()
-    flags = {f.replace("-", "_") for f in re.findall(r'"--([a-z-]+-only)"', source)}
-    modes = set(re.search(r"SINGLE_MEASURE_MODES = \(([^)]*)\)", source).group(1).replace('"', "").replace(
-        "\n", "").replace(" ", "").split(","))
-    # breakdown, shapes, windowed and pallas have paths of their own in main
-    assert modes == flags - {"breakdown_only", "shapes_only", "windowed_only", "pallas_only"}
+    """benchmarks/fused.py --help lists each of SINGLE_MEASURE_MODES (which replace the full run) as
+    a --*-only flag."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import fused;"
+            "print(json.dumps(sorted(fused.SINGLE_MEASURE_MODES)))")
+    modes = _fused_bench_json(code)
+    shown = subprocess.run([sys.executable, "benchmarks/fused.py", "--help"], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+    assert "sweep_only" in modes and "all_to_all_trace_only" in modes
+    for mode in modes:
+        assert f"--{mode.replace('_', '-')}" in shown, mode
 
 
 def test_a_traced_all_to_all_call_is_summarized_from_its_program_records():
