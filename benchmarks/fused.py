@@ -110,14 +110,14 @@ def xla_matmul_reduce_scatter(x, w):
     return jax.lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
 
 
-def _chain(mesh, op, specs=ROWS, check_vma=True, steps=STEPS):
+def _chain(mesh, op, specs=ROWS, check_vma=True):
     def body(x, w):
         def step(_, x):
             return after(x, op(x, w))  # call i + 1 waits for call i
 
         # Unrolled: a device-side loop would sync its predicate to the host every iteration and
         # leave the GPU idle for that time in every variant alike.
-        return jax.lax.fori_loop(0, steps, step, x, unroll=True)
+        return jax.lax.fori_loop(0, STEPS, step, x, unroll=True)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[0], check_vma=check_vma))
 
@@ -128,9 +128,10 @@ def _chain_times(mesh, op, args, specs, repeats: int) -> dict:
     kernel to its last in one run (JAX's profiler), without the launch and the final wait that the
     host's clock adds once per run. `gpu_windows_us`: in that run, each GPU's first start and last
     end, in us from the earliest start (whole run, not per call): how much later each GPU began."""
-    windows = device_windows_seconds(_chain(mesh, op, specs), *args)
+    chain = _chain(mesh, op, specs)
+    windows = device_windows_seconds(chain, *args)
     start, end = windows[min(windows)]
-    return {"us": best_seconds(_chain(mesh, op, specs), *args, repeats=repeats) / STEPS * 1e6,
+    return {"us": best_seconds(chain, *args, repeats=repeats) / STEPS * 1e6,
             "device_us": (end - start) / STEPS * 1e6,
             "gpu_windows_us": [[round(s * 1e6, 1), round(e * 1e6, 1)] for _, (s, e) in sorted(windows.items())]}
 
@@ -619,8 +620,8 @@ def _trace_summary(records: np.ndarray, shards: int) -> dict:
         "own_tiles_start_us": us(start[own]), "own_tiles_end_us": us(end[own]),
         "peer_tiles_start_us": us(start[peer]), "peer_tiles_waits_end_us": us(waited[peer]),
         "peer_tiles_end_us": us(end[peer]),
-        "tile_compute_us_median": round(float(np.median(end[tiles] - waited[tiles]) / 1e3), 1),
-        "peer_tile_wait_us_median": round(float(np.median(waited[peer] - start[peer]) / 1e3), 1),
+        "tile_compute_us_median": _median_us(end[tiles] - waited[tiles]),
+        "peer_tile_wait_us_median": _median_us(waited[peer] - start[peer]),
         **_sm_occupancy(start, end, sm),
     }
 

@@ -89,25 +89,26 @@ def span_seconds(events: list[dict]) -> float:
     return (max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]) * 1e-6
 
 
+def _profiled_call(f, args, read):
+    """read(trace folder) for one call of f profiled by JAX, after a warm-up call."""
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory(prefix="device-trace-") as where:
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            jax.block_until_ready(f(*args))
+        return read(Path(where))
+
+
 def device_span_seconds(f, *args) -> float:
     """The first GPU's device span of one call of f (after a warm-up call), from JAX's profiler:
     what the GPU took from its first kernel or copy to its last, without the host's launch and
     wait around them."""
-    jax.block_until_ready(f(*args))
-    with tempfile.TemporaryDirectory(prefix="device-span-") as where:
-        with jax.profiler.trace(where, create_perfetto_trace=True):
-            jax.block_until_ready(f(*args))
-        return span_seconds(device_events(Path(where)))
+    return span_seconds(_profiled_call(f, args, device_events))
 
 
 def device_windows_seconds(f, *args) -> dict[int, tuple[float, float]]:
     """Every GPU's (first start, last end) in one call of f (after a warm-up call), in seconds from
     the earliest first start of any GPU: how much later each GPU began, and when each finished."""
-    jax.block_until_ready(f(*args))
-    with tempfile.TemporaryDirectory(prefix="device-windows-") as where:
-        with jax.profiler.trace(where, create_perfetto_trace=True):
-            jax.block_until_ready(f(*args))
-        windows = device_windows(Path(where))
+    windows = _profiled_call(f, args, device_windows)
     t0 = min(start for start, _ in windows.values())
     return {gpu: (start - t0, end - t0) for gpu, (start, end) in windows.items()}
 

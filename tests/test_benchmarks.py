@@ -360,14 +360,17 @@ def _fused_bench_json(code: str):
 
 
 def test_chain_times_give_the_host_clock_and_the_device_span_per_call():
-    """fused._chain_times: a chain of 20 calls taking 5 ms by the host's clock and spanning 4 ms on
-    GPU 0 gives 250 and 200 us per call, and each GPU's window of the run (GPU 1 began 0.3 ms
-    later); _ratios then reads either timing (XLA's time over jaxgin's), named by it."""
+    """fused._chain_times: a chain of 20 calls (built and compiled once for both timings) taking 5 ms
+    by the host's clock and spanning 4 ms on GPU 0 gives 250 and 200 us per call, and each GPU's
+    window of the run (GPU 1 began 0.3 ms later); _ratios then reads either timing (XLA's time
+    over jaxgin's), named by it."""
     code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import fused;"
-            "fused._chain = lambda mesh, op, specs, steps=fused.STEPS: steps;"
-            "fused.best_seconds = lambda steps, *args, repeats: {20: 5e-3}[steps];"
-            "fused.device_windows_seconds = lambda steps, *args: {20: {0: (0.0, 4e-3), 1: (3e-4, 4.5e-3)}}[steps];"
-            "t = fused._chain_times(None, None, (), None, 3);"
+            "built = [];"
+            "fused._chain = lambda mesh, op, specs: built.append(op) or 'chain';"
+            "fused.best_seconds = lambda chain, *args, repeats: {'chain': 5e-3}[chain];"
+            "fused.device_windows_seconds = lambda chain, *args: {'chain': {0: (0.0, 4e-3), 1: (3e-4, 4.5e-3)}}[chain];"
+            "t = fused._chain_times(None, 'op', (), None, 3);"
+            "assert built == ['op'], built;"
             "row = {'xla_matmul_us': 100, 'triton_matmul_us': 125, 'xla_matmul_device_us': 90,"
             "       'triton_matmul_device_us': 100, 'xla_all_gather_matmul_us': 300, 'fused_all_gather_us': 200,"
             "       'triton_all_gather_us': 250, 'xla_all_gather_matmul_device_us': 280,"
