@@ -458,9 +458,8 @@ def _matmul_all_to_all(
             PARTS, INTERLEAVE, PULL, GIN, XB, TRACE)
         if TRACE:
             _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
-            words = trace.to(tl.pointer_type(tl.int64), bitcast=True) + pid.to(tl.int64) * 8
-            tl.store(words + 5, computed)
-            tl.store(words + 6, stored)
+            _trace_word(trace, pid, 5, computed)
+            _trace_word(trace, pid, 6, stored)
     else:
         if GIN:  # the copy-out programs exist only in a GIN job (compiled away otherwise: COPIERS = 0)
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
@@ -673,7 +672,7 @@ def _matmul_reduce_scatter(
                                   P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH, TRACE)
         if TRACE:
             _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
-            tl.store(trace.to(tl.pointer_type(tl.int64), bitcast=True) + pid.to(tl.int64) * 8 + 5, computed)
+            _trace_word(trace, pid, 5, computed)
         finish_call(state, state + FINISHED, epoch, P * TILES, state + STARTED, 1)
     else:
         # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
@@ -780,12 +779,17 @@ def _trace_program(trace, place, started, tile, waited, ended):
     them; XLA outside x64 mode has no int64 arrays): start, tile (-1: a sender), when its waits
     ended (a sender: when its sends did), end (ns, the GPU's global timer), its SM."""
     sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    at = trace.to(tl.pointer_type(tl.int64), bitcast=True) + place.to(tl.int64) * 8
-    tl.store(at, started)
-    tl.store(at + 1, tile)
-    tl.store(at + 2, waited)
-    tl.store(at + 3, ended)
-    tl.store(at + 4, sm.to(tl.int64))
+    _trace_word(trace, place, 0, started)
+    _trace_word(trace, place, 1, tile)
+    _trace_word(trace, place, 2, waited)
+    _trace_word(trace, place, 3, ended)
+    _trace_word(trace, place, 4, sm.to(tl.int64))
+
+
+@triton.jit
+def _trace_word(trace, place, word: tl.constexpr, value):
+    """Word `word` of program record `place` in a traced kernel's records (8 int64 words each)."""
+    tl.store(trace.to(tl.pointer_type(tl.int64), bitcast=True) + place.to(tl.int64) * 8 + word, value)
 
 
 @triton.jit
