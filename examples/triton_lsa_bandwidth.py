@@ -1,7 +1,7 @@
 """Bulk data to a peer GPU with Triton's own vector stores through tritongin.peer_ptr (NVLink),
 against a plain peer copy (copy engine) of the same bytes, both timed with CUDA events.
 
-Needs Triton, nvcc, NCCL's headers and nvJitLink: pip install -e ".[cuda]" (".[test]" has them
+Needs Triton, nvcc (with its ptxas) and NCCL's headers: pip install -e ".[cuda]" (".[test]" has them
 too); with 2 GPUs also PyTorch, which fills, checks and copies the buffers and times both:
 pip install -e ".[cuda,torch]". A missing one ends it with one line that names it and the pip
 command (exit status 3).

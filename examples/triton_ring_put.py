@@ -1,7 +1,7 @@
 """Ring exchange from inside a Triton kernel: every GPU puts a tile to its right neighbour and
 waits for its left neighbour's, with no kernel boundary in between; checked on the host.
 
-Needs Triton, nvcc, NCCL's headers and nvJitLink: pip install -e ".[cuda]" (".[test]" has them
+Needs Triton, nvcc (with its ptxas) and NCCL's headers: pip install -e ".[cuda]" (".[test]" has them
 too); on GPUs also PyTorch, which launches the kernel on each GPU and holds its outputs:
 pip install -e ".[cuda,torch]". A missing one ends it with one line that names it and the pip
 command (exit status 3).

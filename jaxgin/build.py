@@ -8,10 +8,11 @@ silently changes struct layouts. Results are cached on disk, keyed by NCCL versi
 and a hash of the sources.
 
 Outputs, in two cache entries:
-  jaxgin_device.ptx     the device library as relocatable PTX
-  jaxgin_device.cubin   the same as a relocatable cubin, linked into Triton kernels (device_library():
-                        all that Triton-only work needs, such as compiling tritongin kernels on a
-                        machine without a GPU)
+  jaxgin_device.ptx     the device library as relocatable PTX, compiled into Triton kernels with
+                        their own PTX (device_library(): all that Triton-only work needs, such as
+                        compiling tritongin kernels on a machine without a GPU)
+  jaxgin_device.cubin   the same compiled alone: ptxas's check, at build time, that every function
+                        of the library compiles for the arch
   libjaxgin_backend.so  host runtime + kernels + device library, linked against NCCL's library
                         (loaded by jaxgin itself; build() makes both entries)
   generated/jaxgin_op_table.h  in each entry: the C++ header rendered from jaxgin/ffi/op_table.py
@@ -55,10 +56,6 @@ BACKEND_SOURCES = op_table.sources()
 DEVICE_LIBRARY_SOURCE = "device/library.cu"
 BACKEND_LIBRARY = "libjaxgin_backend.so"
 COMMON_FLAGS = ("-std=c++17", "-O3", "-rdc=true", "-Xcompiler=-fPIC,-fvisibility=hidden")
-# A Triton kernel that calls a device-library function needs at least that function's registers
-# per thread; uncapped, the GIN put took 173, so a fused kernel with GIN paths could not run two
-# programs of 8 warps per SM (at most 128 each). Capped, the put spills 76 bytes.
-DEVICE_LIBRARY_REGISTERS = 128
 # Where a build writes what it generates from jaxgin/ffi/op_table.py (op_table.HEADER), inside its
 # own directory (kept in the cache entry: the header that build compiled with); every nvcc command
 # has it on its include path.
@@ -206,8 +203,10 @@ def write_generated(out: Path) -> Path:
 
 def _device_library_commands(nvcc: Path, nccl: nccl_lib.NcclInstall, arch: str, root: Path,
                              out: Path) -> list[list[list[str]]]:
-    """The device library alone, as PTX and as a relocatable cubin: one stage of two commands."""
-    base = _base_command(nvcc, nccl, arch, root, out) + [f"-maxrregcount={DEVICE_LIBRARY_REGISTERS}"]
+    """The device library alone, as PTX and as a relocatable cubin: one stage of two commands. Its
+    registers are not capped here: a kernel compiled with its PTX caps itself (the fused kernels'
+    two_programs_registers)."""
+    base = _base_command(nvcc, nccl, arch, root, out)
     library = str(root / DEVICE_LIBRARY_SOURCE)
     return [[base + ["-ptx", library, "-o", str(out / "jaxgin_device.ptx")],
              base + ["-cubin", library, "-o", str(out / "jaxgin_device.cubin")]]]

@@ -96,7 +96,7 @@ def require_gpus(script: str, count: int, what: str, *, through_jax: bool = True
 
 
 def run(script: str, main, *args, **kwargs):
-    """Calls main(*args, **kwargs); a missing or failing toolchain (nvcc, NCCL, nvJitLink, CUPTI: jaxgin's
+    """Calls main(*args, **kwargs); a missing or failing toolchain (nvcc, NCCL, ptxas, CUPTI: jaxgin's
     ToolchainError and NcclError, whose messages name the pip command) ends the script with its
     message instead of a traceback (EXIT_MISSING_DEPENDENCY)."""
     try:

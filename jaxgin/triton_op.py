@@ -87,7 +87,7 @@ OWN_KERNELS_FP_FUSION = True
 
 
 def _compile(kernel, signature, constexprs, num_warps, num_stages, capability, enable_fp_fusion=None,
-             multiples_of_16=frozenset()):
+             multiples_of_16=frozenset(), max_registers=None):
     """`multiples_of_16`: names of integer parameters whose value is a multiple of 16 in this call,
     specialized as Triton's own launcher does: a mask against such a bound keeps vector accesses."""
     import triton  # Triton is optional: only triton_call on GPUs needs it
@@ -101,16 +101,20 @@ def _compile(kernel, signature, constexprs, num_warps, num_stages, capability, e
     return triton.compile(
         source,
         target=GPUTarget("cuda", major * 10 + minor, 32),
-        options=compile_options(num_warps, num_stages, enable_fp_fusion),
+        options=compile_options(num_warps, num_stages, enable_fp_fusion, max_registers),
     )
 
 
-def compile_options(num_warps: int, num_stages: int, enable_fp_fusion: bool | None = None) -> dict:
-    """Triton's compile options for a triton_call kernel; `enable_fp_fusion` only when given, so
-    that None leaves it to Triton (and to TRITON_DEFAULT_FP_FUSION)."""
+def compile_options(num_warps: int, num_stages: int, enable_fp_fusion: bool | None = None,
+                    max_registers: int | None = None) -> dict:
+    """Triton's compile options for a triton_call kernel; `enable_fp_fusion` and `max_registers`
+    (Triton's maxnreg) only when given, so that None leaves them to Triton (and to
+    TRITON_DEFAULT_FP_FUSION)."""
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if enable_fp_fusion is not None:
         options["enable_fp_fusion"] = bool(enable_fp_fusion)
+    if max_registers is not None:
+        options["maxnreg"] = int(max_registers)
     return options
 
 
@@ -127,12 +131,17 @@ def triton_call(
     num_warps: int = 4,
     num_stages: int = 3,
     enable_fp_fusion: bool | None = None,
+    max_registers: int | None = None,
     **constexprs,
 ):
     """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays.
 
     ``num_warps``, ``num_stages`` and ``enable_fp_fusion`` are Triton's compile options of those
-    names; ``enable_fp_fusion=None`` leaves FMA fusion to Triton's default."""
+    names; ``enable_fp_fusion=None`` leaves FMA fusion to Triton's default. ``max_registers`` is
+    Triton's ``maxnreg``: the most registers per thread ptxas may give the kernel (None: no cap)."""
+    if max_registers is not None and not 24 <= max_registers <= 255:
+        raise ValueError(f"jaxgin.triton_call: max_registers must be between 24 and 255 (ptxas's range), "
+                         f"got {max_registers}")
     state = runtime.current()
     if state.runtime is None:
         raise JaxginError(
@@ -202,7 +211,7 @@ def triton_call(
             signature[name] = "constexpr"
 
     compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state), enable_fp_fusion,
-                        frozenset(multiples_of_16))
+                        frozenset(multiples_of_16), max_registers)
     metadata = compiled.metadata
     if getattr(metadata, "num_ctas", 1) != 1:
         raise JaxginError(f"jaxgin.triton_call: kernel {kernel.__name__} uses thread-block clusters (num_ctas > 1)")

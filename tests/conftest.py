@@ -156,15 +156,15 @@ def packaged_nccl():
 @pytest.fixture(scope="session")
 def toolchain(nvcc, packaged_nccl, require):
     """What compiling tritongin kernels here needs: Triton, nvcc and NCCL's headers (the device
-    library), nvJitLink (linking it in). Returns the packaged NCCL install."""
+    library), the ptxas beside nvcc (compiling kernels with it). Returns the packaged NCCL install."""
     pytest.importorskip("triton")
     from jaxgin.errors import ToolchainError
     from jaxgin.triton_device import link
 
     try:
-        link.nvjitlink()
+        link.ptxas()
     except ToolchainError as e:
-        require(f"needs nvJitLink: {e}")
+        require(f"needs ptxas: {e}")
     return packaged_nccl
 
 
@@ -180,16 +180,17 @@ class FakeRuntime:
 
 
 def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, num_warps: int = 4,
-                     num_stages: int = 3):
+                     num_stages: int = 3, max_registers: int | None = None):
     """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), through
     jaxgin.triton_call's own compile step as it compiles jaxgin's kernels (pointers marked 16-byte
     aligned, FMA fusion asked for). `signature` names the runtime parameters; `constexprs` binds
-    the rest."""
+    the rest; `max_registers` as triton_call's."""
     from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, _compile
 
     constexprs = constexprs or {}
     signature = dict(signature) | {name: "constexpr" for name in constexprs if name not in signature}
-    return _compile(kernel, signature, constexprs, num_warps, num_stages, (9, 0), OWN_KERNELS_FP_FUSION)
+    return _compile(kernel, signature, constexprs, num_warps, num_stages, (9, 0), OWN_KERNELS_FP_FUSION,
+                    max_registers=max_registers)
 
 
 def registers_per_thread(kernel) -> int:

@@ -10,6 +10,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 from __future__ import annotations
 
 import re
+import subprocess
 import types
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
@@ -708,17 +709,20 @@ def test_all_gather_matmul_kernel_leaves_room_for_two_programs_per_sm(toolchain,
     an SM; their registers must allow it too: at most 65536 / (2 x 32 x warps) per thread. The
     registers are the most any path of the kernel needs: the senders' copy blocks (32 x 1024, 128
     elements per thread, had made it 216 at 8 warps, one program per SM) count as much as the
-    tile's accumulator, and so does a device-library function it calls (the GIN put: 173 before
-    the library was built with at most 128)."""
+    tile's accumulator, and so does device-library code compiled into it (the GIN put: 146 at 8
+    warps uncapped), which the op's register cap (two_programs_registers, as the op compiles it)
+    keeps within bounds."""
     import importlib
 
     from jaxgin.fused import _kernels
+    from jaxgin.fused._common import two_programs_registers
 
     ag_module = importlib.import_module("jaxgin.fused.all_gather_matmul")
     tile = dict(BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32")
     kernel = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=warps, constexprs=dict(
         ML=2048, N=2048, K=7168, P=2, G=16, GR=128, SENDERS=ag_module.SENDERS, GIN=gin, XB=2, BP=2,
-        SEND_BM=ag_module.send_rows(warps), SEND_BK=ag_module.SEND_COLUMNS, **tile))
+        SEND_BM=ag_module.send_rows(warps), SEND_BK=ag_module.SEND_COLUMNS, **tile),
+        max_registers=two_programs_registers(TileConfig(128, 128, 64, 8, warps, 3), 2))
     tile_code = compile_for_sm90(_kernels.matmul_kernel, {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "out": "*bf16"},
                                  num_warps=warps, constexprs=dict(M=4096, N=2048, K=7168, **tile))
     assert kernel.metadata.shared <= 228 * 1024 // 2
@@ -742,6 +746,32 @@ _TRACED_KERNELS = {
                                    BK=64, GROUP_M=8, PRECISION="tf32", GIN=0, XB=2, LAG=0, WAIT_FIRST=False,
                                    REDUCE_SLABS=4, FOLD=True, PUSH=False)),
 }
+
+
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
+@pytest.mark.parametrize("op", sorted(_TRACED_KERNELS))
+def test_fused_kernels_keep_their_matmul_pipelined(toolchain, op, gin, tmp_path):
+    """ptxas serializes every wgmma of a function that calls an external function (advisory C7509:
+    each asynchronous matmul waits for the one before), which slowed the fused kernels' matmul by a
+    fifth while they called the device library compiled apart. Compiled in one module with the
+    library, as the link step does, nothing is serialized; the kernel's PTX compiled alone, calls
+    left external, shows what the check would catch."""
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_device import link
+
+    plain_name, _traced, pointers_name, constexprs = _TRACED_KERNELS[op]
+    constexprs = dict(constexprs, GIN=gin, **({"COPIERS": 2} if op == "matmul_all_to_all" and gin else {}))
+    kernel = compile_for_sm90(getattr(_kernels, plain_name), globals()[pointers_name], num_warps=8,
+                              constexprs=constexprs)
+    ptxas, release = link.ptxas()
+    ptx = link.readable_ptx(kernel.asm["ptx"], release)
+    assert link.library_calls(ptx) and "wgmma" in ptx
+    _cubin, log = link.compile_module(link.one_module(ptx, link._library_ptx("sm_90a")), "sm_90a")
+    assert "C7509" not in log, log
+    (tmp_path / "kernel.ptx").write_text(ptx)
+    apart = subprocess.run([str(ptxas), "-c", "-v", "--gpu-name=sm_90a", str(tmp_path / "kernel.ptx"), "-o",
+                            str(tmp_path / "kernel.o")], capture_output=True, text=True, check=True)
+    assert "C7509" in apart.stdout + apart.stderr
 
 
 @pytest.mark.parametrize("op", sorted(_TRACED_KERNELS))
@@ -948,6 +978,24 @@ def test_own_kernels_ask_for_fma_fusion_by_name(monkeypatch):
     assert tc.compile_options(8, 3, True) == {"num_warps": 8, "num_stages": 3, "enable_fp_fusion": True}
     assert tc.compile_options(8, 3, False)["enable_fp_fusion"] is False
     assert "enable_fp_fusion" not in tc.compile_options(8, 3)  # None: Triton's default
+
+
+def test_fused_kernels_are_capped_where_two_programs_share_an_sm():
+    """The fused kernels' register cap (Triton's maxnreg): 65536 / (2 x 32 x warps) where two
+    programs fit by shared memory, none where one fills it (128 x 256 tiles: a cap of 128 would spill
+    their accumulator) or where the cap is above 255."""
+    from jaxgin import triton_op as tc
+    from jaxgin.fused._common import two_programs_registers
+
+    assert two_programs_registers(TileConfig(128, 128, 64, 8, 8, 3), 2) == 128
+    assert two_programs_registers(TileConfig(128, 128, 32, 8, 8, 3), 4) == 128
+    assert two_programs_registers(TileConfig(64, 128, 32, 8, 4, 4), 4) is None  # 256 > 255
+    assert two_programs_registers(TileConfig(128, 256, 64, 8, 8, 3), 2) is None  # 144 KiB of buffers
+    assert two_programs_registers(TileConfig(128, 128, 64, 8, 8, 4), 2) is None  # 128 KiB
+    assert tc.compile_options(8, 3, None, 128) == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    with pytest.raises(ValueError, match="max_registers must be between 24 and 255.*got 300"):
+        jaxgin.triton_call(lambda: None, grid=(1,), out_shape=jax.ShapeDtypeStruct((1,), jnp.float32),
+                           max_registers=300)
 
 
 def _gpu_fused_scenarios():

@@ -1,9 +1,9 @@
 """tritongin on a machine without GPUs: the device library builds, every device function compiles
-and links into a cubin for sm_90a through nvJitLink, kernels that use none of them are compiled
+and is compiled with the device library into one cubin for sm_90a, kernels that use none of them are compiled
 exactly as without tritongin, misuse is a compile-time error, and the cache key carries the
 library's identity. Runs on whichever Triton is installed (CI runs it on 3.6 and the newest).
 
-Needs nvcc, NCCL's headers and nvJitLink (skips without them, unless JAXGIN_REQUIRE_NVCC=1).
+Needs nvcc and its ptxas, and NCCL's headers (skips without them, unless JAXGIN_REQUIRE_NVCC=1).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton.language as tl  # noqa: E402
 import tritongin  # noqa: E402
 import tritongin.language as tgl  # noqa: E402
 from jaxgin import build  # noqa: E402
+from jaxgin.errors import ToolchainError  # noqa: E402
 from jaxgin.triton_device import link  # noqa: E402
 
 from conftest import compile_for_sm90  # noqa: E402
@@ -120,33 +121,20 @@ def test_linking_builds_only_the_device_library(toolchain, tmp_path, monkeypatch
 
     monkeypatch.setattr(build, "_run", run)
     monkeypatch.setenv("JAXGIN_CACHE_DIR", str(tmp_path))
-    link._library_cubin.cache_clear()
+    link._library_ptx.cache_clear()
     try:
-        assert link._library_cubin("sm_90a") == b"\x7fELF"
+        assert link._library_ptx("sm_90a") == "\x7fELF"
     finally:
-        link._library_cubin.cache_clear()  # the next test links the real library again
+        link._library_ptx.cache_clear()  # the next test links the real library again
     assert sorted(Path(c[c.index("-o") + 1]).name for c in commands) == ["jaxgin_device.cubin", "jaxgin_device.ptx"]
     assert not list(tmp_path.glob(f"*/{build.BACKEND_LIBRARY}"))
-
-
-def test_nvjitlink_constants_match_its_header(toolchain):
-    library = link.nvjitlink().path.resolve()
-    headers = [p / "nvJitLink.h" for p in (library.parent.parent / "include", library.parent.parent.parent / "include")]
-    header = next((h for h in headers if h.is_file()), None)
-    if header is None:
-        pytest.skip(f"no nvJitLink.h next to {library}")
-    text = header.read_text()
-    assert re.search(r"NVJITLINK_SUCCESS\s*=\s*0\b", text)
-    assert re.search(r"NVJITLINK_INPUT_CUBIN\s*=\s*1\b", text)
-    # PTX follows CUBIN in the enum without an explicit value.
-    assert re.search(r"NVJITLINK_INPUT_CUBIN\s*=\s*1\s*,[^\n]*\n\s*NVJITLINK_INPUT_PTX\s*,", text)
-    assert (link.NVJITLINK_SUCCESS, link.NVJITLINK_INPUT_CUBIN, link.NVJITLINK_INPUT_PTX) == (0, 1, 2)
 
 
 def test_every_device_function_compiles_and_links_for_sm90a(toolchain, fresh_triton_cache, monkeypatch):
     linked = []
     real_link = link.link_kernel
-    monkeypatch.setattr(link, "link_kernel", lambda ptx, arch: linked.append(arch) or real_link(ptx, arch))
+    monkeypatch.setattr(link, "link_kernel",
+                        lambda ptx, arch, options=(): linked.append(arch) or real_link(ptx, arch, options))
     kernel = compile_for_sm90(every_function, EVERY_SIGNATURE, {"BLOCK": 1024})
     ptx = kernel.asm["ptx"]
     assert set(link.library_calls(ptx)) == {
@@ -173,7 +161,7 @@ def test_kernels_without_device_functions_are_untouched(toolchain, fresh_triton_
     monkeypatch.setattr(link, "_installed", False)
     link.install()
     linked = []
-    monkeypatch.setattr(link, "link_kernel", lambda ptx, arch: linked.append(arch))
+    monkeypatch.setattr(link, "link_kernel", lambda ptx, arch, options=(): linked.append(arch))
     with_hook = compile_for_sm90(plain_copy, signature, {"BLOCK": 256}).asm["cubin"]
     assert linked == []
     assert with_hook == without
@@ -392,8 +380,8 @@ def plain_copy_ctx(ctx, src, dst, BLOCK: tl.constexpr):
 
 def test_ptx_is_stamped_with_a_version_the_linker_reads():
     """Triton 3.9 stamps PTX ISA 9.4 (its ptxas is CUDA 13.4's) over code LLVM generated for at
-    most 9.0; a GPU machine's nvJitLink of CUDA 13.0 rejects 9.4 ("Unsupported .version 9.4;
-    current version is '9.0'"). The link step lowers the stamp to what the linker reads, never
+    most 9.0; a GPU machine's toolkit of CUDA 13.0 rejects 9.4 ("Unsupported .version 9.4;
+    current version is '9.0'"). The link step lowers the stamp to what its ptxas reads, never
     raises it."""
     assert link.newest_ptx_isa((13, 0)) == (9, 0)
     assert link.newest_ptx_isa((13, 4)) == (9, 4)
@@ -408,11 +396,72 @@ def test_ptx_is_stamped_with_a_version_the_linker_reads():
 
 
 def test_a_kernel_stamped_for_an_older_linker_still_links(toolchain, fresh_triton_cache):
-    """What a CUDA 13.0 nvJitLink gets from the installed Triton, lowered to ISA 9.0, links with the
-    device library into a cubin (the installed nvJitLink links it here; it reads 9.0 too)."""
+    """What a CUDA 13.0 ptxas gets from the installed Triton, lowered to ISA 9.0, compiles with the
+    device library into a cubin (the installed toolkit's ptxas compiles it here; it reads 9.0 too)."""
     compiled = compile_for_sm90(every_function, EVERY_SIGNATURE, {"BLOCK": 1024})
     lowered = link.readable_ptx(compiled.asm["ptx"], (13, 0))
     stamped = re.search(r"^\.version (\d+)\.(\d+)", lowered, re.MULTILINE).groups()
     assert tuple(map(int, stamped)) <= (9, 0)
     cubin = link.link_kernel(lowered, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
+
+
+KERNEL_PTX = """//
+.version 9.4
+.target sm_90a
+.address_size 64
+
+.extern .func  (.param .b32 func_retval0) jaxgin_rank
+(
+	.param .b64 jaxgin_rank_param_0
+)
+;
+.extern .func  (.param .b32 func_retval0) vprintf
+(
+	.param .b64 vprintf_param_0,
+	.param .b64 vprintf_param_1
+)
+;
+.global .align 1 .b8 $str[2] = {104, 0};
+.visible .entry kernel() { ret; }
+"""
+
+LIBRARY_PTX = """//
+.version 9.0
+.target sm_90a
+.address_size 64
+
+.extern .func  (.param .b32 func_retval0) vprintf
+(
+	.param .b64 vprintf_param_0,
+	.param .b64 vprintf_param_1
+)
+;
+.global .align 1 .b8 $str[2] = {105, 0};
+.global .align 1 .b8 $str$1[2] = {106, 0};
+.weak .global .align 8 .b8 table[8];
+.visible .func  (.param .b32 func_retval0) jaxgin_rank(.param .b64 p) { mov.u64 %rd1, $str$1; mov.u64 %rd2, $str; ret; }
+"""
+
+
+def test_one_module_holds_the_library_before_the_kernel_and_nothing_of_it_external():
+    """The kernel's declarations of library functions go (the library defines them); a CUDA
+    function both declare stays declared once; the library's private strings are renamed so that
+    they cannot clash with the kernel's ($str in both); the newer ISA heads the module."""
+    module = link.one_module(KERNEL_PTX, LIBRARY_PTX)
+    assert re.findall(r"^\.(version|target|address_size) (\S+)", module, re.MULTILINE) == [
+        ("version", "9.4"), ("target", "sm_90a"), ("address_size", "64")]
+    assert not link.library_calls(module)
+    assert len(re.findall(r"\.extern\s+\.func\s+\([^)]*\)\s*vprintf", module)) == 1
+    assert "jaxgin_library_$str[2] = {105" in module and "jaxgin_library_$str$1[2] = {106" in module
+    assert "mov.u64 %rd1, jaxgin_library_$str$1; mov.u64 %rd2, jaxgin_library_$str;" in module
+    assert ".global .align 1 .b8 $str[2] = {104" in module  # the kernel's own, untouched
+    assert ".weak .global .align 8 .b8 table[8]" in module
+    assert module.index("jaxgin_rank(.param") < module.index(".entry kernel")
+
+
+def test_one_module_refuses_a_library_built_for_another_target():
+    with pytest.raises(ToolchainError, match=r"\.target sm_90a and the device library's for sm_100a"):
+        link.one_module(KERNEL_PTX, LIBRARY_PTX.replace("sm_90a", "sm_100a"))
+    with pytest.raises(ToolchainError, match=r"has no \.target line"):
+        link.one_module(KERNEL_PTX.replace(".target sm_90a\n", ""), LIBRARY_PTX)

@@ -59,6 +59,24 @@ CANDIDATES = {
 }
 
 
+# Shared memory per SM on Hopper (H100, H200), less the 1 KiB the GPU reserves per program.
+SHARED_MEMORY_PER_SM = 228 * 1024
+RESERVED_PER_PROGRAM = 1024
+
+
+def two_programs_registers(tiles: TileConfig, itemsize: int) -> int | None:
+    """The most registers per thread that let two programs of `tiles` share an SM (64 Ki registers
+    each), where their pipeline buffers let two share it by shared memory; else None (no cap).
+    Without the cap, device-library code compiled into a fused kernel (the GIN put) can take an
+    8-warp kernel past 128, one program per SM. None too where the cap is above what a thread may
+    have anyway (255)."""
+    pipeline = tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
+    if 2 * (pipeline + RESERVED_PER_PROGRAM) > SHARED_MEMORY_PER_SM:
+        return None
+    registers = 65536 // (2 * 32 * tiles.num_warps)
+    return registers if registers < 255 else None
+
+
 # matmul_all_to_all and all_gather_matmul keep to configurations whose pipeline buffers let two
 # programs share an SM: while one stores or fetches remote tiles, or waits for rows, or sends the
 # shard, the other computes. The fastest matmul alone (one program per SM) loses both fused ops

@@ -160,6 +160,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
         grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
+        max_registers=_common.two_programs_registers(tiles, np.dtype(dtype).itemsize),
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,

@@ -173,6 +173,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
         grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
+        max_registers=_common.two_programs_registers(tiles, np.dtype(dtype).itemsize),
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,

@@ -71,9 +71,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("JAXGIN_BUILD_PROGRESS", "bool", "1", "python", "0: no build progress lines on stderr."),
     Setting("JAXGIN_NCCL_INCLUDE", "path", None, "python",
             "The loaded NCCL's headers; unset: the `include` directory beside its library's directory."),
-    Setting("JAXGIN_NVJITLINK", "path", None, "python",
-            "The libnvJitLink to link Triton kernels with; unset: nvcc's toolkit's, then PyPI's "
-            "nvidia-nvjitlink, then the system's."),
     # Kernels (jaxgin/fused, jaxgin/moe).
     Setting("JAXGIN_FUSED_AUTOTUNE", "bool", "1", "python",
             "0, false or no: the fused ops take their first tile candidate instead of timing them."),

@@ -52,7 +52,7 @@ class _LibraryFunction(JITFunction):
     """A device function whose Triton cache key includes the linked device library's identity.
 
     Triton folds the keys of the functions a kernel calls into the kernel's own key, so every
-    kernel that calls one of these is keyed by the NCCL (and nvcc, nvJitLink, sources) it is
+    kernel that calls one of these is keyed by the NCCL (and nvcc, ptxas, sources) it is
     linked against."""
 
     @property
