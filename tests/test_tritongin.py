@@ -465,3 +465,10 @@ def test_one_module_refuses_a_library_built_for_another_target():
         link.one_module(KERNEL_PTX, LIBRARY_PTX.replace("sm_90a", "sm_100a"))
     with pytest.raises(ToolchainError, match=r"has no \.target line"):
         link.one_module(KERNEL_PTX.replace(".target sm_90a\n", ""), LIBRARY_PTX)
+
+
+def test_linked_kernels_get_the_ptxas_options_triton_would_give_them():
+    """Line info always; FMA fusion off (--fmad=false) only when the kernel asked for it off; the
+    kernel's own ptx_options last."""
+    assert link.ptxas_options(True, None) == ("-lineinfo",)
+    assert link.ptxas_options(False, "--opt-level 1") == ("-lineinfo", "--fmad=false", "--opt-level", "1")
