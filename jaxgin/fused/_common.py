@@ -77,10 +77,11 @@ def two_programs_registers(tiles: TileConfig, itemsize: int) -> int | None:
     return registers if registers < 255 else None
 
 
-# matmul_all_to_all and all_gather_matmul keep to configurations whose pipeline buffers let two
+# matmul_reduce_scatter and all_gather_matmul keep to configurations whose pipeline buffers let two
 # programs share an SM: while one stores or fetches remote tiles, or waits for rows, or sends the
-# shard, the other computes. The fastest matmul alone (one program per SM) loses both fused ops
-# (docs/measurements.md).
+# shard, the other computes. The fastest matmul alone (one program per SM) lost the fused ops
+# (docs/measurements.md), measured while their wgmma were serialized; matmul_all_to_all's own set
+# is below.
 EXCHANGE_CANDIDATES = {
     2: (
         TileConfig(128, 128, 64, 8, 8, 3),
@@ -277,9 +278,15 @@ def _cache_file() -> Path:
 GATHER_CANDIDATES = {itemsize: tuple(t for t in configs if t.num_warps == 8)
                      for itemsize, configs in EXCHANGE_CANDIDATES.items()}
 
+# matmul_all_to_all: 16-bit 128 x 256 tiles (one program per SM) first, then the exchange
+# configurations. Once its wgmma were no longer serialized, 128 x 256 was the fastest at both of
+# issue 44's shapes, 1.12x / 1.14x XLA against 1.00-1.03x for 128 x 128 (twenty-sixth session).
+ALL_TO_ALL_CANDIDATES = {2: (TileConfig(128, 256, 64, 8, 8, 4), *EXCHANGE_CANDIDATES[2]), 4: EXCHANGE_CANDIDATES[4]}
+
 # Candidate sets by name: "matmul" (CANDIDATES), "exchange" (EXCHANGE_CANDIDATES), "gather"
-# (GATHER_CANDIDATES).
-FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES, "gather": GATHER_CANDIDATES}
+# (GATHER_CANDIDATES), "all_to_all" (ALL_TO_ALL_CANDIDATES).
+FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES, "gather": GATHER_CANDIDATES,
+            "all_to_all": ALL_TO_ALL_CANDIDATES}
 
 
 def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: TileConfig | None,
