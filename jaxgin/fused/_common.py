@@ -77,6 +77,19 @@ def two_programs_registers(tiles: TileConfig, itemsize: int) -> int | None:
     return registers if registers < 255 else None
 
 
+def launch_options(tiles: TileConfig, dtype) -> dict:
+    """triton_call's compile options for a fused op's kernel with `tiles`: their warps and stages,
+    FMA fusion as measured, and the register cap where two programs share an SM."""
+    return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
+                max_registers=two_programs_registers(tiles, np.dtype(dtype).itemsize))
+
+
+def traced_out_shape(out, programs: int, trace: bool):
+    """A fused kernel's out_shape: `out`, and with `trace` beside it the traced kernel's records,
+    int32 [programs, 16] (8 int64 words per program)."""
+    return (out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out
+
+
 # matmul_reduce_scatter and all_gather_matmul keep to configurations whose pipeline buffers let two
 # programs share an SM: while one stores or fetches remote tiles, or waits for rows, or sends the
 # shard, the other computes. The fastest matmul alone (one program per SM) lost the fused ops

@@ -12,7 +12,7 @@ import numpy as np
 from jaxgin import op_support
 from jaxgin.hosts import rank_hosts
 from jaxgin.route import axis_route
-from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
+from jaxgin.triton_op import triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -128,9 +128,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
     return triton_call(
         _kernels.all_gather_matmul_traced_kernel if trace else _kernels.all_gather_matmul_kernel,
         x, w, axis_route(plan.names), hosts, buffers.exchange, buffers.flags, buffers.state, buffers.signals,
-        grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        max_registers=_common.two_programs_registers(tiles, np.dtype(dtype).itemsize),
+        grid=(programs,), out_shape=_common.traced_out_shape(out, programs, trace),
+        **_common.launch_options(tiles, dtype),
         ML=plan.m, N=plan.n, K=plan.k, P=size, G=groups, GR=per_group * tiles.block_m, SENDERS=senders,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=send_rows(tiles.num_warps), SEND_BK=SEND_COLUMNS, GIN=int(gin), XB=np.dtype(dtype).itemsize,

@@ -12,7 +12,7 @@ import numpy as np
 from jaxgin import op_support
 from jaxgin.collectives import all_to_all
 from jaxgin.route import axis_route
-from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
+from jaxgin.triton_op import triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -158,9 +158,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         _kernels.matmul_all_to_all_traced_kernel if trace else _kernels.matmul_all_to_all_kernel,
         x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
-        grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        max_registers=_common.two_programs_registers(tiles, np.dtype(dtype).itemsize),
+        grid=(programs,), out_shape=_common.traced_out_shape(out, programs, trace),
+        **_common.launch_options(tiles, dtype),
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SPLIT_ROWS=plan.split_rows,
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,

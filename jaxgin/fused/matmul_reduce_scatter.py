@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxgin import op_support
 from jaxgin.route import axis_route
-from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
+from jaxgin.triton_op import triton_call
 from jaxgin.ffi import axes as axes_lib
 from jaxgin.fused import _chunked, _common
 
@@ -171,9 +171,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
         _kernels.matmul_reduce_scatter_traced_kernel if trace else _kernels.matmul_reduce_scatter_kernel,
         x, w, axis_route(plan.names), buffers.exchange, buffers.flags,
         buffers.state, buffers.gin_area if gin else buffers.exchange, buffers.signals,
-        grid=(programs,), out_shape=(out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
-        max_registers=_common.two_programs_registers(tiles, np.dtype(dtype).itemsize),
+        grid=(programs,), out_shape=_common.traced_out_shape(out, programs, trace),
+        **_common.launch_options(tiles, dtype),
         M=plan.m, N=plan.n, K=plan.k, P=size, CM=cm, CN=cn, SCATTER_ROWS=plan.scatter_rows,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,
