@@ -35,10 +35,10 @@ from jaxgin import build as _build
 from jaxgin import nccl as _nccl
 from jaxgin.errors import ToolchainError
 
-# Device functions of the library are named jaxgin_*; an undefined one in Triton's PTX is what marks
-# a kernel to be linked.
-_EXTERN_CALL = re.compile(r"^\s*\.extern\s+\.func\s+(?:\([^)]*\)\s*)?(jaxgin_\w+)", re.MULTILINE)
-# A whole declaration of an external function (return parameter, name, parameter list).
+# A whole declaration of an external function (return parameter, name, parameter list). Device
+# functions of the library are named jaxgin_*; an undefined one in Triton's PTX is what marks a
+# kernel to be linked.
+LIBRARY_PREFIX = "jaxgin_"
 _EXTERN_DECLARATION = re.compile(r"^[ \t]*\.extern\s+\.func\s+(?:\([^)]*\)\s*)?(\w+)\s*\([^)]*\)\s*;[ \t]*\n?",
                                  re.MULTILINE)
 _MODULE_HEADER = re.compile(r"^[ \t]*\.(version|target|address_size)\s+([^\s/]+)[^\n]*\n?", re.MULTILINE)
@@ -51,7 +51,7 @@ LINK_SCHEME = "one-module-ptxas-1"
 
 def library_calls(ptx: str) -> list[str]:
     """Names of device-library functions that `ptx` calls but does not define."""
-    return sorted(set(_EXTERN_CALL.findall(ptx)))
+    return sorted({name for name in _EXTERN_DECLARATION.findall(ptx) if name.startswith(LIBRARY_PREFIX)})
 
 
 def _cuda_release(tool: Path) -> tuple[int, int]:
@@ -145,7 +145,7 @@ def one_module(kernel_ptx: str, library_ptx: str) -> str:
                 "build the library for the kernel's target (jaxgin.build.arch_for of the GPU it runs on)")
     version = max((kernel["version"], library["version"]), key=lambda v: tuple(map(int, v.split("."))))
     kernel_body = _EXTERN_DECLARATION.sub(
-        lambda m: "" if m.group(1).startswith("jaxgin_") else m.group(0), _MODULE_HEADER.sub("", kernel_ptx))
+        lambda m: "" if m.group(1).startswith(LIBRARY_PREFIX) else m.group(0), _MODULE_HEADER.sub("", kernel_ptx))
     declared = set(_EXTERN_DECLARATION.findall(kernel_body))
     library_body = _EXTERN_DECLARATION.sub(lambda m: "" if m.group(1) in declared else m.group(0),
                                            _MODULE_HEADER.sub("", library_ptx))
