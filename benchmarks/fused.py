@@ -527,9 +527,10 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
 
 # all_gather_matmul's Triton kernel: programs that push the shard, and tile configurations.
 GATHER_SENDERS = (16, 32, 64)
+WIDE_TILES = _common.TileConfig(128, 256, 64, 8, 8, 4)  # one program per SM
 GATHER_TILES = (
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two programs per SM
-    _common.TileConfig(128, 256, 64, 8, 8, 4),  # one per SM: senders have SMs to themselves
+    WIDE_TILES,  # senders have SMs to themselves
 )
 
 
@@ -714,6 +715,8 @@ def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -
                for lag in REDUCER_LAGS for wait_first in (False, True)}
     layouts["folded"] = (plan, dict(fold=True))  # no reducer programs, the op's default: the own chunk's programs sum
     layouts["folded, push"] = (plan, dict(fold=True, push=True))  # partials stored into their owner's buffer
+    # the folded kernel on 128 x 256 tiles, one program per SM (matmul_all_to_all's fastest)
+    layouts["folded, 128 x 256"] = (dataclasses.replace(plan, tiles=WIDE_TILES), dict(fold=True))
     # the cuBLAS-per-chunk method, for scale (its layouts: chunked_layouts)
     layouts["chunked"] = (dataclasses.replace(plan, method="chunked"), {})
     for name, (layout_plan, kwargs) in layouts.items():

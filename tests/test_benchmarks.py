@@ -37,6 +37,7 @@ def _on_cpu_devices(code: str, devices: int):
     ("benchmarks/nccl_ep.py", [], 2),
     ("tools/call_overhead.py", [], 1),
     ("tools/profile_latency.py", [], 2),
+    ("tools/profile_launch_skew.py", [], 2),
     ("tools/probe_triton_histogram.py", [], 1),
     ("tools/probe_stack_limit.py", [], 1),
     ("tools/profile_moe.py", [], 1),

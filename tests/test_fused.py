@@ -9,6 +9,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import types
@@ -1085,3 +1086,41 @@ def test_gpu_loop_agrees_with_the_ops_and_catches_a_misplaced_row(init, n):
     short = lambda x, w: jax.lax.psum_scatter(  # noqa: E731
         jnp.where(jax.lax.axis_index("x") == n - 1, 0, jnp.matmul(x, w)), "x", scatter_dimension=rs[5], tiled=True)
     assert _oracle_loop(scenarios, n, rs, short) > 0.1
+
+
+def test_senders_count_against_wide_tiles_where_they_spill_into_another_wave():
+    """all_gather_matmul's grid is its senders and then the tiles. On 132 SMs at 4096 x 2048 the
+    256 tiles of 128 x 256 (one program per SM) fill 2 waves, and 16 senders push them into a
+    third; the 512 tiles of 128 x 128 (two per SM) keep their 2 waves. At 8192 x 4096 neither
+    gains a wave."""
+    from jaxgin.fused._common import programs_per_sm, sender_waves
+
+    wide, square = TileConfig(128, 256, 64, 8, 8, 4), TileConfig(128, 128, 64, 8, 8, 3)
+    assert (programs_per_sm(wide, 2), programs_per_sm(square, 2)) == (1, 2)
+    assert sender_waves(wide, 4096, 2048, 2, 16, 132) == 1.5
+    assert sender_waves(square, 4096, 2048, 2, 16, 132) == 1.0
+    assert sender_waves(wide, 8192, 4096, 2, 16, 132) == 1.0
+    assert sender_waves(square, 8192, 4096, 2, 16, 132) == 1.0
+    assert sender_waves(wide, 4096, 2048, 2, 0, 132) == 1.0
+
+
+def test_gather_tuning_weighs_each_candidates_time_by_its_sender_waves(monkeypatch, tmp_path):
+    """The tuner times each candidate's matmul alone; for all_gather_matmul it takes the one whose
+    time, scaled by sender_waves, is least: wide tiles 10 % faster alone lose at 4096 x 2048 (a
+    third wave) and win at 8192 x 4096. The choice is keyed by the sender count too."""
+    from jaxgin.fused import _common
+
+    wide, square = TileConfig(128, 256, 64, 8, 8, 4), TileConfig(128, 128, 64, 8, 8, 3)
+    monkeypatch.setattr(_common, "_cache_file", lambda: tmp_path / "fused-tiles.json")
+    monkeypatch.setattr(_common, "_chosen", {})
+    monkeypatch.setattr(_common, "_tuning_enabled", lambda: True)
+    monkeypatch.setattr(_common, "time_matmul", lambda c, *a, **kw: 0.9 if c == wide else 1.0)
+    monkeypatch.setattr(_common.op_support, "outside_trace", lambda f: f())
+    device = types.SimpleNamespace(device_kind="H200", core_count=132)
+    state = types.SimpleNamespace(local_devices=[device])
+    assert wide in _common.GATHER_CANDIDATES[2] and square in _common.GATHER_CANDIDATES[2]
+    assert _common.choose_tiles(state, 4096, 2048, 7168, jnp.bfloat16, "tf32", None, "gather", 16) == square
+    assert _common.choose_tiles(state, 8192, 4096, 4096, jnp.bfloat16, "tf32", None, "gather", 16) == wide
+    assert _common.choose_tiles(state, 4096, 2048, 7168, jnp.bfloat16, "tf32", None, "gather") == wide
+    saved = json.loads((tmp_path / "fused-tiles.json").read_text())
+    assert sorted(k.rsplit("|", 1)[-1] for k in saved if "4096x2048" in k) == ["16 senders", "gather"]

@@ -577,6 +577,9 @@ BENCHMARKS = {step.name: step for step in [
          360, gpus=2, default=False, tail=8),
     Step("fused_a2a_trace", ["benchmarks/fused.py", "--all-to-all-trace-only", "--out", "{out}"], 240, gpus=2,
          default=False, tail=10),
+    # when each GPU starts a chain of Triton calls against XLA's and the chunked op's, with each host thread's events
+    Step("launch_skew", ["tools/profile_launch_skew.py", "--out", "{out}/launch_skew"], 200, gpus=2, default=False,
+         tail=12),
     Step("fused_rs_trace", ["benchmarks/fused.py", "--reduce-scatter-trace-only", "--out", "{out}"], 180, gpus=2,
          default=False, tail=8),
     Step("fused_gather_variants", ["benchmarks/fused.py", "--gather-variants-only", "--repeats", "3", "--out", "{out}"],

@@ -70,11 +70,16 @@ def two_programs_registers(tiles: TileConfig, itemsize: int) -> int | None:
     Without the cap, device-library code compiled into a fused kernel (the GIN put) can take an
     8-warp kernel past 128, one program per SM. None too where the cap is above what a thread may
     have anyway (255)."""
-    pipeline = tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
-    if 2 * (pipeline + RESERVED_PER_PROGRAM) > SHARED_MEMORY_PER_SM:
+    if not _two_programs_fit(tiles, itemsize):
         return None
     registers = 65536 // (2 * 32 * tiles.num_warps)
     return registers if registers < 255 else None
+
+
+def _two_programs_fit(tiles: TileConfig, itemsize: int) -> bool:
+    """Whether two programs' pipeline buffers fit in one SM's shared memory."""
+    pipeline = tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
+    return 2 * (pipeline + RESERVED_PER_PROGRAM) <= SHARED_MEMORY_PER_SM
 
 
 def launch_options(tiles: TileConfig, dtype) -> dict:
@@ -286,10 +291,12 @@ def _cache_file() -> Path:
     return build.default_cache_dir() / "fused-tiles.json"
 
 
-# all_gather_matmul: the exchange configurations with 8 warps only. Its senders copy num_warps
-# rows at a time, and at 4 warps the op was slower though the matmul alone was faster.
-GATHER_CANDIDATES = {itemsize: tuple(t for t in configs if t.num_warps == 8)
-                     for itemsize, configs in EXCHANGE_CANDIDATES.items()}
+# all_gather_matmul: the exchange configurations with 8 warps only (its senders copy num_warps
+# rows at a time, and at 4 warps the op was slower though the matmul alone was faster), and
+# 16-bit 128 x 256 tiles, 10 % faster end to end at 8192 x 4096 x 4096 once their wgmma were
+# pipelined (twenty-sixth session). The senders share the tiles' waves: see sender_waves.
+GATHER_CANDIDATES = {2: (*(t for t in EXCHANGE_CANDIDATES[2] if t.num_warps == 8), TileConfig(128, 256, 64, 8, 8, 4)),
+                     4: tuple(t for t in EXCHANGE_CANDIDATES[4] if t.num_warps == 8)}
 
 # matmul_all_to_all: 16-bit 128 x 256 tiles (one program per SM) first, then the exchange
 # configurations. Once its wgmma were no longer serialized, 128 x 256 was the fastest at both of
@@ -302,10 +309,26 @@ FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES, "gather": GAT
             "all_to_all": ALL_TO_ALL_CANDIDATES}
 
 
+def programs_per_sm(tiles: TileConfig, itemsize: int) -> int:
+    """How many programs of `tiles` an SM holds at once: two where their pipeline buffers fit
+    together (launch_options caps the registers to match), else one."""
+    return 2 if _two_programs_fit(tiles, itemsize) else 1
+
+
+def sender_waves(tiles: TileConfig, m: int, n: int, itemsize: int, senders: int, sms: int) -> float:
+    """How much longer a kernel whose grid is `senders` programs before the tiles of an m x n
+    matmul runs than the tiles alone, counted in waves of programs (SMs x programs per SM): the
+    senders take slots of the first wave, and a grid that spills into one more wave pays it whole."""
+    slots = sms * programs_per_sm(tiles, itemsize)
+    count = -(-m // tiles.block_m) * -(-n // tiles.block_n)
+    return -(-(count + senders) // slots) / -(-count // slots)
+
+
 def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: TileConfig | None,
-                 family: str = "matmul") -> TileConfig:
+                 family: str = "matmul", senders: int = 0) -> TileConfig:
     """`tiles` if given, else the fastest of the `family` candidate set (FAMILIES) for the matmul
-    alone, tuned once per GPU kind, shape and family."""
+    alone, tuned once per GPU kind, shape and family. `senders`: programs the kernel runs before
+    its tiles; each candidate's time is scaled by sender_waves."""
     if tiles is not None:
         if not isinstance(tiles, TileConfig):
             raise TypeError(f"tiles must be a jaxgin.fused.TileConfig, got {type(tiles).__name__}")
@@ -315,10 +338,16 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
     if not _tuning_enabled() or len(candidates) == 1:
         return candidates[0]
     device = state.local_devices[0]
-    key = f"{device.device_kind}|{m}x{n}x{k}|{dtype.name}|{precision}" + ("" if family == "matmul" else f"|{family}")
+    key = (f"{device.device_kind}|{m}x{n}x{k}|{dtype.name}|{precision}" + ("" if family == "matmul" else f"|{family}")
+           + (f"|{senders} senders" if senders else ""))
     if key in _chosen:
         return _chosen[key]
-    choice = _agreed(key, lambda: _tune(key, state, m, n, k, dtype, precision, candidates))
+    sms = int(getattr(device, "core_count", 0) or 132)
+
+    def scale(c: TileConfig) -> float:
+        return sender_waves(c, m, n, dtype.itemsize, senders, sms) if senders else 1.0
+
+    choice = _agreed(key, lambda: _tune(key, state, m, n, k, dtype, precision, candidates, scale))
     _chosen[key] = choice
     return choice
 
@@ -335,7 +364,7 @@ def _agreed(key: str, tune) -> TileConfig:
     return TileConfig(**json.loads(client.blocking_key_value_get(kv_key, 600_000)))
 
 
-def _tune(key, state, m, n, k, dtype, precision, candidates) -> TileConfig:
+def _tune(key, state, m, n, k, dtype, precision, candidates, scale) -> TileConfig:
     path = _cache_file()
     try:
         saved = json.loads(path.read_text())
@@ -345,7 +374,7 @@ def _tune(key, state, m, n, k, dtype, precision, candidates) -> TileConfig:
         return TileConfig(**saved[key])
     device = state.local_devices[0]
     times = op_support.outside_trace(lambda: {c: time_matmul(c, m, n, k, dtype, precision, device=device) for c in candidates})
-    best = min(times, key=times.get)
+    best = min(times, key=lambda c: times[c] * scale(c))
     saved[key] = dataclasses.asdict(best)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

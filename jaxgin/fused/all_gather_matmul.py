@@ -113,8 +113,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
 
     size, dtype = plan.size, x.dtype
     precision = _common.dot_precision(dtype, plan.precision)
-    # two programs per SM: one waits for rows or sends while the other computes
-    tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "gather")
+    tiles = _common.choose_tiles(state, size * plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "gather",
+                                 senders)
     tm, tn = -(-plan.m // tiles.block_m), -(-plan.n // tiles.block_n)
     # GIN: fewer, larger row groups (each a put and a signal per source and call parity)
     groups, per_group = _common.row_groups(tm, GIN_GROUPS if gin else 32)
