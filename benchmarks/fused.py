@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -208,8 +209,8 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds, device_spa
     devices = mesh.size
     state = jaxgin.runtime.current()
     precision = _common.dot_precision(dtype, None)
-    # triton_matmul: the tile code of the fused all_to_all alone, in that op's configuration.
-    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None, "exchange")
+    # triton_matmul: the tile code of the fused all_to_all (and reduce-scatter) alone, in those ops' configuration.
+    tiles = _common.choose_tiles(state, m, n, k, dtype, precision, None, "wide_first")
     keys = jax.random.split(jax.random.key(m + k + n))
     x, w = _operands(mesh, keys, m, k, n, dtype)
     row = {"m": m, "k": k, "n": n, "dtype": np.dtype(dtype).name, "tiles": tiles.__dict__}
@@ -239,6 +240,7 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds, device_spa
         row["all_to_all_rel_err"] = _rel(_once(mesh, ops["fused_all_to_all"])(x, w), expected)
         row["triton_all_to_all_rel_err"] = _rel(_once(mesh, ops["triton_all_to_all"])(x, w), expected)
     if "all_gather" in kinds and m % devices == 0:
+        fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
         shard = (m // devices, k)
         xs = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), NamedSharding(mesh, P("x")))
         gather_ops = {
@@ -252,6 +254,9 @@ def measure(mesh, m: int, k: int, n: int, dtype, repeats: int, kinds, device_spa
         for name, op in gather_ops.items():
             time_op(name, op, (xs, w))
         row["all_gather_shard"] = list(shard)
+        # the Triton kernel's tiles, as the op chose them (gather family, weighed by its senders)
+        row["triton_all_gather_tiles"] = _common.choose_tiles(state, m, n, k, dtype, precision, None, "gather",
+                                                              fused_ag.SENDERS).__dict__
     if "reduce_scatter" in kinds and m % devices == 0:
         xr, wr = _operands(mesh, keys, m, k, n, dtype, K_SHARDED)
         rs_ops = {

@@ -89,9 +89,16 @@ def span_seconds(events: list[dict]) -> float:
     return (max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]) * 1e-6
 
 
+# Calls before a profiled one. XLA records a program's command buffers again at its second call
+# (custom calls captured anew, the graph instantiated again: 0.6-1.3 ms of host time per GPU, by
+# each GPU's thread at its own pace), which would show as one GPU starting late.
+PROFILE_WARMUP_CALLS = 2
+
+
 def _profiled_call(f, args, read):
-    """read(trace folder) for one call of f profiled by JAX, after a warm-up call."""
-    jax.block_until_ready(f(*args))
+    """read(trace folder) for one call of f profiled by JAX, after PROFILE_WARMUP_CALLS calls."""
+    for _ in range(PROFILE_WARMUP_CALLS):
+        jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory(prefix="device-trace-") as where:
         with jax.profiler.trace(where, create_perfetto_trace=True):
             jax.block_until_ready(f(*args))
@@ -99,14 +106,14 @@ def _profiled_call(f, args, read):
 
 
 def device_span_seconds(f, *args) -> float:
-    """The first GPU's device span of one call of f (after a warm-up call), from JAX's profiler:
+    """The first GPU's device span of one call of f (after the warm-up calls), from JAX's profiler:
     what the GPU took from its first kernel or copy to its last, without the host's launch and
     wait around them."""
     return span_seconds(_profiled_call(f, args, device_events))
 
 
 def device_windows_seconds(f, *args) -> dict[int, tuple[float, float]]:
-    """Every GPU's (first start, last end) in one call of f (after a warm-up call), in seconds from
+    """Every GPU's (first start, last end) in one call of f (after the warm-up calls), in seconds from
     the earliest first start of any GPU: how much later each GPU began, and when each finished."""
     windows = _profiled_call(f, args, device_windows)
     t0 = min(start for start, _ in windows.values())

@@ -448,7 +448,7 @@ def test_matmul_reduce_scatter_lowers_to_its_kernel(monkeypatch, gin, rows):
     from jaxgin.fused import _kernels
 
     assert kernel is _kernels.matmul_reduce_scatter_kernel
-    tiles = _common.EXCHANGE_CANDIDATES[2][0]
+    tiles = _common.WIDE_FIRST_CANDIDATES[2][0]
     cm, cn = (512 // size, 384) if rows else (512, 384 // size)
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)
     assert (kw["CM"], kw["CN"], kw["SCATTER_ROWS"], kw["GIN"]) == (cm, cn, rows, int(gin))

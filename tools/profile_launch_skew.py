@@ -95,7 +95,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="launch-skew-"))
     out.mkdir(parents=True, exist_ok=True)
     precision = _common.dot_precision(dtype, None)
-    tiles = _common.choose_tiles(jaxgin.runtime.current(), args.m, args.n, args.k, dtype, precision, None, "exchange")
+    tiles = _common.choose_tiles(jaxgin.runtime.current(), args.m, args.n, args.k, dtype, precision, None, "wide_first")
     x, w = _operands(mesh, jax.random.split(jax.random.key(0)), args.m, args.k, args.n, dtype)
     ops = chains(dtype, tiles, precision)
     report = {"m": args.m, "k": args.k, "n": args.n, "dtype": args.dtype, "chains": {}}

@@ -95,11 +95,10 @@ def traced_out_shape(out, programs: int, trace: bool):
     return (out, jax.core.ShapedArray((programs, 16), jnp.int32)) if trace else out
 
 
-# matmul_reduce_scatter and all_gather_matmul keep to configurations whose pipeline buffers let two
-# programs share an SM: while one stores or fetches remote tiles, or waits for rows, or sends the
-# shard, the other computes. The fastest matmul alone (one program per SM) lost the fused ops
-# (docs/measurements.md), measured while their wgmma were serialized; matmul_all_to_all's own set
-# is below.
+# Configurations whose pipeline buffers let two programs share an SM: while one stores or fetches
+# remote tiles, or waits for rows, or sends the shard, the other computes. They beat one program
+# per SM in the fused ops while those ops' wgmma were serialized; the ops' own sets (below) now
+# add 128 x 256 tiles.
 EXCHANGE_CANDIDATES = {
     2: (
         TileConfig(128, 128, 64, 8, 8, 3),
@@ -298,15 +297,15 @@ def _cache_file() -> Path:
 GATHER_CANDIDATES = {2: (*(t for t in EXCHANGE_CANDIDATES[2] if t.num_warps == 8), TileConfig(128, 256, 64, 8, 8, 4)),
                      4: tuple(t for t in EXCHANGE_CANDIDATES[4] if t.num_warps == 8)}
 
-# matmul_all_to_all: 16-bit 128 x 256 tiles (one program per SM) first, then the exchange
-# configurations. Once its wgmma were no longer serialized, 128 x 256 was the fastest at both of
-# issue 44's shapes, 1.12x / 1.14x XLA against 1.00-1.03x for 128 x 128 (twenty-sixth session).
-ALL_TO_ALL_CANDIDATES = {2: (TileConfig(128, 256, 64, 8, 8, 4), *EXCHANGE_CANDIDATES[2]), 4: EXCHANGE_CANDIDATES[4]}
+# matmul_all_to_all and matmul_reduce_scatter: 16-bit 128 x 256 tiles (one program per SM) first,
+# then the exchange configurations. Once their wgmma were no longer serialized, 128 x 256 was the
+# fastest at both of issue 44's shapes: matmul_all_to_all 1.12x / 1.14x XLA against 1.00-1.03x for
+# 128 x 128, the folded reduce-scatter 3 % / 11 % faster (docs/measurements.md).
+WIDE_FIRST_CANDIDATES = {2: (TileConfig(128, 256, 64, 8, 8, 4), *EXCHANGE_CANDIDATES[2]), 4: EXCHANGE_CANDIDATES[4]}
 
-# Candidate sets by name: "matmul" (CANDIDATES), "exchange" (EXCHANGE_CANDIDATES), "gather"
-# (GATHER_CANDIDATES), "all_to_all" (ALL_TO_ALL_CANDIDATES).
-FAMILIES = {"matmul": CANDIDATES, "exchange": EXCHANGE_CANDIDATES, "gather": GATHER_CANDIDATES,
-            "all_to_all": ALL_TO_ALL_CANDIDATES}
+# Candidate sets by name: "matmul" (CANDIDATES), "gather" (GATHER_CANDIDATES), "wide_first"
+# (WIDE_FIRST_CANDIDATES).
+FAMILIES = {"matmul": CANDIDATES, "gather": GATHER_CANDIDATES, "wide_first": WIDE_FIRST_CANDIDATES}
 
 
 def programs_per_sm(tiles: TileConfig, itemsize: int) -> int:

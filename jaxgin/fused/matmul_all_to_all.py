@@ -139,7 +139,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
     cm, cn = plan.chunk
     precision = _common.dot_precision(dtype, plan.precision)
     tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles,
-                                 "all_to_all")
+                                 "wide_first")
     tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
     copiers = _common.gin_copiers(size, tm * tn) if gin else 0
     if trace and gin:

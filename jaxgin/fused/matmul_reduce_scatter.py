@@ -144,7 +144,8 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
     size, dtype = plan.size, x.dtype
     cm, cn = plan.chunk
     precision = _common.dot_precision(dtype, plan.precision)
-    tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "exchange")
+    tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles,
+                                 "wide_first")
     count = -(-cm // tiles.block_m) * -(-cn // tiles.block_n)  # tiles of one chunk
     if fold is None:
         fold = not gin
