@@ -280,7 +280,7 @@ def test_gpu_path_follows_the_job(monkeypatch, op, method, gin):
     assert kw["GIN"] == int(gin)
     (buffers,) = state.placements.values()
     # the first of each op's candidates; all_gather_matmul's senders at 8 warps
-    tiles = _common.FAMILIES["all_to_all" if op == "matmul_all_to_all" else "gather"][2][0]
+    tiles = _common.FAMILIES["wide_first" if op == "matmul_all_to_all" else "gather"][2][0]
     assert (kw["BM"], kw["BN"], kw["BK"], kw["num_warps"]) == (tiles.block_m, tiles.block_n, tiles.block_k,
                                                                 tiles.num_warps)
     assert op == "matmul_all_to_all" or tiles.num_warps == 8
