@@ -1,6 +1,6 @@
-"""How every benchmark here times a jitted program: one warm-up call (compilation), then the best
-of `repeats` calls, each waited for. Programs put their N dependent calls inside one jit, so the
-time is device time, and callers divide by N."""
+"""How every benchmark here times a jitted program: WARMUP_CALLS calls (compilation, and XLA's
+recording of its command buffers), then the best of `repeats` calls, each waited for. Programs put
+their N dependent calls inside one jit, so the time is device time, and callers divide by N."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ from pathlib import Path
 import jax
 
 
+# Calls before a timed or profiled one. XLA records a program's command buffers again at its second
+# call (custom calls captured anew, the graph instantiated again: 0.6-1.3 ms of host time per GPU,
+# by each GPU's thread at its own pace), which would show as one GPU starting late.
+WARMUP_CALLS = 2
+
+
 def best_seconds(f, *args, repeats: int) -> float:
-    jax.block_until_ready(f(*args))
+    for _ in range(WARMUP_CALLS):
+        jax.block_until_ready(f(*args))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -89,15 +96,9 @@ def span_seconds(events: list[dict]) -> float:
     return (max(e["ts"] + e["dur"] for e in events) - events[0]["ts"]) * 1e-6
 
 
-# Calls before a profiled one. XLA records a program's command buffers again at its second call
-# (custom calls captured anew, the graph instantiated again: 0.6-1.3 ms of host time per GPU, by
-# each GPU's thread at its own pace), which would show as one GPU starting late.
-PROFILE_WARMUP_CALLS = 2
-
-
 def _profiled_call(f, args, read):
-    """read(trace folder) for one call of f profiled by JAX, after PROFILE_WARMUP_CALLS calls."""
-    for _ in range(PROFILE_WARMUP_CALLS):
+    """read(trace folder) for one call of f profiled by JAX, after WARMUP_CALLS calls."""
+    for _ in range(WARMUP_CALLS):
         jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory(prefix="device-trace-") as where:
         with jax.profiler.trace(where, create_perfetto_trace=True):
@@ -125,7 +126,8 @@ def best_seconds_threaded(f, x, *, repeats: int) -> float:
     call takes the previous call's result, so the program finds the same buffers at every call
     (XLA then replays its recorded command buffers as they are, with no update for moved buffers,
     as in a training loop that donates its state)."""
-    x = jax.block_until_ready(f(x))
+    for _ in range(WARMUP_CALLS):
+        x = jax.block_until_ready(f(x))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

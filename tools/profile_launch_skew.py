@@ -2,8 +2,10 @@
 chains (STEPS dependent calls in one jit) profiled once each with JAX's profiler. For every chain it
 prints each GPU's first kernel start relative to the earliest, and, per host thread, the events
 that began before the last GPU's first kernel (name, start relative to the earliest GPU start,
-duration), so a late GPU can be traced to the host step that held its launches back. The traces
-are kept under --out (one .trace.json.gz per chain) for a closer look.
+duration), so a late GPU can be traced to the host step that held its launches back. One call
+warms up, so the first profiled run is the program's second call, at which XLA records its command
+buffers again (benchmarks/timing.py's WARMUP_CALLS). The first run's traces are kept under --out
+(one .trace.json.gz per chain) for a closer look.
 
     python tools/profile_launch_skew.py [--m 4096 --k 7168 --n 2048] [--chains xla_matmul,triton_matmul,...]
 
