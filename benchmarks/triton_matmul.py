@@ -47,10 +47,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated MxKxN, e.g. 1024x7168x2048 (default: the issue's two, SHAPES)")
     parser.add_argument("--configs", default="all",
                         help="comma-separated BMxBNxBK/STAGES/WARPS, e.g. 128x256x64/3/8 (default: all of CONFIGS)")
     args = parser.parse_args()
     configs = CONFIGS if args.configs == "all" else tuple(_config(c) for c in args.configs.split(","))
+    shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
 
     import jax
     import jax.numpy as jnp
@@ -91,7 +94,7 @@ def main() -> None:
         return best_seconds(loop, x, w, src, repeats=3) / repeats
 
     rows = []
-    for m, k, n in SHAPES:
+    for m, k, n in shapes:
         keys = jax.random.split(jax.random.key(0))
         x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
         w = jax.random.normal(keys[1], (k, n), jnp.bfloat16)

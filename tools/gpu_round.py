@@ -555,6 +555,11 @@ BENCHMARKS = {step.name: step for step in [
     Step("chunking", ["benchmarks/fused.py", "--chunking-only", "--out", "{out}"], 200, tail=20),
     Step("moe", ["benchmarks/moe.py", "--out", "{out}"], 360, tail=30),  # 128 tokens: two chain lengths
     Step("triton_matmul", ["benchmarks/triton_matmul.py", "--out", "{out}"], 420, tail=20),
+    # the tile code where a sweep's M gives fewer 128-row tiles than SMs: 64-row tiles against 128-row ones
+    Step("triton_matmul_rows", ["benchmarks/triton_matmul.py", "--variants", "pointer", "--shapes",
+                                "512x7168x2048,1024x7168x2048,2048x7168x2048", "--configs",
+                                "64x128x64/4/4,64x128x64/5/4,64x256x64/4/4,64x256x64/3/8,128x128x64/3/8,128x128x64/4/4,"
+                                "128x256x64/4/8,128x64x64/4/4", "--out", "{out}"], 400, default=False, tail=40),
     Step("triton_matmul_copying", ["benchmarks/triton_matmul.py", "--variants",
                                    "pointer,copying0,copying8,copying16,copying32", "--configs",
                                    "128x256x64/3/8,128x128x64/3/8", "--out", "{out}"], 300, default=False, tail=24),
