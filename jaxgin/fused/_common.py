@@ -293,7 +293,7 @@ def _cache_file() -> Path:
 # all_gather_matmul: the exchange configurations with 8 warps only (its senders copy num_warps
 # rows at a time, and at 4 warps the op was slower though the matmul alone was faster), and
 # 16-bit 128 x 256 tiles, 10 % faster end to end at 8192 x 4096 x 4096 once their wgmma were
-# pipelined (twenty-sixth session). The senders share the tiles' waves: see sender_waves.
+# pipelined (docs/measurements.md). The senders share the tiles' waves: see sender_waves.
 GATHER_CANDIDATES = {2: (*(t for t in EXCHANGE_CANDIDATES[2] if t.num_warps == 8), TileConfig(128, 256, 64, 8, 8, 4)),
                      4: tuple(t for t in EXCHANGE_CANDIDATES[4] if t.num_warps == 8)}
 
