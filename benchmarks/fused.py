@@ -492,8 +492,9 @@ VARIANT_TILES = (
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two per SM: one computes while the other stores
     _common.TileConfig(128, 128, 64, 8, 4, 3),
 )
-VARIANT_LAYOUTS = {"push": (False, False), "push interleaved": (True, False), "pull": (False, True),
-                   "pull interleaved": (True, True)}
+# name: (interleave, pull, copy slabs)
+VARIANT_LAYOUTS = {"push": (False, False, 0), "push interleaved": (True, False, 0), "pull": (False, True, 0),
+                   "pull interleaved": (True, True, 0), "pull, copy in the K loop": (False, True, 32)}
 
 
 def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -517,9 +518,9 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             return fused_a2a._kernel(state, x, w, plan, 0)
 
         times["matmul only"] = best_seconds(_chain(mesh, matmul_only), x, w, repeats=repeats) / STEPS * 1e6
-        for name, (interleave, pull) in VARIANT_LAYOUTS.items():
-            def op(x, w, plan=plan, interleave=interleave, pull=pull):
-                return fused_a2a._kernel(state, x, w, plan, 7, interleave, pull)
+        for name, (interleave, pull, slabs) in VARIANT_LAYOUTS.items():
+            def op(x, w, plan=plan, interleave=interleave, pull=pull, slabs=slabs):
+                return fused_a2a._kernel(state, x, w, plan, 7, interleave, pull, copy_slabs=slabs)
 
             rel = _rel(_once(mesh, op)(x, w), expected)
             t = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
@@ -781,16 +782,17 @@ def reduce_scatter_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> d
     return row
 
 
-def _all_to_all_trace_summary(records: np.ndarray, shards: int) -> dict:
+def _all_to_all_trace_summary(records: np.ndarray, shards: int, interleave: bool = True) -> dict:
     """One GPU's records of a traced matmul_all_to_all call (_kernels._matmul_all_to_all's TRACE:
     start, place, waits ended, end, SM, matmul ended, stored), in us from the first program's start.
-    The op's programs are tile-major (place = tile * shards + step): step `shards - 1` computes a
-    tile of this GPU's own chunk, the others a tile for a peer (stored here and flagged: the peer
-    pulls it); every step after the first then waits for the arrival of its tile from a peer and
-    copies it out (`copy` includes the load over NVLink)."""
+    The op's programs are tile-major (place = tile * shards + step; without `interleave` step-major,
+    place = step * tiles + tile): step `shards - 1` computes a tile of this GPU's own chunk, the
+    others a tile for a peer (stored here and flagged: the peer pulls it); every step after the
+    first then waits for the arrival of its tile from a peer and copies it out (`copy` includes the
+    load over NVLink; a copy folded into the K loop shows no wait and is in `matmul`)."""
     start, place, waited, end, sm, computed, stored = (records[:, i] for i in range(7))
     t0 = start.min()
-    step = place % shards
+    step = place % shards if interleave else place // (len(records) // shards)
     us = _spread_from(t0)
     own, sending, copying = step == shards - 1, step != shards - 1, step > 0
     return {
@@ -808,7 +810,9 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """matmul_all_to_all's Triton kernel (the op's layout) with a record per program
     (_kernels.matmul_all_to_all_traced_kernel) from one call after warm-up, per part of the
     exchange switched on (PARTS, as the breakdown): how long the matmul, the stores and flags, the
-    waits for arrivals and the copies out take. The raw records of GPU 0 are kept."""
+    waits for arrivals and the copies out take; and the whole exchange in step order with each
+    copy-out folded into its program's K loop where its arrival is ready (COPY_SLABS). The raw
+    records of GPU 0 are kept."""
     import importlib
 
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
@@ -816,12 +820,14 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     x, w = _operands(mesh, jax.random.split(jax.random.key(m + k + n)), m, k, n, dtype)
     plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, None, "triton")
     row = {"m": m, "k": k, "n": n, "parts": {}}
-    for name, parts in (("matmul only", 0), ("+ remote tile stores", 1), ("+ flags", 3), ("the op", 7)):
-        def call(x, w, parts=parts):
-            return fused_a2a._triton(state, x, w, plan, False, parts, True, True, trace=True)
+    for name, parts, interleave, slabs in (("matmul only", 0, True, 0), ("+ remote tile stores", 1, True, 0),
+                                           ("+ flags", 3, True, 0), ("the op", 7, True, 0),
+                                           ("step order, copy in the K loop", 7, False, 32)):
+        def call(x, w, parts=parts, interleave=interleave, slabs=slabs):
+            return fused_a2a._triton(state, x, w, plan, False, parts, interleave, True, trace=True, copy_slabs=slabs)
 
         per_gpu = _traced_records(mesh, call, (x, w), (P("x"), P()), repeats)
-        row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size) for g in per_gpu],
+        row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size, interleave) for g in per_gpu],
                               "gpu0_records": per_gpu[0, :, :7].tolist()}
         print(json.dumps({"m": m, "all_to_all": name, **row["parts"][name]["gpus"][0]}), flush=True)
     return row

@@ -669,7 +669,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
         BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
-        GIN=gin, COPIERS=32 * gin, XB=2))
+        GIN=gin, COPIERS=32 * gin, XB=2, COPY_SLABS=0))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, GR=128, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
@@ -740,7 +740,7 @@ _TRACED_KERNELS = {
     "matmul_all_to_all": ("matmul_all_to_all_kernel", "matmul_all_to_all_traced_kernel", "_ALL_TO_ALL_POINTERS",
                           dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True,
                                OUT_N=2048, BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7,
-                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2)),
+                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2, COPY_SLABS=0)),
     "matmul_reduce_scatter": ("matmul_reduce_scatter_kernel", "matmul_reduce_scatter_traced_kernel",
                               "_REDUCE_SCATTER_POINTERS",
                               dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128,
@@ -1124,3 +1124,47 @@ def test_gather_tuning_weighs_each_candidates_time_by_its_sender_waves(monkeypat
     assert _common.choose_tiles(state, 4096, 2048, 7168, jnp.bfloat16, "tf32", None, "gather") == wide
     saved = json.loads((tmp_path / "fused-tiles.json").read_text())
     assert sorted(k.rsplit("|", 1)[-1] for k in saved if "4096x2048" in k) == ["16 senders", "gather"]
+
+
+@pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
+def test_all_to_all_copy_in_the_k_loop_decides_once_per_program(toolchain, gin):
+    """COPY_SLABS: a program folds its copy-out into the K loop only if the arrival is flagged when
+    it starts. The whole program must take one path (its wgmma run warpgroup-wide), so one thread
+    reads the peer's flag (system-scope acquire) and the program reads the answer from shared
+    memory after a barrier; the copy moves 32-bit words through L2 (.cg); the matmul stays
+    pipelined in both paths."""
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_device import link
+
+    plain_name, _traced, pointers_name, constexprs = _TRACED_KERNELS["matmul_all_to_all"]
+    kernel = compile_for_sm90(getattr(_kernels, plain_name), globals()[pointers_name], num_warps=8, num_stages=4,
+                              constexprs=dict(constexprs, BN=256, GIN=gin, COPIERS=2 * gin, INTERLEAVE=False,
+                                              COPY_SLABS=32))
+    ptx = kernel.asm["ptx"]
+    check = re.search(r"@(%p\d+) ld\.global\.sys\.acquire\.b64 (%rd\d+),[^\n]*\n(?:[^\n]*\n){0,4}?\s*@\1 st\.shared"
+                      r"[^\n]*\2;[\s\S]{0,200}?bar\.sync", ptx)
+    assert check, "the flag check is not one thread's acquire load broadcast through shared memory"
+    assert "ld.global.cg.b32" in ptx or "ld.global.cg.v" in ptx
+    release = link.ptxas()[1]
+    _cubin, log = link.compile_module(link.one_module(link.readable_ptx(ptx, release), link._library_ptx("sm_90a")),
+                                      "sm_90a")
+    assert "C7509" not in log, log
+
+
+def test_all_to_all_copy_slabs_are_a_power_of_two_within_the_tile_and_the_k_loop():
+    """_copy_slabs: what the kernel's COPY_SLABS gets for a requested count, and the errors that
+    name why a layout cannot fold its copy-out."""
+    import importlib
+
+    a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    wide = TileConfig(128, 256, 64, 8, 8, 4)
+    assert a2a._copy_slabs(0, True, wide, 7168, 2048, 2048, 2) == 0
+    assert a2a._copy_slabs(32, True, wide, 7168, 2048, 2048, 2) == 32
+    assert a2a._copy_slabs(32, True, wide, 256, 2048, 2048, 2) == 4  # 4 K steps
+    assert a2a._copy_slabs(48, True, TileConfig(32, 64, 32), 7168, 2048, 2048, 4) == 32  # the tile's 32 rows
+    assert a2a._copy_slabs(24, True, wide, 7168, 2048, 2048, 2) == 16
+    with pytest.raises(ValueError, match="needs pull=True"):
+        a2a._copy_slabs(32, False, wide, 7168, 2048, 2048, 2)
+    with pytest.raises(ValueError, match="width 1025 .* must be even"):
+        a2a._copy_slabs(32, True, wide, 7168, 1025, 2050, 2)
+    assert a2a._copy_slabs(32, True, wide, 7168, 1025, 2050, 4) == 32  # float32 moves whole elements

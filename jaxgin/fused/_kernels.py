@@ -251,6 +251,16 @@ def _chunk_tile(x, w, d, t, N: tl.constexpr, K: tl.constexpr, CM: tl.constexpr, 
     """Tile t of the [CM, CN] chunk of x @ w that belongs to axis index d (rows d*CM.. if
     SPLIT_ROWS, else columns d*CN..): (its tile coordinates, its rows and columns within the chunk,
     their mask, the float32 tile)."""
+    ti, tj, r, c, ok, x_rows, w_col0 = _chunk_place(d, t, CM, CN, SPLIT_ROWS, BM, BN, GROUP_M)
+    acc = _matmul_tile(x, x_rows, w, w_col0, CN - tj * BN, K, N, BN, BK, PRECISION)
+    return ti, tj, r, c, ok, acc
+
+
+@triton.jit
+def _chunk_place(d, t, CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Where tile t of axis index d's chunk lies (_chunk_tile): its tile coordinates, rows and
+    columns within the chunk and their mask, and the rows of x and first column of w it multiplies."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     ti, tj = _tile_coords(t, TM, TN, GROUP_M)
@@ -258,10 +268,12 @@ def _chunk_tile(x, w, d, t, N: tl.constexpr, K: tl.constexpr, CM: tl.constexpr, 
     c = tj * BN + tl.arange(0, BN)
     ok = (r < CM)[:, None] & (c < CN)[None, :]
     if SPLIT_ROWS:
-        acc = _matmul_tile(x, d * CM + r % CM, w, tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
+        x_rows = d * CM + r % CM
+        w_col0 = tj * BN
     else:
-        acc = _matmul_tile(x, r % CM, w, d * CN + tj * BN, CN - tj * BN, K, N, BN, BK, PRECISION)
-    return ti, tj, r, c, ok, acc
+        x_rows = r % CM
+        w_col0 = d * CN + tj * BN
+    return ti, tj, r, c, ok, x_rows, w_col0
 
 
 @triton.jit
@@ -321,7 +333,7 @@ def _exchange_tile(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    TRACE: tl.constexpr = 0,
+    COPY_SLABS: tl.constexpr, TRACE: tl.constexpr = 0,
 ):
     """Program (step, t) of matmul_all_to_all_kernel below a GIN job's copy-out programs. Returns
     when its matmul ended, when its tile was stored (and flagged), when its wait for the arrival
@@ -336,7 +348,28 @@ def _exchange_tile(
         step = pid // TILES
         t = pid % TILES
     d = (me + 1 + step) % P
-    ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, t, N, K, CM, CN, SPLIT_ROWS, BM, BN, BK, GROUP_M, PRECISION)
+    s = (me + P - step) % P
+    ti, tj, r, c, ok, x_rows, w_col0 = _chunk_place(d, t, CM, CN, SPLIT_ROWS, BM, BN, GROUP_M)
+    # COPY_SLABS (PULL, program order by step): if the arrival this program copies out is already
+    # flagged when it starts, its copy goes in COPY_SLABS slabs through the matmul's K loop.
+    copying = (pid < 0).to(tl.int32)
+    if COPY_SLABS > 0 and PULL:
+        if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
+            source = rank_of(route, s)
+            flag = tgl.peer_ptr(ctx, flags + me * TILES + t, source)
+            copying = (tl.atomic_add(flag, 0, sem="acquire", scope="sys") >= epoch + 1).to(tl.int32)
+    if copying != 0:
+        r0 = ti * BM
+        c0 = tj * BN
+        src = tgl.peer_ptr(ctx, recv, rank_of(route, s)) + (half * P + me) * (CM * CN) + r0 * CN + c0
+        if CONCAT_ROWS:
+            dst = out + (s * CM + r0) * OUT_N + c0
+        else:
+            dst = out + r0 * OUT_N + s * CN + c0
+        acc = _matmul_tile_copying(x, x_rows, w, w_col0, CN - c0, src, CN, dst, OUT_N, CM - r0, CN - c0,
+                                   K, N, BN, BK, PRECISION, BM, BN, COPY_SLABS)
+    else:
+        acc = _matmul_tile(x, x_rows, w, w_col0, CN - tj * BN, K, N, BN, BK, PRECISION)
     tile = acc.to(out.dtype.element_ty)
     computed = _now_ns(TRACE)
     if d == me or (PARTS & 1) == 0:
@@ -355,8 +388,7 @@ def _exchange_tile(
             tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
     stored = _now_ns(TRACE)
     waited = stored
-    s = (me + P - step) % P
-    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
+    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0 and copying == 0:
         if PULL:
             source = rank_of(route, s)
             tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
@@ -408,7 +440,7 @@ def _matmul_all_to_all(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, TRACE: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, TRACE: tl.constexpr,
 ):
     """y = x @ w; chunk [CM, CN] of y for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
     d*CN..) goes to d, whose output holds the chunk from s at rows s*CM.. if CONCAT_ROWS, else at
@@ -426,7 +458,12 @@ def _matmul_all_to_all(
     of programs mixes tiles of every destination. PULL keeps a remote tile in this GPU's own buffer
     (slot d; flags[d * TILES + t] here = the call counter + 1 once it is stored) and the destination
     fetches it over NVLink in its copy-out; without PULL the tile is stored into the destination's
-    buffer (slot me there; flags[me * TILES + t] there). PARTS (7 for the op; the breakdown
+    buffer (slot me there; flags[me * TILES + t] there). COPY_SLABS (PULL only; 0 for the op so
+    far): a program whose arrival is flagged when it starts copies it in COPY_SLABS row slabs
+    spread over its K loop (_matmul_tile_copying), so the copy-out's NVLink reads hide under the
+    matmul instead of following it; with programs in step order (no INTERLEAVE) the arrival was
+    computed TILES programs earlier. An arrival not yet flagged is waited for and copied after the
+    loop, as without COPY_SLABS. PARTS (7 for the op; the breakdown
     benchmark clears bits to see what each costs): 1 sends remote tiles (else they go into this
     GPU's own output), 2 flags them, 4 copies arrivals out.
 
@@ -455,7 +492,7 @@ def _matmul_all_to_all(
         computed, stored, waited = _exchange_tile(
             ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
             M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-            PARTS, INTERLEAVE, PULL, GIN, XB, TRACE)
+            PARTS, INTERLEAVE, PULL, GIN, XB, COPY_SLABS, TRACE)
         if TRACE:
             _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
             _trace_word(trace, pid, 5, computed)
@@ -474,12 +511,12 @@ def matmul_all_to_all_kernel(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr,
 ):
     """y = x @ w, its chunks exchanged over the axis: _matmul_all_to_all."""
     _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, flags,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, 0)
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, 0)
 
 
 @triton.jit
@@ -489,13 +526,13 @@ def matmul_all_to_all_traced_kernel(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr,
 ):
     """matmul_all_to_all_kernel (NVLink only) that also writes a record per program into trace (int32
     [programs, 16]; benchmarks/fused.py --all-to-all-trace-only: where the kernel's time goes)."""
     _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, trace,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, 1)
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, 1)
 
 
 @triton.jit

@@ -118,21 +118,25 @@ def unfused(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True,
-            chunk_layout: str = "chunk_per_peer"):
+            chunk_layout: str = "chunk_per_peer", copy_slabs: int = 0):
     """The op on GPUs, as _common.plan_method picks it: XLA's composition, the chunked custom call
     (its cuBLAS calls laid out by `chunk_layout`, _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`,
-    `interleave` and `pull` select variants; benchmarks/fused.py compares the non-defaults (the
+    `interleave`, `pull` and `copy_slabs` select variants; benchmarks/fused.py compares the non-defaults (the
     defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
     the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
     return _common.by_method(OP, state, plan, x.dtype, lambda: unfused(x, w, plan),
                              lambda: _chunked.matmul_all_to_all(x, w, plan, chunk_layout),
-                             lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull))
+                             lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull,
+                                                 copy_slabs=copy_slabs))
 
 
-def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool, trace: bool = False):
+def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool, trace: bool = False,
+            copy_slabs: int = 0):
     """The Triton kernel: the matmul's tiles handed to their destinations from its epilogue. With
     `trace` (NVLink only), (out, trace): int32 [programs, 16], 8 int64 words per program in start
-    order (_kernels._matmul_all_to_all's TRACE; view it as int64)."""
+    order (_kernels._matmul_all_to_all's TRACE; view it as int64). `copy_slabs` (with `pull`): the
+    copy-out of an arrival flagged when its program starts goes through the K loop in up to that
+    many row slabs (_kernels._matmul_all_to_all's COPY_SLABS)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -144,6 +148,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
     copiers = _common.gin_copiers(size, tm * tn) if gin else 0
     if trace and gin:
         raise ValueError("matmul_all_to_all: the traced kernel runs over NVLink only")
+    slabs = _copy_slabs(copy_slabs, pull, tiles, plan.k, cn, plan.out_shape[1], np.dtype(dtype).itemsize)
     buffers = _common.op_buffers(
         state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
         (2, size, cm, cn), dtype, size * tm * tn + size * gin,
@@ -164,8 +169,23 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         PARTS=parts, INTERLEAVE=interleave, PULL=pull, GIN=int(gin), COPIERS=copiers,
-        XB=np.dtype(dtype).itemsize,
+        XB=np.dtype(dtype).itemsize, COPY_SLABS=slabs,
     )
+
+
+def _copy_slabs(asked: int, pull: bool, tiles, k: int, cn: int, out_n: int, itemsize: int) -> int:
+    """The kernel's COPY_SLABS for `asked` slabs: a power of two, at most the tile's rows and the K
+    loop's steps (a slab a step). The folded copy moves 32-bit words, so 16-bit chunks and outputs
+    need an even width."""
+    if asked <= 0:
+        return 0
+    if not pull:
+        raise ValueError("matmul_all_to_all: copy_slabs folds the pulled copy-out into the K loop; it needs pull=True")
+    if itemsize == 2 and (cn % 2 or out_n % 2):
+        raise ValueError(f"matmul_all_to_all: copy_slabs moves 32-bit words; the chunk's width {cn} and the output's "
+                         f"width {out_n} must be even for a 16-bit dtype")
+    limit = min(asked, tiles.block_m, -(-k // tiles.block_k))
+    return 1 << (limit.bit_length() - 1)
 
 
 _fused = op_support.differentiable(reference, _kernel, _backward)
