@@ -348,26 +348,29 @@ def _exchange_tile(
         step = pid // TILES
         t = pid % TILES
     d = (me + 1 + step) % P
-    s = (me + P - step) % P
     ti, tj, r, c, ok, x_rows, w_col0 = _chunk_place(d, t, CM, CN, SPLIT_ROWS, BM, BN, GROUP_M)
     # COPY_SLABS (PULL, program order by step): if the arrival this program copies out is already
-    # flagged when it starts, its copy goes in COPY_SLABS slabs through the matmul's K loop.
-    copying = (pid < 0).to(tl.int32)
+    # flagged when it starts, its copy goes in COPY_SLABS slabs through the matmul's K loop. Without
+    # it, `copying` stays the constant 0 and the kernel compiles as if it did not exist.
+    copying = 0
     if COPY_SLABS > 0 and PULL:
+        s = (me + P - step) % P
+        copying = (pid < 0).to(tl.int32)
         if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
-            source = rank_of(route, s)
-            flag = tgl.peer_ptr(ctx, flags + me * TILES + t, source)
+            flag = tgl.peer_ptr(ctx, flags + me * TILES + t, rank_of(route, s))
             copying = (tl.atomic_add(flag, 0, sem="acquire", scope="sys") >= epoch + 1).to(tl.int32)
-    if copying != 0:
-        r0 = ti * BM
-        c0 = tj * BN
-        src = tgl.peer_ptr(ctx, recv, rank_of(route, s)) + (half * P + me) * (CM * CN) + r0 * CN + c0
-        if CONCAT_ROWS:
-            dst = out + (s * CM + r0) * OUT_N + c0
+        if copying != 0:
+            r0 = ti * BM
+            c0 = tj * BN
+            src = tgl.peer_ptr(ctx, recv, rank_of(route, s)) + (half * P + me) * (CM * CN) + r0 * CN + c0
+            if CONCAT_ROWS:
+                dst = out + (s * CM + r0) * OUT_N + c0
+            else:
+                dst = out + r0 * OUT_N + s * CN + c0
+            acc = _matmul_tile_copying(x, x_rows, w, w_col0, CN - c0, src, CN, dst, OUT_N, CM - r0, CN - c0,
+                                       K, N, BN, BK, PRECISION, BM, BN, COPY_SLABS)
         else:
-            dst = out + r0 * OUT_N + s * CN + c0
-        acc = _matmul_tile_copying(x, x_rows, w, w_col0, CN - c0, src, CN, dst, OUT_N, CM - r0, CN - c0,
-                                   K, N, BN, BK, PRECISION, BM, BN, COPY_SLABS)
+            acc = _matmul_tile(x, x_rows, w, w_col0, CN - tj * BN, K, N, BN, BK, PRECISION)
     else:
         acc = _matmul_tile(x, x_rows, w, w_col0, CN - tj * BN, K, N, BN, BK, PRECISION)
     tile = acc.to(out.dtype.element_ty)
@@ -388,17 +391,19 @@ def _exchange_tile(
             tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
     stored = _now_ns(TRACE)
     waited = stored
-    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0 and copying == 0:
-        if PULL:
-            source = rank_of(route, s)
-            tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
-            slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
-        else:
-            tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
-            slot = recv + (half * P + s) * (CM * CN)
-        waited = _now_ns(TRACE)
-        arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
-        _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+    s = (me + P - step) % P
+    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
+        if copying == 0:  # not copied in the K loop
+            if PULL:
+                source = rank_of(route, s)
+                tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
+                slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
+            else:
+                tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
+                slot = recv + (half * P + s) * (CM * CN)
+            waited = _now_ns(TRACE)
+            arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
+            _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     return computed, stored, waited
 
 
