@@ -59,12 +59,13 @@ def main() -> None:
     import jax.numpy as jnp
 
     import jaxgin
+    from jaxgin import op_support
     from jaxgin.fused import _kernels
     from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 
     jaxgin.initialize()
     device = jax.devices()[0]
-    programs = int(getattr(device, "core_count", 0) or 132)
+    programs = op_support.sm_count(device)
 
     def call(variant, x, w, cfg, src=None, with_copy=False):
         bm, bn, bk, stages, warps = cfg

@@ -152,6 +152,11 @@ def dlpack_code(dtype: np.dtype) -> tuple[int, int]:
     return _DLPACK_CODES[dtype.kind], dtype.itemsize * 8
 
 
+def sm_count(device) -> int:
+    """The device's multiprocessors (JAX's core_count), 132 (an H100 / H200) where JAX gives none."""
+    return int(getattr(device, "core_count", 0) or 132)
+
+
 def local_index(state, device) -> int:
     """The index among this process's jaxgin GPUs of `device` (an index or a jax Device; None: 0)."""
     count = len(state.local_devices)

@@ -341,7 +341,7 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
            + (f"|{senders} senders" if senders else ""))
     if key in _chosen:
         return _chosen[key]
-    sms = int(getattr(device, "core_count", 0) or 132)
+    sms = op_support.sm_count(device)
 
     def scale(c: TileConfig) -> float:
         return sender_waves(c, m, n, dtype.itemsize, senders, sms) if senders else 1.0

@@ -332,7 +332,7 @@ def _host_unions(state, route: SourceRoute, axis):
 
 
 def _sms(state) -> int:
-    return int(getattr(state.local_devices[0], "core_count", 0) or 132)
+    return op_support.sm_count(state.local_devices[0])
 
 
 def _grid(state, items: int) -> int:
