@@ -19,9 +19,15 @@ import jax
 WARMUP_CALLS = 2
 
 
-def best_seconds(f, *args, repeats: int) -> float:
+def _warm_up(f, *args):
+    """WARMUP_CALLS calls of f, each waited for; the last one's result."""
     for _ in range(WARMUP_CALLS):
-        jax.block_until_ready(f(*args))
+        result = jax.block_until_ready(f(*args))
+    return result
+
+
+def best_seconds(f, *args, repeats: int) -> float:
+    _warm_up(f, *args)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -98,8 +104,7 @@ def span_seconds(events: list[dict]) -> float:
 
 def _profiled_call(f, args, read):
     """read(trace folder) for one call of f profiled by JAX, after WARMUP_CALLS calls."""
-    for _ in range(WARMUP_CALLS):
-        jax.block_until_ready(f(*args))
+    _warm_up(f, *args)
     with tempfile.TemporaryDirectory(prefix="device-trace-") as where:
         with jax.profiler.trace(where, create_perfetto_trace=True):
             jax.block_until_ready(f(*args))

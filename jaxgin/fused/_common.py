@@ -343,8 +343,8 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
         return _chosen[key]
     sms = op_support.sm_count(device)
 
-    def scale(c: TileConfig) -> float:
-        return sender_waves(c, m, n, dtype.itemsize, senders, sms) if senders else 1.0
+    def scale(c: TileConfig) -> float:  # 1.0 for every candidate without senders
+        return sender_waves(c, m, n, dtype.itemsize, senders, sms)
 
     choice = _agreed(key, lambda: _tune(key, state, m, n, k, dtype, precision, candidates, scale))
     _chosen[key] = choice

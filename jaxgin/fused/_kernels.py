@@ -280,10 +280,18 @@ def _chunk_place(d, t, CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.conste
 def _store_chunk_tile(out, tile, s, r, c, ok, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr,
                       OUT_N: tl.constexpr):
     """Stores a [BM, BN] tile at rows r, columns c of the chunk from axis index s of the output."""
+    tl.store(_in_output_chunk(out, s, r[:, None], c[None, :], CM, CN, CONCAT_ROWS, OUT_N), tile, mask=ok)
+
+
+@triton.jit
+def _in_output_chunk(out, s, rows, cols, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr,
+                     OUT_N: tl.constexpr):
+    """The output's address of rows `rows`, columns `cols` of the chunk from axis index s (at rows
+    s*CM.. if CONCAT_ROWS, else at columns s*CN..)."""
     if CONCAT_ROWS:
-        tl.store(out + (s * CM + r)[:, None] * OUT_N + c[None, :], tile, mask=ok)
+        return out + (s * CM + rows) * OUT_N + cols
     else:
-        tl.store(out + r[:, None] * OUT_N + (s * CN + c)[None, :], tile, mask=ok)
+        return out + rows * OUT_N + (s * CN + cols)
 
 
 @triton.jit
@@ -359,14 +367,13 @@ def _exchange_tile(
         if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
             flag = tgl.peer_ptr(ctx, flags + me * TILES + t, rank_of(route, s))
             copying = (tl.atomic_add(flag, 0, sem="acquire", scope="sys") >= epoch + 1).to(tl.int32)
+        # Inside the COPY_SLABS branch: Triton compiles both sides of an `if` on `copying` even
+        # where it is the constant 0.
         if copying != 0:
             r0 = ti * BM
             c0 = tj * BN
-            src = tgl.peer_ptr(ctx, recv, rank_of(route, s)) + (half * P + me) * (CM * CN) + r0 * CN + c0
-            if CONCAT_ROWS:
-                dst = out + (s * CM + r0) * OUT_N + c0
-            else:
-                dst = out + r0 * OUT_N + s * CN + c0
+            src = _pulled_slot(ctx, recv, rank_of(route, s), me, half, P, CM, CN) + r0 * CN + c0
+            dst = _in_output_chunk(out, s, r0, c0, CM, CN, CONCAT_ROWS, OUT_N)
             acc = _matmul_tile_copying(x, x_rows, w, w_col0, CN - c0, src, CN, dst, OUT_N, CM - r0, CN - c0,
                                        K, N, BN, BK, PRECISION, BM, BN, COPY_SLABS)
         else:
@@ -397,7 +404,7 @@ def _exchange_tile(
             if PULL:
                 source = rank_of(route, s)
                 tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
-                slot = tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
+                slot = _pulled_slot(ctx, recv, source, me, half, P, CM, CN)
             else:
                 tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
                 slot = recv + (half * P + s) * (CM * CN)
@@ -405,6 +412,13 @@ def _exchange_tile(
             arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
             _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     return computed, stored, waited
+
+
+@triton.jit
+def _pulled_slot(ctx, recv, source, me, half, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr):
+    """Where rank `source` keeps, in its own exchange buffer, the chunk it computed for axis index
+    me (call parity half), as this GPU reaches it over NVLink: what a pulled copy-out reads."""
+    return tgl.peer_ptr(ctx, recv, source) + (half * P + me) * (CM * CN)
 
 
 @triton.jit
