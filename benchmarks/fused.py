@@ -446,8 +446,6 @@ def fastest_right_windowed(row: dict, op: str) -> float | None:
 def breakdown(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """Where matmul_all_to_all's time goes: the same kernel with parts of the exchange switched
     off (results are then wrong; only the timing is of interest)."""
-    import importlib
-
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")  # the module, not the function
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(1)), m, k, n, dtype)
@@ -501,8 +499,6 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """matmul_all_to_all's kernel under each tile configuration and exchange layout (program order,
     push or pull; see _kernels.matmul_all_to_all_kernel), each checked against XLA, next to the
     same kernel's matmul alone and XLA's unfused composition."""
-    import importlib
-
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(2)), m, k, n, dtype)
@@ -553,8 +549,6 @@ def gather_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     of sending programs and tile configuration, each checked against XLA's all_gather then matmul,
     next to that composition, the default method and the Triton tile code alone on the gathered
     rows."""
-    import importlib
-
     fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
     state = jaxgin.runtime.current()
     xs, w = _gather_operands(mesh, 4, m, k, n, dtype)
@@ -648,8 +642,6 @@ def gather_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     _kernels.all_gather_matmul_traced_kernel) from one call after warm-up, per tile configuration:
     when the senders finish, when the peer's tiles can start, how long a tile computes, how many
     programs share an SM. The raw records of GPU 0 are kept."""
-    import importlib
-
     fused_ag = importlib.import_module("jaxgin.fused.all_gather_matmul")
     state = jaxgin.runtime.current()
     xs, w = _gather_operands(mesh, 5, m, k, n, dtype)
@@ -706,8 +698,6 @@ REDUCER_LAGS = (0, 2, 8, 32, "all")
 def reduce_scatter_variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """matmul_reduce_scatter's kernel under each reducer placement and order, each checked against
     the reference's reduction order, next to XLA's matmul then psum_scatter."""
-    import importlib
-
     fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(3)), m, k, n, dtype, K_SHARDED)
@@ -764,8 +754,6 @@ def reduce_scatter_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> d
     with a record per program (_kernels.matmul_reduce_scatter_traced_kernel) from one call after
     warm-up: how long the matmul, the stores and flags, the waits for peers' partials and the sums
     take, and when each kind of program ends. The raw records of GPU 0 are kept."""
-    import importlib
-
     fused_rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(3)), m, k, n, dtype, K_SHARDED)
@@ -813,8 +801,6 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     waits for arrivals and the copies out take; and the whole exchange in step order with each
     copy-out folded into its program's K loop where its arrival is ready (COPY_SLABS). The raw
     records of GPU 0 are kept."""
-    import importlib
-
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(m + k + n)), m, k, n, dtype)
@@ -853,8 +839,6 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOU
     all_gather_matmul (M * devices gathered), x [M, K] per device sharded along K for
     matmul_reduce_scatter. Where matmul_reduce_scatter's time goes: the exchange of partials alone
     and XLA's sum of them alone."""
-    import importlib
-
     from jaxgin.fused import _chunked
 
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
