@@ -36,7 +36,7 @@ from fused import ROWS, _chain, _operands, xla_matmul_all_to_all
 from timing import _gpu_pids, _gpu_stream_events, _trace_events
 
 
-def chains(dtype, tiles, precision) -> dict:
+def chains(tiles, precision) -> dict:
     """name -> the per-shard op that benchmarks/fused.py chains."""
     return {
         "xla_matmul": lambda x, w: x @ w,
@@ -93,13 +93,13 @@ def main() -> None:
     cli.require_gpus(__file__, 2, "it profiles the fused ops' chains between them")
     cli.run(__file__, jaxgin.initialize)
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    dtype = np.dtype(args.dtype) if args.dtype != "bfloat16" else jax.numpy.bfloat16
+    dtype = jax.numpy.dtype(args.dtype)
     out = args.out or Path(tempfile.mkdtemp(prefix="launch-skew-"))
     out.mkdir(parents=True, exist_ok=True)
     precision = _common.dot_precision(dtype, None)
     tiles = _common.choose_tiles(jaxgin.runtime.current(), args.m, args.n, args.k, dtype, precision, None, "wide_first")
     x, w = _operands(mesh, jax.random.split(jax.random.key(0)), args.m, args.k, args.n, dtype)
-    ops = chains(dtype, tiles, precision)
+    ops = chains(tiles, precision)
     report = {"m": args.m, "k": args.k, "n": args.n, "dtype": args.dtype, "chains": {}}
     for name in args.chains.split(","):
         chain = _chain(mesh, ops[name], ROWS)
