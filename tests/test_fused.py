@@ -1132,7 +1132,8 @@ def test_all_to_all_copy_in_the_k_loop_decides_once_per_program(toolchain, gin):
     it starts. The whole program must take one path (its wgmma run warpgroup-wide), so one thread
     reads the peer's flag (system-scope acquire) and the program reads the answer from shared
     memory after a barrier; the copy moves 32-bit words through L2 (.cg); the matmul stays
-    pipelined in both paths. Without COPY_SLABS none of it is compiled in."""
+    pipelined in both paths, in the shared memory of the kernel without it. Without COPY_SLABS none
+    of it is compiled in."""
     from jaxgin.fused import _kernels
     from jaxgin.triton_device import link
 
@@ -1143,7 +1144,9 @@ def test_all_to_all_copy_in_the_k_loop_decides_once_per_program(toolchain, gin):
     ptx = kernel.asm["ptx"]
     default = compile_for_sm90(getattr(_kernels, plain_name), globals()[pointers_name], num_warps=8, num_stages=4,
                                constexprs=dict(constexprs, BN=256, GIN=gin, COPIERS=2 * gin))
-    # the op's kernel (COPY_SLABS = 0) has neither the check nor the second K loop
+    # the op's kernel (COPY_SLABS = 0) has neither the check nor the second K loop; the copying
+    # one needs no more shared memory (K = 7168 and 32 slabs once doubled it, past what a GPU allows)
+    assert kernel.metadata.shared == default.metadata.shared
     assert "ld.global.sys.acquire" not in default.asm["ptx"]
     assert ptx.count("wgmma.mma_async") == 2 * default.asm["ptx"].count("wgmma.mma_async") > 0
     check = re.search(r"@(%p\d+) ld\.global\.sys\.acquire\.b64 (%rd\d+),[^\n]*\n(?:[^\n]*\n){0,4}?\s*@\1 st\.shared"

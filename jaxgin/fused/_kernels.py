@@ -142,14 +142,14 @@ def _matmul_tile_copying(a, a_rows, w, col0, cols, src, src_stride, dst, dst_str
     slab_col_ok = (slab_cols < copy_cols)[None, :]
     slab = tl.zeros((SLAB, CW), dtype=tl.int32)
     for k in range(0, STEPS):
-        if PIECES > 0 and k % STRIDE == 0 and k // STRIDE <= PIECES:
+        if PIECES > 0 and k % STRIDE == 0 and k // STRIDE < PIECES:
             j = k // STRIDE
             rows = (j - 1) * SLAB + slab_rows  # the slab loaded STRIDE steps ago
             tl.store(dst + rows[:, None] * dst_stride + slab_cols[None, :], slab,
                      mask=((j > 0) & (rows < copy_rows))[:, None] & slab_col_ok)
             rows = j * SLAB + slab_rows
             slab = tl.load(src + rows[:, None] * src_stride + slab_cols[None, :],
-                           mask=((j < PIECES) & (rows < copy_rows))[:, None] & slab_col_ok, other=0.0,
+                           mask=(rows < copy_rows)[:, None] & slab_col_ok, other=0.0,
                            cache_modifier=".cg")
         acc, a_ptrs, w_ptrs = _k_step(acc, a_ptrs, w_ptrs, offs_k, col_ok, k, K, N, BK, PRECISION)
     if PIECES == 0:  # the whole tile after the K loop (the exchange kernel's copy-out today)
@@ -157,7 +157,7 @@ def _matmul_tile_copying(a, a_rows, w, col0, cols, src, src_stride, dst, dst_str
                        mask=(slab_rows < copy_rows)[:, None] & slab_col_ok, other=0.0, cache_modifier=".cg")
         tl.store(dst + slab_rows[:, None] * dst_stride + slab_cols[None, :], slab,
                  mask=(slab_rows < copy_rows)[:, None] & slab_col_ok)
-    elif STRIDE * PIECES >= STEPS:  # the last slab's store step fell past the loop
+    else:  # the last slab, after the loop (stored inside it, Triton doubles the kernel's shared memory)
         rows = (PIECES - 1) * SLAB + slab_rows
         tl.store(dst + rows[:, None] * dst_stride + slab_cols[None, :], slab,
                  mask=(rows < copy_rows)[:, None] & slab_col_ok)
