@@ -802,21 +802,23 @@ TRACE_COPY_SLABS = (4, 8, 16, 32)
 def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     """matmul_all_to_all's Triton kernel (the op's layout) with a record per program
     (_kernels.matmul_all_to_all_traced_kernel) from one call after warm-up, per part of the
-    exchange switched on (PARTS, as the breakdown): how long the matmul, the stores and flags, the
-    waits for arrivals and the copies out take; and the whole exchange in step order, plain and with each
-    copy-out folded into its program's K loop where its arrival is ready (COPY_SLABS). The raw
-    records of GPU 0 are kept."""
+    exchange switched on (PARTS, as the breakdown), pulled (the op) and pushed: how long the
+    matmul, the stores and flags, the waits for arrivals and the copies out take; and the whole
+    exchange in step order, plain and with each copy-out folded into its program's K loop where
+    its arrival is ready (COPY_SLABS). The raw records of GPU 0 are kept."""
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(m + k + n)), m, k, n, dtype)
     plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, None, "triton")
     row = {"m": m, "k": k, "n": n, "parts": {}}
-    layouts = [("matmul only", 0, True, 0), ("+ remote tile stores", 1, True, 0), ("+ flags", 3, True, 0),
-               ("the op", 7, True, 0), ("step order", 7, False, 0),
-               *((f"step order, copy in the K loop in {n} slabs", 7, False, n) for n in TRACE_COPY_SLABS)]
-    for name, parts, interleave, slabs in layouts:
-        def call(x, w, parts=parts, interleave=interleave, slabs=slabs):
-            return fused_a2a._triton(state, x, w, plan, False, parts, interleave, True, trace=True, copy_slabs=slabs)
+    layouts = [("matmul only", 0, True, True, 0), ("+ remote tile stores", 1, True, True, 0),
+               ("+ flags", 3, True, True, 0), ("the op", 7, True, True, 0),
+               ("push: + remote tile stores", 1, True, False, 0), ("push: + flags", 3, True, False, 0),
+               ("push: all parts", 7, True, False, 0), ("step order", 7, False, True, 0),
+               *((f"step order, copy in the K loop in {n} slabs", 7, False, True, n) for n in TRACE_COPY_SLABS)]
+    for name, parts, interleave, pull, slabs in layouts:
+        def call(x, w, parts=parts, interleave=interleave, pull=pull, slabs=slabs):
+            return fused_a2a._triton(state, x, w, plan, False, parts, interleave, pull, trace=True, copy_slabs=slabs)
 
         per_gpu = _traced_records(mesh, call, (x, w), (P("x"), P()), repeats)
         row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size, interleave) for g in per_gpu],
