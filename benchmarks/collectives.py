@@ -18,8 +18,8 @@ implementation that applies the op N times in a chain (each op consumes the prev
 they cannot overlap or be removed), runs it a few times and keeps the best. Time per op = program
 time / N, with N large enough that one dispatch is noise. Checks that jaxgin's result equals XLA's
 before timing. Beside every row: the launch floor (a chain of empty kernels, on a stream and in a
-CUDA graph), and from 16 MiB on the copy engines' ceiling for what the op moves (every GPU's copy
-to its right neighbour at once, or its slices to every peer at once for all_to_all). Writes
+CUDA graph), and from 16 MiB on the copy engines' time for what the op moves: XLA's ppermute or
+all_to_all with its peer copies on the copy engines (COPY_ENGINE_FLAG), in a process of its own. Writes
 collectives.json and collectives.png (if matplotlib is installed; otherwise
 `python benchmarks/plot.py collectives.json`).
 """
@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -61,26 +63,79 @@ def _handler_calls() -> int:
 
 
 OPS = ("ppermute", "self_copy", "all_to_all", "put_wait", "put_wait_from")
-# Below this many bytes per device, Python's dispatch of the copies, not the copy engines, would
-# set the ceiling's time.
+# The copy engines' time for what an op moves: XLA's own ppermute and all_to_all with peer copies on
+# the copy engines instead of NCCL's kernels. XLA reads its flags once per process, so they are
+# timed in a process of their own (--copy-engine-child), with the same chains as every row.
+COPY_ENGINE_FLAG = "--xla_gpu_use_memcpy_local_p2p=true"
+# Below this many bytes per device, XLA's host-side exchange of peer addresses at every copy, not
+# the copy engines, would set the time.
 CEILING_MIN_BYTES = 16 << 20
+# What each op moves, as the copy engines' program that moves the same: ring ops one neighbour's
+# whole buffer, all_to_all a slice to every peer.
+CEILING_OF = {"ppermute": "ppermute", "put_wait": "ppermute", "put_wait_from": "ppermute", "all_to_all": "all_to_all"}
 
 
-def copy_ceiling_seconds(op: str, nbytes: int, repeats: int) -> float | None:
-    """Seconds the copy engines take to move what `op` moves per device, all devices at once:
-    `nbytes` from every device to its right neighbour (the ring ops), or nbytes / n from every
-    device to each other one (all_to_all); None for self_copy and below CEILING_MIN_BYTES."""
-    devices = jax.local_devices()
-    n = len(devices)
-    if op == "self_copy" or nbytes < CEILING_MIN_BYTES or n < 2:
-        return None
-    if op == "all_to_all":
-        piece = np.ones(nbytes // n // 4, np.float32)
-        moves = [(jax.device_put(piece, devices[i]), devices[j]) for i in range(n) for j in range(n) if i != j]
-    else:
-        whole = np.ones(nbytes // 4, np.float32)
-        moves = [(jax.device_put(whole, devices[i]), devices[(i + 1) % n]) for i in range(n)]
-    return best_seconds(lambda: [jax.device_put(a, d) for a, d in moves], repeats=repeats)
+def _chain_program(mesh, fn, steps: int, donated: bool = False):
+    """fn applied `steps` times in one jitted program over the mesh's "x" axis, each step on the
+    previous one's result (so they cannot overlap or be removed)."""
+    def body(v):
+        v = v[0]
+        for _ in range(steps):
+            v = fn(v)
+        return v[None]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
+                   donate_argnums=(0,) if donated else ())
+
+
+def _expected(op: str, host: np.ndarray) -> np.ndarray:
+    """One ring ppermute (device i receives device i - 1's buffer) or one tiled all_to_all (device i
+    receives slice i of every device's buffer, by source) of `host`, [devices, elements]."""
+    n = host.shape[0]
+    if op == "ppermute":
+        return np.roll(host, 1, axis=0)
+    return host.reshape(n, n, -1).transpose(1, 0, 2).reshape(n, -1)
+
+
+def copy_engine_child(sizes_: list[int], repeats: int) -> list[dict]:
+    """In a process started with COPY_ENGINE_FLAG: per ceiling op and size, XLA's chain time per op
+    and whether one op's result is right."""
+    assert COPY_ENGINE_FLAG in os.environ.get("XLA_FLAGS", ""), "run through copy_engine_times"
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    n = mesh.size
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    ops = {"ppermute": lambda v: jax.lax.ppermute(v, "x", ring),
+           "all_to_all": lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True)}
+    rows = []
+    for op, fn in ops.items():
+        for nbytes in sizes_:
+            x = _array(mesh, nbytes, n)
+            steps = chain_length(nbytes)
+            equal = bool(np.array_equal(np.asarray(_chain_program(mesh, fn, 1)(x)), _expected(op, np.asarray(x))))
+            seconds = best_seconds(_chain_program(mesh, fn, steps), x, repeats=repeats) / steps
+            rows.append({"op": op, "bytes_per_device": nbytes, "seconds": seconds, "equal": equal})
+    return rows
+
+
+def copy_engine_times(sizes_: list[int], repeats: int) -> dict:
+    """{(ceiling op, bytes per device): seconds} from a child process (copy_engine_child), or
+    {"error": why} when it fails or moves wrong bytes: a row then has no ceiling, and the report
+    says why."""
+    sizes_ = [b for b in sizes_ if b >= CEILING_MIN_BYTES]
+    if not sizes_:
+        return {}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {COPY_ENGINE_FLAG}".strip(),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's preallocated memory
+    command = [sys.executable, __file__, "--copy-engine-child", ",".join(map(str, sizes_)), "--repeats", str(repeats)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        return {"error": f"{' '.join(command[1:])} with XLA_FLAGS+={COPY_ENGINE_FLAG} exited {done.returncode}: "
+                         + done.stderr.strip()[-2000:]}
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    wrong = [f"{r['op']} at {r['bytes_per_device']} B" for r in rows if not r["equal"]]
+    if wrong:
+        return {"error": "the copy engines' programs moved wrong bytes: " + ", ".join(wrong)}
+    return {(r["op"], r["bytes_per_device"]): r["seconds"] for r in rows}
 
 
 def make_ops(n: int):
@@ -137,6 +192,9 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
     # Empty kernels in a chain: the launch floor, raw and in a CUDA graph (beside every row).
     floor = {"empty_kernel_stream_us": max(rt.exchange_latency(0, 200, False)),
              "empty_kernel_graph_us": max(rt.exchange_latency(0, 200, True))}
+    copy_engines = copy_engine_times(sizes, repeats) if any(op in CEILING_OF for op in ops) else {}
+    if "error" in copy_engines:
+        print(f"no copy-engine ceiling: {copy_engines['error']}", flush=True)
     for op in ops:
         xla_op, jaxgin_op = implementations[op]
         for nbytes in sizes:
@@ -145,18 +203,9 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
             x = _array(mesh, nbytes, n)
             steps = chain_length(nbytes)
 
-            def program(fn, steps=steps, donated=False):
-                def body(v):
-                    v = v[0]
-                    for _ in range(steps):
-                        v = fn(v)
-                    return v[None]
-
-                return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
-                               donate_argnums=(0,) if donated else ())
-
-            xla_f, ours_f = program(xla_op, donated=donate), program(jaxgin_op, donated=donate)
-            one_x, one_ours = program(xla_op, 1), program(jaxgin_op, 1)
+            xla_f = _chain_program(mesh, xla_op, steps, donate)
+            ours_f = _chain_program(mesh, jaxgin_op, steps, donate)
+            one_x, one_ours = _chain_program(mesh, xla_op, 1), _chain_program(mesh, jaxgin_op, 1)
             equal = bool(np.array_equal(np.asarray(one_x(x)), np.asarray(one_ours(x))))
 
             def timed(f):
@@ -189,10 +238,10 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 if nbytes <= 8192:
                     # The generic exchange kernel on the same chain: what the line exchange saves.
                     row["generic_kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True, generic_kernel=True))
-            ceiling = copy_ceiling_seconds(op, nbytes, repeats)
+            ceiling = copy_engines.get((CEILING_OF.get(op), nbytes))
             if ceiling is not None:
-                row["copy_ceiling_us"] = ceiling * 1e6
-                row["jaxgin_vs_copy_ceiling"] = ceiling / t_ours
+                row["copy_engine_us"] = ceiling * 1e6
+                row["jaxgin_vs_copy_engine"] = ceiling / t_ours
             results.append(row)
             print(
                 f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "
@@ -200,7 +249,7 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 f"  calls/op {row['handler_calls_per_op']:.2f}"
                 + (f"  raw {row['kernel_stream_us']:.1f} / graph {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else "")
                 + (f" (generic kernel {row['generic_kernel_graph_us']:.1f} us)" if "generic_kernel_graph_us" in row else "")
-                + (f"  copy ceiling {row['copy_ceiling_us']:.1f} us" if "copy_ceiling_us" in row else ""),
+                + (f"  copy engines {row['copy_engine_us']:.1f} us" if "copy_engine_us" in row else ""),
                 flush=True,
             )
     return {
@@ -213,8 +262,10 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                   + (" (each run donating its input, the previous run's result)" if donate else ""),
         "donated": donate,
         "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
-        "copy_ceiling": "from %d MiB: best of %d rounds of JAX's device-to-device copies of what the op moves, all "
-                        "devices at once (copy engines over NVLink)" % (CEILING_MIN_BYTES >> 20, repeats),
+        "copy_engine": "from %d MiB: XLA's ppermute (ring ops) or all_to_all moving the same bytes with %s (peer "
+                       "copies on the copy engines), timed as the rows in a process of its own"
+                       % (CEILING_MIN_BYTES >> 20, COPY_ENGINE_FLAG),
+        "copy_engine_error": copy_engines.get("error"),
         "results": results,
     }
 
@@ -230,7 +281,12 @@ def main() -> None:
     parser.add_argument("--donate", action="store_true",
                         help="each timed run donates its input, the previous run's result: the same buffers every "
                              "run, so XLA replays its command buffers without updating them")
+    parser.add_argument("--copy-engine-child", metavar="BYTES,...", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.copy_engine_child:
+        for row in copy_engine_child([int(b) for b in args.copy_engine_child.split(",")], args.repeats):
+            print(json.dumps(row), flush=True)
+        return
     unknown = sorted(set(args.ops.split(",")) - set(OPS))
     if unknown:
         parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
@@ -245,8 +301,6 @@ def main() -> None:
     try:
         from plot import plot  # benchmarks/plot.py
     except ImportError:
-        import sys
-
         sys.path.insert(0, str(Path(__file__).parent))
         from plot import plot
     try:

@@ -88,16 +88,39 @@ def test_driver_gpus_without_jax_plugin_message(monkeypatch, capsys):
     assert 'pip install -e ".[cuda]"' in err
 
 
-def test_the_copy_ceiling_moves_what_each_op_moves():
-    """collectives.py's ceiling on CPU devices: None where it would time Python (self_copy, small
-    messages), a time for the ring ops and all_to_all from CEILING_MIN_BYTES on."""
+def test_the_copy_engine_programs_move_what_each_op_moves():
+    """collectives.py's copy-engine ceiling on CPU devices, through its child process: the ring and
+    all_to_all programs checked against their expected bytes and timed, none below
+    CEILING_MIN_BYTES, and each op matched to the program that moves what it moves."""
     out = _on_cpu_devices(
         "import sys; sys.path.insert(0, 'benchmarks'); import collectives as c\n"
         "big = c.CEILING_MIN_BYTES\n"
-        "print([c.copy_ceiling_seconds(op, big, 1) is None for op in ('self_copy', 'ppermute', 'all_to_all')],"
-        " c.copy_ceiling_seconds('ppermute', big // 2, 1), c.copy_ceiling_seconds('all_to_all', big, 1) > 0)", 2)
+        "times = c.copy_engine_times([big // 2, big], 1)\n"
+        "print(sorted(times), all(t > 0 for t in times.values()))\n"
+        "print(sorted(c.CEILING_OF.items()))", 2)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[-2] == "[True, False, False] None True", out.stdout
+    lines = out.stdout.strip().split("\n")
+    assert lines[-2] == "[('all_to_all', 16777216), ('ppermute', 16777216)] True", out.stdout
+    assert lines[-1] == ("[('all_to_all', 'all_to_all'), ('ppermute', 'ppermute'), ('put_wait', 'ppermute'), "
+                         "('put_wait_from', 'ppermute')]")
+
+
+def test_a_copy_engine_program_that_moves_wrong_bytes_is_reported(monkeypatch):
+    """A wrong result from the child process gives no ceiling and says which program was wrong."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    collectives = importlib.import_module("collectives")
+    rows = [{"op": "ppermute", "bytes_per_device": 1 << 24, "seconds": 1e-4, "equal": True},
+            {"op": "all_to_all", "bytes_per_device": 1 << 24, "seconds": 1e-4, "equal": False}]
+    done = subprocess.CompletedProcess([], 0, "\n".join(json.dumps(r) for r in rows) + "\n", "")
+    monkeypatch.setattr(collectives.subprocess, "run", lambda *a, **k: done)
+    assert collectives.copy_engine_times([1 << 24], 1) == {
+        "error": "the copy engines' programs moved wrong bytes: all_to_all at 16777216 B"}
+    failed = subprocess.CompletedProcess([], 1, "", "Unknown flag in XLA_FLAGS")
+    monkeypatch.setattr(collectives.subprocess, "run", lambda *a, **k: failed)
+    assert collectives.copy_engine_times([1 << 24], 1)["error"].endswith("exited 1: Unknown flag in XLA_FLAGS")
+    assert collectives.copy_engine_times([1 << 20], 1) == {}  # nothing to time below CEILING_MIN_BYTES
 
 
 def test_plot_without_matplotlib_or_report():
