@@ -118,6 +118,27 @@ def compile_options(num_warps: int, num_stages: int, enable_fp_fusion: bool | No
     return options
 
 
+# The most shared memory one block may opt into, by compute capability (CUDA's programming guide,
+# "Technical Specifications per Compute Capability"); a capability not listed is left to the launch.
+SHARED_BYTES_PER_BLOCK = {
+    (7, 0): 96 << 10, (7, 2): 96 << 10, (7, 5): 64 << 10,
+    (8, 0): 163 << 10, (8, 6): 99 << 10, (8, 7): 163 << 10, (8, 9): 99 << 10,
+    (9, 0): 227 << 10, (10, 0): 227 << 10, (10, 3): 227 << 10, (12, 0): 99 << 10, (12, 1): 99 << 10,
+}
+
+
+def check_shared_memory(kernel_name: str, shared_bytes: int, capability: tuple[int, int], num_stages: int) -> None:
+    """Raises, before anything runs, for a compiled kernel that needs more shared memory per block
+    than GPUs of `capability` allow (the launch would fail with only the byte count)."""
+    limit = SHARED_BYTES_PER_BLOCK.get(tuple(capability))
+    if limit is not None and shared_bytes > limit:
+        raise JaxginError(
+            f"jaxgin.triton_call: kernel {kernel_name} needs {shared_bytes} bytes of shared memory per block; "
+            f"sm_{capability[0]}{capability[1]} GPUs allow at most {limit}. Fewer stages (num_stages={num_stages}) "
+            "or smaller blocks need less"
+        )
+
+
 def _capability(state) -> tuple[int, int]:
     major, minor = str(state.local_devices[0].compute_capability).split(".")
     return int(major), int(minor)
@@ -210,9 +231,11 @@ def triton_call(
         if name in constexprs:
             signature[name] = "constexpr"
 
-    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, _capability(state), enable_fp_fusion,
+    capability = _capability(state)
+    compiled = _compile(kernel, signature, constexprs, num_warps, num_stages, capability, enable_fp_fusion,
                         frozenset(multiples_of_16), max_registers)
     metadata = compiled.metadata
+    check_shared_memory(kernel.__name__, metadata.shared, capability, num_stages)
     if getattr(metadata, "num_ctas", 1) != 1:
         raise JaxginError(f"jaxgin.triton_call: kernel {kernel.__name__} uses thread-block clusters (num_ctas > 1)")
     launch_grid = _grid(grid, constexprs)

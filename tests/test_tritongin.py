@@ -20,7 +20,7 @@ import triton.language as tl  # noqa: E402
 import tritongin  # noqa: E402
 import tritongin.language as tgl  # noqa: E402
 from jaxgin import build  # noqa: E402
-from jaxgin.errors import ToolchainError  # noqa: E402
+from jaxgin.errors import JaxginError, ToolchainError  # noqa: E402
 from jaxgin.triton_device import link  # noqa: E402
 
 from conftest import compile_for_sm90  # noqa: E402
@@ -276,7 +276,6 @@ def test_standalone_and_triton_call_need_gpus():
     import jax.numpy as jnp
 
     import jaxgin
-    from jaxgin.errors import JaxginError
 
     jaxgin.initialize()  # reference mode on this CPU-only machine
     for call in (tritongin.context, lambda: tritongin.empty((4,), "float32"), lambda: tritongin.signals(1)):
@@ -472,3 +471,53 @@ def test_linked_kernels_get_the_ptxas_options_triton_would_give_them():
     kernel's own ptx_options last."""
     assert link.ptxas_options(True, None) == ("-lineinfo",)
     assert link.ptxas_options(False, "--opt-level 1") == ("-lineinfo", "--fmad=false", "--opt-level", "1")
+
+
+@triton.jit
+def square_matmul(ctx, a, b, c, N: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BLOCK, BLOCK), tl.float32)
+    for k in range(0, N, BK):
+        acc = tl.dot(tl.load(a + rows[:, None] * N + (k + ks)[None, :]),
+                     tl.load(b + (k + ks)[:, None] * BLOCK + cols[None, :]), acc)
+    tl.store(c + rows[:, None] * BLOCK + cols[None, :], acc.to(tl.bfloat16))
+
+
+def test_triton_call_refuses_a_kernel_with_more_shared_memory_than_the_gpu_allows(monkeypatch):
+    """A kernel whose pipelined tiles need more shared memory per block than its GPU allows fails
+    when it is lowered, naming the kernel, both sizes and the knob, not at its launch with only a
+    CUDA error; the same kernel with fewer stages lowers."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgin import triton_op as tc
+
+    device = types.SimpleNamespace(compute_capability="9.0")
+    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=1, capture=(False, "a fake runtime"),
+                                  captured_lowered=False)
+    monkeypatch.setattr(tc.runtime, "current", lambda: state)
+    monkeypatch.setattr(link, "install", lambda: None)
+    compiled = []
+    real_compile = tc._compile
+    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
+    monkeypatch.setattr(jax.ffi, "ffi_call", lambda target, out_types, has_side_effect: (
+        lambda *operands, **attrs: [jnp.zeros(t.shape, t.dtype) for t in out_types]))
+    a = jnp.zeros((256, 4096), jnp.bfloat16)
+    b = jnp.zeros((4096, 256), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    with pytest.raises(JaxginError) as refused:
+        tc.triton_call(square_matmul, a, b, grid=(1,), out_shape=out, num_warps=8, num_stages=4,
+                       enable_fp_fusion=True, N=4096, BLOCK=256, BK=128)
+    needed = compiled[-1].metadata.shared
+    assert needed > 227 << 10
+    assert str(refused.value) == (
+        f"jaxgin.triton_call: kernel square_matmul needs {needed} bytes of shared memory per block; sm_90 GPUs "
+        "allow at most 232448. Fewer stages (num_stages=4) or smaller blocks need less")
+    tc.triton_call(square_matmul, a, b, grid=(1,), out_shape=out, num_warps=8, num_stages=2, enable_fp_fusion=True,
+                   N=4096, BLOCK=256, BK=64)
+    assert compiled[-1].metadata.shared <= 227 << 10
+    tc.check_shared_memory("any", 1 << 30, (13, 0), 3)  # a capability not in the table: left to the launch
