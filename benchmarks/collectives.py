@@ -67,12 +67,11 @@ OPS = ("ppermute", "self_copy", "all_to_all", "put_wait", "put_wait_from")
 # the copy engines instead of NCCL's kernels. XLA reads its flags once per process, so they are
 # timed in a process of their own (--copy-engine-child), with the same chains as every row.
 COPY_ENGINE_FLAG = "--xla_gpu_use_memcpy_local_p2p=true"
-# Below this many bytes per device, XLA's host-side exchange of peer addresses at every copy, not
-# the copy engines, would set the time.
-CEILING_MIN_BYTES = 16 << 20
-# What each op moves, as the copy engines' program that moves the same: ring ops one neighbour's
-# whole buffer, all_to_all a slice to every peer.
-CEILING_OF = {"ppermute": "ppermute", "put_wait": "ppermute", "put_wait_from": "ppermute", "all_to_all": "all_to_all"}
+# The copy engines' figures start here: below it a copy's fixed costs, not its bytes, set its time.
+COPY_ENGINE_MIN_BYTES = 16 << 20
+# The copy engines' program that moves what each op moves: ring ops one neighbour's whole buffer,
+# all_to_all a slice to every peer.
+COPY_ENGINE_PROGRAM = {"ppermute": "ppermute", "put_wait": "ppermute", "put_wait_from": "ppermute", "all_to_all": "all_to_all"}
 
 
 def _chain_program(mesh, fn, steps: int, donated: bool = False):
@@ -98,8 +97,8 @@ def _expected(op: str, host: np.ndarray) -> np.ndarray:
 
 
 def copy_engine_child(sizes_: list[int], repeats: int) -> list[dict]:
-    """In a process started with COPY_ENGINE_FLAG: per ceiling op and size, XLA's chain time per op
-    and whether one op's result is right."""
+    """In a process started with COPY_ENGINE_FLAG: per program and size, XLA's chain time per op and
+    whether one op's result is right."""
     assert COPY_ENGINE_FLAG in os.environ.get("XLA_FLAGS", ""), "run through copy_engine_times"
     mesh = Mesh(np.array(jax.devices()), ("x",))
     n = mesh.size
@@ -118,10 +117,10 @@ def copy_engine_child(sizes_: list[int], repeats: int) -> list[dict]:
 
 
 def copy_engine_times(sizes_: list[int], repeats: int) -> dict:
-    """{(ceiling op, bytes per device): seconds} from a child process (copy_engine_child), or
-    {"error": why} when it fails or moves wrong bytes: a row then has no ceiling, and the report
-    says why."""
-    sizes_ = [b for b in sizes_ if b >= CEILING_MIN_BYTES]
+    """{(program, bytes per device): seconds} from a child process (copy_engine_child), or
+    {"error": why} when it fails or moves wrong bytes: rows then have no copy-engine figure, and
+    the report says why."""
+    sizes_ = [b for b in sizes_ if b >= COPY_ENGINE_MIN_BYTES]
     if not sizes_:
         return {}
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {COPY_ENGINE_FLAG}".strip(),
@@ -192,9 +191,9 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
     # Empty kernels in a chain: the launch floor, raw and in a CUDA graph (beside every row).
     floor = {"empty_kernel_stream_us": max(rt.exchange_latency(0, 200, False)),
              "empty_kernel_graph_us": max(rt.exchange_latency(0, 200, True))}
-    copy_engines = copy_engine_times(sizes, repeats) if any(op in CEILING_OF for op in ops) else {}
+    copy_engines = copy_engine_times(sizes, repeats) if any(op in COPY_ENGINE_PROGRAM for op in ops) else {}
     if "error" in copy_engines:
-        print(f"no copy-engine ceiling: {copy_engines['error']}", flush=True)
+        print(f"no copy-engine figures: {copy_engines['error']}", flush=True)
     for op in ops:
         xla_op, jaxgin_op = implementations[op]
         for nbytes in sizes:
@@ -238,10 +237,10 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 if nbytes <= 8192:
                     # The generic exchange kernel on the same chain: what the line exchange saves.
                     row["generic_kernel_graph_us"] = max(rt.exchange_latency(nbytes, 200, True, generic_kernel=True))
-            ceiling = copy_engines.get((CEILING_OF.get(op), nbytes))
-            if ceiling is not None:
-                row["copy_engine_us"] = ceiling * 1e6
-                row["jaxgin_vs_copy_engine"] = ceiling / t_ours
+            engines = copy_engines.get((COPY_ENGINE_PROGRAM.get(op), nbytes))
+            if engines is not None:
+                row["copy_engine_us"] = engines * 1e6
+                row["jaxgin_vs_copy_engine"] = engines / t_ours
             results.append(row)
             print(
                 f"{op:10s} {nbytes:>11d} B  xla {row['xla_us']:9.1f} us  jaxgin {row['jaxgin_us']:9.1f} us  "
@@ -264,7 +263,7 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
         "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
         "copy_engine": "from %d MiB: XLA's ppermute (ring ops) or all_to_all moving the same bytes with %s (peer "
                        "copies on the copy engines), timed as the rows in a process of its own"
-                       % (CEILING_MIN_BYTES >> 20, COPY_ENGINE_FLAG),
+                       % (COPY_ENGINE_MIN_BYTES >> 20, COPY_ENGINE_FLAG),
         "copy_engine_error": copy_engines.get("error"),
         "results": results,
     }

@@ -89,15 +89,15 @@ def test_driver_gpus_without_jax_plugin_message(monkeypatch, capsys):
 
 
 def test_the_copy_engine_programs_move_what_each_op_moves():
-    """collectives.py's copy-engine ceiling on CPU devices, through its child process: the ring and
+    """collectives.py's copy-engine figures on CPU devices, through its child process: the ring and
     all_to_all programs checked against their expected bytes and timed, none below
-    CEILING_MIN_BYTES, and each op matched to the program that moves what it moves."""
+    COPY_ENGINE_MIN_BYTES, and each op matched to the program that moves what it moves."""
     out = _on_cpu_devices(
         "import sys; sys.path.insert(0, 'benchmarks'); import collectives as c\n"
-        "big = c.CEILING_MIN_BYTES\n"
+        "big = c.COPY_ENGINE_MIN_BYTES\n"
         "times = c.copy_engine_times([big // 2, big], 1)\n"
         "print(sorted(times), all(t > 0 for t in times.values()))\n"
-        "print(sorted(c.CEILING_OF.items()))", 2)
+        "print(sorted(c.COPY_ENGINE_PROGRAM.items()))", 2)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().split("\n")
     assert lines[-2] == "[('all_to_all', 16777216), ('ppermute', 16777216)] True", out.stdout
@@ -106,7 +106,8 @@ def test_the_copy_engine_programs_move_what_each_op_moves():
 
 
 def test_a_copy_engine_program_that_moves_wrong_bytes_is_reported(monkeypatch):
-    """A wrong result from the child process gives no ceiling and says which program was wrong."""
+    """A wrong result from the child process gives no copy-engine figures and says which program
+    was wrong; so does a child that fails."""
     import importlib
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -120,7 +121,7 @@ def test_a_copy_engine_program_that_moves_wrong_bytes_is_reported(monkeypatch):
     failed = subprocess.CompletedProcess([], 1, "", "Unknown flag in XLA_FLAGS")
     monkeypatch.setattr(collectives.subprocess, "run", lambda *a, **k: failed)
     assert collectives.copy_engine_times([1 << 24], 1)["error"].endswith("exited 1: Unknown flag in XLA_FLAGS")
-    assert collectives.copy_engine_times([1 << 20], 1) == {}  # nothing to time below CEILING_MIN_BYTES
+    assert collectives.copy_engine_times([1 << 20], 1) == {}  # nothing to time below COPY_ENGINE_MIN_BYTES
 
 
 def test_plot_without_matplotlib_or_report():
