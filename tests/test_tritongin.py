@@ -298,11 +298,9 @@ def masked_copy(ctx, src, n, dst, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
 
 
-@pytest.mark.parametrize("n, vectors", [(4096, True), (4100, False)])
-def test_triton_call_specializes_ints_that_are_multiples_of_16(monkeypatch, n, vectors):
-    """As Triton's own launcher does: a bound that is a multiple of 16 compiles as one, so the
-    accesses masked against it stay 16-byte vectors (st.global.v4); another bound cannot."""
-    import re
+def _lowered_as_on_a_gpu(monkeypatch) -> list:
+    """triton_call lowered here as on an sm_90 GPU: a stand-in runtime state, no device library
+    link step, an ffi_call that returns zeros. Returns the list each compiled kernel goes into."""
     import types
 
     import jax
@@ -320,6 +318,20 @@ def test_triton_call_specializes_ints_that_are_multiples_of_16(monkeypatch, n, v
     monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
     monkeypatch.setattr(jax.ffi, "ffi_call", lambda target, out_types, has_side_effect: (
         lambda *operands, **attrs: [jnp.zeros(t.shape, t.dtype) for t in out_types]))
+    return compiled
+
+
+@pytest.mark.parametrize("n, vectors", [(4096, True), (4100, False)])
+def test_triton_call_specializes_ints_that_are_multiples_of_16(monkeypatch, n, vectors):
+    """As Triton's own launcher does: a bound that is a multiple of 16 compiles as one, so the
+    accesses masked against it stay 16-byte vectors (st.global.v4); another bound cannot."""
+    import re
+
+    import jax.numpy as jnp
+
+    from jaxgin import triton_op as tc
+
+    compiled = _lowered_as_on_a_gpu(monkeypatch)
     src = jnp.zeros(n, jnp.float32)
     tc.triton_call(masked_copy, src, n, grid=(triton.cdiv(n, 1024),), out_shape=src, enable_fp_fusion=False,
                    BLOCK=1024)
@@ -339,11 +351,7 @@ def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
 
     from jaxgin import triton_op as tc
 
-    device = types.SimpleNamespace(compute_capability="9.0")
-    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=3, capture=(False, "a fake runtime"),
-                                  captured_lowered=False)
-    monkeypatch.setattr(tc.runtime, "current", lambda: state)
-    monkeypatch.setattr(link, "install", lambda: None)
+    _lowered_as_on_a_gpu(monkeypatch)
     seen = {}
 
     def ffi_call(target, out_types, has_side_effect):
@@ -489,23 +497,12 @@ def test_triton_call_refuses_a_kernel_with_more_shared_memory_than_the_gpu_allow
     """A kernel whose pipelined tiles need more shared memory per block than its GPU allows fails
     when it is lowered, naming the kernel, both sizes and the knob, not at its launch with only a
     CUDA error; the same kernel with fewer stages lowers."""
-    import types
-
     import jax
     import jax.numpy as jnp
 
     from jaxgin import triton_op as tc
 
-    device = types.SimpleNamespace(compute_capability="9.0")
-    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=1, capture=(False, "a fake runtime"),
-                                  captured_lowered=False)
-    monkeypatch.setattr(tc.runtime, "current", lambda: state)
-    monkeypatch.setattr(link, "install", lambda: None)
-    compiled = []
-    real_compile = tc._compile
-    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
-    monkeypatch.setattr(jax.ffi, "ffi_call", lambda target, out_types, has_side_effect: (
-        lambda *operands, **attrs: [jnp.zeros(t.shape, t.dtype) for t in out_types]))
+    compiled = _lowered_as_on_a_gpu(monkeypatch)
     a = jnp.zeros((256, 4096), jnp.bfloat16)
     b = jnp.zeros((4096, 256), jnp.bfloat16)
     out = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
