@@ -390,6 +390,15 @@ def bandwidth():
         variants[name] = (lambda per_sm=per_sm, rows=rows, warps=warps, stages=stages:
                           tma_push_kernel[(per_sm * sms,)](ctx, src.local(0), dst.local(0), count // columns, 1,
                                                            BR=rows, C=columns, STAGES=stages, num_warps=warps))
+    # One SM's rate, and a few SMs': what a fused kernel's epilogue can push while its other SMs
+    # compute (a program's 64 KiB tile), with vector stores and with TMA bulk stores.
+    for programs in (1, 2, 4, 8):
+        variants[f"persistent {programs} programs,BLOCK=8192,num_warps=8,stages=3,store default"] = (
+            lambda programs=programs: persistent_push_kernel[(programs,)](
+                ctx, src.local(0), dst.local(0), count, 1, BLOCK=8192, STAGES=3, EVICT="", num_warps=8))
+        variants[f"tma persistent {programs} programs,tile=32x{columns},num_warps=4,stages=3"] = (
+            lambda programs=programs: tma_push_kernel[(programs,)](ctx, src.local(0), dst.local(0), count // columns,
+                                                                   1, BR=32, C=columns, STAGES=3, num_warps=4))
     # The ceiling first: a variant that faults leaves the context unusable for what follows.
     plain_src = torch.arange(count, dtype=torch.float32, device="cuda:0")
     plain_dst = torch.empty(count, dtype=torch.float32, device="cuda:1")
