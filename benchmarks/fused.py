@@ -490,9 +490,10 @@ VARIANT_TILES = (
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two per SM: one computes while the other stores
     _common.TileConfig(128, 128, 64, 8, 4, 3),
 )
-# name: (interleave, pull, copy slabs)
-VARIANT_LAYOUTS = {"push": (False, False, 0), "push interleaved": (True, False, 0), "pull": (False, True, 0),
-                   "pull interleaved": (True, True, 0), "pull, copy in the K loop": (False, True, 32)}
+# name: (interleave, pull, copy slabs, movers)
+VARIANT_LAYOUTS = {"push": (False, False, 0, 0), "push interleaved": (True, False, 0, 0), "pull": (False, True, 0, 0),
+                   "pull interleaved": (True, True, 0, 0), "pull, copy in the K loop": (False, True, 32, 0),
+                   "pull interleaved, 4 movers": (True, True, 0, 4)}
 
 
 def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -514,9 +515,9 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             return fused_a2a._kernel(state, x, w, plan, 0)
 
         times["matmul only"] = best_seconds(_chain(mesh, matmul_only), x, w, repeats=repeats) / STEPS * 1e6
-        for name, (interleave, pull, slabs) in VARIANT_LAYOUTS.items():
-            def op(x, w, plan=plan, interleave=interleave, pull=pull, slabs=slabs):
-                return fused_a2a._kernel(state, x, w, plan, 7, interleave, pull, copy_slabs=slabs)
+        for name, (interleave, pull, slabs, movers) in VARIANT_LAYOUTS.items():
+            def op(x, w, plan=plan, interleave=interleave, pull=pull, slabs=slabs, movers=movers):
+                return fused_a2a._kernel(state, x, w, plan, 7, interleave, pull, copy_slabs=slabs, movers=movers)
 
             rel = _rel(_once(mesh, op)(x, w), expected)
             t = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
@@ -777,11 +778,15 @@ def _all_to_all_trace_summary(records: np.ndarray, shards: int, interleave: bool
     place = step * tiles + tile): step `shards - 1` computes a tile of this GPU's own chunk, the
     others a tile for a peer (stored here and flagged: the peer pulls it); every step after the
     first then waits for the arrival of its tile from a peer and copies it out (`copy` includes the
-    load over NVLink; a copy folded into the K loop shows no wait and is in `matmul`)."""
-    start, place, waited, end, sm, computed, stored = (records[:, i] for i in range(7))
-    t0 = start.min()
-    step = place % shards if interleave else place // (len(records) // shards)
+    load over NVLink; a copy folded into the K loop shows no wait and is in `matmul`; one that a
+    mover made shows neither, and the movers' records, at negative places, say when they ended)."""
+    t0 = records[:, 0].min()
     us = _spread_from(t0)
+    moving = records[:, 1] < 0  # movers (MOVERS) hold negative places
+    movers = {"movers": {"count": int(moving.sum()), "end_us": us(records[moving, 3])}} if moving.any() else {}
+    records = records[~moving]
+    start, place, waited, end, sm, computed, stored = (records[:, i] for i in range(7))
+    step = place % shards if interleave else place // (len(records) // shards)
     own, sending, copying = step == shards - 1, step != shards - 1, step > 0
     return {
         "span_us": round(float((end.max() - t0) / 1e3), 1),
@@ -791,12 +796,16 @@ def _all_to_all_trace_summary(records: np.ndarray, shards: int, interleave: bool
         "copy_out": {"wait_us_median": _median_us(waited[copying] - stored[copying]),
                      "copy_us_median": _median_us(end[copying] - waited[copying]), "end_us": us(end[copying])},
         **_sm_occupancy(start, end, sm),
+        **movers,
     }
 
 
 # How many row slabs the traced step-order kernel splits a folded copy-out into: fewer slabs are
 # loaded more K steps before they are stored.
 TRACE_COPY_SLABS = (4, 8, 16, 32)
+# How many mover programs copy the arrivals of every wave but the last (MOVERS): one SM pushes
+# about 38 GB/s to a peer, and the arrivals need 51-88 GB/s spread over the matmul.
+TRACE_MOVERS = (2, 4, 8)
 
 
 def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -804,21 +813,24 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     (_kernels.matmul_all_to_all_traced_kernel) from one call after warm-up, per part of the
     exchange switched on (PARTS, as the breakdown), pulled (the op) and pushed: how long the
     matmul, the stores and flags, the waits for arrivals and the copies out take; and the whole
-    exchange in step order, plain and with each copy-out folded into its program's K loop where
-    its arrival is ready (COPY_SLABS). The raw records of GPU 0 are kept."""
+    exchange with movers copying the arrivals of every wave but the last (MOVERS), and in step
+    order, plain and with each copy-out folded into its program's K loop where its arrival is
+    ready (COPY_SLABS). The raw records of GPU 0 are kept."""
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
     state = jaxgin.runtime.current()
     x, w = _operands(mesh, jax.random.split(jax.random.key(m + k + n)), m, k, n, dtype)
     plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, None, "triton")
     row = {"m": m, "k": k, "n": n, "parts": {}}
-    layouts = [("matmul only", 0, True, True, 0), ("+ remote tile stores", 1, True, True, 0),
-               ("+ flags", 3, True, True, 0), ("the op", 7, True, True, 0),
-               ("push: + remote tile stores", 1, True, False, 0), ("push: + flags", 3, True, False, 0),
-               ("push: all parts", 7, True, False, 0), ("step order", 7, False, True, 0),
-               *((f"step order, copy in the K loop in {n} slabs", 7, False, True, n) for n in TRACE_COPY_SLABS)]
-    for name, parts, interleave, pull, slabs in layouts:
-        def call(x, w, parts=parts, interleave=interleave, pull=pull, slabs=slabs):
-            return fused_a2a._triton(state, x, w, plan, False, parts, interleave, pull, trace=True, copy_slabs=slabs)
+    layouts = [("matmul only", 0, True, True, 0, 0), ("+ remote tile stores", 1, True, True, 0, 0),
+               ("+ flags", 3, True, True, 0, 0), ("the op", 7, True, True, 0, 0),
+               *((f"the op, {n} movers", 7, True, True, 0, n) for n in TRACE_MOVERS),
+               ("push: + remote tile stores", 1, True, False, 0, 0), ("push: + flags", 3, True, False, 0, 0),
+               ("push: all parts", 7, True, False, 0, 0), ("step order", 7, False, True, 0, 0),
+               *((f"step order, copy in the K loop in {n} slabs", 7, False, True, n, 0) for n in TRACE_COPY_SLABS)]
+    for name, parts, interleave, pull, slabs, movers in layouts:
+        def call(x, w, parts=parts, interleave=interleave, pull=pull, slabs=slabs, movers=movers):
+            return fused_a2a._triton(state, x, w, plan, False, parts, interleave, pull, trace=True, copy_slabs=slabs,
+                                     movers=movers)
 
         per_gpu = _traced_records(mesh, call, (x, w), (P("x"), P()), repeats)
         row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size, interleave) for g in per_gpu],

@@ -495,3 +495,17 @@ def test_a_traced_all_to_all_call_is_summarized_from_its_program_records():
     assert summary["copy_out"]["wait_us_median"] == 8.5 and summary["copy_out"]["copy_us_median"] == 11.0
     assert summary["copy_out"]["end_us"] == {"min": 120.0, "median": 126.0, "max": 132.0}
     assert summary["most_programs_at_once_on_one_sm"] == 2 and summary["sms_used"] == 3
+
+
+def test_a_traced_all_to_all_call_with_movers_keeps_their_records_apart():
+    """The movers' records (negative places, written after the programs') are counted apart: the
+    programs' figures are those of the same call without them, and the movers say when they ended."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import numpy as np, fused;"
+            "r = np.array([[0, 0, 104000, 104000, 0, 100000, 104000], [0, 1, 110000, 120000, 1, 100000, 101000],"
+            "              [0, 2, 106000, 106000, 2, 100000, 106000], [5000, 3, 120000, 132000, 0, 110000, 112000],"
+            "              [0, -1, 0, 140000, 4, 0, 0], [1000, -2, 1000, 90000, 5, 0, 0]]);"
+            "print(json.dumps(fused._all_to_all_trace_summary(r, 2)))")
+    summary = _fused_bench_json(code)
+    assert summary["span_us"] == 132.0 and summary["copy_out"]["wait_us_median"] == 8.5
+    assert summary["sms_used"] == 3
+    assert summary["movers"] == {"count": 2, "end_us": {"min": 90.0, "median": 115.0, "max": 140.0}}

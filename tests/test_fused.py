@@ -669,7 +669,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
         BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
-        GIN=gin, COPIERS=32 * gin, XB=2, COPY_SLABS=0))
+        GIN=gin, COPIERS=32 * gin, XB=2, COPY_SLABS=0, MOVERS=0, MOVED=0))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, GR=128, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
@@ -740,7 +740,7 @@ _TRACED_KERNELS = {
     "matmul_all_to_all": ("matmul_all_to_all_kernel", "matmul_all_to_all_traced_kernel", "_ALL_TO_ALL_POINTERS",
                           dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True,
                                OUT_N=2048, BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7,
-                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2, COPY_SLABS=0)),
+                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2, COPY_SLABS=0, MOVERS=0, MOVED=0)),
     "matmul_reduce_scatter": ("matmul_reduce_scatter_kernel", "matmul_reduce_scatter_traced_kernel",
                               "_REDUCE_SCATTER_POINTERS",
                               dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128,
@@ -794,7 +794,8 @@ def test_traced_kernels_record_what_the_plain_ones_do_not(toolchain, op):
 
 def test_a_traced_all_to_all_returns_its_records_beside_the_result(monkeypatch):
     """matmul_all_to_all._triton(trace=True): the traced kernel, a record of 16 int32 per program
-    beside the result; refused in a job with GIN peers (its copy-out programs are not traced)."""
+    (movers included) beside the result; refused in a job with GIN peers (its copy-out programs
+    are not traced)."""
     import importlib
 
     a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
@@ -813,6 +814,14 @@ def test_a_traced_all_to_all_returns_its_records_beside_the_result(monkeypatch):
     result, records = kw["out_shape"]
     assert kernel is _kernels.matmul_all_to_all_traced_kernel
     assert result.shape == plan.out_shape and records.shape == (size * count, 16) and records.dtype == jnp.int32
+    assert (kw["MOVERS"], kw["MOVED"]) == (0, 0)
+    calls.clear()
+    a2a._triton(_HeapOnlyState(), x, w, plan, False, 7, True, True, trace=True, movers=2)  # a record per mover too
+    ((kernel, kw),) = calls
+    assert kw["grid"] == (2 + size * count,) and kw["out_shape"][1].shape == (2 + size * count, 16)
+    assert (kw["MOVERS"], kw["MOVED"]) == (2, 0)  # one wave: every program copies its own arrival
+    with pytest.raises(ValueError, match="parts=3 leaves some out"):
+        a2a._triton(_HeapOnlyState(), x, w, plan, False, 3, True, True, movers=2)
     with pytest.raises(ValueError, match="traced kernel runs over NVLink only"):
         a2a._triton(_HeapOnlyState(), x, w, plan, True, 7, True, True, trace=True)
 
@@ -1176,3 +1185,61 @@ def test_all_to_all_copy_slabs_are_a_power_of_two_within_the_tile_and_the_k_loop
     with pytest.raises(ValueError, match="width 1025 .* must be even"):
         a2a._copy_slabs(32, True, wide, 7168, 1025, 2050, 2)
     assert a2a._copy_slabs(32, True, wide, 7168, 1025, 2050, 4) == 32  # float32 moves whole elements
+
+
+def test_all_to_all_movers_take_every_arrival_before_the_last_wave():
+    """_moved_arrivals: the arrivals the mover programs copy are those of the compute programs
+    before the last wave (the SMs' program slots less the movers'), counted in program order for
+    both orders; nothing to move when the grid is one wave; the errors name the conflicting
+    option or the cap."""
+    import importlib
+
+    a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    wide = TileConfig(128, 256, 64, 8, 8, 4)  # one program per SM
+    square = TileConfig(128, 128, 64, 8, 8, 3)  # two
+    # 2 GPUs, 4096 rows, 128 x 256 tiles: 128 tiles a step, 256 programs, 128 in the last wave
+    assert a2a._moved_arrivals(4, True, False, 0, wide, 2, 132, 2, 128, True) == 64  # programs 0..127: half copy
+    assert a2a._moved_arrivals(4, True, False, 0, wide, 2, 132, 2, 128, False) == 0  # step 0 fills the first wave
+    # 8192 rows: 512 tiles a step, 1024 programs; 896 before the last wave of 128
+    assert a2a._moved_arrivals(4, True, False, 0, wide, 2, 132, 2, 512, True) == 448
+    assert a2a._moved_arrivals(4, True, False, 0, wide, 2, 132, 2, 512, False) == 384
+    # 4 GPUs: three of every four programs copy an arrival
+    # (512 programs, 382 before the last wave of 130, 96 of them step 0)
+    assert a2a._moved_arrivals(2, True, False, 0, wide, 2, 132, 4, 128, True) == 382 - 96
+    assert a2a._moved_arrivals(4, True, False, 0, square, 2, 132, 2, 128, True) == 0  # 256 programs, 264 slots
+    assert a2a._moved_arrivals(0, True, True, 32, wide, 2, 132, 2, 128, True) == 0  # no movers, nothing checked
+    with pytest.raises(ValueError, match="need pull=True and no GPU on another host"):
+        a2a._moved_arrivals(4, False, False, 0, wide, 2, 132, 2, 128, True)
+    with pytest.raises(ValueError, match="need pull=True and no GPU on another host"):
+        a2a._moved_arrivals(4, True, True, 0, wide, 2, 132, 2, 128, True)
+    with pytest.raises(ValueError, match="movers and copy_slabs"):
+        a2a._moved_arrivals(4, True, False, 32, wide, 2, 132, 2, 128, True)
+    with pytest.raises(ValueError, match="more than an eighth of the 132 program slots .* at most 16"):
+        a2a._moved_arrivals(17, True, False, 0, wide, 2, 132, 2, 128, True)
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "step_order"])
+def test_all_to_all_movers_are_compiled_in_only_when_asked(toolchain, interleave):
+    """MOVERS: the kernel gains the movers' loop (a second flagged pull and a second copy of an
+    arrival's tile) without spills, serialized wgmma or more shared memory; with MOVERS = 0 none
+    of it is compiled in."""
+    from jaxgin.fused import _kernels
+    from jaxgin.triton_device import link
+
+    plain_name, _traced, pointers_name, constexprs = _TRACED_KERNELS["matmul_all_to_all"]
+
+    def compiled(movers, moved):
+        return compile_for_sm90(getattr(_kernels, plain_name), globals()[pointers_name], num_warps=8, num_stages=4,
+                                constexprs=dict(constexprs, BN=256, INTERLEAVE=interleave, MOVERS=movers,
+                                                MOVED=moved))
+
+    plain, moving = compiled(0, 0), compiled(4, 64)
+    count = lambda kernel, text: kernel.asm["ptx"].count(text)  # noqa: E731
+    assert count(moving, "jaxgin_tt_wait_peer_flag") == count(plain, "jaxgin_tt_wait_peer_flag") + 1
+    assert count(moving, "ld.global.cg") == 2 * count(plain, "ld.global.cg") > 0
+    assert moving.metadata.shared == plain.metadata.shared
+    release = link.ptxas()[1]
+    _cubin, log = link.compile_module(link.one_module(link.readable_ptx(moving.asm["ptx"], release),
+                                                      link._library_ptx("sm_90a")), "sm_90a")
+    assert "C7509" not in log, log
+    assert " 0 bytes spill stores" in log, log

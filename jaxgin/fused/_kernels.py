@@ -341,11 +341,12 @@ def _exchange_tile(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    COPY_SLABS: tl.constexpr, TRACE: tl.constexpr = 0,
+    COPY_SLABS: tl.constexpr, MOVED: tl.constexpr, TRACE: tl.constexpr = 0,
 ):
     """Program (step, t) of matmul_all_to_all_kernel below a GIN job's copy-out programs. Returns
     when its matmul ended, when its tile was stored (and flagged), when its wait for the arrival
-    it copies out ended (TRACE; else zeros)."""
+    it copies out ended (TRACE; else zeros). The first MOVED arrivals (_arrival_index) are the
+    movers' to copy, not their programs'."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
@@ -399,12 +400,14 @@ def _exchange_tile(
     stored = _now_ns(TRACE)
     waited = stored
     s = (me + P - step) % P
-    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0:
+    if MOVED > 0:
+        mine = _arrival_index(step, t, P, TILES, INTERLEAVE) >= MOVED  # else a mover copies it
+    else:
+        mine = True
+    if step > 0 and (PARTS & 4) and gin_route(ctx, route, s, me, GIN) == 0 and mine:
         if copying == 0:  # not copied in the K loop
             if PULL:
-                source = rank_of(route, s)
-                tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
-                slot = _pulled_slot(ctx, recv, source, me, half, P, CM, CN)
+                slot = _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P, TILES, CM, CN)
             else:
                 tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
                 slot = recv + (half * P + s) * (CM * CN)
@@ -412,6 +415,55 @@ def _exchange_tile(
             arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
             _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     return computed, stored, waited
+
+
+@triton.jit
+def _arrival_index(step, t, P: tl.constexpr, TILES: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The rank, in program order, of program (step, t)'s arrival among the arrivals (the programs
+    of steps 1 ..): the order in which the peers compute them."""
+    if INTERLEAVE:
+        return t * (P - 1) + step - 1
+    else:
+        return (step - 1) * TILES + t
+
+
+@triton.jit
+def _move_arrivals(
+    ctx, route, recv, flags, out, k, me, epoch, half,
+    P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, INTERLEAVE: tl.constexpr, MOVERS: tl.constexpr,
+    MOVED: tl.constexpr,
+):
+    """Mover k of matmul_all_to_all_kernel (MOVERS, NVLink and PULL only): copies arrivals k,
+    k + MOVERS, .. below MOVED (_arrival_index order) into the output, each as soon as its source
+    flags it, while the other SMs compute."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    for a in range(k, MOVED, MOVERS):
+        if INTERLEAVE:
+            t = a // (P - 1)
+            step = 1 + a % (P - 1)
+        else:
+            step = 1 + a // TILES
+            t = a % TILES
+        s = (me + P - step) % P
+        ti, tj = _tile_coords(t, TM, TN, GROUP_M)
+        r = ti * BM + tl.arange(0, BM)
+        c = tj * BN + tl.arange(0, BN)
+        ok = (r < CM)[:, None] & (c < CN)[None, :]
+        slot = _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P, TILES, CM, CN)
+        arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
+        _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+
+
+@triton.jit
+def _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P: tl.constexpr, TILES: tl.constexpr,
+                         CM: tl.constexpr, CN: tl.constexpr):
+    """_pulled_slot of axis index s, once s has flagged its tile t of this call there."""
+    source = rank_of(route, s)
+    tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
+    return _pulled_slot(ctx, recv, source, me, half, P, CM, CN)
 
 
 @triton.jit
@@ -459,7 +511,7 @@ def _matmul_all_to_all(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, COPY_SLABS: tl.constexpr, TRACE: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr, TRACE: tl.constexpr,
 ):
     """y = x @ w; chunk [CM, CN] of y for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
     d*CN..) goes to d, whose output holds the chunk from s at rows s*CM.. if CONCAT_ROWS, else at
@@ -482,7 +534,11 @@ def _matmul_all_to_all(
     spread over its K loop (_matmul_tile_copying), so the copy-out's NVLink reads hide under the
     matmul instead of following it; with programs in step order (no INTERLEAVE) the arrival was
     computed TILES programs earlier. An arrival not yet flagged is waited for and copied after the
-    loop, as without COPY_SLABS. PARTS (7 for the op; the breakdown
+    loop, as without COPY_SLABS. MOVERS (PULL, NVLink only; 0 for the op so far): the first MOVERS
+    programs to start copy the first MOVED arrivals (_move_arrivals), those of every wave but the
+    last, while the other SMs compute; the programs of those arrivals skip their copy-out. Movers
+    wait for peer programs placed above them, so they must be few against the SMs (the host caps
+    them); the compute programs still wait only for lower places. PARTS (7 for the op; the breakdown
     benchmark clears bits to see what each costs): 1 sends remote tiles (else they go into this
     GPU's own output), 2 flags them, 4 copies arrivals out.
 
@@ -503,15 +559,26 @@ def _matmul_all_to_all(
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
-    PROGRAMS: tl.constexpr = P * TILES + P * COPIERS  # COPIERS = 0 without GIN
+    PROGRAMS: tl.constexpr = MOVERS + P * TILES + P * COPIERS  # COPIERS = 0 without GIN, MOVERS = 0 with
     me, epoch, half = call_position(route, state)
-    pid = start_order(state + STARTED)  # the program numbers that waits rely on
-    if pid < P * TILES:
+    place = start_order(state + STARTED)  # the program numbers that waits rely on
+    pid = place - MOVERS
+    if MOVERS > 0:
+        mover = pid < 0
+    else:
+        mover = False  # compiled away
+    if mover:
+        started = _now_ns(TRACE)
+        _move_arrivals(ctx, route, recv, flags, out, place, me, epoch, half, P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN,
+                       GROUP_M, INTERLEAVE, MOVERS, MOVED)
+        if TRACE:
+            _trace_program(trace, P * TILES + place, started, pid, started, _now_ns(TRACE))
+    elif pid < P * TILES:
         started = _now_ns(TRACE)
         computed, stored, waited = _exchange_tile(
             ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
             M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-            PARTS, INTERLEAVE, PULL, GIN, XB, COPY_SLABS, TRACE)
+            PARTS, INTERLEAVE, PULL, GIN, XB, COPY_SLABS, MOVED, TRACE)
         if TRACE:
             _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
             _trace_word(trace, pid, 5, computed)
@@ -530,12 +597,12 @@ def matmul_all_to_all_kernel(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, COPY_SLABS: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr,
 ):
     """y = x @ w, its chunks exchanged over the axis: _matmul_all_to_all."""
     _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, flags,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, 0)
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, MOVERS, MOVED, 0)
 
 
 @triton.jit
@@ -545,13 +612,13 @@ def matmul_all_to_all_traced_kernel(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, COPY_SLABS: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr,
 ):
     """matmul_all_to_all_kernel (NVLink only) that also writes a record per program into trace (int32
     [programs, 16]; benchmarks/fused.py --all-to-all-trace-only: where the kernel's time goes)."""
     _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, trace,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, 1)
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, MOVERS, MOVED, 1)
 
 
 @triton.jit

@@ -118,25 +118,27 @@ def unfused(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True,
-            chunk_layout: str = "chunk_per_peer", copy_slabs: int = 0):
+            chunk_layout: str = "chunk_per_peer", copy_slabs: int = 0, movers: int = 0):
     """The op on GPUs, as _common.plan_method picks it: XLA's composition, the chunked custom call
     (its cuBLAS calls laid out by `chunk_layout`, _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`,
-    `interleave`, `pull` and `copy_slabs` select variants; benchmarks/fused.py compares the non-defaults (the
+    `interleave`, `pull`, `copy_slabs` and `movers` select variants; benchmarks/fused.py compares the non-defaults (the
     defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
     the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
     return _common.by_method(OP, state, plan, x.dtype, lambda: unfused(x, w, plan),
                              lambda: _chunked.matmul_all_to_all(x, w, plan, chunk_layout),
                              lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull,
-                                                 copy_slabs=copy_slabs))
+                                                 copy_slabs=copy_slabs, movers=movers))
 
 
 def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool, trace: bool = False,
-            copy_slabs: int = 0):
+            copy_slabs: int = 0, movers: int = 0):
     """The Triton kernel: the matmul's tiles handed to their destinations from its epilogue. With
     `trace` (NVLink only), (out, trace): int32 [programs, 16], 8 int64 words per program in start
     order (_kernels._matmul_all_to_all's TRACE; view it as int64). `copy_slabs` (with `pull`): the
     copy-out of an arrival flagged when its program starts goes through the K loop in up to that
-    many row slabs (_kernels._matmul_all_to_all's COPY_SLABS)."""
+    many row slabs (_kernels._matmul_all_to_all's COPY_SLABS). `movers` (with `pull`, NVLink only):
+    that many programs copy the arrivals of every wave but the last while the others compute
+    (MOVERS)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -149,6 +151,10 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
     if trace and gin:
         raise ValueError("matmul_all_to_all: the traced kernel runs over NVLink only")
     slabs = _copy_slabs(copy_slabs, pull, tiles, plan.k, cn, plan.out_shape[1], np.dtype(dtype).itemsize)
+    if movers and parts != 7:
+        raise ValueError(f"matmul_all_to_all: movers copy flagged arrivals; parts={parts} leaves some out (7 has all)")
+    moved = _moved_arrivals(movers, pull, gin, slabs, tiles, np.dtype(dtype).itemsize,
+                            op_support.sm_count(state.local_devices[0]), size, tm * tn, interleave)
     buffers = _common.op_buffers(
         state, ("matmul_all_to_all", plan.names, size, cm, cn, np.dtype(dtype).name, tiles, gin),
         (2, size, cm, cn), dtype, size * tm * tn + size * gin,
@@ -157,7 +163,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         gin_area_shape=(2, 2, size, tm * tn, tiles.block_m * tiles.block_n) if gin else None,
         signals=2 * size * gin,
     )
-    programs = size * tm * tn + size * copiers
+    programs = movers + size * tm * tn + size * copiers
     out = jax.core.ShapedArray(plan.out_shape, dtype)
     return triton_call(
         _kernels.matmul_all_to_all_traced_kernel if trace else _kernels.matmul_all_to_all_kernel,
@@ -169,7 +175,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         PARTS=parts, INTERLEAVE=interleave, PULL=pull, GIN=int(gin), COPIERS=copiers,
-        XB=np.dtype(dtype).itemsize, COPY_SLABS=slabs,
+        XB=np.dtype(dtype).itemsize, COPY_SLABS=slabs, MOVERS=movers, MOVED=moved,
     )
 
 
@@ -186,6 +192,28 @@ def _copy_slabs(asked: int, pull: bool, tiles, k: int, cn: int, out_n: int, item
                          f"width {out_n} must be even for a 16-bit dtype")
     limit = min(asked, tiles.block_m, -(-k // tiles.block_k))
     return 1 << (limit.bit_length() - 1)
+
+
+def _moved_arrivals(movers: int, pull: bool, gin: bool, copy_slabs: int, tiles, itemsize: int, sms: int, size: int,
+                    tiles_per_step: int, interleave: bool) -> int:
+    """The kernel's MOVED for `movers` mover programs: the arrivals of every compute program
+    before the last wave (sms x programs per SM, less the movers' slots), counted in program
+    order. The programs of the last wave copy their own, as without movers: they end together,
+    and every SM then moves its tile at once."""
+    if movers <= 0:
+        return 0
+    if not pull or gin:
+        raise ValueError("matmul_all_to_all: movers copy pulled arrivals over NVLink; they need pull=True and "
+                         "no GPU on another host")
+    if copy_slabs:
+        raise ValueError("matmul_all_to_all: movers and copy_slabs are two ways to move the same arrivals; "
+                         "choose one")
+    slots = sms * _common.programs_per_sm(tiles, itemsize)
+    if movers > slots // 8:
+        raise ValueError(f"matmul_all_to_all: {movers} movers would hold more than an eighth of the "
+                         f"{slots} program slots the GPU has for this kernel; at most {slots // 8}")
+    last = max(0, size * tiles_per_step - (slots - movers))
+    return last - -(-last // size) if interleave else max(0, last - tiles_per_step)
 
 
 _fused = op_support.differentiable(reference, _kernel, _backward)
