@@ -1214,6 +1214,8 @@ def test_all_to_all_movers_take_every_arrival_before_the_last_wave():
         a2a._moved_arrivals(4, True, True, 0, wide, 2, 132, 2, 128, True)
     with pytest.raises(ValueError, match="movers and copy_slabs"):
         a2a._moved_arrivals(4, True, False, 32, wide, 2, 132, 2, 128, True)
+    with pytest.raises(ValueError, match="movers must be 0 or more, got -1"):
+        a2a._moved_arrivals(-1, True, False, 0, wide, 2, 132, 2, 128, True)
     with pytest.raises(ValueError, match="more than an eighth of the 132 program slots .* at most 16"):
         a2a._moved_arrivals(17, True, False, 0, wide, 2, 132, 2, 128, True)
 

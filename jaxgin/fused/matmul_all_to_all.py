@@ -200,7 +200,9 @@ def _moved_arrivals(movers: int, pull: bool, gin: bool, copy_slabs: int, tiles, 
     before the last wave (sms x programs per SM, less the movers' slots), counted in program
     order. The programs of the last wave copy their own, as without movers: they end together,
     and every SM then moves its tile at once."""
-    if movers <= 0:
+    if movers < 0:
+        raise ValueError(f"matmul_all_to_all: movers must be 0 or more, got {movers}")
+    if movers == 0:
         return 0
     if not pull or gin:
         raise ValueError("matmul_all_to_all: movers copy pulled arrivals over NVLink; they need pull=True and "
