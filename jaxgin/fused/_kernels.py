@@ -257,16 +257,23 @@ def _chunk_tile(x, w, d, t, N: tl.constexpr, K: tl.constexpr, CM: tl.constexpr, 
 
 
 @triton.jit
-def _chunk_place(d, t, CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Where tile t of axis index d's chunk lies (_chunk_tile): its tile coordinates, rows and
-    columns within the chunk and their mask, and the rows of x and first column of w it multiplies."""
+def _tile_place(t, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile t of a [CM, CN] chunk in grouped order: its tile coordinates, its rows and columns
+    within the chunk, and their mask."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     ti, tj = _tile_coords(t, TM, TN, GROUP_M)
     r = ti * BM + tl.arange(0, BM)
     c = tj * BN + tl.arange(0, BN)
-    ok = (r < CM)[:, None] & (c < CN)[None, :]
+    return ti, tj, r, c, (r < CM)[:, None] & (c < CN)[None, :]
+
+
+@triton.jit
+def _chunk_place(d, t, CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Where tile t of axis index d's chunk lies (_chunk_tile): its tile coordinates, rows and
+    columns within the chunk and their mask, and the rows of x and first column of w it multiplies."""
+    ti, tj, r, c, ok = _tile_place(t, CM, CN, BM, BN, GROUP_M)
     if SPLIT_ROWS:
         x_rows = d * CM + r % CM
         w_col0 = tj * BN
@@ -412,9 +419,17 @@ def _exchange_tile(
                 tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
                 slot = recv + (half * P + s) * (CM * CN)
             waited = _now_ns(TRACE)
-            arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
-            _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+            _copy_out_arrival(out, slot, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     return computed, stored, waited
+
+
+@triton.jit
+def _copy_out_arrival(out, slot, s, r, c, ok, CM: tl.constexpr, CN: tl.constexpr, CONCAT_ROWS: tl.constexpr,
+                      OUT_N: tl.constexpr):
+    """Copies rows r, columns c of the [CM, CN] chunk from axis index s at `slot` (through L2: it
+    is read once) into that chunk's place in the output."""
+    arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
+    _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
 
 
 @triton.jit
@@ -448,13 +463,9 @@ def _move_arrivals(
             step = 1 + a // TILES
             t = a % TILES
         s = (me + P - step) % P
-        ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-        r = ti * BM + tl.arange(0, BM)
-        c = tj * BN + tl.arange(0, BN)
-        ok = (r < CM)[:, None] & (c < CN)[None, :]
+        _ti, _tj, r, c, ok = _tile_place(t, CM, CN, BM, BN, GROUP_M)
         slot = _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P, TILES, CM, CN)
-        arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
-        _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+        _copy_out_arrival(out, slot, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
 
 
 @triton.jit
@@ -494,10 +505,7 @@ def _copy_out_gin_source(
         else:
             tgl.wait_flag(ctx, ready, epoch + 1)
         for t in range(k, TILES, COPIERS):
-            ti, tj = _tile_coords(t, TM, TN, GROUP_M)
-            r = ti * BM + tl.arange(0, BM)
-            c = tj * BN + tl.arange(0, BN)
-            ok = (r < CM)[:, None] & (c < CN)[None, :]
+            ti, tj, r, c, ok = _tile_place(t, CM, CN, BM, BN, GROUP_M)
             packed, _, _ = _packed_tile(ti, tj, CM, CN, BM, BN)
             arrived = tl.load(_gin_tile_slot(gin_tiles, 1, half, s, t, P, TILES, BM, BN) + packed, mask=ok,
                               cache_modifier=".cg")
