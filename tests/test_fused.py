@@ -1135,6 +1135,16 @@ def test_gather_tuning_weighs_each_candidates_time_by_its_sender_waves(monkeypat
     assert sorted(k.rsplit("|", 1)[-1] for k in saved if "4096x2048" in k) == ["16 senders", "gather"]
 
 
+def _ptxas_log_with_the_library(kernel) -> str:
+    """ptxas's log for a compiled kernel's PTX in one module with the device library, as the link
+    step compiles it."""
+    from jaxgin.triton_device import link
+
+    release = link.ptxas()[1]
+    return link.compile_module(link.one_module(link.readable_ptx(kernel.asm["ptx"], release),
+                                               link._library_ptx("sm_90a")), "sm_90a")[1]
+
+
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
 def test_all_to_all_copy_in_the_k_loop_decides_once_per_program(toolchain, gin):
     """COPY_SLABS: a program folds its copy-out into the K loop only if the arrival is flagged when
@@ -1144,7 +1154,6 @@ def test_all_to_all_copy_in_the_k_loop_decides_once_per_program(toolchain, gin):
     pipelined in both paths, in the shared memory of the kernel without it. Without COPY_SLABS none
     of it is compiled in."""
     from jaxgin.fused import _kernels
-    from jaxgin.triton_device import link
 
     plain_name, _traced, pointers_name, constexprs = _TRACED_KERNELS["matmul_all_to_all"]
     kernel = compile_for_sm90(getattr(_kernels, plain_name), globals()[pointers_name], num_warps=8, num_stages=4,
@@ -1162,9 +1171,7 @@ def test_all_to_all_copy_in_the_k_loop_decides_once_per_program(toolchain, gin):
                       r"[^\n]*\2;[\s\S]{0,200}?bar\.sync", ptx)
     assert check, "the flag check is not one thread's acquire load broadcast through shared memory"
     assert "ld.global.cg.b32" in ptx or "ld.global.cg.v" in ptx
-    release = link.ptxas()[1]
-    _cubin, log = link.compile_module(link.one_module(link.readable_ptx(ptx, release), link._library_ptx("sm_90a")),
-                                      "sm_90a")
+    log = _ptxas_log_with_the_library(kernel)
     assert "C7509" not in log, log
 
 
@@ -1226,7 +1233,6 @@ def test_all_to_all_movers_are_compiled_in_only_when_asked(toolchain, interleave
     arrival's tile) without spills, serialized wgmma or more shared memory; with MOVERS = 0 none
     of it is compiled in."""
     from jaxgin.fused import _kernels
-    from jaxgin.triton_device import link
 
     plain_name, _traced, pointers_name, constexprs = _TRACED_KERNELS["matmul_all_to_all"]
 
@@ -1240,8 +1246,6 @@ def test_all_to_all_movers_are_compiled_in_only_when_asked(toolchain, interleave
     assert count(moving, "jaxgin_tt_wait_peer_flag") == count(plain, "jaxgin_tt_wait_peer_flag") + 1
     assert count(moving, "ld.global.cg") == 2 * count(plain, "ld.global.cg") > 0
     assert moving.metadata.shared == plain.metadata.shared
-    release = link.ptxas()[1]
-    _cubin, log = link.compile_module(link.one_module(link.readable_ptx(moving.asm["ptx"], release),
-                                                      link._library_ptx("sm_90a")), "sm_90a")
+    log = _ptxas_log_with_the_library(moving)
     assert "C7509" not in log, log
     assert " 0 bytes spill stores" in log, log
