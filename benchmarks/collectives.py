@@ -96,9 +96,9 @@ def _expected(op: str, host: np.ndarray) -> np.ndarray:
     return host.reshape(n, n, -1).transpose(1, 0, 2).reshape(n, -1)
 
 
-def copy_engine_child(sizes_: list[int], repeats: int) -> list[dict]:
-    """In a process started with COPY_ENGINE_FLAG: per program and size, XLA's chain time per op and
-    whether one op's result is right."""
+def copy_engine_child(programs: list[str], sizes_: list[int], repeats: int) -> list[dict]:
+    """In a process started with COPY_ENGINE_FLAG: per program ("ppermute", "all_to_all") and size,
+    XLA's chain time per op and whether one op's result is right."""
     assert COPY_ENGINE_FLAG in os.environ.get("XLA_FLAGS", ""), "run through copy_engine_times"
     mesh = Mesh(np.array(jax.devices()), ("x",))
     n = mesh.size
@@ -106,7 +106,8 @@ def copy_engine_child(sizes_: list[int], repeats: int) -> list[dict]:
     ops = {"ppermute": lambda v: jax.lax.ppermute(v, "x", ring),
            "all_to_all": lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True)}
     rows = []
-    for op, fn in ops.items():
+    for op in programs:
+        fn = ops[op]
         for nbytes in sizes_:
             x = _array(mesh, nbytes, n)
             steps = chain_length(nbytes)
@@ -116,16 +117,17 @@ def copy_engine_child(sizes_: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def copy_engine_times(sizes_: list[int], repeats: int) -> dict:
+def copy_engine_times(programs: list[str], sizes_: list[int], repeats: int) -> dict:
     """{(program, bytes per device): seconds} from a child process (copy_engine_child), or
     {"error": why} when it fails or moves wrong bytes: rows then have no copy-engine figure, and
     the report says why."""
     sizes_ = [b for b in sizes_ if b >= COPY_ENGINE_MIN_BYTES]
-    if not sizes_:
+    if not sizes_ or not programs:
         return {}
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {COPY_ENGINE_FLAG}".strip(),
            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's preallocated memory
-    command = [sys.executable, __file__, "--copy-engine-child", ",".join(map(str, sizes_)), "--repeats", str(repeats)]
+    command = [sys.executable, __file__, "--copy-engine-child", ",".join(map(str, sizes_)), "--ops", ",".join(programs),
+               "--repeats", str(repeats)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         return {"error": f"{' '.join(command[1:])} with XLA_FLAGS+={COPY_ENGINE_FLAG} exited {done.returncode}: "
@@ -191,7 +193,8 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
     # Empty kernels in a chain: the launch floor, raw and in a CUDA graph (beside every row).
     floor = {"empty_kernel_stream_us": max(rt.exchange_latency(0, 200, False)),
              "empty_kernel_graph_us": max(rt.exchange_latency(0, 200, True))}
-    copy_engines = copy_engine_times(sizes, repeats) if any(op in COPY_ENGINE_PROGRAM for op in ops) else {}
+    copy_engines = copy_engine_times(sorted({COPY_ENGINE_PROGRAM[op] for op in ops if op in COPY_ENGINE_PROGRAM}),
+                                     sizes, repeats)
     if "error" in copy_engines:
         print(f"no copy-engine figures: {copy_engines['error']}", flush=True)
     for op in ops:
@@ -283,7 +286,8 @@ def main() -> None:
     parser.add_argument("--copy-engine-child", metavar="BYTES,...", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.copy_engine_child:
-        for row in copy_engine_child([int(b) for b in args.copy_engine_child.split(",")], args.repeats):
+        for row in copy_engine_child(args.ops.split(","), [int(b) for b in args.copy_engine_child.split(",")],
+                                     args.repeats):
             print(json.dumps(row), flush=True)
         return
     unknown = sorted(set(args.ops.split(",")) - set(OPS))

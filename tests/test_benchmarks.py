@@ -95,11 +95,13 @@ def test_the_copy_engine_programs_move_what_each_op_moves():
     out = _on_cpu_devices(
         "import sys; sys.path.insert(0, 'benchmarks'); import collectives as c\n"
         "big = c.COPY_ENGINE_MIN_BYTES\n"
-        "times = c.copy_engine_times([big // 2, big], 1)\n"
+        "times = c.copy_engine_times(['all_to_all', 'ppermute'], [big // 2, big], 1)\n"
+        "print(sorted(c.copy_engine_times(['ppermute'], [big], 1)))\n"
         "print(sorted(times), all(t > 0 for t in times.values()))\n"
         "print(sorted(c.COPY_ENGINE_PROGRAM.items()))", 2)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().split("\n")
+    assert lines[-3] == "[('ppermute', 16777216)]", out.stdout  # only the programs asked for
     assert lines[-2] == "[('all_to_all', 16777216), ('ppermute', 16777216)] True", out.stdout
     assert lines[-1] == ("[('all_to_all', 'all_to_all'), ('ppermute', 'ppermute'), ('put_wait', 'ppermute'), "
                          "('put_wait_from', 'ppermute')]")
@@ -116,12 +118,13 @@ def test_a_copy_engine_program_that_moves_wrong_bytes_is_reported(monkeypatch):
             {"op": "all_to_all", "bytes_per_device": 1 << 24, "seconds": 1e-4, "equal": False}]
     done = subprocess.CompletedProcess([], 0, "\n".join(json.dumps(r) for r in rows) + "\n", "")
     monkeypatch.setattr(collectives.subprocess, "run", lambda *a, **k: done)
-    assert collectives.copy_engine_times([1 << 24], 1) == {
+    assert collectives.copy_engine_times(["all_to_all", "ppermute"], [1 << 24], 1) == {
         "error": "the copy engines' programs moved wrong bytes: all_to_all at 16777216 B"}
     failed = subprocess.CompletedProcess([], 1, "", "Unknown flag in XLA_FLAGS")
     monkeypatch.setattr(collectives.subprocess, "run", lambda *a, **k: failed)
-    assert collectives.copy_engine_times([1 << 24], 1)["error"].endswith("exited 1: Unknown flag in XLA_FLAGS")
-    assert collectives.copy_engine_times([1 << 20], 1) == {}  # nothing to time below COPY_ENGINE_MIN_BYTES
+    assert collectives.copy_engine_times(["ppermute"], [1 << 24], 1)["error"].endswith("exited 1: Unknown flag in XLA_FLAGS")
+    assert collectives.copy_engine_times(["ppermute"], [1 << 20], 1) == {}  # nothing to time below COPY_ENGINE_MIN_BYTES
+    assert collectives.copy_engine_times([], [1 << 24], 1) == {}  # self_copy alone: no program moves its bytes
 
 
 def test_plot_without_matplotlib_or_report():
