@@ -490,10 +490,14 @@ VARIANT_TILES = (
     _common.TileConfig(128, 128, 64, 8, 8, 3),  # two per SM: one computes while the other stores
     _common.TileConfig(128, 128, 64, 8, 4, 3),
 )
-# name: (interleave, pull, copy slabs, movers)
-VARIANT_LAYOUTS = {"push": (False, False, 0, 0), "push interleaved": (True, False, 0, 0), "pull": (False, True, 0, 0),
-                   "pull interleaved": (True, True, 0, 0), "pull, copy in the K loop": (False, True, 32, 0),
-                   "pull interleaved, 4 movers": (True, True, 0, 4)}
+# name: matmul_all_to_all._kernel's layout arguments
+VARIANT_LAYOUTS = {
+    "push": dict(interleave=False, pull=False), "push interleaved": dict(interleave=True, pull=False),
+    "pull": dict(interleave=False, pull=True), "pull interleaved": dict(interleave=True, pull=True),
+    "pull, copy in the K loop": dict(interleave=False, pull=True, copy_slabs=32),
+    "pull interleaved, 4 movers": dict(interleave=True, pull=True, movers=4),
+    "pull interleaved, TMA copy-out": dict(interleave=True, pull=True, copy_tma=True),
+}
 
 
 def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
@@ -515,9 +519,9 @@ def variants(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
             return fused_a2a._kernel(state, x, w, plan, 0)
 
         times["matmul only"] = best_seconds(_chain(mesh, matmul_only), x, w, repeats=repeats) / STEPS * 1e6
-        for name, (interleave, pull, slabs, movers) in VARIANT_LAYOUTS.items():
-            def op(x, w, plan=plan, interleave=interleave, pull=pull, slabs=slabs, movers=movers):
-                return fused_a2a._kernel(state, x, w, plan, 7, interleave, pull, copy_slabs=slabs, movers=movers)
+        for name, layout in VARIANT_LAYOUTS.items():
+            def op(x, w, plan=plan, layout=layout):
+                return fused_a2a._kernel(state, x, w, plan, 7, **layout)
 
             rel = _rel(_once(mesh, op)(x, w), expected)
             t = best_seconds(_chain(mesh, op), x, w, repeats=repeats) / STEPS * 1e6
@@ -813,7 +817,8 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     (_kernels.matmul_all_to_all_traced_kernel) from one call after warm-up, per part of the
     exchange switched on (PARTS, as the breakdown), pulled (the op) and pushed: how long the
     matmul, the stores and flags, the waits for arrivals and the copies out take; and the whole
-    exchange with movers copying the arrivals of every wave but the last (MOVERS), and in step
+    exchange with movers copying the arrivals of every wave but the last (MOVERS), with the copy-out
+    loading arrivals by TMA (COPY_TMA), and in step
     order, plain and with each copy-out folded into its program's K loop where its arrival is
     ready (COPY_SLABS). The raw records of GPU 0 are kept."""
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
@@ -821,19 +826,21 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     x, w = _operands(mesh, jax.random.split(jax.random.key(m + k + n)), m, k, n, dtype)
     plan = fused_a2a._Plan(("x",), mesh.size, m, n, k, True, True, None, None, "triton")
     row = {"m": m, "k": k, "n": n, "parts": {}}
-    layouts = [("matmul only", 0, True, True, 0, 0), ("+ remote tile stores", 1, True, True, 0, 0),
-               ("+ flags", 3, True, True, 0, 0), ("the op", 7, True, True, 0, 0),
-               *((f"the op, {n} movers", 7, True, True, 0, n) for n in TRACE_MOVERS),
-               ("push: + remote tile stores", 1, True, False, 0, 0), ("push: + flags", 3, True, False, 0, 0),
-               ("push: all parts", 7, True, False, 0, 0), ("step order", 7, False, True, 0, 0),
-               *((f"step order, copy in the K loop in {n} slabs", 7, False, True, n, 0) for n in TRACE_COPY_SLABS)]
-    for name, parts, interleave, pull, slabs, movers in layouts:
-        def call(x, w, parts=parts, interleave=interleave, pull=pull, slabs=slabs, movers=movers):
-            return fused_a2a._triton(state, x, w, plan, False, parts, interleave, pull, trace=True, copy_slabs=slabs,
-                                     movers=movers)
+    op, push, step_order = dict(interleave=True, pull=True), dict(interleave=True, pull=False), \
+        dict(interleave=False, pull=True)
+    layouts = [("matmul only", 0, op), ("+ remote tile stores", 1, op), ("+ flags", 3, op), ("the op", 7, op),
+               *((f"the op, {n} movers", 7, dict(op, movers=n)) for n in TRACE_MOVERS),
+               ("the op, TMA copy-out", 7, dict(op, copy_tma=True)),
+               ("push: + remote tile stores", 1, push), ("push: + flags", 3, push), ("push: all parts", 7, push),
+               ("step order", 7, step_order),
+               *((f"step order, copy in the K loop in {n} slabs", 7, dict(step_order, copy_slabs=n))
+                 for n in TRACE_COPY_SLABS)]
+    for name, parts, layout in layouts:
+        def call(x, w, parts=parts, layout=layout):
+            return fused_a2a._triton(state, x, w, plan, False, parts, trace=True, **layout)
 
         per_gpu = _traced_records(mesh, call, (x, w), (P("x"), P()), repeats)
-        row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size, interleave) for g in per_gpu],
+        row["parts"][name] = {"gpus": [_all_to_all_trace_summary(g, mesh.size, layout["interleave"]) for g in per_gpu],
                               "gpu0_records": per_gpu[0, :, :7].tolist()}
         print(json.dumps({"m": m, "all_to_all": name, **row["parts"][name]["gpus"][0]}), flush=True)
     return row

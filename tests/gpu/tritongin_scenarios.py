@@ -197,6 +197,28 @@ def tma_push_kernel(ctx, src, dst, rows, peer, BR: tl.constexpr, C: tl.constexpr
 
 
 @triton.jit
+def persistent_pull_kernel(ctx, src, dst, count, peer, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """persistent_push_kernel the other way round: loads from the peer's heap through peer_ptr (the
+    fused ops' pulled copy-out), stores into this GPU's own."""
+    frm = tgl.peer_ptr(ctx, src, peer)
+    for b in tl.range(tl.program_id(0), tl.cdiv(count, BLOCK), tl.num_programs(0), num_stages=STAGES):
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < count
+        tl.store(dst + offs, tl.load(frm + offs, mask=mask, cache_modifier=".cg"), mask=mask)
+
+
+@triton.jit
+def tma_pull_kernel(ctx, src, dst, rows, peer, BR: tl.constexpr, C: tl.constexpr, STAGES: tl.constexpr):
+    """persistent_pull_kernel's copy through tensor descriptors: TMA loads bring the peer's [BR, C]
+    tiles into shared memory (the TMA unit keeps the reads in flight, not the threads)."""
+    src_tiles = tl.make_tensor_descriptor(tgl.peer_ptr(ctx, src, peer), shape=[rows, C], strides=[C, 1],
+                                          block_shape=[BR, C])
+    dst_tiles = tl.make_tensor_descriptor(dst, shape=[rows, C], strides=[C, 1], block_shape=[BR, C])
+    for t in tl.range(tl.program_id(0), tl.cdiv(rows, BR), tl.num_programs(0), num_stages=STAGES):
+        dst_tiles.store([t * BR, 0], src_tiles.load([t * BR, 0]))
+
+
+@triton.jit
 def _global_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
@@ -416,12 +438,46 @@ def bandwidth():
             break
         out["triton_peer_ptr"][name] = round(nbytes / seconds / 1e9, 1)
         out["variant_copy_correct"][name] = bool(torch.equal(dst_on_1, expected))  # every byte, every variant
+    if "variant_error" not in out:
+        _pulls(out, torch, ctx, src, dst, count, columns, sms, timed)
     out["copy_correct"] = "variant_error" not in out and all(out["variant_copy_correct"].values())
     best = max(out["triton_peer_ptr"].values())
     out["best_triton_GBs"] = best
     out["best_variant"] = max(out["triton_peer_ptr"], key=out["triton_peer_ptr"].get)
     out["ratio_to_plain_copy"] = round(best / out["plain_peer_copy_GBs"], 3)
     job.report(out)
+
+
+def _pulls(out, torch, ctx, src, dst, count, columns, sms, timed):
+    """GPU 0 reads GPU 1's heap into its own (a pulled copy-out), per number of programs, with vector
+    loads and with TMA loads: one SM's pull rate, against its push rate above. Each variant's copy is
+    checked byte for byte into out["variant_copy_correct"] ("pull ..." names)."""
+    with torch.cuda.device(1):
+        torch.from_dlpack(src.local(1)).copy_(torch.arange(count, dtype=torch.float32, device="cuda:1").flip(0))
+    torch.cuda.synchronize(1)
+    expected = torch.from_dlpack(src.local(1)).to("cuda:0")
+    variants = {}
+    for programs in (1, 2, 4, 8, sms):
+        variants[f"pull {programs} programs,BLOCK=8192,num_warps=8,stages=3"] = (
+            lambda programs=programs: persistent_pull_kernel[(programs,)](
+                ctx, src.local(0), dst.local(0), count, 1, BLOCK=8192, STAGES=3, num_warps=8))
+        for rows, stages in ((32, 4), (64, 3)):
+            variants[f"tma pull {programs} programs,tile={rows}x{columns},num_warps=4,stages={stages}"] = (
+                lambda programs=programs, rows=rows, stages=stages: tma_pull_kernel[(programs,)](
+                    ctx, src.local(0), dst.local(0), count // columns, 1, BR=rows, C=columns, STAGES=stages,
+                    num_warps=4))
+    dst_on_0 = torch.from_dlpack(dst.local(0))
+    out["triton_pull"] = {}
+    for name, launch in variants.items():
+        try:
+            dst_on_0.zero_()
+            torch.cuda.synchronize(0)
+            seconds = timed(launch, repeats=3)
+        except Exception as error:
+            out["variant_error"] = {name: f"{type(error).__name__}: {error}"}
+            return
+        out["triton_pull"][name] = round(out["bytes"] / seconds / 1e9, 1)
+        out["variant_copy_correct"][name] = bool(torch.equal(dst_on_0, expected))
 
 
 @triton.jit
