@@ -496,7 +496,6 @@ VARIANT_LAYOUTS = {
     "pull": dict(interleave=False, pull=True), "pull interleaved": dict(interleave=True, pull=True),
     "pull, copy in the K loop": dict(interleave=False, pull=True, copy_slabs=32),
     "pull interleaved, 4 movers": dict(interleave=True, pull=True, movers=4),
-    "pull interleaved, TMA copy-out": dict(interleave=True, pull=True, copy_tma=True),
 }
 
 
@@ -817,8 +816,7 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
     (_kernels.matmul_all_to_all_traced_kernel) from one call after warm-up, per part of the
     exchange switched on (PARTS, as the breakdown), pulled (the op) and pushed: how long the
     matmul, the stores and flags, the waits for arrivals and the copies out take; and the whole
-    exchange with movers copying the arrivals of every wave but the last (MOVERS), with the copy-out
-    loading arrivals by TMA (COPY_TMA), and in step
+    exchange with movers copying the arrivals of every wave but the last (MOVERS), and in step
     order, plain and with each copy-out folded into its program's K loop where its arrival is
     ready (COPY_SLABS). The raw records of GPU 0 are kept."""
     fused_a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
@@ -830,7 +828,6 @@ def all_to_all_trace(mesh, m: int, k: int, n: int, dtype, repeats: int) -> dict:
         dict(interleave=False, pull=True)
     layouts = [("matmul only", 0, op), ("+ remote tile stores", 1, op), ("+ flags", 3, op), ("the op", 7, op),
                *((f"the op, {n} movers", 7, dict(op, movers=n)) for n in TRACE_MOVERS),
-               ("the op, TMA copy-out", 7, dict(op, copy_tma=True)),
                ("push: + remote tile stores", 1, push), ("push: + flags", 3, push), ("push: all parts", 7, push),
                ("step order", 7, step_order),
                *((f"step order, copy in the K loop in {n} slabs", 7, dict(step_order, copy_slabs=n))

@@ -669,7 +669,7 @@ def test_fused_kernels_compile_and_link_for_sm90a(toolchain, gin):
     a2a = compile_for_sm90(_kernels.matmul_all_to_all_kernel, pointers, num_warps=8, constexprs=dict(
         M=4096, N=2048, K=7168, P=4, CM=1024, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048,
         BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7, INTERLEAVE=True, PULL=True,
-        GIN=gin, COPIERS=32 * gin, XB=2, COPY_SLABS=0, MOVERS=0, MOVED=0, COPY_TMA=0))
+        GIN=gin, COPIERS=32 * gin, XB=2, COPY_SLABS=0, MOVERS=0, MOVED=0))
     assert b"jaxgin_tt_wait_peer_flag" in a2a.asm["cubin"]  # the pull: waits on the producer's flag
     ag = compile_for_sm90(_kernels.all_gather_matmul_kernel, _ALL_GATHER_POINTERS, num_warps=8, constexprs=dict(
         ML=1024, N=2048, K=7168, P=4, G=8, GR=128, SENDERS=16, BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32",
@@ -740,7 +740,7 @@ _TRACED_KERNELS = {
     "matmul_all_to_all": ("matmul_all_to_all_kernel", "matmul_all_to_all_traced_kernel", "_ALL_TO_ALL_POINTERS",
                           dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True,
                                OUT_N=2048, BM=128, BN=128, BK=64, GROUP_M=8, PRECISION="tf32", PARTS=7,
-                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2, COPY_SLABS=0, MOVERS=0, MOVED=0, COPY_TMA=0)),
+                               INTERLEAVE=True, PULL=True, GIN=0, COPIERS=0, XB=2, COPY_SLABS=0, MOVERS=0, MOVED=0)),
     "matmul_reduce_scatter": ("matmul_reduce_scatter_kernel", "matmul_reduce_scatter_traced_kernel",
                               "_REDUCE_SCATTER_POINTERS",
                               dict(M=4096, N=2048, K=7168, P=2, CM=2048, CN=2048, SCATTER_ROWS=True, BM=128, BN=128,
@@ -1225,29 +1225,6 @@ def test_all_to_all_movers_take_every_arrival_before_the_last_wave():
         a2a._moved_arrivals(-1, True, False, 0, wide, 2, 132, 2, 128, True)
     with pytest.raises(ValueError, match="more than an eighth of the 132 program slots .* at most 16"):
         a2a._moved_arrivals(17, True, False, 0, wide, 2, 132, 2, 128, True)
-
-
-def test_all_to_all_copy_tma_loads_arrivals_with_tma_only_when_asked(toolchain):
-    """COPY_TMA: the copy-out's thread loads become one TMA load per arrival (after a proxy fence),
-    in the shared memory the matmul already has, with no spills or serialized wgmma; without it
-    the kernel has no TMA load."""
-    from jaxgin.fused import _kernels
-
-    plain_name, _traced, pointers_name, constexprs = _TRACED_KERNELS["matmul_all_to_all"]
-
-    def compiled(copy_tma):
-        return compile_for_sm90(getattr(_kernels, plain_name), globals()[pointers_name], num_warps=8, num_stages=4,
-                                constexprs=dict(constexprs, BN=256, COPY_TMA=copy_tma))
-
-    plain, tma = compiled(0), compiled(1)
-    count = lambda kernel, text: kernel.asm["ptx"].count(text)  # noqa: E731
-    assert count(plain, "cp.async.bulk.tensor") == 0 and count(plain, "ld.global.cg") > 0
-    assert count(tma, "cp.async.bulk.tensor.2d.shared::") == 1 and count(tma, "ld.global.cg") == 0
-    assert count(tma, "fence.proxy.async.global") == 1
-    assert tma.metadata.shared == plain.metadata.shared
-    log = _ptxas_log_with_the_library(tma)
-    assert "C7509" not in log, log
-    assert " 0 bytes spill stores" in log, log
 
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "step_order"])

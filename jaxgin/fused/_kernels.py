@@ -348,7 +348,7 @@ def _exchange_tile(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, XB: tl.constexpr,
-    COPY_SLABS: tl.constexpr, MOVED: tl.constexpr, COPY_TMA: tl.constexpr, TRACE: tl.constexpr = 0,
+    COPY_SLABS: tl.constexpr, MOVED: tl.constexpr, TRACE: tl.constexpr = 0,
 ):
     """Program (step, t) of matmul_all_to_all_kernel below a GIN job's copy-out programs. Returns
     when its matmul ended, when its tile was stored (and flagged), when its wait for the arrival
@@ -419,10 +419,7 @@ def _exchange_tile(
                 tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
                 slot = recv + (half * P + s) * (CM * CN)
             waited = _now_ns(TRACE)
-            if COPY_TMA:
-                _copy_out_arrival_tma(out, slot, s, ti, tj, r, c, ok, CM, CN, BM, BN, CONCAT_ROWS, OUT_N)
-            else:
-                _copy_out_arrival(out, slot, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+            _copy_out_arrival(out, slot, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     return computed, stored, waited
 
 
@@ -433,18 +430,6 @@ def _copy_out_arrival(out, slot, s, r, c, ok, CM: tl.constexpr, CN: tl.constexpr
     is read once) into that chunk's place in the output."""
     arrived = tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
     _store_chunk_tile(out, arrived, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
-
-
-@triton.jit
-def _copy_out_arrival_tma(out, slot, s, ti, tj, r, c, ok, CM: tl.constexpr, CN: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr):
-    """_copy_out_arrival of tile (ti, tj) with a TMA load: the TMA unit keeps the tile's NVLink
-    reads in flight, where the threads' own loads have a few KiB per SM. The proxy fence orders
-    the load (async proxy) after the flag's acquire (generic proxy)."""
-    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-    chunk = tl.make_tensor_descriptor(slot, shape=[CM, CN], strides=[CN, 1], block_shape=[BM, BN])
-    _store_chunk_tile(out, chunk.load([ti * BM, tj * BN]), s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
 
 
 @triton.jit
@@ -550,8 +535,7 @@ def _matmul_all_to_all(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr, COPY_TMA: tl.constexpr,
-    TRACE: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr, TRACE: tl.constexpr,
 ):
     """y = x @ w; chunk [CM, CN] of y for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
     d*CN..) goes to d, whose output holds the chunk from s at rows s*CM.. if CONCAT_ROWS, else at
@@ -578,8 +562,7 @@ def _matmul_all_to_all(
     programs to start copy the first MOVED arrivals (_move_arrivals), those of every wave but the
     last, while the other SMs compute; the programs of those arrivals skip their copy-out. Movers
     wait for peer programs placed above them, so they must be few against the SMs (the host caps
-    them); the compute programs still wait only for lower places. COPY_TMA (0 for the op so far):
-    a program's copy-out loads its arrival with TMA (_copy_out_arrival_tma). PARTS (7 for the op; the breakdown
+    them); the compute programs still wait only for lower places. PARTS (7 for the op; the breakdown
     benchmark clears bits to see what each costs): 1 sends remote tiles (else they go into this
     GPU's own output), 2 flags them, 4 copies arrivals out.
 
@@ -619,7 +602,7 @@ def _matmul_all_to_all(
         computed, stored, waited = _exchange_tile(
             ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
             M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-            PARTS, INTERLEAVE, PULL, GIN, XB, COPY_SLABS, MOVED, COPY_TMA, TRACE)
+            PARTS, INTERLEAVE, PULL, GIN, XB, COPY_SLABS, MOVED, TRACE)
         if TRACE:
             _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
             _trace_word(trace, pid, 5, computed)
@@ -638,12 +621,12 @@ def matmul_all_to_all_kernel(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr, COPY_TMA: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr,
 ):
     """y = x @ w, its chunks exchanged over the axis: _matmul_all_to_all."""
     _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, flags,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, MOVERS, MOVED, COPY_TMA, 0)
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, MOVERS, MOVED, 0)
 
 
 @triton.jit
@@ -653,13 +636,13 @@ def matmul_all_to_all_traced_kernel(
     CM: tl.constexpr, CN: tl.constexpr, SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
     PARTS: tl.constexpr, INTERLEAVE: tl.constexpr, PULL: tl.constexpr, GIN: tl.constexpr, COPIERS: tl.constexpr,
-    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr, COPY_TMA: tl.constexpr,
+    XB: tl.constexpr, COPY_SLABS: tl.constexpr, MOVERS: tl.constexpr, MOVED: tl.constexpr,
 ):
     """matmul_all_to_all_kernel (NVLink only) that also writes a record per program into trace (int32
     [programs, 16]; benchmarks/fused.py --all-to-all-trace-only: where the kernel's time goes)."""
     _matmul_all_to_all(ctx, x, w, route, recv, flags, state, gin_tiles, sig, out, trace,
                        M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
-                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, MOVERS, MOVED, COPY_TMA, 1)
+                       PARTS, INTERLEAVE, PULL, GIN, COPIERS, XB, COPY_SLABS, MOVERS, MOVED, 1)
 
 
 @triton.jit

@@ -118,28 +118,27 @@ def unfused(x, w, plan: _Plan):
 
 
 def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, pull: bool = True,
-            chunk_layout: str = "chunk_per_peer", copy_slabs: int = 0, movers: int = 0, copy_tma: bool = False):
+            chunk_layout: str = "chunk_per_peer", copy_slabs: int = 0, movers: int = 0):
     """The op on GPUs, as _common.plan_method picks it: XLA's composition, the chunked custom call
     (its cuBLAS calls laid out by `chunk_layout`, _chunked.LAYOUTS), or the fused Triton kernel, whose `parts`,
-    `interleave`, `pull`, `copy_slabs`, `movers` and `copy_tma` select variants; benchmarks/fused.py compares the non-defaults (the
+    `interleave`, `pull`, `copy_slabs` and `movers` select variants; benchmarks/fused.py compares the non-defaults (the
     defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
     the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
     return _common.by_method(OP, state, plan, x.dtype, lambda: unfused(x, w, plan),
                              lambda: _chunked.matmul_all_to_all(x, w, plan, chunk_layout),
                              lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull,
-                                                 copy_slabs=copy_slabs, movers=movers, copy_tma=copy_tma))
+                                                 copy_slabs=copy_slabs, movers=movers))
 
 
 def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, pull: bool, trace: bool = False,
-            copy_slabs: int = 0, movers: int = 0, copy_tma: bool = False):
+            copy_slabs: int = 0, movers: int = 0):
     """The Triton kernel: the matmul's tiles handed to their destinations from its epilogue. With
     `trace` (NVLink only), (out, trace): int32 [programs, 16], 8 int64 words per program in start
     order (_kernels._matmul_all_to_all's TRACE; view it as int64). `copy_slabs` (with `pull`): the
     copy-out of an arrival flagged when its program starts goes through the K loop in up to that
     many row slabs (_kernels._matmul_all_to_all's COPY_SLABS). `movers` (with `pull`, NVLink only):
     that many programs copy the arrivals of every wave but the last while the others compute
-    (MOVERS). `copy_tma`: the copy-out loads arrivals with TMA (COPY_TMA; the chunk's rows must be
-    a multiple of 16 bytes)."""
+    (MOVERS)."""
     from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
 
     size, dtype = plan.size, x.dtype
@@ -164,10 +163,6 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         gin_area_shape=(2, 2, size, tm * tn, tiles.block_m * tiles.block_n) if gin else None,
         signals=2 * size * gin,
     )
-    if copy_tma and cn * np.dtype(dtype).itemsize % 16:
-        raise ValueError(f"matmul_all_to_all: copy_tma reads the chunk's rows with TMA, which needs them a multiple of "
-                         f"16 bytes; a chunk's {cn} columns of {np.dtype(dtype).name} are "
-                         f"{cn * np.dtype(dtype).itemsize} bytes")
     programs = movers + size * tm * tn + size * copiers
     out = jax.core.ShapedArray(plan.out_shape, dtype)
     return triton_call(
@@ -180,7 +175,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         CONCAT_ROWS=plan.concat_rows, OUT_N=plan.out_shape[1],
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         PARTS=parts, INTERLEAVE=interleave, PULL=pull, GIN=int(gin), COPIERS=copiers,
-        XB=np.dtype(dtype).itemsize, COPY_SLABS=slabs, MOVERS=movers, MOVED=moved, COPY_TMA=int(copy_tma),
+        XB=np.dtype(dtype).itemsize, COPY_SLABS=slabs, MOVERS=movers, MOVED=moved,
     )
 
 
