@@ -1229,8 +1229,8 @@ def test_all_to_all_movers_take_every_arrival_before_the_last_wave():
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "step_order"])
 def test_all_to_all_movers_are_compiled_in_only_when_asked(toolchain, interleave):
-    """MOVERS: the kernel gains the movers' loop (two flagged pulls and two more copies of an
-    arrival's tile: a mover moves two at a time) without spills, serialized wgmma or more shared
+    """MOVERS: the kernel gains the movers' pipelined loop (a flagged pull before the loop and one
+    in it, and their tiles' loads and stores) without spills, serialized wgmma or more shared
     memory; with MOVERS = 0 none of it is compiled in."""
     from jaxgin.fused import _kernels
 
