@@ -493,18 +493,8 @@ def _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P: tl.c
                          CM: tl.constexpr, CN: tl.constexpr):
     """_pulled_slot of axis index s, once s has flagged its tile t of this call there."""
     source = rank_of(route, s)
-    _await_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
+    tgl.wait_peer_flag(ctx, flags + me * TILES + t, epoch + 1, source)
     return _pulled_slot(ctx, recv, source, me, half, P, CM, CN)
-
-
-@triton.jit
-def _await_peer_flag(ctx, flag, value, source):
-    """tgl.wait_peer_flag in one NVLink round trip when the flag is already set (most arrivals
-    are): one acquiring read of the source's word; only a flag still below `value` takes the
-    library's bounded wait, which faults naming the source on timeout."""
-    seen = tl.atomic_add(tgl.peer_ptr(ctx, flag, source), 0, sem="acquire", scope="sys")
-    if seen < value:
-        tgl.wait_peer_flag(ctx, flag, value, source)
 
 
 @triton.jit
