@@ -451,41 +451,21 @@ def _move_arrivals(
 ):
     """Mover k of matmul_all_to_all_kernel (MOVERS, NVLink and PULL only): copies arrivals k,
     k + MOVERS, .. below MOVED (_arrival_index order) into the output, each as soon as its source
-    flags it, while the other SMs compute. Pipelined: an arrival's NVLink load is in flight while
-    the one before it is stored, and the next flag is polled while it lands (one program pulls
-    about 35 GB/s when its loads and stores overlap, and a third of that when they alternate)."""
+    flags it, while the other SMs compute."""
     TM: tl.constexpr = (CM + BM - 1) // BM
     TN: tl.constexpr = (CN + BN - 1) // BN
     TILES: tl.constexpr = TM * TN
-    if k < MOVED:
-        held_s, held_r, held_c, held = _load_flagged_arrival(ctx, route, recv, flags, k, me, epoch, half, P, CM, CN,
-                                                             BM, BN, GROUP_M, INTERLEAVE, TILES)
-        for a in range(k + MOVERS, MOVED, MOVERS):
-            s, r, c, arrived = _load_flagged_arrival(ctx, route, recv, flags, a, me, epoch, half, P, CM, CN, BM, BN,
-                                                     GROUP_M, INTERLEAVE, TILES)
-            _store_chunk_tile(out, held, held_s, held_r, held_c, (held_r < CM)[:, None] & (held_c < CN)[None, :],
-                              CM, CN, CONCAT_ROWS, OUT_N)
-            held_s, held_r, held_c, held = s, r, c, arrived
-        _store_chunk_tile(out, held, held_s, held_r, held_c, (held_r < CM)[:, None] & (held_c < CN)[None, :],
-                          CM, CN, CONCAT_ROWS, OUT_N)
-
-
-@triton.jit
-def _load_flagged_arrival(ctx, route, recv, flags, a, me, epoch, half, P: tl.constexpr, CM: tl.constexpr,
-                          CN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                          INTERLEAVE: tl.constexpr, TILES: tl.constexpr):
-    """Arrival a (_arrival_index order), once flagged: its source's axis index, its rows and
-    columns in the chunk, and its tile, loaded over NVLink (the load is not waited for here)."""
-    if INTERLEAVE:
-        step = 1 + a % (P - 1)
-        t = a // (P - 1)
-    else:
-        step = 1 + a // TILES
-        t = a % TILES
-    s = (me + P - step) % P
-    _ti, _tj, r, c, ok = _tile_place(t, CM, CN, BM, BN, GROUP_M)
-    slot = _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P, TILES, CM, CN)
-    return s, r, c, tl.load(slot + r[:, None] * CN + c[None, :], mask=ok, cache_modifier=".cg")
+    for a in range(k, MOVED, MOVERS):
+        if INTERLEAVE:
+            t = a // (P - 1)
+            step = 1 + a % (P - 1)
+        else:
+            step = 1 + a // TILES
+            t = a % TILES
+        s = (me + P - step) % P
+        _ti, _tj, r, c, ok = _tile_place(t, CM, CN, BM, BN, GROUP_M)
+        slot = _flagged_pulled_slot(ctx, route, recv, flags, s, t, me, epoch, half, P, TILES, CM, CN)
+        _copy_out_arrival(out, slot, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
 
 
 @triton.jit
