@@ -160,6 +160,37 @@ def triton_call(
     ``num_warps``, ``num_stages`` and ``enable_fp_fusion`` are Triton's compile options of those
     names; ``enable_fp_fusion=None`` leaves FMA fusion to Triton's default. ``max_registers`` is
     Triton's ``maxnreg``: the most registers per thread ptxas may give the kernel (None: no cap)."""
+    call = lowered_call(kernel, args, grid=grid, out_shape=out_shape, num_warps=num_warps, num_stages=num_stages,
+                        enable_fp_fusion=enable_fp_fusion, max_registers=max_registers, constexprs=constexprs)
+    return call.run(capture.target_for("jaxgin.triton_call", runtime.current()))
+
+
+class LoweredCall:
+    """A Triton kernel compiled for a call, with the XLA operands, result types and attributes that
+    launch it (lowered_call): run() makes the custom call of a target whose handler takes them; a
+    caller that makes its own (with attributes of its own) hands its results to results()."""
+
+    def __init__(self, operands, out_types, attributes, scratch: bool, single: bool, out_shape):
+        self.operands, self.out_types, self.attributes = operands, out_types, attributes
+        self.scratch, self.single, self.out_shape = scratch, single, out_shape
+
+    def run(self, target: str):
+        call = jax.ffi.ffi_call(target, self.out_types, has_side_effect=True)
+        return self.results(call(*self.operands, **self.attributes))
+
+    def results(self, results):
+        """What the caller gets of the custom call's results (Triton's scratch, if any, is not returned)."""
+        results = list(results)
+        if self.scratch:
+            results = results[:-1]
+        if self.single:
+            return results[0]
+        return tuple(results) if isinstance(self.out_shape, tuple) else list(results)  # shard_map's out_specs match it
+
+
+def lowered_call(kernel, args, *, grid, out_shape, num_warps: int, num_stages: int, enable_fp_fusion, max_registers,
+                 constexprs) -> LoweredCall:
+    """triton_call's work up to the custom call (jaxgin.fused's copy-engine exchange makes its own)."""
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"jaxgin.triton_call: max_registers must be between 24 and 255 (ptxas's range), "
                          f"got {max_registers}")
@@ -250,7 +281,6 @@ def triton_call(
         params += [ParamKind.NULL_POINTER, 0]
     params += [ParamKind.NULL_POINTER, 0]  # Triton's profile scratch pointer
     cubin = compiled.asm["cubin"]
-    call = jax.ffi.ffi_call(capture.target_for("jaxgin.triton_call", state), out_types, has_side_effect=True)
     if operands:
         # Why the barrier: XLA's dynamic-slice fusion (on by default in the XLA of JAX 0.11) moves a
         # custom call whose operand is a slice into a fusion that reads the slice in place, and
@@ -261,8 +291,7 @@ def triton_call(
         # device work (the profile of tools/profile_moe.py shows no copies); newer XLA removes the
         # original call itself (dynamic_slice_fusion_rewriter_v2.cc).
         operands = list(jax.lax.optimization_barrier(tuple(operands)))
-    results = call(
-        *operands,
+    attributes = dict(
         cubin=np.frombuffer(cubin, dtype=np.int8),
         kernel_name=metadata.name,
         grid=np.array(launch_grid, dtype=np.int64),
@@ -271,11 +300,7 @@ def triton_call(
         params=np.array(params, dtype=np.int64),
         generation=np.int64(state.generation),
     )
-    if scratch:
-        results = results[:-1]
-    if single:
-        return results[0]
-    return tuple(results) if isinstance(out_shape, tuple) else list(results)  # shard_map's out_specs match it
+    return LoweredCall(operands, out_types, attributes, bool(scratch), single, out_shape)
 
 
 def _global_scratch_bytes(metadata, grid) -> int:
