@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 from jaxgin.fused import _common
-from timing import after, best_seconds, device_windows_seconds
+from timing import after, best_seconds, device_event_totals, device_windows_seconds
 
 STEPS = 20
 ISSUE_SHAPES = [(4096, 7168, 2048), (8192, 4096, 4096)]
@@ -856,9 +856,14 @@ CHUNKED_LAYOUT_SHAPES = [
 ]
 
 
-def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOUT_OPS) -> dict:
-    """The chunked ops named by `ops` (method="chunked") under each chunk layout (jaxgin.fused._chunked.LAYOUTS;
-    the ops use the first), each checked against XLA, next to XLA's unfused compositions and its
+def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOUT_OPS, layouts=None,
+                    device_spans: bool = False, tiles=None) -> dict:
+    """The chunked ops named by `ops` (method="chunked") under each chunk layout (`layouts`, default
+    jaxgin.fused._chunked.LAYOUTS; the ops use the first; all_gather_matmul has no "triton_tiles"),
+    each checked against XLA, next to XLA's unfused compositions and its matmul alone; with
+    `device_spans`, every chain also timed on the device (_chain_times) with GPU 0's kernels and
+    copies per call by name (`events`: count and us per call); `tiles`, the "triton_tiles" layout's
+    TileConfig (default: the ops' tuned choice). Also
     matmul alone. M rows per device: x [M, K] by rows for matmul_all_to_all, a shard of M rows for
     all_gather_matmul (M * devices gathered), x [M, K] per device sharded along K for
     matmul_reduce_scatter. Where matmul_reduce_scatter's time goes: the exchange of partials alone
@@ -873,34 +878,52 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOU
     keys = jax.random.split(jax.random.key(m + k + n))
     x, w = _operands(mesh, keys, m, k, n, dtype)
     xr, wr = _operands(mesh, keys, m, k, n, dtype, K_SHARDED)
-    a2a_plan = fused_a2a._Plan(("x",), devices, m, n, k, True, True, None, None, "chunked")
+    a2a_plan = fused_a2a._Plan(("x",), devices, m, n, k, True, True, None, tiles, "chunked")
     ag_plan = fused_ag._Plan(("x",), devices, m, n, k, None, None, "chunked")
-    rs_plan = fused_rs._Plan(("x",), devices, m, n, k, True, None, None, "chunked")
+    rs_plan = fused_rs._Plan(("x",), devices, m, n, k, True, None, tiles, "chunked")
 
-    def timed(op, a, b, specs=ROWS):
+    def timed(op, a, b, specs=ROWS, into=None):
+        if device_spans and into is not None:
+            into.update(_chain_times(mesh, op, (a, b), specs, repeats))
+            events, timeline = device_event_totals(_chain(mesh, op, specs), a, b)
+            into["events"] = {name[:80]: {"count": e["count"] / STEPS, "us": e["seconds"] / STEPS * 1e6}
+                              for name, e in sorted(events.items(), key=lambda item: -item[1]["seconds"])}
+            into["timeline"] = [[name[:40], *rest] for name, *rest in timeline]  # GPU 0's run of STEPS calls
+            return into["us"]
         return best_seconds(_chain(mesh, op, specs), a, b, repeats=repeats) / STEPS * 1e6
 
     compositions = {"all_to_all": (xla_matmul_all_to_all, x, w, ROWS), "all_gather": (xla_all_gather_matmul, x, w, ROWS),
                     "reduce_scatter": (xla_matmul_reduce_scatter, xr, wr, K_SHARDED)}
-    row = {"m": m, "k": k, "n": n, "xla_matmul_us": timed(lambda x, w: x @ w, x, w)}
+    row = {"m": m, "k": k, "n": n}
+    if _chunked.TRITON_TILES in (layouts or _chunked.LAYOUTS):  # the Triton layout's tiles (the ops' tuned choice)
+        row["triton_tiles"] = _common.choose_tiles(state, m, n, k, dtype, _common.dot_precision(dtype, None), tiles,
+                                                   "wide_first").__dict__
+
+    def device_times(name):  # where a baseline's device times go (with device_spans)
+        return row.setdefault(name, {}) if device_spans else None
+
+    row["xla_matmul_us"] = timed(lambda x, w: x @ w, x, w, into=device_times("xla_matmul"))
     expected = {}
     for op in ops:
         fn, a, b, specs = compositions[op]
-        row[f"xla_{XLA_NAMES[op]}_us"] = timed(fn, a, b, specs)
+        row[f"xla_{XLA_NAMES[op]}_us"] = timed(fn, a, b, specs, into=device_times(f"xla_{XLA_NAMES[op]}"))
         expected[op] = _once(mesh, fn, specs)(a, b)
         row[op] = {}
 
     def record(op, layout, fn, a, b, specs=ROWS):
-        t = timed(fn, a, b, specs)
+        times = {}
+        t = timed(fn, a, b, specs, into=times)
         row[op][layout] = {"us": t, "rel_err": _rel(_once(mesh, fn, specs)(a, b), expected[op]),
-                           "speedup_vs_unfused": row[f"xla_{XLA_NAMES[op]}_us"] / t}
+                           "speedup_vs_unfused": row[f"xla_{XLA_NAMES[op]}_us"] / t, **times}
+        if device_spans:
+            row[op][layout]["device_speedup_vs_unfused"] = row[f"xla_{XLA_NAMES[op]}"]["device_us"] / times["device_us"]
 
     rs = "reduce_scatter" in ops and m % devices == 0
-    for layout in _chunked.LAYOUTS:
+    for layout in layouts or _chunked.LAYOUTS:
         if "all_to_all" in ops:
             record("all_to_all", layout,
                    lambda x, w, layout=layout: fused_a2a._kernel(state, x, w, a2a_plan, chunk_layout=layout), x, w)
-        if "all_gather" in ops:
+        if "all_gather" in ops and layout in _chunked.CUBLAS_LAYOUTS:
             record("all_gather", layout,
                    lambda x, w, layout=layout: fused_ag._kernel(state, x, w, ag_plan, chunk_layout=layout), x, w)
         if rs:
@@ -919,6 +942,10 @@ def chunked_layouts(mesh, m: int, k: int, n: int, dtype, repeats: int, ops=LAYOU
             "sum_only_us": timed(lambda s, _: fused_rs.reduce_in_order(s, dtype), stacked, wr,
                                  (P("x"), K_SHARDED[1])),
         }
+        if _chunked.TRITON_TILES in (layouts or _chunked.LAYOUTS):
+            row["reduce_scatter_parts"]["exchange_only_triton_tiles_us"] = timed(
+                lambda x, w: _chunked.reduce_scatter_partials(x, w, rs_plan, _chunked.TRITON_TILES, state), xr, wr,
+                K_SHARDED)
         print(json.dumps({"m": m, "k": k, "n": n, "reduce_scatter_parts": row["reduce_scatter_parts"]}), flush=True)
     return row
 
@@ -985,6 +1012,10 @@ SINGLE_MEASURE_MODES = {
     "chunked_layouts_only": "only the chunked method of the three fused ops under each chunk layout, with the "
                             "reduce-scatter's exchange and sum apart, at CHUNKED_LAYOUT_SHAPES "
                             "(fused_chunked_layouts.json)",
+    "chunked_triton_only": "only matmul_all_to_all and matmul_reduce_scatter's chunked method at the issue's "
+                           "shapes, its chunks computed by cuBLAS (chunk_per_peer) and by one Triton kernel of "
+                           "128 x 256 tiles (triton_tiles), the exchange and sum apart, timed on the device too "
+                           "(fused_chunked_triton.json)",
     "sweep_only": "only the sweep of matmul_all_to_all (--sweep; the default method, recorded per row, and the "
                   "Triton kernel against XLA's composition; fused_sweep.json)",
     "gspmd_only": "only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS given "
@@ -1052,6 +1083,9 @@ def main() -> None:
         "all_to_all_trace_only": (all_to_all_trace, "fused_all_to_all_trace.json", kind, issue_shapes),
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
+        "chunked_triton_only": (chunked_layouts, "fused_chunked_triton.json", kind,
+                                [(shape, (("all_to_all", "reduce_scatter"), ("chunk_per_peer", "triton_tiles"), True,
+                                          WIDE_TILES)) for shape, _ in issue_shapes]),
         "sweep_only": (measure, "fused_sweep.json", kind,
                        [((int(m), 7168, 2048), (("all_to_all",),)) for m in args.sweep.split(",")]),
     }

@@ -118,6 +118,24 @@ def device_span_seconds(f, *args) -> float:
     return span_seconds(_profiled_call(f, args, device_events))
 
 
+def device_event_totals(f, *args) -> tuple[dict[str, dict], list[list]]:
+    """GPU 0's kernels and copies in one call of f (after the warm-up calls): by name, how many ran
+    and their summed duration in seconds (events on side streams overlap others, so the sum is
+    not a span); and every event in start order as [name, start, duration, stream], in us from
+    the first start (the stream is the trace's thread id)."""
+    def read(where):
+        events = device_events(where)
+        totals = {}
+        for e in events:
+            total = totals.setdefault(e["name"], {"count": 0, "seconds": 0.0})
+            total["count"] += 1
+            total["seconds"] += e["dur"] * 1e-6
+        t0 = events[0]["ts"] if events else 0
+        return totals, [[e["name"], round(e["ts"] - t0, 1), round(e["dur"], 1), e["tid"]] for e in events]
+
+    return _profiled_call(f, args, read)
+
+
 def device_windows_seconds(f, *args) -> dict[int, tuple[float, float]]:
     """Every GPU's (first start, last end) in one call of f (after the warm-up calls), in seconds from
     the earliest first start of any GPU: how much later each GPU began, and when each finished."""

@@ -160,7 +160,7 @@ def test_a_windowed_einsum_baseline_with_a_wrong_result_gets_no_ratio(monkeypatc
 
 def test_the_chunked_layouts_mode_times_every_layout_of_the_three_ops():
     """fused.chunked_layouts: each of the chunked method's layouts of matmul_all_to_all,
-    all_gather_matmul and matmul_reduce_scatter reaches the op's kernel by name, is checked against
+    all_gather_matmul (not "triton_tiles") and matmul_reduce_scatter reaches the op's kernel by name, is checked against
     XLA's composition and gets a ratio to it; the reduce-scatter's exchange and sum are timed
     apart (4 CPU devices, the ops' kernels and the exchange stood in for by their references)."""
     code = (
@@ -172,7 +172,8 @@ def test_the_chunked_layouts_mode_times_every_layout_of_the_three_ops():
         "a2a._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('a2a', chunk_layout)), a2a.reference(x, w, plan))[1];"
         "ag._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('ag', chunk_layout)), ag.reference(x, w, plan))[1];"
         "rs._kernel = lambda state, x, w, plan, chunk_layout: (seen.append(('rs', chunk_layout)), rs.reference(x, w, plan))[1];"
-        "_chunked.reduce_scatter_partials = lambda x, w, plan: (seen.append(('rs', 'exchange')),"
+        "_chunked.reduce_scatter_partials = lambda x, w, plan, layout='chunk_per_peer', state=None:"
+        " (seen.append(('rs', 'exchange, ' + layout)),"
         " jax.lax.all_to_all(rs.partial_chunks(x @ w, plan), 'x', 0, 0, tiled=True))[1];"
         "jaxgin.initialize();"
         "row = fused.chunked_layouts(Mesh(np.array(jax.devices()), ('x',)), 64, 32, 16, jnp.float32, 1);"
@@ -182,12 +183,15 @@ def test_the_chunked_layouts_mode_times_every_layout_of_the_three_ops():
     out = _on_cpu_devices(code, 4)
     line = next((x for x in out.stdout.splitlines() if x.startswith("ROW ")), None)
     assert line is not None, out.stderr[-2000:]
-    layouts = ("chunk_per_peer", "peers_merged", "whole")
-    assert json.loads(line[4:line.index("} [") + 1]) == {op: dict.fromkeys(layouts, True)
-                                                         for op in ("all_to_all", "all_gather", "reduce_scatter")}, line
-    assert '["exchange_only_us", "sum_only_us"] True' in line, line
-    ops = sorted((op, layout) for op in ("a2a", "ag", "rs") for layout in layouts)
-    assert line.endswith(str(sorted(ops + [("rs", "exchange")]))), line
+    cublas = ("chunk_per_peer", "peers_merged", "whole")
+    layouts = {"all_to_all": cublas + ("triton_tiles",), "all_gather": cublas, "reduce_scatter": cublas + ("triton_tiles",)}
+    assert json.loads(line[4:line.index("} [") + 1]) == {op: dict.fromkeys(names, True)
+                                                         for op, names in layouts.items()}, line
+    assert '["exchange_only_triton_tiles_us", "exchange_only_us", "sum_only_us"] True' in line, line
+    ops = sorted((short, layout) for short, op in (("a2a", "all_to_all"), ("ag", "all_gather"), ("rs", "reduce_scatter"))
+                 for layout in layouts[op])
+    exchanges = [("rs", "exchange, chunk_per_peer"), ("rs", "exchange, triton_tiles")]
+    assert line.endswith(str(sorted(ops + exchanges))), line
 
 
 def test_the_windowed_processes_include_the_default_flags_control(tmp_path, monkeypatch):

@@ -520,7 +520,8 @@ def test_every_chunked_target_has_its_handler_in_csrc():
 
     source = (Path(__file__).parents[1] / "csrc" / "ffi" / "chunked_matmul.cu").read_text()
     (family,) = [f for f in op_table.FAMILIES if f.name == "fused"]
-    for target in family.targets:
+    cublas = [t for t in family.targets if t.name != "jaxgin_triton_chunks"]
+    for target in cublas:
         symbol = target.handlers["execute"]
         start = source.index(f"XLA_FFI_DEFINE_HANDLER_SYMBOL({symbol},")
         binding = source[start:source.index(";", start)]
@@ -528,8 +529,20 @@ def test_every_chunked_target_has_its_handler_in_csrc():
         assert ('"concat_rows"' in binding) == ("all_to_all" in symbol), binding
         # every op's cuBLAS calls laid out by the op table's ChunkLayout code
         assert '"layout"' in binding, binding
-    assert {op.name for t in family.targets for op in t.ops} == {
+    assert {op.name for t in cublas for op in t.ops} == {
         "jaxgin.fused.matmul_all_to_all", "jaxgin.fused.all_gather_matmul", "jaxgin.fused.matmul_reduce_scatter"}
+    # the Triton layout's target: triton_call's attributes (an instantiate stage binding the same
+    # ones loads the kernel), then the exchange's, which its lowering passes
+    (triton,) = [t for t in family.targets if t.name == "jaxgin_triton_chunks"]
+    assert not triton.capturable  # CUDA refused to update its recorded peer copy (chunked_matmul.cu)
+    for stage in ("instantiate", "execute"):
+        start = source.index(f"XLA_FFI_DEFINE_HANDLER_SYMBOL({triton.handlers[stage]},")
+        assert "JAXGIN_TRITON_CHUNKS_ATTRS" in source[start:source.index(";", start)]
+    attributes = source[source.index("#define JAXGIN_TRITON_CHUNKS_ATTRS"):source.index("jaxgin_ffi_triton_chunks_")]
+    for name in ("cubin", "kernel_name", "grid", "num_warps", "shared_bytes", "params", "generation", "mesh_ranks",
+                 "mesh_shape", "axes", "offset", "slot_bytes", "chunk_rows", "chunk_cols", "element_bytes",
+                 "concat_rows", "reduce"):
+        assert f'"{name}"' in attributes, name
 
 
 def test_a_chunk_layout_is_named_from_the_op_table():
@@ -538,11 +551,87 @@ def test_a_chunk_layout_is_named_from_the_op_table():
     from jaxgin.ffi import op_table
     from jaxgin.fused import _chunked
 
-    assert _chunked.LAYOUTS == ("chunk_per_peer", "peers_merged", "whole")
-    assert [int(op_table.ChunkLayout[name.upper()]) for name in _chunked.LAYOUTS] == [0, 1, 2]
+    assert _chunked.CUBLAS_LAYOUTS == ("chunk_per_peer", "peers_merged", "whole")
+    assert _chunked.LAYOUTS == _chunked.CUBLAS_LAYOUTS + ("triton_tiles",)
+    assert [int(op_table.ChunkLayout[name.upper()]) for name in _chunked.CUBLAS_LAYOUTS] == [0, 1, 2]
     assert "enum ChunkLayout : int64_t { kChunkPerPeer = 0, kPeersMerged = 1, kWhole = 2 };" in op_table.header()
-    with pytest.raises(ValueError, match="chunk layout 'rows': expected one of chunk_per_peer, peers_merged, whole"):
+    with pytest.raises(ValueError,
+                       match="chunk layout 'rows': expected one of chunk_per_peer, peers_merged, whole, triton_tiles"):
         _chunked._layout("rows")
+    plan = types.SimpleNamespace(m=64, n=32, k=16)
+    with pytest.raises(ValueError, match="all_gather_matmul: layout 'triton_tiles' computes chunks bound for peers"):
+        _chunked.all_gather_matmul(jnp.zeros((64, 16)), jnp.zeros((16, 32)), plan, "triton_tiles")
+
+
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "matmul_reduce_scatter"])
+@pytest.mark.parametrize("rows", [True, False], ids=["row_chunks", "column_chunks"])
+def test_the_triton_tiles_layout_is_one_kernel_that_hands_chunks_over(monkeypatch, op, rows):
+    """The chunked method's "triton_tiles" layout: one Triton kernel (matmul_chunks_kernel), a
+    program per tile of every chunk, given a heap block of its own (the chunk slots, then its
+    flags) and a zeroed counter per peer, in a custom call that tells the exchange the chunk's
+    shape, where the own chunk goes and which op it serves; the reduce-scatter sums what it
+    returns in source order."""
+    import importlib
+
+    from jaxgin import op_support, triton_op
+    from jaxgin.fused import _chunked, _common, _kernels
+
+    module = importlib.import_module(f"jaxgin.fused.{op}")
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: False)
+    monkeypatch.setattr("jaxgin.route.axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    size, dtype = 4, jnp.bfloat16
+    x, w = jnp.zeros((512, 256), dtype), jnp.zeros((256, 384), dtype)
+    cm, cn = (512 // size, 384) if rows else (512, 384 // size)
+    reduce = op == "matmul_reduce_scatter"
+    out_shape = (size * cm, cn) if reduce or rows else (cm, size * cn)
+    partials = (jnp.arange(size * cm * cn, dtype=jnp.float32).reshape(out_shape) % 5 + 300.0).astype(dtype)
+    lowered, binds = [], []
+
+    def lowered_call(kernel, args, **kw):
+        lowered.append((kernel, args, kw))
+        call = triton_op.LoweredCall(list(args[:2]), [jax.ShapeDtypeStruct(out_shape, dtype)], {}, False, True,
+                                     kw["out_shape"])
+        return call
+
+    def bind(*operands, **params):
+        binds.append(params)
+        return [partials]
+
+    monkeypatch.setattr(triton_op, "lowered_call", lowered_call)
+    monkeypatch.setattr(_chunked.triton_chunks_p, "bind", bind)
+    state = _HeapOnlyState()
+    if reduce:
+        plan = module._Plan(("x",), size, 512, 384, 256, rows, None, None, "chunked")
+    else:
+        plan = module._Plan(("x",), size, 512, 384, 256, rows, rows, None, None, "chunked")
+    got = module._kernel(state, x, w, plan, chunk_layout="triton_tiles")
+    ((kernel, args, kw),) = lowered
+    ((params),) = binds
+    assert kernel is _kernels.matmul_chunks_kernel
+    tiles = _common.WIDE_FIRST_CANDIDATES[2][0]
+    assert kw["grid"] == (size * -(-cm // tiles.block_m) * -(-cn // tiles.block_n),)
+    assert kw["out_shape"].shape == out_shape
+    c = kw["constexprs"]
+    assert (c["P"], c["CM"], c["CN"], c["SPLIT_ROWS"], c["CONCAT_ROWS"], c["OUT_N"]) == (
+        size, cm, cn, rows, reduce or rows, out_shape[1])
+    assert (c["BM"], c["BN"], c["BK"]) == (tiles.block_m, tiles.block_n, tiles.block_k)
+    _x, _w, _route, slots, words, counters = args
+    slot = params["slot_bytes"]
+    assert slot >= cm * cn * 2 and slot % 256 == 0 and c["SLOT"] * 2 == slot
+    assert slots.offset == params["offset"] and slots.nbytes == size * slot
+    assert (_chunked.TRITON_TILES, tiles) in [key[-2:] for key in state.placements]  # not the cuBLAS layouts' block
+    assert words.offset == params["offset"] + size * slot and words.shape == (2 * size,)
+    assert counters.shape == (size,) and counters.dtype == np.int64
+    assert (params["chunk_rows"], params["chunk_cols"], params["element_bytes"]) == (cm, cn, 2)
+    assert params["concat_rows"] == int(reduce or rows) and params["reduce"] == int(reduce)
+    assert params["op"] == f"jaxgin.fused.{op}" and params["names"] == ("x",)
+    if reduce:
+        stacked = partials.reshape(size, cm, cn).astype(jnp.float32)
+        want = (((stacked[0] + stacked[1]) + stacked[2]) + stacked[3]).astype(dtype)
+        assert jnp.array_equal(got, want)
+    else:
+        assert got is partials
 
 
 def _check_gin_tile_area(state, buffers, args, gin, size, count, tiles):
@@ -1225,6 +1314,27 @@ def test_all_to_all_movers_take_every_arrival_before_the_last_wave():
         a2a._moved_arrivals(-1, True, False, 0, wide, 2, 132, 2, 128, True)
     with pytest.raises(ValueError, match="more than an eighth of the 132 program slots .* at most 16"):
         a2a._moved_arrivals(17, True, False, 0, wide, 2, 132, 2, 128, True)
+
+
+def test_the_triton_tiles_kernel_keeps_its_matmul_pipelined(toolchain):
+    """matmul_chunks_kernel (the chunked method's Triton layout) at the op's wide tiles: one hand-over
+    (a flag set on the peer by the program that counts a chunk's last tile), bounded waits for the
+    slot to be free and for the peers' hand-overs, and in one module with the library nothing
+    spills and no wgmma is serialized."""
+    from jaxgin.fused import _kernels
+
+    pointers = {"ctx": "*u8", "x": "*bf16", "w": "*bf16", "route": "*i32", "slots": "*bf16", "words": "*i64",
+                "counters": "*i64", "out": "*bf16"}
+    kernel = compile_for_sm90(_kernels.matmul_chunks_kernel, pointers, num_warps=8, num_stages=4, constexprs=dict(
+        N=2048, K=7168, P=2, CM=2048, CN=2048, SPLIT_ROWS=True, CONCAT_ROWS=True, OUT_N=2048, SLOT=2048 * 2048,
+        BM=128, BN=256, BK=64, GROUP_M=8, PRECISION="tf32"))
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("call.uni (retval0), jaxgin_tt_set_flag,") == 1 and "atom.global.gpu.acq_rel.add" in ptx
+    # the free slot, and a peer's hand-over for each of the P = 2 indices (the own one skipped when it runs)
+    assert ptx.count("call.uni (retval0), jaxgin_tt_wait_flag,") == 3
+    log = _ptxas_log_with_the_library(kernel)
+    assert "C7509" not in log, log
+    assert " 0 bytes spill stores" in log, log
 
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "step_order"])

@@ -42,6 +42,7 @@
 #include "../runtime/cublas_loader.h"
 #include "../runtime/driver_entry.h"
 #include "common.h"
+#include "triton_kernel.h"
 
 namespace jaxgin {
 
@@ -201,11 +202,11 @@ void return_credit(const ChunkedCall& call, int from, cudaStream_t stream) {
   stream_set_count(stream, h.peer_words[from] + credit_index(h.size, h.my_index), call.number, call.device.device);
 }
 
-// Opens this call of the op configuration whose block is at heap `offset`, points cuBLAS at XLA's
-// stream, and enqueues begin_call there (the credits of the previous call).
-ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, int64_t generation,
-                       ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
-                       ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
+// This GPU's view of the op configuration whose block is at heap `offset`: its axis (every peer an
+// NVLink peer), its slots and words and every peer's, and its copy streams. `number` is left 0.
+ChunkedCall map_block(const char* op, jaxgin_op_tag tag, int32_t ordinal, int64_t generation,
+                      ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                      ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
   DeviceState& s = device_for_ordinal(ordinal, generation);
   AxisGroup group = resolve_axis(s.host_context.rank, mesh_ranks, mesh_shape, axes);
   const jaxgin_context& c = s.host_context;
@@ -223,7 +224,7 @@ ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, i
   }
   ChunkedMatmulState& chunked = chunked_state(s);
   make_copy_streams(chunked, size - 1, s.device);
-  ChunkedCall call{s, chunked, std::move(group), ++chunked.calls[offset], c.heap + offset, {}, {}};
+  ChunkedCall call{s, chunked, std::move(group), 0, c.heap + offset, {}, {}};
   chunk_handoff& h = call.handoff;
   h.ctx = s.context;
   h.words = reinterpret_cast<uint64_t*>(call.slots + slot_bytes * size);
@@ -238,8 +239,18 @@ ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, i
     h.peer_words[i] = reinterpret_cast<uint64_t*>(base + offset + slot_bytes * size);
     h.ranks[i] = rank;
   }
-  if (blas::api().set_stream(chunked.blas, stream) != 0) throw Error("cublasSetStream failed");
-  check_launch(launch_begin_call(h, call.number, stream), kLaunching, s.device);
+  return call;
+}
+
+// Opens this call of the op configuration whose block is at heap `offset` (map_block, counted),
+// points cuBLAS at XLA's stream, and enqueues begin_call there (the credits of the previous call).
+ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, int64_t generation,
+                       ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                       ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
+  ChunkedCall call = map_block(op, tag, ordinal, generation, mesh_ranks, mesh_shape, axes, offset, slot_bytes);
+  call.number = ++call.chunked.calls[offset];
+  if (blas::api().set_stream(call.chunked.blas, stream) != 0) throw Error("cublasSetStream failed");
+  check_launch(launch_begin_call(call.handoff, call.number, stream), kLaunching, call.device.device);
   return call;
 }
 
@@ -281,6 +292,43 @@ struct Placement {
 Placement place(char* out, int index, int64_t cm, int64_t cn, int size, int64_t concat_rows, size_t elt) {
   if (concat_rows) return {out + (size_t)(index * cm * cn) * elt, cn};
   return {out + (size_t)(index * cn) * elt, cn * size};
+}
+
+// A copy stream per peer, from the fork on: the peer's chunk [cm, cn] copied from its slot into
+// the result as soon as that peer's word `ready` (an index into this GPU's handoff words) reaches
+// `value`, then `after(from, side)` (what tells the peer its chunk was read), so the peers' copies
+// overlap; XLA's stream then joins them. Enqueued after every kernel of the call: a kernel's first
+// launch may load its module, which waits for the whole GPU, and so for a copy stream waiting on a
+// peer that is itself waiting in such a load; with the waits enqueued last, every hand-over they
+// wait for has been enqueued before them on both sides.
+template <typename After>
+void copy_peer_chunks(const ChunkedCall& call, cudaStream_t stream, char* result, int64_t cm, int64_t cn,
+                      int64_t concat_rows, size_t elt, int64_t slot_bytes, uint64_t value, After after) {
+  const chunk_handoff& h = call.handoff;
+  const int size = h.size, me = h.my_index, dev = call.device.device;
+  const ChunkedMatmulState& c = call.chunked;
+  for (int i = 1; i < size; i++) {
+    const int from = (me - i + size) % size;
+    cudaStream_t side = c.sides[i - 1];
+    check_launch(cudaStreamWaitEvent(side, c.fork), "ordering a copy stream", dev);
+    stream_wait_at_least(side, h.words + ready_index(from), value, dev);
+    const Placement dst = place(result, from, cm, cn, size, concat_rows, elt);
+    check_launch(cudaMemcpy2DAsync(dst.base, (size_t)dst.ld * elt, call.peer_slots[(size_t)from] + slot_bytes * me,
+                                   (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, side),
+                 "copying a peer's chunk", dev);
+    after(from, side);
+  }
+  join_copy_streams(call, stream, size - 1);
+}
+
+// The end of a counted exchange of chunks (the cuBLAS layouts), after every kernel of the call is
+// enqueued on XLA's stream (the fork recorded before them): the bounded wait for every chunk (see
+// the top of this file), then the copies, each returning its credit.
+void pull_peer_chunks(const ChunkedCall& call, cudaStream_t stream, char* result, int64_t cm, int64_t cn,
+                      int64_t concat_rows, size_t elt, int64_t slot_bytes) {
+  check_launch(launch_await_chunks(call.handoff, -1, call.number, stream), kLaunching, call.device.device);
+  copy_peer_chunks(call, stream, result, cm, cn, concat_rows, elt, slot_bytes, call.number,
+                   [&](int from, cudaStream_t side) { return_credit(call, from, side); });
 }
 
 // Chunk t of x @ w (a block of its rows or columns) computed here and delivered to index t, every
@@ -346,28 +394,7 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
       }
       gemm(me, own.base, own.ld);
     }
-    if (size > 1) {
-      // The bounded wait for every chunk (see the top of this file).
-      check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
-      // A copy stream per peer, from begin_call on: the peer's chunk copied into the result as soon
-      // as that peer hands it over, then its credit (it only tells the peer its chunk was read), so
-      // the peers' copies overlap. Enqueued after every kernel of this call: a kernel's first launch
-      // may load its module, which waits for the whole GPU, and so for a copy stream waiting on a
-      // peer that is itself waiting in such a load; with the waits enqueued last, every hand-over
-      // they wait for has been enqueued before them on both sides.
-      for (int i = 1; i < size; i++) {
-        const int from = (me - i + size) % size;
-        cudaStream_t side = c.sides[i - 1];
-        check_launch(cudaStreamWaitEvent(side, c.fork), "ordering a copy stream", dev);
-        stream_wait_at_least(side, h.words + ready_index(from), call.number, dev);
-        const Placement dst = place(result, from, cm, cn, size, concat_rows, elt);
-        check_launch(cudaMemcpy2DAsync(dst.base, (size_t)dst.ld * elt, call.peer_slots[(size_t)from] + slot_bytes * me,
-                                       (size_t)cn * elt, (size_t)cn * elt, (size_t)cm, cudaMemcpyDefault, side),
-                     "copying a peer's chunk", dev);
-        return_credit(call, from, side);
-      }
-      join_copy_streams(call, stream, size - 1);
-    }
+    if (size > 1) pull_peer_chunks(call, stream, result, cm, cn, concat_rows, elt, slot_bytes);
   });
 }
 
@@ -473,6 +500,56 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   });
 }
 
+// The exchange of exchange_chunks with one Triton kernel computing every chunk (jaxgin/fused/_chunked.py's
+// triton_chunks; its kernel jaxgin/fused/_kernels.py's matmul_chunks_kernel). Nothing here depends
+// on the host's count of calls, yet XLA does not record it either: recorded, CUDA refused to update
+// the peer copy when XLA updated its graph for the next run (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE,
+// 2 x H200). Its words in the block are flags (0 or 1) instead of counts:
+//   ready[s] here: 1 once index s's kernel put this GPU's chunk in s's slot (s sets it remotely
+//          from the epilogue of the chunk's last tile); this GPU's copy stream waits for it, and
+//          XLA's stream zeroes it after the copy is joined.
+//   free[t] here: 1 once index t copied this GPU's previous chunk for it (t sets it, after zeroing
+//          its ready word); the kernel's programs for t wait for it (bounded) before they overwrite
+//          the slot, except in the configuration's first call, and zero it as they hand over.
+// The kernel's program that completes the own chunk also waits (bounded) for every ready word, so
+// a peer that never hands over faults the call instead of leaving a copy stream waiting.
+// `reduce` says which op the call serves (its faults' name): matmul_reduce_scatter's partials or
+// matmul_all_to_all.
+ffi::Error triton_chunks(cudaStream_t stream, int32_t ordinal, TritonKernel* kernel, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, ffi::Span<const int8_t>, std::string_view,
+                         ffi::Span<const int64_t> grid, int64_t num_warps, int64_t, ffi::Span<const int64_t> params,
+                         int64_t generation, ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                         ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes, int64_t chunk_rows,
+                         int64_t chunk_cols, int64_t element_bytes, int64_t concat_rows, int64_t reduce) {
+  return guarded([&] {
+    const jaxgin_op_tag tag = reduce ? JAXGIN_OP_MATMUL_REDUCE_SCATTER : JAXGIN_OP_MATMUL_ALL_TO_ALL;
+    const char* op = jaxgin_op_name(tag);
+    const ChunkedCall call = map_block(op, tag, ordinal, generation, mesh_ranks, mesh_shape, axes, offset, slot_bytes);
+    const chunk_handoff& h = call.handoff;
+    const int size = h.size, me = h.my_index, dev = call.device.device;
+    if (chunk_rows * chunk_cols * element_bytes > slot_bytes) throw Error(std::string(op) + ": chunk larger than its slot");
+    auto result = rets.get<ffi::AnyBuffer>(0);
+    if (result.has_error()) throw Error(std::string(op) + ": the result is missing");
+    if (size > 1) check_launch(cudaEventRecord(call.chunked.fork, stream), "recording an event", dev);
+    launch_triton_kernel(*kernel, call.device, stream, args, rets, grid, num_warps, params, op);
+    if (size == 1) return;
+    copy_peer_chunks(call, stream, static_cast<char*>((*result)->untyped_data()), chunk_rows, chunk_cols, concat_rows,
+                     (size_t)element_bytes, slot_bytes, 1, [](int, cudaStream_t) {});
+    for (int from = 0; from < size; from++) {
+      if (from == me) continue;
+      stream_set_count(stream, h.words + ready_index(from), 0, dev);
+      stream_set_count(stream, h.peer_words[from] + credit_index(size, me), 1, dev);
+    }
+  });
+}
+
+ffi::ErrorOr<std::unique_ptr<TritonKernel>> triton_chunks_instantiate(
+    ffi::Span<const int8_t> cubin, std::string_view name, ffi::Span<const int64_t>, int64_t, int64_t shared_bytes,
+    ffi::Span<const int64_t>, int64_t, ffi::Span<const int32_t>, ffi::Span<const int64_t>, ffi::Span<const int64_t>,
+    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  return load_triton_kernel(cubin, name, shared_bytes, "jaxgin.fused (Triton chunks)");
+}
+
 }  // namespace
 }  // namespace ffi_support
 }  // namespace jaxgin
@@ -512,3 +589,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support:
                                   .Attr<int64_t>("tf32")
                                   .Attr<int64_t>("generation")
                                   .Attr<int64_t>("layout"));
+
+// The Triton kernel's attributes (triton_call.cu's), then the exchange's.
+#define JAXGIN_TRITON_CHUNKS_ATTRS                          \
+  .Attr<xla::ffi::Span<const int8_t>>("cubin")              \
+      .Attr<std::string_view>("kernel_name")                \
+      .Attr<xla::ffi::Span<const int64_t>>("grid")          \
+      .Attr<int64_t>("num_warps")                           \
+      .Attr<int64_t>("shared_bytes")                        \
+      .Attr<xla::ffi::Span<const int64_t>>("params")        \
+      .Attr<int64_t>("generation")                          \
+      .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")    \
+      .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")    \
+      .Attr<xla::ffi::Span<const int64_t>>("axes")          \
+      .Attr<int64_t>("offset")                              \
+      .Attr<int64_t>("slot_bytes")                          \
+      .Attr<int64_t>("chunk_rows")                          \
+      .Attr<int64_t>("chunk_cols")                          \
+      .Attr<int64_t>("element_bytes")                       \
+      .Attr<int64_t>("concat_rows")                         \
+      .Attr<int64_t>("reduce")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_chunks_instantiate, jaxgin::ffi_support::triton_chunks_instantiate,
+                              xla::ffi::Ffi::BindInstantiate() JAXGIN_TRITON_CHUNKS_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_chunks, jaxgin::ffi_support::triton_chunks,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::State<jaxgin::ffi_support::TritonKernel>>()
+                                  .RemainingArgs()
+                                  .RemainingRets() JAXGIN_TRITON_CHUNKS_ATTRS);

@@ -9,7 +9,9 @@
 // Each word has one writer, which sets it with a stream memory operation (chunked_matmul.cu).
 // Counts only grow; call n (counted from 1 by the host, which runs every call: these ops are never
 // captured into CUDA graphs, see chunked_matmul.cu) waits for counts n and n - 1. Every wait a
-// kernel does here is bounded by the runtime's timeout.
+// kernel does here is bounded by the runtime's timeout. (The layout whose chunks one Triton kernel
+// computes keeps the same two words per index as flags, in a block of its own: chunked_matmul.cu's
+// triton_chunks.)
 #pragma once
 #include <cuda_runtime.h>
 

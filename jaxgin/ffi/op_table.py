@@ -178,7 +178,12 @@ FAMILIES: tuple[Family, ...] = (
                  Target("jaxgin_all_gather_matmul", {"execute": "jaxgin_ffi_all_gather_matmul"},
                         (Op("jaxgin.fused.all_gather_matmul", "ALL_GATHER_MATMUL"),)),
                  Target("jaxgin_matmul_reduce_scatter", {"execute": "jaxgin_ffi_matmul_reduce_scatter"},
-                        (Op("jaxgin.fused.matmul_reduce_scatter", "MATMUL_REDUCE_SCATTER"),))),
+                        (Op("jaxgin.fused.matmul_reduce_scatter", "MATMUL_REDUCE_SCATTER"),)),
+                 # the same exchange with one Triton kernel computing every chunk (its faults name the
+                 # user's op, an attribute): loaded once per executable, as triton_call's
+                 Target("jaxgin_triton_chunks", {"instantiate": "jaxgin_ffi_triton_chunks_instantiate",
+                                                 "execute": "jaxgin_ffi_triton_chunks"},
+                        (Op("jaxgin.fused.triton_chunks"),))),
         codes=(ChunkLayout,),
         preload=("preload_chunk_handoff_kernels",),
     ),

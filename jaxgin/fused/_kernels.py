@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 import jaxgin.triton_device.language as tgl
-from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, network_entry, rank_of,
-                                start_order, wait_gin_source)
+from jaxgin.op_kernels import (AXIS_INDEX, arrivals_to_flag, call_position, finish_call, gin_route, network_entry,
+                                rank_of, start_order, wait_gin_source)
 
 # Every fused op's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), FINISHED, STARTED].
 FINISHED = tl.constexpr(1)
@@ -254,6 +254,49 @@ def _chunk_tile(x, w, d, t, N: tl.constexpr, K: tl.constexpr, CM: tl.constexpr, 
     ti, tj, r, c, ok, x_rows, w_col0 = _chunk_place(d, t, CM, CN, SPLIT_ROWS, BM, BN, GROUP_M)
     acc = _matmul_tile(x, x_rows, w, w_col0, CN - tj * BN, K, N, BN, BK, PRECISION)
     return ti, tj, r, c, ok, acc
+
+
+@triton.jit
+def matmul_chunks_kernel(
+    ctx, x, w, route, slots, words, counters, out,
+    N: tl.constexpr, K: tl.constexpr, P: tl.constexpr, CM: tl.constexpr, CN: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr, CONCAT_ROWS: tl.constexpr, OUT_N: tl.constexpr, SLOT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """x @ w for the copy-engine exchange (csrc/ffi/chunked_matmul.cu's triton_chunks, which says
+    what the words are): chunk [CM, CN] for axis index d (rows d*CM.. if SPLIT_ROWS, else columns
+    d*CN..). Program (i, t) computes tile t of the chunk for d = (me + 1 + i) % P, so the chunks
+    finish in that order and the own chunk, stored straight into out at its source's place
+    (CONCAT_ROWS as _store_chunk_tile), comes last. A peer's chunk goes into its slot, slots + d *
+    SLOT (row-major, CN columns), once d copied the previous call's (words[P + d], not waited for
+    in the first call); the program that counts the chunk's last tile (counters[d], which grow by
+    the chunk's tiles every call) zeroes that word and sets words[me] on d: d's copy engine pulls the
+    chunk. The program that counts the own chunk's last tile waits for every peer's hand-over
+    (words[s]). Every wait is bounded and waits only for peers' programs that wait for nothing."""
+    TM: tl.constexpr = (CM + BM - 1) // BM
+    TN: tl.constexpr = (CN + BN - 1) // BN
+    TILES: tl.constexpr = TM * TN
+    pid = tl.program_id(0)
+    me = tl.load(route + AXIS_INDEX)
+    d = (me + 1 + pid // TILES) % P
+    ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, pid % TILES, N, K, CM, CN, SPLIT_ROWS, BM, BN, BK, GROUP_M, PRECISION)
+    tile = acc.to(out.dtype.element_ty)
+    if d == me:
+        _store_chunk_tile(out, tile, me, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
+    else:
+        if tl.load(counters + d, volatile=True) >= TILES:  # not the first call: d must have copied the last chunk
+            tgl.wait_flag(ctx, words + P + d, 1)
+        tl.store(slots + d.to(tl.int64) * SLOT + r[:, None] * CN + c[None, :], tile, mask=ok)
+    tl.debug_barrier()  # every thread's stores before the count (its release covers them)
+    done = tl.atomic_add(counters + d, 1, sem="acq_rel", scope="gpu") + 1
+    if done % TILES == 0:
+        if d == me:
+            for s in tl.static_range(P):
+                if s != me:
+                    tgl.wait_flag(ctx, words + s, 1)
+        else:
+            tl.atomic_xchg(words + P + d, 0, sem="relaxed", scope="sys")
+            tgl.set_flag(ctx, words + me, 1, rank_of(route, d))
 
 
 @triton.jit

@@ -125,7 +125,7 @@ def _kernel(state, x, w, plan: _Plan, parts: int = 7, interleave: bool = True, p
     defaults are the op: see _kernels.matmul_all_to_all_kernel). In a job with GPUs on other hosts
     the kernel's tiles go to such GPUs by GIN puts from the matmul's epilogue."""
     return _common.by_method(OP, state, plan, x.dtype, lambda: unfused(x, w, plan),
-                             lambda: _chunked.matmul_all_to_all(x, w, plan, chunk_layout),
+                             lambda: _chunked.matmul_all_to_all(x, w, plan, chunk_layout, state),
                              lambda gin: _triton(state, x, w, plan, gin, parts, interleave, pull,
                                                  copy_slabs=copy_slabs, movers=movers))
 

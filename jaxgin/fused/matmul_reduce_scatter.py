@@ -127,7 +127,7 @@ def _kernel(state, x, w, plan: _Plan, lag: int = 0, wait_first: bool = False, ch
     _kernels.matmul_reduce_scatter_kernel); benchmarks/fused.py compares the non-defaults."""
     return _common.by_method(
         OP, state, plan, x.dtype, lambda: reference(x, w, plan),
-        lambda: reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout), x.dtype),
+        lambda: reduce_in_order(_chunked.reduce_scatter_partials(x, w, plan, chunk_layout, state), x.dtype),
         lambda gin: _triton(state, x, w, plan, gin, lag, wait_first, fold, push))
 
 

@@ -250,6 +250,58 @@ def _check(mesh, of, traffic_cases) -> dict:
     return result
 
 
+# The chunked method's Triton layout (jaxgin.fused._chunked.TRITON_TILES: one Triton kernel computes
+# every chunk and hands it over, the copy engines pull it), not an op's default: its a2a and rs
+# cases (even and ragged tiles, both split axes, both dtypes).
+def triton_tiles_cases(n):
+    return [c for c in cases(n) if c[0] == "a2a"] + reduce_scatter_cases(n)
+
+
+def check_triton_tiles(mesh) -> dict:
+    """Each triton_tiles_cases case through the chunked method's Triton layout: exactly the
+    composition of the same tile code and XLA's collective (the layout's products are the tile
+    code's), then LOOP_CALLS calls back to back, data changing every call, each exactly the
+    written-out reference of the same tile code."""
+    import importlib
+
+    from jaxgin.fused import _chunked
+
+    # the modules (jaxgin.fused exports the ops under the same names)
+    a2a = importlib.import_module("jaxgin.fused.matmul_all_to_all")
+    rs = importlib.import_module("jaxgin.fused.matmul_reduce_scatter")
+
+    n, state = mesh.size, jaxgin.runtime.current()
+    report = []
+    for op, m, k, nn, dtype, split, concat in triton_tiles_cases(n):
+        tiles = TILES[min(np.dtype(dtype).itemsize, 4)]
+        prec = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+        _, same_tiles, xla, _, reference = _programs(mesh, op, dtype, split, concat, tiles, "triton")
+        if op == "a2a":
+            plan = a2a._Plan(("x",), n, m, nn, k, split == 0, concat == 0, _common.lax_precision(prec), tiles,
+                             "chunked")
+            body = lambda x, w, plan=plan: a2a._kernel(state, x, w, plan, chunk_layout=_chunked.TRITON_TILES)
+        else:
+            plan = rs._Plan(("x",), n, m, nn, k, split % 2 == 0, _common.lax_precision(prec), tiles, "chunked")
+            body = lambda x, w, plan=plan: rs._kernel(state, x, w, plan, chunk_layout=_chunked.TRITON_TILES)
+        x_spec, w_spec, out_spec = specs(op, split or 0)
+        keys = jax.random.split(jax.random.key(m * 7 + k), 2)
+        x_shape, w_shape = global_shapes(op, n, m, k, nn)
+        x = _global(mesh, keys[0], x_shape, dtype, x_spec)
+        w = _global(mesh, keys[1], w_shape, dtype, w_spec)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec))
+        got = jax.block_until_ready(f(x, w))
+        exact = bool(np.array_equal(_host(got), _host(same_tiles(x, w))))
+        loop = functools.partial(loop_against_written_out, fused_body=body, reference=reference,
+                                 fold_every=loop_fold(FOLD_EVERY))
+        looped = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=P()))
+        row = dict(op=op, method="chunked, triton_tiles", m=m, k=k, n=nn, dtype=np.dtype(dtype).name, split=split,
+                   concat=concat, exact=exact, rel_err_vs_xla=_rel(got, xla(x, w)), loop_calls=LOOP_CALLS,
+                   loop_max_rel_diff=float(looped(x, w)))
+        print(json.dumps(row), flush=True)
+        report.append(row)
+    return {"devices": n, "processes": jax.process_count(), "cases": report}
+
+
 # (op, method, M (per device but for rs), K (per device for rs), N (split_axis=1: per chunk),
 # dtype, split_axis, concat_axis): an even a2a, a2a with ragged columns (tiles packed to their
 # valid columns), all_gather_matmul, matmul_reduce_scatter; "chunked" runs the Triton kernel on GIN
@@ -315,4 +367,5 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
 
 
 if __name__ == "__main__":
-    run_mesh_check({"check": check, "check_reduce_scatter": check_reduce_scatter}[sys.argv[1]], "x")
+    run_mesh_check({"check": check, "check_reduce_scatter": check_reduce_scatter,
+                    "check_triton_tiles": check_triton_tiles}[sys.argv[1]], "x")

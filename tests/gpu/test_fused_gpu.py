@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
 from fused_scenarios import (LOOP_CALLS, REDUCE_SCATTER_TRAFFIC_CASES, TRAFFIC_CASES, cases, reduce_scatter_cases,
-                             scenario_cases)
+                             scenario_cases, triton_tiles_cases)
 from harness import (ANY_GPU, EMULATED_WORLDS, MIXED_RANKS_PER_HOST, MIXED_WORLD, TWO_GPUS, GPUS, WORLD_SIZES,
                      record, require_emulated_hosts, run_processes, run_scenario, spot_cases_at, spot_env)
 
@@ -131,6 +132,25 @@ def test_matmul_reduce_scatter_single_process(world):
     record(f"reduce_scatter_check_{world}gpu", result)
     assert result["devices"] == world
     _assert_cases(result, reduce_scatter_cases)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("command_buffers", [False, True], ids=["plain", "command_buffers"])
+def test_chunked_triton_tiles_single_process(command_buffers):
+    """The chunked method with its chunks computed by one Triton kernel that hands each over from its
+    epilogue (the copy engines pull it): bit for bit the same tile code's composition, and so
+    (within the rounding of XLA's sum for the reduce-scatter) over back-to-back calls whose data
+    changes."""
+    result = run_scenario(SCENARIOS, ["check_triton_tiles"], GPUS, xla_flags=COMMAND_BUFFERS if command_buffers else None)
+    record(f"chunked_triton_tiles_check_{'graphs' if command_buffers else 'plain'}_{GPUS}gpu", result)
+    assert [(c["op"], c["m"], c["dtype"], c["split"]) for c in result["cases"]] == \
+        [(op, m, np.dtype(dtype).name, split) for op, m, _, _, dtype, split, _ in triton_tiles_cases(GPUS)]
+    for case in result["cases"]:
+        assert case["exact"], case
+        if case["op"] == "a2a":
+            assert case["loop_max_rel_diff"] == 0.0, case
+        else:  # the partials' sum is XLA's, which may keep excess precision inside the loop's fusions
+            assert case["loop_max_rel_diff"] <= (1e-4 if case["dtype"] == "float32" else 2e-2), case
 
 
 @pytest.mark.parametrize("world", EMULATED_WORLDS)
