@@ -539,6 +539,9 @@ def test_every_chunked_target_has_its_handler_in_csrc():
         start = source.index(f"XLA_FFI_DEFINE_HANDLER_SYMBOL({triton.handlers[stage]},")
         assert "JAXGIN_TRITON_CHUNKS_ATTRS" in source[start:source.index(";", start)]
     attributes = source[source.index("#define JAXGIN_TRITON_CHUNKS_ATTRS"):source.index("jaxgin_ffi_triton_chunks_")]
+    assert "JAXGIN_TRITON_KERNEL_ATTRS" in attributes  # triton_call's, from the header both include
+    header = (Path(__file__).parents[1] / "csrc" / "ffi" / "triton_kernel.h").read_text()
+    attributes += header[header.index("#define JAXGIN_TRITON_KERNEL_ATTRS"):]
     for name in ("cubin", "kernel_name", "grid", "num_warps", "shared_bytes", "params", "generation", "mesh_ranks",
                  "mesh_shape", "axes", "offset", "slot_bytes", "chunk_rows", "chunk_cols", "element_bytes",
                  "concat_rows", "reduce"):

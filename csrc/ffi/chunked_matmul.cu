@@ -590,15 +590,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_all_gather_matmul, jaxgin::ffi_support:
                                   .Attr<int64_t>("generation")
                                   .Attr<int64_t>("layout"));
 
-// The Triton kernel's attributes (triton_call.cu's), then the exchange's.
+// The Triton kernel's attributes, then the exchange's.
 #define JAXGIN_TRITON_CHUNKS_ATTRS                          \
-  .Attr<xla::ffi::Span<const int8_t>>("cubin")              \
-      .Attr<std::string_view>("kernel_name")                \
-      .Attr<xla::ffi::Span<const int64_t>>("grid")          \
-      .Attr<int64_t>("num_warps")                           \
-      .Attr<int64_t>("shared_bytes")                        \
-      .Attr<xla::ffi::Span<const int64_t>>("params")        \
-      .Attr<int64_t>("generation")                          \
+  JAXGIN_TRITON_KERNEL_ATTRS                                \
       .Attr<xla::ffi::Span<const int32_t>>("mesh_ranks")    \
       .Attr<xla::ffi::Span<const int64_t>>("mesh_shape")    \
       .Attr<xla::ffi::Span<const int64_t>>("axes")          \
@@ -614,9 +608,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_chunks_instantiate, jaxgin::ffi_
                               xla::ffi::Ffi::BindInstantiate() JAXGIN_TRITON_CHUNKS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_chunks, jaxgin::ffi_support::triton_chunks,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jaxgin::ffi_support::TritonKernel>>()
-                                  .RemainingArgs()
-                                  .RemainingRets() JAXGIN_TRITON_CHUNKS_ATTRS);
+                              JAXGIN_TRITON_KERNEL_BINDING JAXGIN_TRITON_CHUNKS_ATTRS);

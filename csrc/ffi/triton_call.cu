@@ -151,22 +151,8 @@ extern "C" void* jaxgin_ffi_triton_kernel_type_info(void) {
   return &info;
 }
 
-#define JAXGIN_TRITON_ATTRS                                 \
-  .Attr<xla::ffi::Span<const int8_t>>("cubin")              \
-      .Attr<std::string_view>("kernel_name")                \
-      .Attr<xla::ffi::Span<const int64_t>>("grid")          \
-      .Attr<int64_t>("num_warps")                           \
-      .Attr<int64_t>("shared_bytes")                        \
-      .Attr<xla::ffi::Span<const int64_t>>("params")        \
-      .Attr<int64_t>("generation")
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxgin_ffi_triton_instantiate, jaxgin::ffi_support::instantiate,
-                              xla::ffi::Ffi::BindInstantiate() JAXGIN_TRITON_ATTRS);
+                              xla::ffi::Ffi::BindInstantiate() JAXGIN_TRITON_KERNEL_ATTRS);
 
 JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_triton_execute, jaxgin::ffi_support::execute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::State<jaxgin::ffi_support::TritonKernel>>()
-                                  .RemainingArgs()
-                                  .RemainingRets() JAXGIN_TRITON_ATTRS);
+                              JAXGIN_TRITON_KERNEL_BINDING JAXGIN_TRITON_KERNEL_ATTRS);

@@ -40,3 +40,22 @@ void launch_triton_kernel(TritonKernel& kernel, DeviceState& s, cudaStream_t str
                           ffi::Span<const int64_t> params, const char* op);
 
 }  // namespace jaxgin::ffi_support
+
+// What a handler that launches a Triton kernel binds: XLA's stream and device, the loaded kernel,
+// its operands and results, then the kernel's attributes (jaxgin/triton_op.py's lowered_call),
+// which an instantiate stage binding the same ones loads.
+#define JAXGIN_TRITON_KERNEL_BINDING                                    \
+  xla::ffi::Ffi::Bind()                                                 \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                    \
+      .Ctx<xla::ffi::DeviceOrdinal>()                                   \
+      .Ctx<xla::ffi::State<jaxgin::ffi_support::TritonKernel>>()        \
+      .RemainingArgs()                                                  \
+      .RemainingRets()
+#define JAXGIN_TRITON_KERNEL_ATTRS                          \
+  .Attr<xla::ffi::Span<const int8_t>>("cubin")              \
+      .Attr<std::string_view>("kernel_name")                \
+      .Attr<xla::ffi::Span<const int64_t>>("grid")          \
+      .Attr<int64_t>("num_warps")                           \
+      .Attr<int64_t>("shared_bytes")                        \
+      .Attr<xla::ffi::Span<const int64_t>>("params")        \
+      .Attr<int64_t>("generation")
