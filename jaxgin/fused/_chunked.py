@@ -138,7 +138,6 @@ def reduce_scatter_partials(x, w, plan, layout: str = "chunk_per_peer", state=No
     return stacked.reshape(plan.size, cm, cn)
 
 
-
 # The Triton layout's custom call: a primitive of its own, since its handler also needs the mesh
 # (known when it lowers) beside the compiled kernel's attributes.
 triton_chunks_p = Primitive("jaxgin_triton_chunks")
