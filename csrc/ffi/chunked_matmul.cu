@@ -27,12 +27,14 @@
 // kernel after the last matmul: a peer that never delivers faults the call there, with the error
 // naming it, and the fault ends the copy streams' waits with the context.
 //
-// Slots are reused from call to call; a call waits (begin_call) until every peer returned the credit
-// for the previous one. The counts a call waits for come from the host, which sees every call:
-// the handlers are not offered to XLA's command buffers. XLA adds a captured custom call to its
-// graph as a child graph, and on 2 x H200 (driver 580) CUDA refused that for one of these calls
-// (CUDA_ERROR_NOT_SUPPORTED: an all_gather_matmul of a float32 100 x 72 shard); XLA runs them
-// between its graphs instead, which costs nothing next to a matmul.
+// Slots are reused from call to call: a call of all_gather_matmul waits (begin_call) until every
+// peer returned the credit for the previous one; an exchange whose peers pull waits for this call's
+// credits at its end instead, with its chunks (end_exchange: one bounded kernel a call, not two,
+// and a peer's credit has usually come back by then). The counts a call waits for come from the
+// host, which sees every call: the handlers are not offered to XLA's command buffers. XLA adds a
+// captured custom call to its graph as a child graph, and on 2 x H200 (driver 580) CUDA refused
+// that for one of these calls (CUDA_ERROR_NOT_SUPPORTED: an all_gather_matmul of a float32 100 x 72
+// shard); XLA runs them between its graphs instead.
 #include <cuda.h>
 
 #include <mutex>
@@ -242,15 +244,16 @@ ChunkedCall map_block(const char* op, jaxgin_op_tag tag, int32_t ordinal, int64_
   return call;
 }
 
-// Opens this call of the op configuration whose block is at heap `offset` (map_block, counted),
-// points cuBLAS at XLA's stream, and enqueues begin_call there (the credits of the previous call).
+// Opens this call of the op configuration whose block is at heap `offset` (map_block, counted) and
+// points cuBLAS at XLA's stream; with `begin`, enqueues begin_call there (the credits of the
+// previous call; an exchange whose peers pull waits for them at the end of that call instead).
 ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, int32_t ordinal, int64_t generation,
                        ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
-                       ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes) {
+                       ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes, bool begin) {
   ChunkedCall call = map_block(op, tag, ordinal, generation, mesh_ranks, mesh_shape, axes, offset, slot_bytes);
   call.number = ++call.chunked.calls[offset];
   if (blas::api().set_stream(call.chunked.blas, stream) != 0) throw Error("cublasSetStream failed");
-  check_launch(launch_begin_call(call.handoff, call.number, stream), kLaunching, call.device.device);
+  if (begin) check_launch(launch_begin_call(call.handoff, call.number, stream), kLaunching, call.device.device);
   return call;
 }
 
@@ -322,11 +325,11 @@ void copy_peer_chunks(const ChunkedCall& call, cudaStream_t stream, char* result
 }
 
 // The end of a counted exchange of chunks (the cuBLAS layouts), after every kernel of the call is
-// enqueued on XLA's stream (the fork recorded before them): the bounded wait for every chunk (see
-// the top of this file), then the copies, each returning its credit.
+// enqueued on XLA's stream (the fork recorded before them): the bounded wait for every chunk and
+// every peer's credit (see the top of this file), then the copies, each returning its credit.
 void pull_peer_chunks(const ChunkedCall& call, cudaStream_t stream, char* result, int64_t cm, int64_t cn,
                       int64_t concat_rows, size_t elt, int64_t slot_bytes) {
-  check_launch(launch_await_chunks(call.handoff, -1, call.number, stream), kLaunching, call.device.device);
+  check_launch(launch_end_exchange(call.handoff, call.number, stream), kLaunching, call.device.device);
   copy_peer_chunks(call, stream, result, cm, cn, concat_rows, elt, slot_bytes, call.number,
                    [&](int from, cudaStream_t side) { return_credit(call, from, side); });
 }
@@ -348,7 +351,7 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
   return guarded([&] {
     const char* op = jaxgin_op_name(tag);
     ChunkedCall call = start_call(op, tag, stream, ordinal, generation, mesh_ranks, mesh_shape, axes, offset,
-                                  slot_bytes);
+                                  slot_bytes, /*begin=*/false);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
     const Matmul mm = matmul_of(x, w, tf32);
     const size_t elt = mm.elt;
@@ -431,7 +434,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   return guarded([&] {
     const char* op = jaxgin_op_name(JAXGIN_OP_ALL_GATHER_MATMUL);
     ChunkedCall call = start_call(op, JAXGIN_OP_ALL_GATHER_MATMUL, stream, ordinal, generation, mesh_ranks, mesh_shape,
-                                  axes, offset, slot_bytes);
+                                  axes, offset, slot_bytes, /*begin=*/true);
     const int size = call.handoff.size, me = call.handoff.my_index, dev = call.device.device;
     const Matmul mm = matmul_of(x, w, tf32);  // mm.m: the rows of one shard
     const size_t shard_bytes = x.size_bytes();

@@ -34,6 +34,13 @@ __global__ void await_chunks_kernel(const chunk_handoff h, int source, uint64_t 
   if (is_mine(h, s, source)) await_count(h, h.words + ready_index(s), call, s, kWaitedForChunk);
 }
 
+__global__ void end_exchange_kernel(const chunk_handoff h, uint64_t call) {
+  const int t = threadIdx.x;
+  if (!is_mine(h, t, -1)) return;
+  await_count(h, h.words + ready_index(t), call, t, kWaitedForChunk);
+  await_count(h, h.words + credit_index(h.size, t), call, t, kWaitedForCredit);
+}
+
 }  // namespace
 
 cudaError_t launch_begin_call(const chunk_handoff& h, uint64_t call, cudaStream_t stream) {
@@ -46,10 +53,16 @@ cudaError_t launch_await_chunks(const chunk_handoff& h, int source, uint64_t cal
   return cudaGetLastError();
 }
 
+cudaError_t launch_end_exchange(const chunk_handoff& h, uint64_t call, cudaStream_t stream) {
+  end_exchange_kernel<<<1, kMaxExchangePeers, 0, stream>>>(h, call);
+  return cudaGetLastError();
+}
+
 cudaError_t preload_chunk_handoff_kernels() {
   cudaFuncAttributes attributes;
   for (const void* kernel : {reinterpret_cast<const void*>(begin_call_kernel),
-                             reinterpret_cast<const void*>(await_chunks_kernel)}) {
+                             reinterpret_cast<const void*>(await_chunks_kernel),
+                             reinterpret_cast<const void*>(end_exchange_kernel)}) {
     const cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
     if (e != cudaSuccess) return e;
   }

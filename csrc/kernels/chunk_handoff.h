@@ -39,5 +39,10 @@ __host__ __device__ constexpr int credit_index(int size, int t) { return size + 
 cudaError_t launch_begin_call(const chunk_handoff& h, uint64_t call, cudaStream_t stream);
 // Waits until index `source` (every other index when -1) has handed over its chunk of `call`.
 cudaError_t launch_await_chunks(const chunk_handoff& h, int source, uint64_t call, cudaStream_t stream);
+// The end of a call of an exchange whose peers pull (matmul_all_to_all, matmul_reduce_scatter):
+// waits until every other index has handed over its chunk of `call` and has read this GPU's (its
+// credit), so the next call may overwrite the slots without a begin_call of its own. A peer's
+// credit follows its copy of the chunk this GPU handed over mid-call, so it is rarely waited for.
+cudaError_t launch_end_exchange(const chunk_handoff& h, uint64_t call, cudaStream_t stream);
 
 }  // namespace jaxgin
