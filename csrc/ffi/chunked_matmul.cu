@@ -298,8 +298,8 @@ Placement place(char* out, int index, int64_t cm, int64_t cn, int size, int64_t 
 }
 
 // A copy stream per peer, from the fork on: the peer's chunk [cm, cn] copied from its slot into
-// the result as soon as that peer's word `ready` (an index into this GPU's handoff words) reaches
-// `value`, then `after(from, side)` (what tells the peer its chunk was read), so the peers' copies
+// the result as soon as this GPU's ready word of that peer reaches `value`, then `after(from,
+// side)` (what tells the peer its chunk was read), so the peers' copies
 // overlap; XLA's stream then joins them. Enqueued after every kernel of the call: a kernel's first
 // launch may load its module, which waits for the whole GPU, and so for a copy stream waiting on a
 // peer that is itself waiting in such a load; with the waits enqueued last, every hand-over they
@@ -369,7 +369,6 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
       blas::gemm_row_major(c.blas, mm.type, mm.compute, (int)(cm * count), (int)cn, (int)mm.k, a, (int)mm.k, b,
                            (int)mm.n, into, (int)ldc, op);
     };
-    const chunk_handoff& h = call.handoff;
     if (size > 1) check_launch(cudaEventRecord(c.fork, stream), "recording an event", dev);
     const bool slots_are_rows = split_rows && slot_bytes == (int64_t)(cm * cn * elt);
     const Placement own = place(result, me, cm, cn, size, concat_rows, elt);

@@ -43,12 +43,13 @@ def slot_bytes(shape, dtype) -> int:
     return -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
 
 
-def _block(state, op: str, names, size: int, slot: int) -> int:
+def _block(state, op: str, names, size: int, slot: int, *variant) -> int:
     """Heap offset of this op configuration's slots and handoff words (csrc/kernels/chunk_handoff.h),
-    placed on first use and kept. The words start at zero on every GPU (op_support's zero
-    invariant), so a peer may add to them before this process placed them."""
+    placed on first use and kept (a block of its own per `variant`, if given). The words start at
+    zero on every GPU (op_support's zero invariant), so a peer may add to them before this process
+    placed them."""
     words = 2 * size * 8
-    return op_support.placed(state, ("chunked", op, names, size, slot),
+    return op_support.placed(state, ("chunked", op, names, size, slot, *variant),
                              lambda: state.heap.allocate(slot * size + words))
 
 
@@ -91,10 +92,10 @@ LAYOUTS = CUBLAS_LAYOUTS + (TRITON_TILES,)
 def matmul_all_to_all(x, w, plan, layout: str = "chunk_per_peer", state=None):
     """The result of chunk d of x @ w sent to axis index d, chunks placed by source (see
     matmul_all_to_all.reference); `state`: the runtime's, for the Triton layout."""
-    cm, cn = plan.chunk
     if _layout(layout) == TRITON_TILES:
         return triton_chunks(state, x, w, plan, "jaxgin.fused.matmul_all_to_all", plan.split_rows, plan.concat_rows,
                              plan.out_shape)
+    cm, cn = plan.chunk
     return chunked_matmul_p.bind(
         x, w, op="jaxgin.fused.matmul_all_to_all", names=plan.names, size=plan.size, out_shape=plan.out_shape,
         slot=slot_bytes((cm, cn), x.dtype), tf32=_tf32(x.dtype, plan.precision),
@@ -188,13 +189,12 @@ def triton_chunks(state, x, w, plan, op: str, split_rows: bool, concat_rows: boo
     tiles = _common.choose_tiles(state, plan.m, plan.n, plan.k, dtype, precision, plan.tiles, "wide_first")
     slot = slot_bytes((cm, cn), dtype)
     # the block's words are flags here, and the tile counters count whole calls by this grid's tiles
-    key = ("chunked", op, plan.names, plan.size, slot, TRITON_TILES, tiles)
-    offset = op_support.placed(state, key, lambda: state.heap.allocate(slot * plan.size + 2 * plan.size * 8))
+    offset = _block(state, op, plan.names, plan.size, slot, TRITON_TILES, tiles)
     slots = op_support.SymmetricArray((plan.size * slot // dtype.itemsize,), dtype, offset, plan.size * slot,
                                       state.generation)
     words = op_support.SymmetricArray((2 * plan.size,), np.dtype(np.int64), offset + plan.size * slot,
                                       2 * plan.size * 8, state.generation)
-    counters = op_support.placed(state, key + ("counters",),
+    counters = op_support.placed(state, ("chunked counters", op, plan.names, plan.size, slot, tiles),
                                  lambda: op_support.heap_array(state, (plan.size,), np.int64))
     tm, tn = -(-cm // tiles.block_m), -(-cn // tiles.block_n)
     call = triton_op.lowered_call(
