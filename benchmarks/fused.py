@@ -1014,8 +1014,8 @@ SINGLE_MEASURE_MODES = {
                             "(fused_chunked_layouts.json)",
     "chunked_triton_only": "only matmul_all_to_all and matmul_reduce_scatter's chunked method at the issue's "
                            "shapes, its chunks computed by cuBLAS (chunk_per_peer) and by one Triton kernel of "
-                           "128 x 256 tiles (triton_tiles), the exchange and sum apart, timed on the device too "
-                           "(fused_chunked_triton.json)",
+                           "128 x 256 tiles (triton_tiles), the exchange and sum apart, and all_gather_matmul's "
+                           "(cuBLAS), timed on the device too (fused_chunked_triton.json)",
     "sweep_only": "only the sweep of matmul_all_to_all (--sweep; the default method, recorded per row, and the "
                   "Triton kernel against XLA's composition; fused_sweep.json)",
     "gspmd_only": "only XLA's own partitioning of the tensor-parallel matmuls, under the XLA_FLAGS given "
@@ -1084,7 +1084,7 @@ def main() -> None:
         "chunked_layouts_only": (chunked_layouts, "fused_chunked_layouts.json", kind,
                                  [(shape, (ops,)) for shape, ops in CHUNKED_LAYOUT_SHAPES]),
         "chunked_triton_only": (chunked_layouts, "fused_chunked_triton.json", kind,
-                                [(shape, (("all_to_all", "reduce_scatter"), ("chunk_per_peer", "triton_tiles"), True,
+                                [(shape, (LAYOUT_OPS, ("chunk_per_peer", "triton_tiles"), True,
                                           WIDE_TILES)) for shape, _ in issue_shapes]),
         "sweep_only": (measure, "fused_sweep.json", kind,
                        [((int(m), 7168, 2048), (("all_to_all",),)) for m in args.sweep.split(",")]),

@@ -569,7 +569,7 @@ BENCHMARKS = {step.name: step for step in [
                              "--out", "{out}", "--name", "latency_donated"], 200, gpus=2, default=False, tail=40),
     Step("chunked_layouts", ["benchmarks/fused.py", "--chunked-layouts-only", "--out", "{out}"], 420, gpus=2,
          default=False, tail=20),
-    Step("chunked_triton", ["benchmarks/fused.py", "--chunked-triton-only", "--out", "{out}"], 240, gpus=2,
+    Step("chunked_triton", ["benchmarks/fused.py", "--chunked-triton-only", "--out", "{out}"], 330, gpus=2,
          default=False, tail=12),
     Step("windowed", ["benchmarks/fused.py", "--windowed-only", "--out", "{out}"], 240, gpus=2, default=False,
          tail=20),

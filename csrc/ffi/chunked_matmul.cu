@@ -19,7 +19,10 @@
 // peers overlap (on different copy engines) instead of queueing behind each other; the pushes of
 // all_gather_matmul share one, so that the shard each peer needs first lands first.
 //
-// Hand-overs and credits are stream memory writes (cuStreamWriteValue64 into the peer's count).
+// Hand-overs and credits are stream memory writes (cuStreamWriteValue64 into the peer's count),
+// issued from a signal stream of their own once an event on XLA's stream says the matmul or copy
+// they announce is done: on XLA's stream each write and the system-scope barrier before it held
+// the next matmul back by 5-22 us.
 // A copy stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
 // waiting kernel needs an SM, and while cuBLAS holds every SM it is not scheduled until the matmul
 // ends, which serialised the copy after it (2 x H200, 8192 x 4096 x 4096: 84 us over the matmul
@@ -58,7 +61,11 @@ struct ChunkedMatmulState : OpState {
   cudaStream_t sides[kMaxExchangePeers] = {};
   cudaEvent_t fork = nullptr;
   cudaEvent_t joins[kMaxExchangePeers] = {};
-  int priority = 0;  // the copy streams' (the highest)
+  // The hand-overs' and credits' writes, each after a mark recorded on XLA's stream. It only writes
+  // heap words and never waits for a peer, so XLA's stream does not join it.
+  cudaStream_t signals = nullptr;
+  cudaEvent_t marks[kMaxExchangePeers] = {};
+  int priority = 0;  // the copy streams' and the signal stream's (the highest)
   std::map<int64_t, uint64_t> calls;
 
   std::string release() override {
@@ -71,10 +78,13 @@ struct ChunkedMatmulState : OpState {
     if (fork) note(cudaEventDestroy(fork) != cudaSuccess, "cudaEventDestroy failed");
     for (int i = 0; i < kMaxExchangePeers; i++) {
       if (joins[i]) note(cudaEventDestroy(joins[i]) != cudaSuccess, "cudaEventDestroy failed");
+      if (marks[i]) note(cudaEventDestroy(marks[i]) != cudaSuccess, "cudaEventDestroy failed");
       if (sides[i]) note(cudaStreamDestroy(sides[i]) != cudaSuccess, "cudaStreamDestroy(side stream) failed");
       sides[i] = nullptr;
-      joins[i] = nullptr;
+      joins[i] = marks[i] = nullptr;
     }
+    if (signals) note(cudaStreamDestroy(signals) != cudaSuccess, "cudaStreamDestroy(signal stream) failed");
+    signals = nullptr;
     blas = workspace = nullptr;
     fork = nullptr;
     calls.clear();
@@ -152,20 +162,23 @@ ChunkedMatmulState& chunked_state(DeviceState& s) {
   return c;
 }
 
-// The first `count` copy streams and their join events, made on first use (an axis of P GPUs uses
-// P - 1).
-void make_copy_streams(ChunkedMatmulState& c, int count, int device) {
+// The first `count` copy streams with their join events, the signal stream and its first `count`
+// marks, made on first use (an axis of P GPUs uses P - 1 of each).
+void make_streams(ChunkedMatmulState& c, int count, int device) {
   std::lock_guard<std::mutex> lock(make_mutex);
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;  // as in chunked_state
   check_launch(cudaThreadExchangeStreamCaptureMode(&mode), "entering relaxed capture mode", device);
   cudaError_t failed = cudaSuccess;
+  if (c.signals == nullptr) failed = cudaStreamCreateWithPriority(&c.signals, cudaStreamNonBlocking, c.priority);
   for (int i = 0; i < count && failed == cudaSuccess; i++) {
     if (c.sides[i] == nullptr) failed = cudaStreamCreateWithPriority(&c.sides[i], cudaStreamNonBlocking, c.priority);
     if (failed == cudaSuccess && c.joins[i] == nullptr)
       failed = cudaEventCreateWithFlags(&c.joins[i], cudaEventDisableTiming);
+    if (failed == cudaSuccess && c.marks[i] == nullptr)
+      failed = cudaEventCreateWithFlags(&c.marks[i], cudaEventDisableTiming);
   }
   cudaThreadExchangeStreamCaptureMode(&mode);
-  check_launch(failed, "creating a copy stream and its event", device);
+  check_launch(failed, "creating the chunked ops' streams and events", device);
 }
 
 cudaDataType blas_type(ffi::DataType type) {
@@ -188,9 +201,23 @@ struct ChunkedCall {
   char* slots;                        // this GPU's slots (slot_bytes each, one per axis index)
   std::vector<char*> peer_slots;      // every index's slots as this GPU maps them
   chunk_handoff handoff{};
+  int marks = 0;                      // marks of the signal stream this call recorded (signal_after)
 };
 
 const char* const kLaunching = "launching the handoff kernels";
+
+// The signal stream, holding what is enqueued on it next until `stream`'s work so far is done (a
+// mark of its own each time in a call, at most P - 1 of them).
+cudaStream_t signal_after(ChunkedCall& call, cudaStream_t stream) {
+  const ChunkedMatmulState& c = call.chunked;
+  const int dev = call.device.device;
+  if (call.marks >= call.handoff.size - 1)
+    throw Error("chunked matmul: more hand-over marks in a call than peers (an internal error)");
+  cudaEvent_t mark = c.marks[call.marks++];
+  check_launch(cudaEventRecord(mark, stream), "recording an event", dev);
+  check_launch(cudaStreamWaitEvent(c.signals, mark), "ordering the signal stream", dev);
+  return c.signals;
+}
 
 // Hands this call's chunk to index `to` (its ready[me]); after the stream's earlier work.
 void hand_over(const ChunkedCall& call, int to, cudaStream_t stream) {
@@ -225,7 +252,7 @@ ChunkedCall map_block(const char* op, jaxgin_op_tag tag, int32_t ordinal, int64_
                                                        : " is outside this GPU's NVLink domain"));
   }
   ChunkedMatmulState& chunked = chunked_state(s);
-  make_copy_streams(chunked, size - 1, s.device);
+  make_streams(chunked, size - 1, s.device);
   ChunkedCall call{s, chunked, std::move(group), 0, c.heap + offset, {}, {}};
   chunk_handoff& h = call.handoff;
   h.ctx = s.context;
@@ -374,7 +401,8 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
     const Placement own = place(result, me, cm, cn, size, concat_rows, elt);
     if (layout == kWhole && slots_are_rows) {
       gemm(0, call.slots, cn, size);
-      for (int i = 1; i < size; i++) hand_over(call, (me + i) % size, stream);
+      const cudaStream_t signals = signal_after(call, stream);
+      for (int i = 1; i < size; i++) hand_over(call, (me + i) % size, signals);
       check_launch(cudaMemcpy2DAsync(own.base, (size_t)own.ld * elt, call.slots + slot_bytes * me, (size_t)cn * elt,
                                      (size_t)cn * elt, (size_t)cm, cudaMemcpyDeviceToDevice, stream),
                    "copying this GPU's own chunk", dev);
@@ -383,7 +411,8 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
         auto run = [&](int first, int count) {  // indices first .. first + count - 1, one call
           if (count <= 0) return;
           gemm(first, call.slots + slot_bytes * first, cn, count);
-          for (int t = first; t < first + count; t++) hand_over(call, t, stream);
+          const cudaStream_t signals = signal_after(call, stream);
+          for (int t = first; t < first + count; t++) hand_over(call, t, signals);
         };
         run(me + 1, size - 1 - me);
         run(0, me);
@@ -391,7 +420,7 @@ ffi::Error exchange_chunks(jaxgin_op_tag tag, cudaStream_t stream, int32_t ordin
         for (int i = 1; i < size; i++) {
           const int to = (me + i) % size;
           gemm(to, call.slots + slot_bytes * to, cn);
-          hand_over(call, to, stream);
+          hand_over(call, to, signal_after(call, stream));
         }
       }
       gemm(me, own.base, own.ld);
@@ -469,14 +498,16 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                      "copying this shard into its own slot", dev);
     }
     auto give_credits = [&](int first, int count) {
-      for (int from = first; from < first + count; from++) return_credit(call, from, stream);
+      const cudaStream_t signals = signal_after(call, stream);
+      for (int from = first; from < first + count; from++) return_credit(call, from, signals);
     };
     if (chosen == kWhole) {
       join_copy_streams(call, stream, 1);  // the own shard in its slot
       check_launch(launch_await_chunks(h, -1, call.number, stream), kLaunching, dev);
       gemm(call.slots, 0, size);
+      const cudaStream_t signals = signal_after(call, stream);
       for (int from = 0; from < size; from++)
-        if (from != me) return_credit(call, from, stream);
+        if (from != me) return_credit(call, from, signals);
       return;
     }
     gemm(x.untyped_data(), me);
@@ -495,7 +526,7 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
         const int from = (me - i + size) % size;
         check_launch(launch_await_chunks(h, from, call.number, stream), kLaunching, dev);
         gemm(call.slots + slot_bytes * from, from);
-        return_credit(call, from, stream);
+        return_credit(call, from, signal_after(call, stream));
       }
     }
     if (size > 1) join_copy_streams(call, stream, 1);
@@ -526,7 +557,7 @@ ffi::Error triton_chunks(cudaStream_t stream, int32_t ordinal, TritonKernel* ker
   return guarded([&] {
     const jaxgin_op_tag tag = reduce ? JAXGIN_OP_MATMUL_REDUCE_SCATTER : JAXGIN_OP_MATMUL_ALL_TO_ALL;
     const char* op = jaxgin_op_name(tag);
-    const ChunkedCall call = map_block(op, tag, ordinal, generation, mesh_ranks, mesh_shape, axes, offset, slot_bytes);
+    ChunkedCall call = map_block(op, tag, ordinal, generation, mesh_ranks, mesh_shape, axes, offset, slot_bytes);
     const chunk_handoff& h = call.handoff;
     const int size = h.size, me = h.my_index, dev = call.device.device;
     if (chunk_rows * chunk_cols * element_bytes > slot_bytes) throw Error(std::string(op) + ": chunk larger than its slot");
@@ -537,11 +568,13 @@ ffi::Error triton_chunks(cudaStream_t stream, int32_t ordinal, TritonKernel* ker
     if (size == 1) return;
     copy_peer_chunks(call, stream, static_cast<char*>((*result)->untyped_data()), chunk_rows, chunk_cols, concat_rows,
                      (size_t)element_bytes, slot_bytes, 1, [](int, cudaStream_t) {});
-    for (int from = 0; from < size; from++) {
-      if (from == me) continue;
-      stream_set_count(stream, h.words + ready_index(from), 0, dev);
-      stream_set_count(stream, h.peer_words[from] + credit_index(size, me), 1, dev);
-    }
+    // The ready words are zeroed on XLA's stream, before the next call's copy streams fork from it
+    // to wait for them; the peers learn that (free) from the signal stream, after the zeroes.
+    for (int from = 0; from < size; from++)
+      if (from != me) stream_set_count(stream, h.words + ready_index(from), 0, dev);
+    const cudaStream_t signals = signal_after(call, stream);
+    for (int from = 0; from < size; from++)
+      if (from != me) stream_set_count(signals, h.peer_words[from] + credit_index(size, me), 1, dev);
   });
 }
 
