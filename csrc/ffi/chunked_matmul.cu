@@ -152,7 +152,6 @@ ChunkedMatmulState& chunked_state(DeviceState& s) {
     check_launch(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming), "creating an event", s.device);
     check_launch(cudaMalloc(&c.workspace, kBlasWorkspaceBytes), "allocating the cuBLAS workspace", s.device);
     if (api.create(&c.blas) != 0) throw Error("cublasCreate failed on CUDA device " + std::to_string(s.device));
-    if (api.set_workspace(c.blas, c.workspace, kBlasWorkspaceBytes) != 0) throw Error("cublasSetWorkspace failed");
   } catch (...) {
     c.release();
     cudaThreadExchangeStreamCaptureMode(&mode);
@@ -279,7 +278,11 @@ ChunkedCall start_call(const char* op, jaxgin_op_tag tag, cudaStream_t stream, i
                        ffi::Span<const int64_t> axes, int64_t offset, int64_t slot_bytes, bool begin) {
   ChunkedCall call = map_block(op, tag, ordinal, generation, mesh_ranks, mesh_shape, axes, offset, slot_bytes);
   call.number = ++call.chunked.calls[offset];
-  if (blas::api().set_stream(call.chunked.blas, stream) != 0) throw Error("cublasSetStream failed");
+  // cublasSetStream puts the handle back on cuBLAS's default workspace pool, so ours follows it.
+  const blas::Api& api = blas::api();
+  if (api.set_stream(call.chunked.blas, stream) != 0) throw Error("cublasSetStream failed");
+  if (api.set_workspace(call.chunked.blas, call.chunked.workspace, kBlasWorkspaceBytes) != 0)
+    throw Error("cublasSetWorkspace failed");
   if (begin) check_launch(launch_begin_call(call.handoff, call.number, stream), kLaunching, call.device.device);
   return call;
 }
