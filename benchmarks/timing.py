@@ -81,6 +81,17 @@ def device_events(trace_dir: Path) -> list[dict]:
     return _gpu_stream_events(events, device)
 
 
+def host_events(trace_dir: Path) -> list[dict]:
+    """Complete events ('X') of the trace's host threads (every process but the GPUs'), by start time,
+    each with its thread's name under "thread": what XLA's threads did while the GPUs ran."""
+    events = _trace_events(trace_dir)
+    gpus = set(_gpu_pids(events).values())
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return sorted(({**e, "thread": threads.get((e["pid"], e["tid"]), str(e["tid"]))} for e in events
+                   if e.get("ph") == "X" and e.get("pid") not in gpus), key=lambda e: e["ts"])
+
+
 def device_windows(trace_dir: Path) -> dict[int, tuple[float, float]]:
     """Per GPU of the trace under trace_dir: (its first stream event's start, its last one's end),
     in seconds on the trace's clock, which JAX's profiler shares between the GPUs of a process."""

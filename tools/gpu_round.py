@@ -616,10 +616,11 @@ BENCHMARKS = {step.name: step for step in [
     # dispatch(fp8=True), fp8.quantize and fp8.rounded against a numpy / ml_dtypes oracle, value by value
     Step("check_fp8", ["tools/check_fp8.py", "--out", "{out}"], 200, default=False, tail=40),
     # latency's chains at 8 B traced with JAX's profiler: device time per op beside the wall-clock rows
-    Step("latency_profile", ["tools/profile_latency.py", "--ops", "ppermute,put_wait_from,put_wait,self_copy"], 150,
+    Step("latency_profile", ["tools/profile_latency.py", "--ops", "ppermute,put_wait_from,put_wait,self_copy", "--host"], 150,
          gpus=2, default=False, tail=80),
     # the same at 256 KiB, where the mailbox pair trailed XLA's ppermute most (collectives.json: 0.63x)
-    Step("mailbox_profile", ["tools/profile_latency.py", "--bytes", "256KiB", "--ops", "ppermute,put_wait_from,put_wait"],
+    Step("mailbox_profile", ["tools/profile_latency.py", "--bytes", "256KiB", "--ops", "ppermute,put_wait_from,put_wait",
+                             "--host"],
          150, gpus=2, default=False, tail=80),
     Step("tune_matmul", ["tools/tune_triton_matmul.py", "--out", "{out}"], 400, default=False, needs="torch", tail=12),
     Step("transport_smoke", ["tools/transport_smoke.py", "--out", "{out}"], 400, default=False,

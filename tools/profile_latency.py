@@ -1,9 +1,10 @@
 """Where a small message's time goes: benchmarks/collectives.py's chains (8 B per device, N
 dependent ops in one jit) traced with JAX's profiler. Prints, for the first GPU, each chain's span
 per op, the device events of one op from the middle (start offset, duration, name) and each name's
-total, so launch gaps can be told from kernel time.
+total, so launch gaps can be told from kernel time; how many jaxgin handlers ran in each of the first
+calls (XLA recording its graphs again runs them); with --host, what XLA's threads did meanwhile.
 
-    python tools/profile_latency.py [--bytes 8] [--ops ppermute,put_wait_from,put_wait,self_copy]
+    python tools/profile_latency.py [--bytes 8] [--ops ppermute,put_wait_from,put_wait,self_copy] [--host]
 
 Needs 2 or more NVIDIA GPUs visible to JAX (pip install -e ".[cuda]"); without them it says so and
 exits with status 4 (jaxgin.cli).
@@ -12,6 +13,7 @@ exits with status 4 (jaxgin.cli).
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import tempfile
 from pathlib import Path
@@ -27,11 +29,36 @@ from jaxgin import cli, sizes
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
-from collectives import _array, make_ops
+from collectives import _array, _handler_calls, make_ops
 from profile_moe import report
-from timing import device_events
+from timing import device_events, host_events
 
 STEPS = 50
+HANDLER_COUNT_CALLS = 6
+
+
+def host_report(device: list[dict], host: list[dict]) -> None:
+    """What the host's threads did while GPU 0 ran the profiled call: their events by name (count,
+    total us) within GPU 0's window, and those that overlap the middle tenth of it, beside GPU 0's
+    events there, so a kernel that waited for its launch shows behind the host event that made it."""
+    if not device:
+        return
+    start, end = device[0]["ts"], max(e["ts"] + e["dur"] for e in device)
+    inside = [e for e in host if e["ts"] < end and e["ts"] + e["dur"] > start]
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for e in inside:
+        totals[(e["thread"], e["name"])][0] += 1
+        totals[(e["thread"], e["name"])][1] += e["dur"]
+    print(f"   host events during GPU 0's {end - start:.1f} us: {len(inside)}")
+    for (thread, name), (n, total) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:20]:
+        print(f"   {total:10.1f} us  x{n:<5d} [{thread[:24]}] {name[:90]}")
+    lo = start + (end - start) * 0.45
+    hi = lo + (end - start) * 0.1
+    merged = [("gpu", e) for e in device if lo <= e["ts"] < hi] + [("host", e) for e in inside if lo <= e["ts"] < hi]
+    print("   the middle tenth, both sides (us from GPU 0's first event):")
+    for side, e in sorted(merged, key=lambda item: item[1]["ts"])[:60]:
+        where = "GPU 0" if side == "gpu" else e["thread"][:24]
+        print(f"   +{e['ts'] - start:9.1f} {e['dur']:8.1f} us  {where:24s} {e['name'][:80]}")
 
 
 def main() -> None:
@@ -40,6 +67,9 @@ def main() -> None:
                         help="message per device, e.g. 8, 4KiB (default 8)")
     parser.add_argument("--ops", default="ppermute,put_wait_from,put_wait,self_copy")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--host", action="store_true",
+                        help="also what the host's threads did during the profiled call (XLA's launches, "
+                             "jaxgin's handlers), beside the GPU's events")
     args = parser.parse_args()
     cli.require_gpus(__file__, 2, "it profiles benchmarks/collectives.py's chains between them")
     cli.run(__file__, jaxgin.initialize)
@@ -56,12 +86,22 @@ def main() -> None:
                 return v[None]
 
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-            jax.block_until_ready(f(x))
-            jax.block_until_ready(f(x))
+            handler_calls = []  # jaxgin handlers run per call: XLA recording its graphs again
+            for _ in range(HANDLER_COUNT_CALLS):
+                before = _handler_calls()
+                jax.block_until_ready(f(x))
+                handler_calls.append(_handler_calls() - before)
             where = out / f"{op}_{label}"
+            before = _handler_calls()
             with jax.profiler.trace(str(where), create_perfetto_trace=True):
                 jax.block_until_ready(f(x))
-            report(f"{op} ({label}), {args.bytes} B, {mesh.size} GPUs", device_events(where), STEPS)
+            title = f"{op} ({label}), {args.bytes} B, {mesh.size} GPUs"
+            events = device_events(where)
+            report(title, events, STEPS)
+            print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {handler_calls}; "
+                  f"in the profiled one: {_handler_calls() - before}")
+            if args.host:
+                host_report(events, host_events(where))
     jaxgin.finalize()
 
 
