@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
 from jaxgin import cli, sizes
-from timing import best_seconds, best_seconds_threaded
+from timing import best_seconds, best_seconds_threaded, device_step_seconds
 
 
 def chain_length(nbytes: int) -> int:
@@ -177,6 +177,11 @@ def make_ops(n: int):
     }
 
 
+# Rows up to this size are also profiled: each chain's steady cost per op on the device, apart from
+# the run's fixed costs (the graph's launch, the GPUs' start skew), which a chain of small ops feels.
+DEVICE_CYCLE_MAX_BYTES = 16 << 20
+
+
 def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> dict:
     mesh = Mesh(np.array(jax.devices()), ("x",))
     n = mesh.size
@@ -233,6 +238,13 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 "handler_calls_per_op": handler_calls / ((repeats + 1) * steps * n),
                 **floor,
             }
+            if nbytes <= DEVICE_CYCLE_MAX_BYTES and not donate:
+                for side, f in (("xla", xla_f), ("jaxgin", ours_f)):
+                    cycle, span = device_step_seconds(f, x, steps=steps)
+                    row[f"{side}_device_span_us"] = span * 1e6
+                    row[f"{side}_device_cycle_us"] = None if cycle is None else cycle * 1e6
+                if row["xla_device_cycle_us"] and row["jaxgin_device_cycle_us"]:
+                    row["device_cycle_speedup"] = row["xla_device_cycle_us"] / row["jaxgin_device_cycle_us"]
             if op == "ppermute" and nbytes <= 64 << 20:
                 # The same ring exchange without XLA: kernel chain on raw streams and as a CUDA graph.
                 row["kernel_stream_us"] = max(rt.exchange_latency(nbytes, 200, False))
@@ -251,7 +263,9 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 f"  calls/op {row['handler_calls_per_op']:.2f}"
                 + (f"  raw {row['kernel_stream_us']:.1f} / graph {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else "")
                 + (f" (generic kernel {row['generic_kernel_graph_us']:.1f} us)" if "generic_kernel_graph_us" in row else "")
-                + (f"  copy engines {row['copy_engine_us']:.1f} us" if "copy_engine_us" in row else ""),
+                + (f"  copy engines {row['copy_engine_us']:.1f} us" if "copy_engine_us" in row else "")
+                + (f"  device cycle xla {row['xla_device_cycle_us']:.1f} / jaxgin {row['jaxgin_device_cycle_us']:.1f} us"
+                   f" x{row['device_cycle_speedup']:.2f}" if "device_cycle_speedup" in row else ""),
                 flush=True,
             )
     return {
@@ -262,6 +276,9 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                                                                      "command_buffer_compatible", "command_buffers")},
         "timing": "best of %d runs of one jitted chain of N ops, divided by N" % repeats
                   + (" (each run donating its input, the previous run's result)" if donate else ""),
+        "device_cycle": "up to %d MiB, one more run of each chain profiled: GPU 0's span / N (device_span_us) and "
+                        "the median time from one op's start to the next's (device_cycle_us): an op's steady "
+                        "cost, without the run's fixed costs" % (DEVICE_CYCLE_MAX_BYTES >> 20),
         "donated": donate,
         "bytes_per_device": "size of each device's input buffer (all_to_all sends (n-1)/n of it to peers)",
         "copy_engine": "from %d MiB: XLA's ppermute (ring ops) or all_to_all moving the same bytes with %s (peer "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -143,6 +144,33 @@ def device_event_totals(f, *args) -> tuple[dict[str, dict], list[list]]:
             total["seconds"] += e["dur"] * 1e-6
         t0 = events[0]["ts"] if events else 0
         return totals, [[e["name"], round(e["ts"] - t0, 1), round(e["dur"], 1), e["tid"]] for e in events]
+
+    return _profiled_call(f, args, read)
+
+
+def step_cycle_seconds(events: list[dict], steps: int) -> float | None:
+    """The median time from one step's start to the next's on GPU 0 in a chain of `steps` dependent
+    steps (`events`: device_events of one run), clocked by a kernel or copy that runs k times a step
+    (the smallest k; every k-th of its starts). What a step costs once the chain runs, without the
+    run's fixed costs (the graph's launch, the GPUs' start skew). None when no name recurs so."""
+    starts = {}
+    for e in events:
+        starts.setdefault(e["name"], []).append(e["ts"])
+    clocks = sorted(((len(ts) // steps, ts) for ts in starts.values() if len(ts) >= steps and len(ts) % steps == 0),
+                    key=lambda item: item[0])
+    if not clocks or steps < 2:
+        return None
+    k, ts = clocks[0]
+    every = ts[::k]
+    return statistics.median(b - a for a, b in zip(every, every[1:])) * 1e-6
+
+
+def device_step_seconds(f, *args, steps: int) -> tuple[float | None, float]:
+    """(step_cycle_seconds, GPU 0's span / steps) of one call of f, a chain of `steps` steps (after
+    the warm-up calls)."""
+    def read(where):
+        events = device_events(where)
+        return step_cycle_seconds(events, steps), span_seconds(events) / steps
 
     return _profiled_call(f, args, read)
 

@@ -351,6 +351,24 @@ def test_device_span_reads_the_first_gpus_streams_only(tmp_path):
         timing.device_events(tmp_path / "empty")
 
 
+def test_step_cycle_is_the_median_start_to_start_of_a_kernel_once_per_step():
+    """timing.step_cycle_seconds: a chain's steady cost per step, clocked by the kernel that runs
+    once a step (or every k-th start of one that runs k times), so one step's long wait and the
+    run's prologue do not move it; a trace with nothing that recurs per step gives None."""
+    timing = _timing_module()
+    event = lambda name, ts: dict(name=name, ts=float(ts), dur=1.0)  # noqa: E731
+    steps = 10
+    events = [event("prologue", 0)]
+    for i in range(steps):
+        late = 30 if i >= 5 else 0  # a late peer held step 5 back, and every step after it
+        events += [event("put", 100 + i * 10 + late), event("wait", 102 + i * 10 + late)]
+    events.sort(key=lambda e: e["ts"])
+    assert timing.step_cycle_seconds(events, steps) == pytest.approx(10e-6)
+    twice = [event("nccl", i * 4) for i in range(2 * steps)]  # two launches a step, a step every 8 us
+    assert timing.step_cycle_seconds(twice, steps) == pytest.approx(8e-6)
+    assert timing.step_cycle_seconds([event("nccl", 0), event("nccl", 5)], steps) is None
+
+
 def test_hierarchical_report_rebuilds_the_committed_file_from_its_records(tmp_path):
     """tools/hierarchical_report.py turns the mixed-mesh records of a round into hierarchical.json:
     from the records committed beside it, it writes the committed file again, and there every
