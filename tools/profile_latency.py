@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
 from collectives import _array, _handler_calls, make_ops
 from profile_moe import report
-from timing import device_events, host_events
+from timing import device_events, device_windows, host_events
 
 STEPS = 50
 HANDLER_COUNT_CALLS = 6
@@ -100,6 +100,11 @@ def main() -> None:
             report(title, events, STEPS)
             print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {handler_calls}; "
                   f"in the profiled one: {_handler_calls() - before}")
+            windows = device_windows(where)
+            t0 = min(start for start, _ in windows.values())
+            print("   each GPU's first start and last end, us from the earliest start: "
+                  + ", ".join(f"GPU {gpu} {(start - t0) * 1e6:.1f} - {(end - t0) * 1e6:.1f}"
+                              for gpu, (start, end) in sorted(windows.items())))
             if args.host:
                 host_report(events, host_events(where))
     jaxgin.finalize()
