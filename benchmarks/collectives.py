@@ -8,10 +8,10 @@ them it says so and exits with status 4 (jaxgin.cli). matplotlib, if installed, 
 XLA_FLAGS apply to both implementations alike. XLA records jaxgin's custom calls into CUDA graphs
 where jaxgin allows it (jaxgin.info()["command_buffers"]; JAXGIN_COMMAND_BUFFERS=0 keeps them out),
 as with XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"; its own NCCL collectives
-stay outside. `handler_calls_per_op` in every row says which happened (0: replayed from a graph).
-A program's result is a new buffer at every run, and XLA updates a recorded graph whose buffers
-moved before it replays it; with --donate every run takes the previous run's result, donated, so
-it finds the same buffers (as a training loop that donates its state does).
+stay outside. `handler_calls_per_op` in every row says which happened, counted in one run after
+the timed ones (0: replayed from a graph); XLA records a program's graphs in its first two runs
+(`recording_calls_per_op`, the handlers those ran). With --donate every run takes the previous
+run's result, donated, so it finds the same buffers (as a training loop that donates its state does).
 
 For every op and message size (bytes per device, 8 B to --max-bytes) it compiles one program per
 implementation that applies the op N times in a chain (each op consumes the previous result, so
@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
 from jaxgin import cli, sizes
-from timing import best_seconds, best_seconds_threaded, device_step_seconds
+from timing import WARMUP_CALLS, best_seconds, best_seconds_threaded, device_step_seconds
 
 
 def chain_length(nbytes: int) -> int:
@@ -223,7 +223,10 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
             t_xla = timed(xla_f)
             calls_before = _handler_calls()
             t_ours = timed(ours_f)
-            handler_calls = _handler_calls() - calls_before
+            timed_calls = _handler_calls() - calls_before
+            calls_before = _handler_calls()
+            jax.block_until_ready(ours_f(x.copy() if donate else x))  # one more, after the timed runs
+            steady_calls = _handler_calls() - calls_before
             row = {
                 "op": op,
                 "bytes_per_device": nbytes,
@@ -234,8 +237,11 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 "xla_GBps": nbytes / t_xla / 1e9,
                 "jaxgin_GBps": nbytes / t_ours / 1e9,
                 "equal": equal,
-                # Host-side custom-call handler runs per op executed (0 when XLA replays a CUDA graph).
-                "handler_calls_per_op": handler_calls / ((repeats + 1) * steps * n),
+                # Host-side custom-call handler runs per op executed in one run after the timed
+                # ones (0 when XLA replays a CUDA graph), and in the warm-up and timed runs together
+                # less the steady ones (the runs in which XLA recorded its graphs).
+                "handler_calls_per_op": steady_calls / (steps * n),
+                "recording_calls_per_op": (timed_calls - steady_calls * (WARMUP_CALLS + repeats)) / (steps * n),
                 **floor,
             }
             if nbytes <= DEVICE_CYCLE_MAX_BYTES and not donate:
