@@ -9,7 +9,7 @@ XLA_FLAGS apply to both implementations alike. XLA records jaxgin's custom calls
 where jaxgin allows it (jaxgin.info()["command_buffers"]; JAXGIN_COMMAND_BUFFERS=0 keeps them out),
 as with XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"; its own NCCL collectives
 stay outside. `handler_calls_per_op` in every row says which happened, counted in one run after
-the timed ones (0: replayed from a graph); XLA records a program's graphs in its first two runs
+the timed ones (0: replayed from a graph); XLA records a program's graphs in its first runs
 (`recording_calls_per_op`, the handlers those ran). With --donate every run takes the previous
 run's result, donated, so it finds the same buffers (as a training loop that donates its state does).
 

@@ -20,9 +20,9 @@
 // all_gather_matmul share one, so that the shard each peer needs first lands first.
 //
 // Hand-overs and credits are stream memory writes (cuStreamWriteValue64 into the peer's count),
-// issued from a signal stream of their own once an event on XLA's stream says the matmul or copy
-// they announce is done: on XLA's stream each write and the system-scope barrier before it held
-// the next matmul back by 5-22 us.
+// issued from a signal stream of their own once an event on XLA's stream says the matmul they
+// announce is done, so that no write (and the system-scope barrier before it) sits between two
+// matmuls on XLA's stream.
 // A copy stream waits with a stream memory operation (cuStreamWaitValue64), not a kernel: a
 // waiting kernel needs an SM, and while cuBLAS holds every SM it is not scheduled until the matmul
 // ends, which serialised the copy after it (2 x H200, 8192 x 4096 x 4096: 84 us over the matmul
