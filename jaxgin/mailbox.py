@@ -181,10 +181,16 @@ def _put_abstract(x, peer, **_):
     return x.update(shape=(), dtype=jnp.dtype(jnp.int32), weak_type=False)
 
 
+# wait_signal's kernel writes only the rows it took and says which in a mask; the zeros of the
+# other rows come from a select that XLA fuses with whatever reads the rows (often one row of them).
+wait_signal_p.multiple_results = True
+
+
 @wait_signal_p.def_abstract_eval
 def _wait_abstract(*tokens, axis_name, size, shape, dtype, **_):
     # Same varying-axes type as the tokens (what arrives differs per device, as they do).
-    return tokens[0].update(shape=(size, *shape), dtype=jnp.dtype(dtype), weak_type=False)
+    rows = tokens[0].update(shape=(size, *shape), dtype=jnp.dtype(dtype), weak_type=False)
+    return rows, tokens[0].update(shape=(size,), dtype=jnp.dtype(jnp.int32), weak_type=False)
 
 
 def _no_batching(name):
@@ -637,10 +643,11 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
             for mail, arrived in zip(values[0::2], values[1::2]):
                 out = jnp.where(arrived.reshape((-1,) + (1,) * len(mailbox.shape)) > 0, mail, out)
             return out
-        return wait_signal_p.bind(
+        rows, taken = wait_signal_p.bind(
             *values, axis_name=names, size=size, shape=mailbox.shape, dtype=mailbox.dtype, mailbox=mailbox.name,
             count=int(count),
         )
+        return jnp.where(taken.reshape((-1,) + (1,) * len(mailbox.shape)) != 0, rows, jnp.zeros((), rows.dtype))
 
     return wait(*values)
 

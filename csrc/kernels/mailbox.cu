@@ -239,20 +239,6 @@ __device__ __forceinline__ void copy_out(const jaxgin_context* ctx, const mailbo
   }
 }
 
-// Whole-CTA zero fill: bytes up to the first 16-byte boundary, 16-byte stores, then the tail (a
-// row of the inbox starts wherever the payload size puts it). A ring step of put_signal +
-// wait_signal took 19.0 / 14.8 us at 64 / 32 KiB on 2 x H200 with byte stores, 14.3 / 12.1 us
-// with these.
-__device__ __forceinline__ void cta_zero(char* dst, uint64_t bytes) {
-  const uint64_t t = linear_thread(), n = block_threads();
-  const uint64_t head = min(bytes, (uint64_t)((16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15));
-  const uint64_t vecs = (bytes - head) / 16;
-  uint4* body = reinterpret_cast<uint4*>(dst + head);
-  for (uint64_t i = t; i < vecs; i += n) body[i] = make_uint4(0, 0, 0, 0);
-  for (uint64_t i = t; i < head; i += n) dst[i] = 0;
-  for (uint64_t i = head + vecs * 16 + t; i < bytes; i += n) dst[i] = 0;
-}
-
 // Returns the credits of the taken senders once every CTA read its part, and ends wait number
 // `wait` + 1 (the last CTA does both).
 __device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const mailbox_desc& box, uint64_t taken,
@@ -265,18 +251,21 @@ __device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const 
   }
 }
 
-// Waits for puts of at least `count` senders and copies the taken ones into `out` (zeros in the
-// other rows); the last CTA returns the credits. CTA 0 decides which senders the wait takes and
+// Waits for puts of at least `count` senders, copies the taken ones into their rows of `out` and
+// marks them in `taken_rows` (1 taken, 0 not; the other rows of `out` are left as they were: the
+// caller's select zeroes them where it reads them); the last CTA returns the credits. CTA 0 decides which senders the wait takes and
 // publishes that in the header for the other CTAs, which wait for it there: one launch, not a
 // deciding kernel and a copying one. Every CTA reads the wait's number before any can end it.
 __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context* ctx,
                                                            const __grid_constant__ mailbox_desc box, int32_t count,
-                                                           char* out) {
+                                                           char* out, int32_t* taken_rows) {
   __shared__ uint64_t decision;
   mailbox_header* h = header(box);
   const uint32_t wait = *reinterpret_cast<const volatile uint32_t*>(&h->waits);
   if (blockIdx.x == 0) {
     const uint64_t taken = decide(ctx, box, count);
+    for (int s = (int)linear_thread(); s < box.axis_size; s += (int)block_threads())
+      taken_rows[s] = (int32_t)(taken >> s & 1);
     if (linear_thread() == 0) {
       decision = taken;
       if (gridDim.x > 1) publish_decision(h, wait, taken);
@@ -288,14 +277,8 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
   const uint64_t taken = decision;
   uint64_t begin, end;
   part_range(box.payload_bytes, blockIdx.x, gridDim.x, begin, end);
-  for (int s = 0; s < box.axis_size; s++) {
-    char* row = out + (uint64_t)s * box.payload_bytes;
-    if (taken >> s & 1) {
-      copy_out(ctx, box, s, row, begin, end);
-    } else {
-      cta_zero(row + begin, end - begin);
-    }
-  }
+  for (int s = 0; s < box.axis_size; s++)
+    if (taken >> s & 1) copy_out(ctx, box, s, out + (uint64_t)s * box.payload_bytes, begin, end);
   return_credits(ctx, box, taken, wait);
 }
 
@@ -350,9 +333,9 @@ cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box
 }
 
 cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out,
-                        cudaStream_t stream) {
+                        int32_t* taken_rows, cudaStream_t stream) {
   const uint32_t parts = copy_parts(box.payload_bytes * (uint64_t)box.axis_size);
-  collect_kernel<<<parts, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out));
+  collect_kernel<<<parts, kThreads, 0, stream>>>(device_ctx, box, count, static_cast<char*>(out), taken_rows);
   return cudaGetLastError();
 }
 

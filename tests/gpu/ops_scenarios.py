@@ -154,13 +154,11 @@ def correctness(argv):
     checks["put_signal/ring"] = all(run(x) for _ in range(3))
 
     box2 = jaxgin.Mailbox("data_dependent", (16,), jnp.int32)
-    shift = _global(jax, mesh, (1, 1), jnp.int32, 5)
 
     def traced_peer(v, s):
         me = jax.lax.axis_index("x")
         # A data-dependent shift, made the same on every device (pmax) so the puts form a permutation.
-        k = (jnp.abs(s[0, 0]) % (n - 1) + 1) if n > 1 else jnp.int32(0)
-        k = jax.lax.pmax(k, "x")
+        k = jax.lax.pmax(s[0, 0] % n, "x")
         token = jaxgin.put_signal(v[0], box2, peer=((me + k) % n).astype(jnp.int32), axis_name="x")
         inbox = jaxgin.wait_signal(box2, 1, axis_name="x", after=token)
         expected = jnp.zeros((n, 16), jnp.int32)
@@ -169,8 +167,12 @@ def correctness(argv):
         return [(inbox, expected)]
 
     x = _global(jax, mesh, (1, 16), jnp.int32, 78)
-    _, run = _all_equal(jax, mesh, traced_peer, x, shift)
-    checks["put_signal/traced_peer"] = run(x, shift)
+    # Every shift, up and down again: each call takes another sender's row than the call before, so
+    # a row the wait did not take must read zero even where the last call wrote a payload.
+    shifts = [jax.make_array_from_callback((n, 1), x.sharding, lambda idx, k=k: np.full((n, 1), k, np.int32)[idx])
+              for k in list(range(n)) + list(range(n))[::-1]]
+    _, run = _all_equal(jax, mesh, traced_peer, x, shifts[0])
+    checks["put_signal/traced_peer"] = all([run(x, s) for s in shifts])
 
     # Mailboxes of every size class: empty, odd bytes, the largest line payload (8 KiB), the
     # smallest slot payload (8 KiB + 16) and a put split over several CTAs (256 KiB + 16). Each
