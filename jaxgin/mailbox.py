@@ -183,6 +183,8 @@ def _put_abstract(x, peer, **_):
 
 # wait_signal's kernel writes only the rows it took and says which in a mask; the zeros of the
 # other rows come from a select that XLA fuses with whatever reads the rows (often one row of them).
+# An empty payload has no mask: XLA folds an empty element of a tuple to a constant, and what the
+# program computes from the rows would no longer follow the wait.
 wait_signal_p.multiple_results = True
 
 
@@ -190,6 +192,8 @@ wait_signal_p.multiple_results = True
 def _wait_abstract(*tokens, axis_name, size, shape, dtype, **_):
     # Same varying-axes type as the tokens (what arrives differs per device, as they do).
     rows = tokens[0].update(shape=(size, *shape), dtype=jnp.dtype(dtype), weak_type=False)
+    if rows.size == 0:
+        return (rows,)
     return rows, tokens[0].update(shape=(size,), dtype=jnp.dtype(jnp.int32), weak_type=False)
 
 
@@ -643,13 +647,13 @@ def wait_signal(mailbox: Mailbox, count: int, *, axis_name, after) -> jax.Array:
             for mail, arrived in zip(values[0::2], values[1::2]):
                 out = jnp.where(arrived.reshape((-1,) + (1,) * len(mailbox.shape)) > 0, mail, out)
             return out
-        rows, taken = wait_signal_p.bind(
+        rows, *taken = wait_signal_p.bind(
             *values, axis_name=names, size=size, shape=mailbox.shape, dtype=mailbox.dtype, mailbox=mailbox.name,
             count=int(count),
         )
-        if rows.size == 0:  # XLA folds a select of no elements to a constant that no longer follows the wait
+        if not taken:  # an empty payload: nothing to zero
             return rows
-        return jnp.where(taken.reshape((-1,) + (1,) * len(mailbox.shape)) != 0, rows, jnp.zeros((), rows.dtype))
+        return jnp.where(taken[0].reshape((-1,) + (1,) * len(mailbox.shape)) != 0, rows, jnp.zeros((), rows.dtype))
 
     return wait(*values)
 

@@ -61,16 +61,24 @@ ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buff
   });
 }
 
+// `taken`: the mask of the rows the wait took, a second result unless the payload is empty (then the
+// rows are the call's only result: XLA folds an empty element of a tuple to a constant, which would
+// no longer follow the wait).
 ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out,
-                ffi::Result<ffi::Buffer<ffi::S32>> taken_rows, ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
+                ffi::RemainingRets taken, ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
                 ffi::Span<const int64_t> axes, int64_t offset, int64_t signal_base, int64_t count,
                 int64_t generation) {
   return guarded([&] {
     wait_calls.fetch_add(1, std::memory_order_relaxed);
     MailboxCall m = open_mailbox(ordinal, generation, mesh_ranks, mesh_shape, axes, offset, signal_base,
                                  out->size_bytes(), /*slot_per_sender=*/true);
-    check_launch(launch_wait(m.device.context, m.box, (int32_t)count, out->untyped_data(), taken_rows->typed_data(),
-                             stream),
+    int32_t* taken_rows = nullptr;
+    if (!taken.empty()) {
+      auto mask = taken.get<ffi::Buffer<ffi::S32>>(0);
+      if (mask.has_error()) throw Error("jaxgin.wait_signal: its second result is not the int32 mask of taken rows");
+      taken_rows = (*mask)->typed_data();
+    }
+    check_launch(launch_wait(m.device.context, m.box, (int32_t)count, out->untyped_data(), taken_rows, stream),
                  "launching the wait kernels", m.device.device);
     pace_launches(m.device, stream, jaxgin_op_name(JAXGIN_OP_WAIT_SIGNAL));
   });
@@ -118,7 +126,7 @@ JAXGIN_FFI_CAPTURABLE_HANDLER(jaxgin_ffi_wait, jaxgin::ffi_support::wait,
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .RemainingRets()
                                   JAXGIN_MAILBOX_ATTRS
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("generation"));

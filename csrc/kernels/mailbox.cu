@@ -252,8 +252,8 @@ __device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const 
 }
 
 // Waits for puts of at least `count` senders, copies the taken ones into their rows of `out` and
-// marks them in `taken_rows` (1 taken, 0 not; the other rows of `out` are left as they were: the
-// caller's select zeroes them where it reads them); the last CTA returns the credits. CTA 0 decides which senders the wait takes and
+// marks them in `taken_rows` if given (1 taken, 0 not; the other rows of `out` are left as they
+// were: the caller's select zeroes them where it reads them); the last CTA returns the credits. CTA 0 decides which senders the wait takes and
 // publishes that in the header for the other CTAs, which wait for it there: one launch, not a
 // deciding kernel and a copying one. Every CTA reads the wait's number before any can end it.
 __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context* ctx,
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context*
   const uint32_t wait = *reinterpret_cast<const volatile uint32_t*>(&h->waits);
   if (blockIdx.x == 0) {
     const uint64_t taken = decide(ctx, box, count);
-    for (int s = (int)linear_thread(); s < box.axis_size; s += (int)block_threads())
+    for (int s = (int)linear_thread(); taken_rows != nullptr && s < box.axis_size; s += (int)block_threads())
       taken_rows[s] = (int32_t)(taken >> s & 1);
     if (linear_thread() == 0) {
       decision = taken;

@@ -68,8 +68,8 @@ static_assert(JAXGIN_LINE_MAX_BYTES <= (16u << 10), "a line-sized put must be on
 cudaError_t launch_put(const jaxgin_context* device_ctx, const mailbox_desc& box, const void* src, const int32_t* peer_index, int32_t* token, cudaStream_t stream);
 
 // Waits until `count` puts arrived, then writes every arrived payload to its sender's row of `out`
-// ([axis_size][payload]) and 1 to its entry of `taken_rows` ([axis_size]), 0 to the others' (whose
-// rows of `out` it leaves unwritten).
+// ([axis_size][payload]) and, unless `taken_rows` is null, 1 to its entry of `taken_rows`
+// ([axis_size]) and 0 to the others' (whose rows of `out` it leaves unwritten).
 cudaError_t launch_wait(const jaxgin_context* device_ctx, const mailbox_desc& box, int32_t count, void* out,
                         int32_t* taken_rows, cudaStream_t stream);
 
