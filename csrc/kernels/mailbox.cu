@@ -156,30 +156,19 @@ __global__ void __launch_bounds__(kThreads) put_kernel(const jaxgin_context* ctx
   }
 }
 
-// CTA-collective: the senders outside `skip` whose next put is complete in this rank's mailbox (a
-// mask, the same in every thread), `consumed` holding each sender's consumed count. Every sender's
-// lines or signal are read before the first barrier, so the reads' round trips overlap instead of
-// following each other sender by sender. Reads only.
-__device__ uint64_t complete_senders(const jaxgin_context* ctx, const mailbox_desc& box, const uint64_t* consumed,
-                                     uint64_t skip) {
-  uint64_t seen = 0;  // bit s: what this thread read of sender s's put is there
-  for (int s = 0; s < box.axis_size; s++) {
-    if (skip >> s & 1) continue;
-    bool there = true;
-    if (puts_as_lines(box, s)) {
-      const line* src = reinterpret_cast<const line*>(box.heap + line_slot_offset(box, s));
-      const uint32_t flag = line_flag(consumed[s]);
-      for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads())
-        there &= line_arrived(load_line(src + i), flag);
-    } else if (linear_thread() == 0) {
-      there = read_signal(ctx, data_signal(box, s)) - consumed[s] >= box.put_parts;
-    }
-    if (there) seen |= 1ull << s;
+// CTA-collective: whether sender `s`'s next put is complete in this rank's mailbox (every thread
+// gets the same answer), `consumed` being the sender's consumed count. Reads only.
+__device__ bool put_complete(const jaxgin_context* ctx, const mailbox_desc& box, int s, uint64_t consumed) {
+  const uint32_t signal = data_signal(box, s);
+  if (puts_as_lines(box, s)) {
+    const line* src = reinterpret_cast<const line*>(box.heap + line_slot_offset(box, s));
+    const uint32_t flag = line_flag(consumed);
+    bool mine = true;
+    for (uint64_t i = linear_thread(); i < line_count(box.payload_bytes); i += block_threads())
+      mine &= line_arrived(load_line(src + i), flag);
+    return __syncthreads_and(mine);
   }
-  uint64_t complete = 0;
-  for (int s = 0; s < box.axis_size; s++)
-    if (!(skip >> s & 1) && __syncthreads_and((int)(seen >> s & 1))) complete |= 1ull << s;
-  return complete;
+  return __syncthreads_or(linear_thread() == 0 && read_signal(ctx, signal) - consumed >= box.put_parts);
 }
 
 // CTA-collective: waits until puts of at least `count` senders are complete, takes every complete
@@ -191,10 +180,11 @@ __device__ uint64_t decide(const jaxgin_context* ctx, const mailbox_desc& box, i
   for (int s = (int)linear_thread(); s < box.axis_size; s += (int)block_threads())
     consumed[s] = box.consumed[data_signal(box, s)];
   __syncthreads();
-  uint64_t taken = 0;  // the same in every thread: complete_senders answers alike
+  uint64_t taken = 0;  // the same in every thread: put_complete answers alike
   uint64_t deadline = 0;
   while (true) {
-    taken |= complete_senders(ctx, box, consumed, taken);
+    for (int s = 0; s < box.axis_size; s++)
+      if (!(taken >> s & 1) && put_complete(ctx, box, s, consumed[s])) taken |= 1ull << s;
     if (__popcll(taken) >= count) break;
     if (linear_thread() == 0) {
       const uint64_t now = clock_ns();
