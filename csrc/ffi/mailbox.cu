@@ -61,9 +61,8 @@ ffi::Error put(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buff
   });
 }
 
-// `taken`: the mask of the rows the wait took, a second result unless the payload is empty (then the
-// rows are the call's only result: XLA folds an empty element of a tuple to a constant, which would
-// no longer follow the wait).
+// `taken`: the int32 mask of the rows the wait took, absent for an empty payload (jaxgin/mailbox.py
+// says why).
 ffi::Error wait(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out,
                 ffi::RemainingRets taken, ffi::Span<const int32_t> mesh_ranks, ffi::Span<const int64_t> mesh_shape,
                 ffi::Span<const int64_t> axes, int64_t offset, int64_t signal_base, int64_t count,

@@ -253,9 +253,10 @@ __device__ __forceinline__ void return_credits(const jaxgin_context* ctx, const 
 
 // Waits for puts of at least `count` senders, copies the taken ones into their rows of `out` and
 // marks them in `taken_rows` if given (1 taken, 0 not; the other rows of `out` are left as they
-// were: the caller's select zeroes them where it reads them); the last CTA returns the credits. CTA 0 decides which senders the wait takes and
-// publishes that in the header for the other CTAs, which wait for it there: one launch, not a
-// deciding kernel and a copying one. Every CTA reads the wait's number before any can end it.
+// were: the caller's select zeroes them where it reads them); the last CTA returns the credits.
+// CTA 0 decides which senders the wait takes and publishes that in the header for the other CTAs,
+// which wait for it there: one launch, not a deciding kernel and a copying one. Every CTA reads the
+// wait's number before any can end it.
 __global__ void __launch_bounds__(kThreads) collect_kernel(const jaxgin_context* ctx,
                                                            const __grid_constant__ mailbox_desc box, int32_t count,
                                                            char* out, int32_t* taken_rows) {

@@ -167,7 +167,7 @@ def correctness(argv):
         return [(inbox, expected)]
 
     x = _global(jax, mesh, (1, 16), jnp.int32, 78)
-    # Every shift, up and down again: each call takes another sender's row than the call before, so
+    # Every shift, up and down again: most calls take another sender's row than the call before, so
     # a row the wait did not take must read zero even where the last call wrote a payload.
     shifts = [jax.make_array_from_callback((n, 1), x.sharding, lambda idx, k=k: np.full((n, 1), k, np.int32)[idx])
               for k in list(range(n)) + list(range(n))[::-1]]
