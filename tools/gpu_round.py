@@ -606,6 +606,10 @@ BENCHMARKS = {step.name: step for step in [
                         "2,1024,4,4;1,8192,8,4;1,4096,4,4;1,2048,4,4;2,4096,8,4", "--out", "{out}/moe_blocks"],
          480, default=False, tail=40),
     Step("moe_profile_fp8", ["tools/profile_moe.py", "--tokens", "128", "--fp8"], 150, default=False, tail=40),
+    # the same block shapes by their kernels' device times (median and shortest run over a chain of pairs)
+    Step("moe_kernels", ["tools/profile_moe.py", "--tokens", "128", "--chains", "pair", "--blocks",
+                         "2,1024,4,4;2,1024,8,4;2,2048,4,4;1,8192,8,4;2,4096,8,4;1,4096,8,4",
+                         "--json", "{out}/moe_kernels.json"], 420, default=False, tail=12),
     # a jaxgin.triton_call of a kernel with nothing to do against an XLA fusion, per call in a chain
     Step("call_overhead", ["tools/call_overhead.py", "--out", "{out}"], 120, default=False, tail=10),
     # tl.histogram counted three ways against numpy (a masked count of a reshaped block miscounted on an H200)

@@ -4,7 +4,14 @@ events of one call in order (start offset, duration, name) and each name's total
 a change to the kernels can be judged by what it removes. With --out, each chain's folder also holds
 XLA's optimized program (optimized_hlo.txt), to tell which op made an event.
 
+With --blocks, the chains run once per JAXGIN_MOE_BLOCKS setting, and each setting's kernels are
+summed up by their median and shortest run over the chain's calls, beside the chain's median step
+cycle (benchmarks/timing.py): on one GPU no kernel waits for a peer, so the median is what the
+kernel costs; on more, the shortest run is the nearest to a call that did not wait. --json writes
+those figures.
+
     python tools/profile_moe.py [--tokens 128] [--fp8] [--out DIR]
+    python tools/profile_moe.py --chains pair --blocks "2,1024,4,4;1,8192,8,4" --json FILE
 
 Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without them it says so
 and exits with status 4 or 3 (jaxgin.cli).
@@ -14,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -30,9 +40,22 @@ from jaxgin import cli
 # benchmarks/timing.py: after (the benchmarks' way of making each call wait for the previous one)
 # and the trace reading
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timing import after, device_events, span_seconds  # noqa: E402
+from timing import after, device_events, span_seconds, step_cycle_seconds  # noqa: E402
 
 STEPS = 8
+CHAINS = ("dispatch", "combine", "pair")
+
+
+def kernel_figures(events: list[dict], calls: int) -> dict:
+    """Per event name that runs at least once a call: its runs, median and shortest duration (us);
+    and the chain's median step cycle (us; None when no event clocks it)."""
+    runs = collections.defaultdict(list)
+    for e in events:
+        runs[e["name"]].append(e["dur"])
+    cycle = step_cycle_seconds(events, calls)
+    return dict(step_cycle_us=None if cycle is None else round(cycle * 1e6, 2),
+                kernels={name: dict(runs=len(d), median_us=round(statistics.median(d), 2), min_us=round(min(d), 2))
+                         for name, d in runs.items() if len(d) >= calls})
 
 
 def report(title: str, events: list[dict], calls: int) -> None:
@@ -63,7 +86,14 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--fp8", action="store_true", help="dispatch with fp8=True (rows cross as e4m3)")
     parser.add_argument("--out", default=None, help="keep the traces here (default: a temporary folder)")
+    parser.add_argument("--chains", default=",".join(CHAINS), help=f"comma-separated, of {', '.join(CHAINS)}")
+    parser.add_argument("--blocks", default=None,
+                        help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
+    parser.add_argument("--json", default=None, help="write every setting's kernel figures to this file")
     args = parser.parse_args()
+    chains = args.chains.split(",")
+    if not chains or set(chains) - set(CHAINS):
+        parser.error(f"--chains {args.chains!r}: expected a comma-separated subset of {', '.join(CHAINS)}")
     cli.require_gpus(__file__, 1, "it profiles jaxgin.moe's kernels")
     cli.require(__file__, "triton", why="jaxgin.moe's kernels", install='-e ".[cuda]"')
     devices = jax.devices()
@@ -106,18 +136,36 @@ def main() -> None:
                                  unroll=True)[:t]
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-moe-"))
-    for name, body in (("dispatch", dispatches), ("combine", combines), ("dispatch + combine", pairs)):
-        # compiled once: what runs below, and whose optimized HLO is kept beside the trace (which
-        # HLO op made each device event)
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)).lower(x, ids, weights).compile()
-        jax.block_until_ready(f(x, ids, weights))  # load every kernel
-        jax.block_until_ready(f(x, ids, weights))
-        where = out / name.replace(" ", "").replace("+", "_")
-        where.mkdir(parents=True, exist_ok=True)
-        (where / "optimized_hlo.txt").write_text(f.as_text())
-        with jax.profiler.trace(str(where), create_perfetto_trace=True):
+    bodies = {"dispatch": dispatches, "combine": combines, "pair": pairs}
+    titles = {"dispatch": "dispatch", "combine": "combine", "pair": "dispatch + combine"}
+    figures = []
+    for setting in (args.blocks.split(";") if args.blocks else [None]):
+        if setting:
+            os.environ["JAXGIN_MOE_BLOCKS"] = setting
+            print(f"\nJAXGIN_MOE_BLOCKS={setting}", flush=True)
+        for name in chains:
+            # compiled once: what runs below, and whose optimized HLO is kept beside the trace (which
+            # HLO op made each device event)
+            f = jax.jit(jax.shard_map(bodies[name], mesh=mesh, in_specs=(spec,) * 3,
+                                      out_specs=spec)).lower(x, ids, weights).compile()
+            jax.block_until_ready(f(x, ids, weights))  # load every kernel
             jax.block_until_ready(f(x, ids, weights))
-        report(f"{name}{' (fp8 dispatch)' if args.fp8 else ''}, {t} tokens/GPU, {n} GPUs", device_events(where), STEPS)
+            where = out / (setting or "default").replace(",", "_") / name
+            where.mkdir(parents=True, exist_ok=True)
+            (where / "optimized_hlo.txt").write_text(f.as_text())
+            with jax.profiler.trace(str(where), create_perfetto_trace=True):
+                jax.block_until_ready(f(x, ids, weights))
+            events = device_events(where)
+            report(f"{titles[name]}{' (fp8 dispatch)' if args.fp8 else ''}, {t} tokens/GPU, {n} GPUs", events, STEPS)
+            row = dict(blocks=setting, chain=name, **kernel_figures(events, STEPS))
+            print("   " + json.dumps(row), flush=True)
+            figures.append(row)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(device=devices[0].device_kind, devices=n, jax=jax.__version__,
+                                                   tokens=t, hidden=args.hidden, experts=e, top_k=k, fp8=args.fp8,
+                                                   calls_per_chain=STEPS, figures=figures), indent=1))
+        print(f"wrote {args.json}")
     jaxgin.finalize()
     sys.stdout.flush()
 
