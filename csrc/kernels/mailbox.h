@@ -57,9 +57,10 @@ __host__ __device__ inline uint64_t mailbox_bytes(uint64_t payload_bytes, int ax
          mailbox_line_slot_bytes(payload_bytes) * (uint64_t)axis_size;
 }
 
+// 16 KiB per CTA, at most 64: the SMs a put stores from set its rate to an LSA peer.
 __host__ __device__ inline uint32_t mailbox_put_parts(uint64_t payload_bytes) {
-  const uint64_t parts = (payload_bytes + (16u << 10) - 1) / (16u << 10);  // 16 KiB per CTA
-  return parts < 1 ? 1 : parts > 32 ? 32 : (uint32_t)parts;
+  const uint64_t parts = (payload_bytes + (16u << 10) - 1) / (16u << 10);
+  return parts < 1 ? 1 : parts > 64 ? 64 : (uint32_t)parts;
 }
 static_assert(JAXGIN_LINE_MAX_BYTES <= (16u << 10), "a line-sized put must be one CTA");
 

@@ -198,10 +198,11 @@ def reference_sum_at_home(back, route: SourceRoute, plan: Plan):
 # GPU kernels.
 
 # (tokens per block, hidden columns per step, warps, dispatch's sending programs per 8 SMs). Low
-# latency: small blocks so a few hundred tokens still spread over many SMs; high throughput: larger
-# blocks for fewer, longer stores, and 3/8 of the SMs sending (NVLink-bound) while the rest
-# place rows (HBM-bound), so neither kind of store waits behind the other.
-_BLOCKS = {_routing.LOW_LATENCY: (2, 1024, 4, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8, 3)}
+# latency: small blocks so a few hundred tokens still spread over many SMs, each program's rows in
+# two wide steps of 8 warps (a step's loads wait in turn; combine is bound by that wait); high
+# throughput: larger blocks for fewer, longer stores, and 3/8 of the SMs sending (NVLink-bound)
+# while the rest place rows (HBM-bound), so neither kind of store waits behind the other.
+_BLOCKS = {_routing.LOW_LATENCY: (2, 4096, 8, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8, 3)}
 _ZERO_ROWS = 16
 
 

@@ -43,7 +43,7 @@ def memory_model(argv):
     fusion right before the put), sends it, waits, and compares every element right after the
     wait. Element j of the payload sender s writes in iteration i is (i * n + s) * E + j (mod 2^32),
     so a read that ran ahead of the data sees the previous iteration's value and counts. The
-    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 32 CTAs write, 64 read) taken by
+    paths: mailbox lines (8 KiB, one CTA), mailbox slots (4 MiB: 64 CTAs write, 64 read) taken by
     wait_signal_from and by wait_signal (whose CTA 0 decides for the others), ppermute's line
     exchange (8 KiB) and ppermute's rings (4 MiB over many lanes)."""
     jax, jaxgin = ops_scenarios._setup(argv)
