@@ -13,7 +13,6 @@ exits with status 4 (jaxgin.cli).
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import tempfile
 from pathlib import Path
@@ -30,35 +29,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
 from collectives import _array, _handler_calls, make_ops
-from profile_moe import report
+from profile_moe import host_report, report
 from timing import device_events, device_windows, host_events
 
 STEPS = 50
 HANDLER_COUNT_CALLS = 6
-
-
-def host_report(device: list[dict], host: list[dict]) -> None:
-    """What the host's threads did while GPU 0 ran the profiled call: their events by name (count,
-    total us) within GPU 0's window, and those that overlap the middle tenth of it, beside GPU 0's
-    events there, so a kernel that waited for its launch shows behind the host event that made it."""
-    if not device:
-        return
-    start, end = device[0]["ts"], max(e["ts"] + e["dur"] for e in device)
-    inside = [e for e in host if e["ts"] < end and e["ts"] + e["dur"] > start]
-    totals = collections.defaultdict(lambda: [0, 0.0])
-    for e in inside:
-        totals[(e["thread"], e["name"])][0] += 1
-        totals[(e["thread"], e["name"])][1] += e["dur"]
-    print(f"   host events during GPU 0's {end - start:.1f} us: {len(inside)}")
-    for (thread, name), (n, total) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:20]:
-        print(f"   {total:10.1f} us  x{n:<5d} [{thread[:24]}] {name[:90]}")
-    lo = start + (end - start) * 0.45
-    hi = lo + (end - start) * 0.1
-    merged = [("gpu", e) for e in device if lo <= e["ts"] < hi] + [("host", e) for e in inside if lo <= e["ts"] < hi]
-    print("   the middle tenth, both sides (us from GPU 0's first event):")
-    for side, e in sorted(merged, key=lambda item: item[1]["ts"])[:60]:
-        where = "GPU 0" if side == "gpu" else e["thread"][:24]
-        print(f"   +{e['ts'] - start:9.1f} {e['dur']:8.1f} us  {where:24s} {e['name'][:80]}")
 
 
 def main() -> None:

@@ -10,7 +10,10 @@ cycle (benchmarks/timing.py): on one GPU no kernel waits for a peer, so the medi
 kernel costs; on more, the shortest run is the nearest to a call that did not wait. --json writes
 those figures.
 
-    python tools/profile_moe.py [--tokens 128] [--fp8] [--out DIR]
+It also prints how many jaxgin handlers ran in each of the first calls (XLA recording its graphs
+runs them; a replayed graph does not), and with --host what XLA's threads did meanwhile.
+
+    python tools/profile_moe.py [--tokens 128] [--fp8] [--host] [--out DIR]
     python tools/profile_moe.py --chains pair --blocks "2,1024,4,4;1,8192,8,4" --json FILE
 
 Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without them it says so
@@ -40,10 +43,40 @@ from jaxgin import cli
 # benchmarks/timing.py: after (the benchmarks' way of making each call wait for the previous one)
 # and the trace reading
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timing import after, device_events, span_seconds, step_cycle_seconds  # noqa: E402
+from timing import after, device_events, host_events, span_seconds, step_cycle_seconds  # noqa: E402
 
 STEPS = 8
+HANDLER_COUNT_CALLS = 4
 CHAINS = ("dispatch", "combine", "pair")
+
+
+def host_report(device: list[dict], host: list[dict]) -> None:
+    """What the host's threads did while GPU 0 ran the profiled call: their events by name (count,
+    total us) within GPU 0's window, and those that overlap the middle tenth of it, beside GPU 0's
+    events there, so a kernel that waited for its launch shows behind the host event that made it."""
+    if not device:
+        return
+    start, end = device[0]["ts"], max(e["ts"] + e["dur"] for e in device)
+    inside = [e for e in host if e["ts"] < end and e["ts"] + e["dur"] > start]
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for e in inside:
+        totals[(e["thread"], e["name"])][0] += 1
+        totals[(e["thread"], e["name"])][1] += e["dur"]
+    print(f"   host events during GPU 0's {end - start:.1f} us: {len(inside)}")
+    for (thread, name), (n, total) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:20]:
+        print(f"   {total:10.1f} us  x{n:<5d} [{thread[:24]}] {name[:90]}")
+    lo = start + (end - start) * 0.45
+    hi = lo + (end - start) * 0.1
+    merged = [("gpu", e) for e in device if lo <= e["ts"] < hi] + [("host", e) for e in inside if lo <= e["ts"] < hi]
+    print("   the middle tenth, both sides (us from GPU 0's first event):")
+    for side, e in sorted(merged, key=lambda item: item[1]["ts"])[:60]:
+        where = "GPU 0" if side == "gpu" else e["thread"][:24]
+        print(f"   +{e['ts'] - start:9.1f} {e['dur']:8.1f} us  {where:24s} {e['name'][:80]}")
+
+
+def handler_count() -> int:
+    """jaxgin's FFI handler runs so far in this process (all targets)."""
+    return sum(jaxgin.runtime.current().backend_lib.ffi_calls().values())
 
 
 def kernel_figures(events: list[dict], calls: int) -> dict:
@@ -90,6 +123,9 @@ def main() -> None:
     parser.add_argument("--blocks", default=None,
                         help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
     parser.add_argument("--json", default=None, help="write every setting's kernel figures to this file")
+    parser.add_argument("--host", action="store_true",
+                        help="also what the host's threads did during each profiled chain (XLA's launches, "
+                             "jaxgin's handlers), beside the GPU's events")
     args = parser.parse_args()
     chains = args.chains.split(",")
     if not chains or set(chains) - set(CHAINS):
@@ -148,8 +184,11 @@ def main() -> None:
             # HLO op made each device event)
             f = jax.jit(jax.shard_map(bodies[name], mesh=mesh, in_specs=(spec,) * 3,
                                       out_specs=spec)).lower(x, ids, weights).compile()
-            jax.block_until_ready(f(x, ids, weights))  # load every kernel
-            jax.block_until_ready(f(x, ids, weights))
+            handler_calls = []  # jaxgin handlers run per call: XLA recording its graphs again
+            for _ in range(HANDLER_COUNT_CALLS):  # the first loads every kernel
+                before = handler_count()
+                jax.block_until_ready(f(x, ids, weights))
+                handler_calls.append(handler_count() - before)
             where = out / (setting or "default").replace(",", "_") / name
             where.mkdir(parents=True, exist_ok=True)
             (where / "optimized_hlo.txt").write_text(f.as_text())
@@ -157,6 +196,9 @@ def main() -> None:
                 jax.block_until_ready(f(x, ids, weights))
             events = device_events(where)
             report(f"{titles[name]}{' (fp8 dispatch)' if args.fp8 else ''}, {t} tokens/GPU, {n} GPUs", events, STEPS)
+            print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {handler_calls}")
+            if args.host:
+                host_report(events, host_events(where))
             row = dict(blocks=setting, chain=name, **kernel_figures(events, STEPS))
             print("   " + json.dumps(row), flush=True)
             figures.append(row)
