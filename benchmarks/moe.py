@@ -25,7 +25,8 @@ Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and dest
 the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
 
 Timing: one jitted, unrolled fori_loop of STEPS calls (no loop control between calls), each
-call's input depending on the previous output and routing again; best of REPEATS runs / STEPS
+call's input depending on the previous output and routing again (a pair's next x is its own
+output, with no op between the pairs); best of REPEATS runs / STEPS
 (times_us). Up to 256 tokens also a chain of 2 x STEPS: the difference per added call
 (per_call_us) and what is left of a run of STEPS (per_program_run_us: launching the program and
 waiting for it, spread over the calls in times_us; for combine also the dispatch feeding its chain).
@@ -51,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 from jaxgin.moe import _routing
-from timing import after, best_seconds, device_span_seconds
+from timing import after, best_seconds, device_span_seconds, tied
 
 STEPS = 20
 SPEC = P("ep")
@@ -169,7 +170,14 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
             sent = jg_dispatch(x, ids, w)
             return jaxgin.moe.combine(sent.x, sent.handle)
 
-        variants["jaxgin_pair"] = (chain(routed(jg_pair), steps), 3)
+        def pair_step(x, ids, w):
+            """combine returns x's shape, so the next pair takes this one's output as its x with no op
+            between them; the ids are tied to it only where XLA routes (above the low-latency
+            tokens): the dispatch kernel routes below, and no XLA op reads the ids alone."""
+            y = jg_pair(x, ids, w)
+            return y, (tied(ids, y) if tokens > _routing.LOW_LATENCY_MAX_TOKENS else ids), w
+
+        variants["jaxgin_pair"] = (chain(pair_step, steps), 3)
         variants["xla_all_to_all_same_bytes"] = (
             chain(lambda a: (after(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),), steps), 1)
 

@@ -174,3 +174,22 @@ def finish_call(state, finished, epoch, programs, counters, COUNTERS: tl.constex
         for i in tl.static_range(COUNTERS):
             tl.atomic_xchg(counters + i, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(state + CALLS, epoch + 1, sem="release", scope="gpu")
+
+
+# Traced kernels (the tools' view of where a kernel's time goes): a record of 8 int64 words per
+# program, in an int32 [programs, 16] output (XLA outside x64 mode has no int64 arrays).
+
+
+@triton.jit
+def now_ns(TRACE: tl.constexpr):
+    """The GPU's global timer in ns when TRACE, else 0 (no instruction)."""
+    if TRACE:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def trace_word(trace, place, word: tl.constexpr, value):
+    """Word `word` of program record `place` in a traced kernel's records."""
+    tl.store(trace.to(tl.pointer_type(tl.int64), bitcast=True) + place.to(tl.int64) * 8 + word, value)

@@ -562,6 +562,32 @@ def test_the_routing_dispatch_kernel_compiles_for_sm90a(toolchain, fp8):
     _rows_stored_16_bytes_at_a_time(kernel)
 
 
+def test_the_traced_routing_dispatch_kernel_records_each_step(toolchain):
+    """dispatch_routing_traced_kernel (tools/profile_moe.py --trace-dispatch): the same kernel with
+    8 int64 words per program written into its trace output and the GPU's global timer read at its
+    steps; the untraced kernel reads no timer and writes no trace."""
+    from jaxgin.moe import _kernels, _routing_device
+
+    pointers = dict(ctx="*u8", x="*bf16", ids="*i32", weights="*fp32", route="*i32", stage_x="*bf16",
+                    stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
+                    block_flags="*i64", state="*i64", send_x="*bf16", send_meta="*i32", send_w="*fp32",
+                    send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32", **_relay_pointers("*bf16"),
+                    out_x="*bf16", out_pos="*i32", out_w="*fp32", out_expert_counts="*i32", out_rows="*i32",
+                    out_dropped="*i32", slot="*i32", before="*i32", meta="*i32", dest="*i32", send_counts="*i32",
+                    masked="*i32")
+    routing = _routing_device.constexprs(128, 8, 2, 128)
+    constexprs = dict(T=128, H=7168, K=8, P=2, EL=128, C=1280, BT=2, BH=4096, BK=8, BP=2, BE=256, BZ=16, BB=128,
+                      NS=64, XB=2, GIN=0, SW=7168, FP8=0, L=1, SCAN=routing["SCAN"], BR=routing["BE"])
+    plain = compile_for_sm90(_kernels.dispatch_routing_kernel, pointers, num_warps=8, num_stages=1,
+                             constexprs=constexprs)
+    traced = compile_for_sm90(_kernels.dispatch_routing_traced_kernel, pointers | dict(trace="*i32"), num_warps=8,
+                              num_stages=1, constexprs=constexprs)
+    assert "%globaltimer" not in plain.asm["ptx"]
+    # start, counts posted (place 0), routed, counts seen, own work, zeroed, placed, end
+    assert traced.asm["ptx"].count("%globaltimer") >= 8
+    assert len(re.findall(r"st\.global(?:\.\w+)*\.b64", traced.asm["ptx"])) >= 8
+
+
 @pytest.mark.parametrize("tokens, gpus, warps", [(128, 4, 4), (256, 8, 8)])
 def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
     """Routing at DeepSeek-V3's low-latency shapes (top-8 of 256 experts; 128 tokens on 4 GPUs, and
@@ -1094,3 +1120,37 @@ def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
     buffers = args[10:]  # exchange._dispatch_launch's order: 15 buffers, then send_slot, send_n, relay_*
     relay_meta, relay_slot = buffers[15 + 3], buffers[15 + 5]
     assert relay_meta.shape == (2, p, 2, t, k) and relay_slot.shape == (2, p, 2, t)
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+def test_dispatch_lowering_traced_returns_the_records_of_the_routing_kernel(monkeypatch, gin):
+    """trace=True (tools/profile_moe.py --trace-dispatch) launches the traced routing kernel with a
+    record of 16 int32 per program as its last output, and returns it last; where XLA routes (a job
+    with GIN peers) no kernel is traced, and the error says which one is."""
+    pytest.importorskip("triton")
+    from jaxgin import op_support
+    from jaxgin.moe import _kernels, _routing, exchange
+
+    p, t, h, k, el = 4, 64, 256, 2, 2
+    plan = _routing.Plan(("ep",), p, t, h, k, el, p * t * k, "bfloat16", _routing.LOW_LATENCY)
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(exchange, "axis_route", lambda names: jnp.asarray([1, 0, 1, 2, 3], jnp.int32))
+    calls = []
+
+    def fake_call(kernel, *args, out_shape, **kw):
+        calls.append((kernel, out_shape, kw))
+        return [jnp.full(o.shape, 7, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(exchange, "triton_call", fake_call)
+    ids = jax.random.randint(jax.random.key(3), (t, k), 0, p * el)
+    x, w = jnp.ones((t, h), jnp.bfloat16), jnp.ones((t, k), jnp.float32)
+    if gin:
+        with pytest.raises(ValueError, match="only the kernel that routes is traced: up to 256 tokens per GPU"):
+            exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan, trace=True)
+        assert not calls
+        return
+    outs = exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan, trace=True)
+    ((kernel, out_shape, kw),) = calls
+    assert kernel is _kernels.dispatch_routing_traced_kernel
+    assert out_shape[-1].shape == (kw["grid"][0], 16) and out_shape[-1].dtype == jnp.int32
+    assert len(outs) == 9 and outs[-1].shape == (kw["grid"][0], 16)

@@ -39,11 +39,12 @@ from jax.sharding import PartitionSpec as P
 
 import jaxgin
 from jaxgin import cli
+from jaxgin.moe._routing import LOW_LATENCY_MAX_TOKENS
 
 # benchmarks/timing.py: after (the benchmarks' way of making each call wait for the previous one)
 # and the trace reading
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timing import after, device_events, host_events, span_seconds, step_cycle_seconds  # noqa: E402
+from timing import after, device_events, host_events, span_seconds, step_cycle_seconds, tied  # noqa: E402
 
 STEPS = 8
 HANDLER_COUNT_CALLS = 4
@@ -111,6 +112,53 @@ def report(title: str, events: list[dict], calls: int) -> None:
         print(f"   +{e['ts'] - t0:8.1f} {e['dur']:8.1f} us  {e['name'][:100]}")
 
 
+# dispatch_routing_traced_kernel's record words (_kernels.py says what each one marks)
+RECORD_WORDS = ("start", "counts_posted", "routed", "counts_seen", "own_done", "zeroed", "placed", "end")
+
+
+def dispatch_records(mesh, x, ids, weights, experts: int, capacity: int, calls: int = 3) -> tuple[np.ndarray, int]:
+    """Every GPU's records of the low-latency dispatch kernel, traced ([GPUs, programs, 8] int64,
+    RECORD_WORDS, by place in the start order), from the last of `calls` calls; and how many of
+    the first places send (the rest place)."""
+    from jaxgin import op_support
+    from jaxgin.ffi import axes as axes_lib
+    from jaxgin.moe import _routing, exchange
+
+    senders = {}
+
+    def call(x, ids, w):
+        names = axes_lib.axis_names("ep", exchange.DISPATCH)
+        plan = _routing.make_plan(exchange.DISPATCH, names, mesh.size, x, ids, experts, capacity, "auto")
+        x, ids, w = op_support.same_varying(names, x, ids, w)
+        state = op_support.kernel_state()
+        senders["NS"] = exchange._dispatch_launch(state, plan, False)["NS"]
+        outs = exchange.dispatch_routing_kernel(state, x, w.astype(jnp.float32), ids.astype(jnp.int32), plan,
+                                                trace=True)
+        return outs[0], outs[-1]
+
+    spec = P("ep")
+    traced = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec)))
+    for _ in range(calls):
+        _, records = traced(x, ids, weights)
+    return np.asarray(records).reshape(mesh.size, -1, 16).view(np.int64), senders["NS"]
+
+
+def dispatch_trace_summary(records: np.ndarray, senders: int) -> dict:
+    """One GPU's records as us from its first program's start: each word's median and latest over
+    the senders and over the placers (counts_posted: place 0's)."""
+    t0 = records[:, 0].min()
+
+    def spread(values):
+        us = (values - t0) / 1e3
+        return dict(median=round(float(np.median(us)), 2), max=round(float(us.max()), 2)) if len(us) else None
+
+    out = dict(span_us=round(float((records[:, 7].max() - t0) / 1e3), 2), programs=len(records), senders=senders,
+               counts_posted_us=round(float((records[0, 1] - t0) / 1e3), 2))
+    for role, rows in (("senders", records[:senders]), ("placers", records[senders:])):
+        out[role] = {word: spread(rows[:, i]) for i, word in enumerate(RECORD_WORDS) if word != "counts_posted"}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
@@ -123,6 +171,9 @@ def main() -> None:
     parser.add_argument("--blocks", default=None,
                         help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
     parser.add_argument("--json", default=None, help="write every setting's kernel figures to this file")
+    parser.add_argument("--trace-dispatch", action="store_true",
+                        help="also the low-latency dispatch kernel traced: when each of its programs reached each "
+                             "step (RECORD_WORDS), summed up per GPU")
     parser.add_argument("--host", action="store_true",
                         help="also what the host's threads did during each profiled chain (XLA's launches, "
                              "jaxgin's handlers), beside the GPU's events")
@@ -158,11 +209,13 @@ def main() -> None:
         return jax.lax.fori_loop(0, STEPS, step, (x, ids), unroll=True)[0]
 
     def pairs(x, ids, w):
+        # as benchmarks/moe.py's pairs: combine's output is the next x, nothing runs between pairs
+        # (ids tied to it only where XLA routes)
         def step(_, carry):
             a, i = carry
             sent = dispatch(a, i, w)
-            y = after(a, jaxgin.moe.combine(sent.x, sent.handle))
-            return y, after(i, y)
+            y = jaxgin.moe.combine(sent.x, sent.handle)
+            return y, (tied(i, y) if t > LOW_LATENCY_MAX_TOKENS else i)
 
         return jax.lax.fori_loop(0, STEPS, step, (x, ids), unroll=True)[0]
 
@@ -202,11 +255,20 @@ def main() -> None:
             row = dict(blocks=setting, chain=name, **kernel_figures(events, STEPS))
             print("   " + json.dumps(row), flush=True)
             figures.append(row)
+    traces = None
+    if args.trace_dispatch:
+        records, senders = dispatch_records(mesh, x, ids, weights, e, capacity)
+        traces = dict(senders=senders, gpus=[dispatch_trace_summary(r, senders) for r in records],
+                      gpu0_records=(records[0] - records[0, :, 0].min()).tolist())
+        print("\n== dispatch kernel traced (us from each GPU's first program start)")
+        for g, summary in enumerate(traces["gpus"]):
+            print(f"   GPU {g}: " + json.dumps(summary), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(device=devices[0].device_kind, devices=n, jax=jax.__version__,
                                                    tokens=t, hidden=args.hidden, experts=e, top_k=k, fp8=args.fp8,
-                                                   calls_per_chain=STEPS, figures=figures), indent=1))
+                                                   calls_per_chain=STEPS, figures=figures,
+                                                   dispatch_trace=traces), indent=1))
         print(f"wrote {args.json}")
     jaxgin.finalize()
     sys.stdout.flush()

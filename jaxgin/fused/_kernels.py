@@ -53,7 +53,7 @@ import triton.language as tl
 
 import jaxgin.triton_device.language as tgl
 from jaxgin.op_kernels import (AXIS_INDEX, arrivals_to_flag, call_position, finish_call, gin_route, network_entry,
-                                rank_of, start_order, wait_gin_source)
+                                now_ns, rank_of, start_order, trace_word, wait_gin_source)
 
 # Every fused op's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), FINISHED, STARTED].
 FINISHED = tl.constexpr(1)
@@ -432,7 +432,7 @@ def _exchange_tile(
     else:
         acc = _matmul_tile(x, x_rows, w, w_col0, CN - tj * BN, K, N, BN, BK, PRECISION)
     tile = acc.to(out.dtype.element_ty)
-    computed = _now_ns(TRACE)
+    computed = now_ns(TRACE)
     if d == me or (PARTS & 1) == 0:
         _store_chunk_tile(out, tile, d, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     elif gin_route(ctx, route, d, me, GIN) != 0:
@@ -447,7 +447,7 @@ def _exchange_tile(
         tl.store(slot + r[:, None] * CN + c[None, :], tile, mask=ok)
         if PARTS & 2:
             tgl.set_flag(ctx, flags + me * TILES + t, epoch + 1, peer)
-    stored = _now_ns(TRACE)
+    stored = now_ns(TRACE)
     waited = stored
     s = (me + P - step) % P
     if MOVED > 0:
@@ -461,7 +461,7 @@ def _exchange_tile(
             else:
                 tgl.wait_flag(ctx, flags + s * TILES + t, epoch + 1)
                 slot = recv + (half * P + s) * (CM * CN)
-            waited = _now_ns(TRACE)
+            waited = now_ns(TRACE)
             _copy_out_arrival(out, slot, s, r, c, ok, CM, CN, CONCAT_ROWS, OUT_N)
     return computed, stored, waited
 
@@ -619,21 +619,21 @@ def _matmul_all_to_all(
     else:
         mover = False  # compiled away
     if mover:
-        started = _now_ns(TRACE)
+        started = now_ns(TRACE)
         _move_arrivals(ctx, route, recv, flags, out, place, me, epoch, half, P, CM, CN, CONCAT_ROWS, OUT_N, BM, BN,
                        GROUP_M, INTERLEAVE, MOVERS, MOVED)
         if TRACE:
-            _trace_program(trace, P * TILES + place, started, pid, started, _now_ns(TRACE))
+            _trace_program(trace, P * TILES + place, started, pid, started, now_ns(TRACE))
     elif pid < P * TILES:
-        started = _now_ns(TRACE)
+        started = now_ns(TRACE)
         computed, stored, waited = _exchange_tile(
             ctx, x, w, route, recv, flags, gin_tiles, sig, out, pid, me, epoch, half,
             M, N, K, P, CM, CN, SPLIT_ROWS, CONCAT_ROWS, OUT_N, BM, BN, BK, GROUP_M, PRECISION,
             PARTS, INTERLEAVE, PULL, GIN, XB, COPY_SLABS, MOVED, TRACE)
         if TRACE:
-            _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
-            _trace_word(trace, pid, 5, computed)
-            _trace_word(trace, pid, 6, stored)
+            _trace_program(trace, pid, started, pid, waited, now_ns(TRACE))
+            trace_word(trace, pid, 5, computed)
+            trace_word(trace, pid, 6, stored)
     else:
         if GIN:  # the copy-out programs exist only in a GIN job (compiled away otherwise: COPIERS = 0)
             _copy_out_gin_source(ctx, route, flags, gin_tiles, sig, out, pid - P * TILES, me, epoch, half,
@@ -693,7 +693,7 @@ def _partial_tile(
     d = (me + 1 + step) % P
     ti, tj, r, c, ok, acc = _chunk_tile(x, w, d, t, N, K, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION)
     tile = acc.to(partials.dtype.element_ty)
-    computed = _now_ns(TRACE)
+    computed = now_ns(TRACE)
     if gin_route(ctx, route, d, me, GIN) != 0:
         _put_tile(ctx, route, gin_tiles, sig, tile, ok, ti, tj, t, d, me, half, P, TILES, CM, CN, BM, BN, XB)
     else:
@@ -735,7 +735,7 @@ def _reduce_tile(
     if WAIT_FIRST:
         for s in tl.static_range(P):
             _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD, PUSH)
-    waited = _now_ns(TRACE)
+    waited = now_ns(TRACE)
     for slab in tl.static_range(REDUCE_SLABS):
         rows = slab * SLAB + tl.arange(0, SLAB)
         r = ti * BM + rows
@@ -746,7 +746,7 @@ def _reduce_tile(
             if not WAIT_FIRST and slab == 0:  # every source waited for once, before its first load
                 _wait_source(ctx, route, flags, sig, s, t, me, epoch, half, P, TILES, GIN, FOLD, PUSH)
                 if s == P - 1:
-                    waited = _now_ns(TRACE)
+                    waited = now_ns(TRACE)
             if s == me:
                 part = tl.load(partials + (half * P + me) * (CM * CN) + within, mask=ok, other=0.0,
                                cache_modifier=".cg")
@@ -836,17 +836,17 @@ def _matmul_reduce_scatter(
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)
     if FOLD:
-        started = _now_ns(TRACE)
+        started = now_ns(TRACE)
         computed = _partial_tile(ctx, x, w, route, partials, flags, gin_tiles, sig, pid, me, epoch, half,
                                  N, K, P, CM, CN, SCATTER_ROWS, BM, BN, BK, GROUP_M, PRECISION, GIN, XB, FOLD, PUSH,
                                  TRACE)
-        waited = _now_ns(TRACE)
+        waited = now_ns(TRACE)
         if pid % P == P - 1:  # step P - 1: the tile of this GPU's own chunk
             waited = _reduce_tile(ctx, route, partials, flags, gin_tiles, sig, out, pid // P, me, epoch, half,
                                   P, CM, CN, BM, BN, GROUP_M, GIN, WAIT_FIRST, REDUCE_SLABS, FOLD, PUSH, TRACE)
         if TRACE:
-            _trace_program(trace, pid, started, pid, waited, _now_ns(TRACE))
-            _trace_word(trace, pid, 5, computed)
+            _trace_program(trace, pid, started, pid, waited, now_ns(TRACE))
+            trace_word(trace, pid, 5, computed)
         finish_call(state, state + FINISHED, epoch, P * TILES, state + STARTED, 1)
     else:
         # Start-order places: LAG groups of P partials; then per tile t < TILES - LAG the P partials of
@@ -939,31 +939,16 @@ def _forward_from_network(ctx, route, hosts, gather, flags, sig, me, epoch, half
 
 
 @triton.jit
-def _now_ns(TRACE: tl.constexpr):
-    """The GPU's global timer in ns when TRACE, else 0 (no instruction)."""
-    if TRACE:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                         pack=1)
-    return tl.full((), 0, tl.int64)
-
-
-@triton.jit
 def _trace_program(trace, place, started, tile, waited, ended):
     """One program's record in a traced kernel, 8 int64 words at place * 8 (`trace` any pointer to
     them; XLA outside x64 mode has no int64 arrays): start, tile (-1: a sender), when its waits
     ended (a sender: when its sends did), end (ns, the GPU's global timer), its SM."""
     sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    _trace_word(trace, place, 0, started)
-    _trace_word(trace, place, 1, tile)
-    _trace_word(trace, place, 2, waited)
-    _trace_word(trace, place, 3, ended)
-    _trace_word(trace, place, 4, sm.to(tl.int64))
-
-
-@triton.jit
-def _trace_word(trace, place, word: tl.constexpr, value):
-    """Word `word` of program record `place` in a traced kernel's records (8 int64 words each)."""
-    tl.store(trace.to(tl.pointer_type(tl.int64), bitcast=True) + place.to(tl.int64) * 8 + word, value)
+    trace_word(trace, place, 0, started)
+    trace_word(trace, place, 1, tile)
+    trace_word(trace, place, 2, waited)
+    trace_word(trace, place, 3, ended)
+    trace_word(trace, place, 4, sm.to(tl.int64))
 
 
 @triton.jit
@@ -996,7 +981,7 @@ def _all_gather_matmul(
     TILES: tl.constexpr = TM * TN
     me, epoch, half = call_position(route, state)
     pid = start_order(state + STARTED)  # senders start first
-    started = _now_ns(TRACE)
+    started = now_ns(TRACE)
     if pid < SENDERS:
         if GIN:
             own = gather + (half * P + me) * (ML * K)
@@ -1033,7 +1018,7 @@ def _all_gather_matmul(
                 _copy_rows(slot, x, g * GR, tl.minimum(ML, (g + 1) * GR), K, SEND_BM, SEND_BK)
                 tgl.set_flag(ctx, flags + me * G + g, epoch + 1, peer)
         if TRACE:
-            sent = _now_ns(TRACE)
+            sent = now_ns(TRACE)
             _trace_program(trace, pid, started, -1, sent, sent)
     else:
         q = pid - SENDERS
@@ -1046,13 +1031,13 @@ def _all_gather_matmul(
             for g in range(ti * BM // GR, tl.minimum(G, ((ti + 1) * BM + GR - 1) // GR)):  # its rows' groups
                 tgl.wait_flag(ctx, flags + s * G + g, epoch + 1)
             a = gather + (half * P + s) * (ML * K)
-        waited = _now_ns(TRACE)
+        waited = now_ns(TRACE)
         acc = _matmul_tile(a, r % ML, w, tj * BN, N - tj * BN, K, N, BN, BK, PRECISION)
         c = tj * BN + tl.arange(0, BN)
         ok = (r < ML)[:, None] & (c < N)[None, :]
         tl.store(out + (s * ML + r)[:, None] * N + c[None, :], acc.to(out.dtype.element_ty), mask=ok)
         if TRACE:
-            _trace_program(trace, pid, started, q, waited, _now_ns(TRACE))
+            _trace_program(trace, pid, started, q, waited, now_ns(TRACE))
     finish_call(state, state + FINISHED, epoch, SENDERS + P * TILES, state + STARTED, 1)
 
 

@@ -92,7 +92,7 @@ import jaxgin.triton_device.language as tgl
 from jaxgin.moe import _fp8_device as fp8_rows
 from jaxgin.moe import _routing_device
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, host_place, host_size,
-                                network_entry, rank_of, start_order, wait_gin_source)
+                                network_entry, now_ns, rank_of, start_order, trace_word, wait_gin_source)
 
 # dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED].
 DISPATCH_STARTED = tl.constexpr(1)
@@ -503,8 +503,8 @@ def dispatch_kernel(
               stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
               send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
               send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
-              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
-              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 0, 1, 1)
+              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, out_dropped,
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 0, 1, 1, 0)
 
 
 @triton.jit
@@ -532,8 +532,37 @@ def dispatch_routing_kernel(
               stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
               send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
               send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
-              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
-              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 1, SCAN, BR)
+              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, masked,
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 1, SCAN, BR, 0)
+
+
+@triton.jit
+def dispatch_routing_traced_kernel(
+    ctx, x, ids, weights, route,
+    stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+    send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
+    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+    slot, before, meta, dest, send_counts, masked, trace,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, L: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr,
+):
+    """dispatch_routing_kernel that also writes a record per program into trace (int32 [programs,
+    16]; tools/profile_moe.py --trace-dispatch: where the kernel's time goes). Words, by place in
+    the start order (senders first), ns of the GPU's global timer: start, counts posted (place 0;
+    else 0), first block routed, every GPU's counts seen, own work done (a sender: its blocks
+    sent; a placer: this GPU's entries placed), unused rows zeroed, other GPUs' blocks placed (a
+    sender: as own work), end."""
+    tl.static_assert(GIN == 0, "dispatch across hosts needs route()'s host unions: dispatch_kernel")
+    _dispatch(ctx, x, ids, slot, before, meta, dest, weights, send_counts, masked, route,
+              slot, slot, slot,  # no host unions: never read with GIN = 0
+              stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+              send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+              send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
+              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, trace,
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 1, SCAN, BR, 1)
 
 
 @triton.jit
@@ -542,12 +571,12 @@ def _dispatch(
     stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
     send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
     send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
-    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped,
+    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, trace,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
     BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
     SW: tl.constexpr, FP8: tl.constexpr, L: tl.constexpr, ROUTED: tl.constexpr, SCAN: tl.constexpr,
-    BR: tl.constexpr,
+    BR: tl.constexpr, TRACE: tl.constexpr,
 ):
     """x [T, H] -> out_x [C, H] grouped by local expert. On every GPU: staging stage_x [2, P, T, SW],
     stage_meta / stage_w [2, P, T, K], stage_counts [2, P, EL + 1], stage_starts [2, P, T + 1]
@@ -568,7 +597,7 @@ def _dispatch(
     relay_slot [2, P, L, T] (by source, then the GPU's place on this host: jaxgin.op_kernels.
     host_place; L: the most GPUs of one host), relay_n [2P]: what the sources of other hosts put
     here when this GPU is their network entry (_forward_from_network); data_ready [P] flags by
-    source; signals sig .. sig + 2P - 1."""
+    source; signals sig .. sig + 2P - 1. TRACE: records into trace (dispatch_routing_traced_kernel)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     SEND_STEP: tl.constexpr = NS if NS > 0 else 1
     nprog = tl.num_programs(0)
@@ -576,6 +605,8 @@ def _dispatch(
     # Roles by the order programs started (senders first), so that a placer's waits point only
     # at programs that have started, here and on the peers (jaxgin.op_kernels.start_order).
     pid = start_order(state + DISPATCH_STARTED)
+    started = now_ns(TRACE)
+    posted = started * 0
     my_rank = rank_of(route, me)
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
@@ -608,11 +639,14 @@ def _dispatch(
             for s in range(P):
                 if gin_route(ctx, route, s, me, GIN) != 0:
                     arrivals_to_flag(ctx, sig + s, 2, flags + s, epoch + 1, my_rank)
+        posted = now_ns(TRACE)
     # The first block this program sends or places is routed while the counts travel.
     blk = tl.where(pid < NS, pid, pid - NS)
     slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
+    routed = now_ns(TRACE)
     for source in range(P):
         tgl.wait_flag(ctx, flags + source, epoch + 1)
+    counted = now_ns(TRACE)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
                      mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
     rows_from = tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)  # [BP]
@@ -629,6 +663,8 @@ def _dispatch(
             blk += SEND_STEP
             if blk < TB:
                 slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
+        own_done = now_ns(TRACE)
+        zeroed = own_done
         if GIN:
             # The last sender to finish packing puts each other host's union to its network entry
             # there: 3 + 2 x (GPUs of that host) arrivals (_forward_from_network).
@@ -638,6 +674,7 @@ def _dispatch(
             _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, data_ready, relay_x,
                                   relay_meta, relay_w, relay_slot, relay_n, sig, me, half, epoch,
                                   T, K, P, BT, BH, BK, BP, NS, SW, L)
+        placed = now_ns(TRACE)
     else:
         # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
         q = pid - NS
@@ -651,6 +688,7 @@ def _dispatch(
             blk += placers
             if blk < TB:
                 slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
+        own_done = now_ns(TRACE)
         filled = tl.minimum(tl.sum(total), C)
         for zb in range(q, (C + BZ - 1) // BZ, placers):
             z = zb * BZ + tl.arange(0, BZ)
@@ -660,16 +698,27 @@ def _dispatch(
                     h = h0 + hs
                     tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
                              tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
+        zeroed = now_ns(TRACE)
         for blk in range(q, TB, placers):
             _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
                          out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                          T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
+        placed = now_ns(TRACE)
     if pid == 0:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)
         tl.store(out_expert_counts + es, kept, mask=es < EL)
         tl.store(out_rows + ps, rows_from, mask=ps < P)
         tl.store(out_dropped, tl.sum(total) - tl.sum(kept))
+    if TRACE:
+        trace_word(trace, pid, 0, started)
+        trace_word(trace, pid, 1, posted)
+        trace_word(trace, pid, 2, routed)
+        trace_word(trace, pid, 3, counted)
+        trace_word(trace, pid, 4, own_done)
+        trace_word(trace, pid, 5, zeroed)
+        trace_word(trace, pid, 6, placed)
+        trace_word(trace, pid, 7, now_ns(TRACE))
     finish_call(state, state + DISPATCH_FINISHED, epoch, nprog, state + DISPATCH_STARTED, 1)
 
 

@@ -407,12 +407,17 @@ def _dispatch_launch(state, plan: Plan, fp8: bool) -> dict:
     )
 
 
-def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool = False):
+def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool = False, trace: bool = False):
     """dispatch on GPUs from the ids: up to LOW_LATENCY_MAX_TOKENS tokens per GPU one kernel that
     routes as it goes (_kernels.dispatch_routing_kernel), above them XLA's route() then
     dispatch_kernel (routing in the kernel grows with the square of the tokens). Returns
-    dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries)."""
-    if plan.tokens > _routing.LOW_LATENCY_MAX_TOKENS or op_support.gin_in_job(state):
+    dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries); with `trace` (the
+    routing kernel only) also its records, int32 [programs, 16] (dispatch_routing_traced_kernel)."""
+    routes_here = plan.tokens <= _routing.LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
+    if trace and not routes_here:
+        raise ValueError(f"{DISPATCH}: only the kernel that routes is traced: up to "
+                         f"{_routing.LOW_LATENCY_MAX_TOKENS} tokens per GPU, in a job without GIN peers")
+    if not routes_here:
         # across hosts, dispatch needs route()'s slots for the per-host unions too
         route, masked = _routing.route(topk_ids, plan)
         return (*dispatch_kernel(state, x, weights, route, plan, fp8), route, masked)
@@ -425,14 +430,16 @@ def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool =
     i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
     routing = _routing_device.constexprs(t, k, p, el)
     outs = triton_call(
-        _kernels.dispatch_routing_kernel, x, topk_ids, weights, axis_route(plan.names), *buf,
+        _kernels.dispatch_routing_traced_kernel if trace else _kernels.dispatch_routing_kernel,
+        x, topk_ids, weights, axis_route(plan.names), *buf,
         out_shape=[*_dispatch_outputs(plan, x.dtype),
-                   i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
+                   i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1),
+                   *([i32(launch["grid"][0], 16)] if trace else [])],
         SCAN=routing["SCAN"], BR=routing["BE"], **launch,
     )
-    grouped, positions, weights_out, counts, rows, dropped, slot, before, meta, dest, send_counts, masked = outs
+    grouped, positions, weights_out, counts, rows, dropped, slot, before, meta, dest, send_counts, masked = outs[:12]
     return (grouped, positions, weights_out, counts, rows, dropped.reshape(()),
-            SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(()))
+            SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(()), *outs[12:])
 
 
 def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan: Plan):
