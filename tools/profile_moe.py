@@ -131,7 +131,7 @@ def dispatch_records(mesh, x, ids, weights, experts: int, capacity: int, calls: 
         plan = _routing.make_plan(exchange.DISPATCH, names, mesh.size, x, ids, experts, capacity, "auto")
         x, ids, w = op_support.same_varying(names, x, ids, w)
         state = op_support.kernel_state()
-        senders["NS"] = exchange._dispatch_launch(state, plan, False)["NS"]
+        senders["NS"] = exchange._dispatch_launch(state, plan, False, routing=True)["NS"]
         outs = exchange.dispatch_routing_kernel(state, x, w.astype(jnp.float32), ids.astype(jnp.int32), plan,
                                                 trace=True)
         return outs[0], outs[-1]

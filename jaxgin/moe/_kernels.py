@@ -18,7 +18,9 @@ made by XLA (dispatch_kernel).
      rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
      there; every program routes its first block, then waits for all P, so from then on every GPU
      knows where each source's entries land in its grouped output, and which staging rows each
-     source block fills;
+     source block fills. In the kernel that routes, only placers wait: its senders need only their
+     own blocks' staging rows, so they send at once, and program 0, whose counts take about as
+     long as a block's send, sends none;
   2. the programs split in two kinds, so that stores bound by NVLink and stores bound by HBM never
      wait behind each other in one SM (a warp stalled on a full NVLink queue stalls its local
      stores too). Senders (a fraction of the SMs) store every token block into this GPU's staging
@@ -599,7 +601,13 @@ def _dispatch(
     here when this GPU is their network entry (_forward_from_network); data_ready [P] flags by
     source; signals sig .. sig + 2P - 1. TRACE: records into trace (dispatch_routing_traced_kernel)."""
     TB: tl.constexpr = (T + BT - 1) // BT
-    SEND_STEP: tl.constexpr = NS if NS > 0 else 1
+    # The routing kernel's senders start before the counts (they need only their own blocks'
+    # routing): place 0 computes and posts the counts and sends no block, places 1 .. NS - 1 send
+    # without waiting for any GPU's counts, and the first placer writes the count outputs.
+    EARLY: tl.constexpr = ROUTED == 1 and NS > 1
+    FIRST_SENDER: tl.constexpr = 1 if EARLY else 0
+    WRITER: tl.constexpr = NS if EARLY else 0
+    SEND_STEP: tl.constexpr = NS - FIRST_SENDER if NS > 0 else 1
     nprog = tl.num_programs(0)
     me, epoch, half = call_position(route, state)
     # Roles by the order programs started (senders first), so that a placer's waits point only
@@ -641,11 +649,13 @@ def _dispatch(
                     arrivals_to_flag(ctx, sig + s, 2, flags + s, epoch + 1, my_rank)
         posted = now_ns(TRACE)
     # The first block this program sends or places is routed while the counts travel.
-    blk = tl.where(pid < NS, pid, pid - NS)
+    blk = tl.where(pid < NS, pid - FIRST_SENDER, pid - NS)
+    blk = tl.where(blk < 0, TB, blk)  # EARLY's place 0: no block
     slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
     routed = now_ns(TRACE)
-    for source in range(P):
-        tgl.wait_flag(ctx, flags + source, epoch + 1)
+    if pid >= NS * FIRST_SENDER:  # everyone, or with EARLY only the placers
+        for source in range(P):
+            tgl.wait_flag(ctx, flags + source, epoch + 1)
     counted = now_ns(TRACE)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
                      mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
@@ -704,7 +714,7 @@ def _dispatch(
                          out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
                          T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
         placed = now_ns(TRACE)
-    if pid == 0:
+    if pid == WRITER:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)
         tl.store(out_expert_counts + es, kept, mask=es < EL)

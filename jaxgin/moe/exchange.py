@@ -342,11 +342,12 @@ def _grid(state, items: int) -> int:
     return max(1, min(_sms(state), items))
 
 
-def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int) -> tuple[int, int]:
+def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int, counting: bool = False) -> tuple[int, int]:
     """(programs, of which senders): dispatch's senders get senders_per_8 / 8 of the SMs (none with
-    one GPU), its placers the rest, each no more than their work items; at most one per SM."""
+    one GPU), its placers the rest, each no more than their work items; at most one per SM.
+    counting: the routing kernel's first sender only posts the counts (one more sender)."""
     sms = _sms(state)
-    senders = 0 if plan.size == 1 else max(1, min(blocks, sms * senders_per_8 // 8))
+    senders = 0 if plan.size == 1 else max(1, min(blocks, sms * senders_per_8 // 8)) + int(counting)
     placers = max(1, min(sms - senders, max(blocks, -(-plan.capacity // _ZERO_ROWS))))
     return senders + placers, senders
 
@@ -384,9 +385,10 @@ def _dispatch_outputs(plan: Plan, dtype) -> list:
     ]
 
 
-def _dispatch_launch(state, plan: Plan, fp8: bool) -> dict:
+def _dispatch_launch(state, plan: Plan, fp8: bool, routing: bool = False) -> dict:
     """What both dispatch kernels launch with: the heap buffers in their argument order ("buffers"),
-    the grid, warps and compile-time parameters."""
+    the grid, warps and compile-time parameters (routing: the kernel that routes, _dispatch_grid's
+    counting)."""
     p, t, h, k, el, c = plan.size, plan.tokens, plan.hidden, plan.top_k, plan.local_experts, plan.capacity
     bt, bh, warps, senders_per_8 = _blocks(plan)
     bh = min(bh, pow2(h))
@@ -394,7 +396,7 @@ def _dispatch_launch(state, plan: Plan, fp8: bool) -> dict:
         bh = max(bh, fp8_lib.BLOCK)  # whole scale blocks per step
     buf, gin = _buffers(state, plan, fp8)
     sw, staged = _staged_row(plan, fp8)
-    programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8)
+    programs, senders = _dispatch_grid(state, plan, -(-t // bt), senders_per_8, counting=routing)
     names = ("stage_x", "stage_meta", "stage_w", "stage_counts", "stage_starts", "dispatch_flags", "block_flags",
              "dispatch_state", "send_x", "send_meta", "send_w", "send_head", "send_starts", "data_ready", "signals",
              "send_slot", "send_n", "relay_x", "relay_meta", "relay_w", "relay_slot", "relay_n")
@@ -425,7 +427,7 @@ def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool =
     from jaxgin.moe import _kernels, _routing_device  # need Triton (optional: GPU lowering only)
 
     p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
-    launch = _dispatch_launch(state, plan, fp8)
+    launch = _dispatch_launch(state, plan, fp8, routing=True)
     buf = launch.pop("buffers")
     i32 = lambda *shape: jax.core.ShapedArray(shape, jnp.int32)  # noqa: E731
     routing = _routing_device.constexprs(t, k, p, el)
