@@ -528,7 +528,8 @@ def test_the_routing_kernel_writes_routes_arrays_bit_for_bit():
 def test_the_dispatch_kernels_own_routing_is_routes():
     """The routing dispatch_routing_kernel does itself (every program its token blocks, program 0
     the totals and block starts it sends first), run by Triton's interpreter on this machine:
-    route()'s arrays, each GPU's counts row and the staging row where each block starts there, for
+    route()'s arrays, each GPU's counts row and the staging row where each block starts there, as
+    program 0 computes them and as each block's sender does (where its rows start and end), for
     blocks of 2 and 8 tokens, masked ids, one GPU, experts all on one GPU, top_k 1 to 8."""
     checked = triton_interpreter_check("dispatch_routing")
     assert len(checked) == 6 and all(all(c["equal"].values()) for c in checked), checked

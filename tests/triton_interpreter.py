@@ -193,20 +193,28 @@ def routing() -> list[dict]:
 
 
 @triton.jit
-def _dispatch_routing(ids, slot, before, meta, dest, send_counts, masked, counts_to, starts_to, T: tl.constexpr,
-                      K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr):
+def _dispatch_routing(ids, slot, before, meta, dest, send_counts, masked, counts_to, starts_to, block_starts,
+                      block_ends, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr,
+                      SCAN: tl.constexpr, BR: tl.constexpr):
     """What dispatch_routing_kernel routes: program b its token block b (_block_routing, stored as
-    its placers store it), program 0 also the totals and what it tells each GPU first
-    (counts_to [P, EL + 1], starts_to [P, TB + 1])."""
+    its placers store it) and where the block's rows start and end on each GPU, as its sender
+    writes them there (block_starts / block_ends [P, TB]); program 0 also the totals and what it
+    tells each GPU first (counts_to [P, EL + 1], starts_to [P, TB + 1]: the kernel that routes
+    posts the counts alone, the other one both)."""
     b = tl.program_id(0)
+    TB: tl.constexpr = (T + BT - 1) // BT
     slots, dest_b, code, first = _kernels._block_routing(ids, slot, b, T, K, P, EL, BT, BK, BP, SCAN, BR, 1)
     _routing_device.store_block_route(b * BT, dest_b, code, slots, first, slot, before, meta, dest, T, K, P, BT, BK, BP)
+    for d in tl.static_range(P):
+        start, end = _kernels._block_span(first, slots, d, BT, BP)
+        tl.store(block_starts + d * TB + b, start)
+        tl.store(block_ends + d * TB + b, end)
     if b == 0:
-        TB: tl.constexpr = (T + BT - 1) // BT
         es = tl.arange(0, BE)
         bs = tl.arange(0, BB)
-        per_bin, tokens_to, before_all = _kernels._sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, 1)
+        per_bin, tokens_to, before_all = _kernels._sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, 1,
+                                                               1)
         for d in tl.static_range(P):
             counts, starts = _kernels._counts_and_starts(d, send_counts, before, per_bin, tokens_to, before_all,
                                                          T, P, EL, BT, BP, BE, BB, 1)
@@ -218,7 +226,8 @@ def dispatch_routing() -> list[dict]:
     """The dispatch kernel's own routing (dispatch_routing_kernel: blocks of BT tokens, the totals
     and block starts program 0 sends first) against _routing.route: route()'s arrays, each GPU's
     counts row (send_counts[d]) and the staging row where each block starts on d (before at the
-    block's first token, then the tokens sent to d)."""
+    block's first token, then the tokens sent to d), as program 0 computes it and as each block's
+    sender does."""
     import jax.numpy as jnp
 
     from jaxgin.moe import _routing, _routing_device
@@ -240,7 +249,8 @@ def dispatch_routing() -> list[dict]:
         got = dict(slot=np.full((t, p), -7, np.int32), before=np.full((t, p), -7, np.int32),
                    meta=np.full((t, p, k), -7, np.int32), dest=np.full((t, k), -7, np.int32),
                    send_counts=np.full((p, el + 1), -7, np.int32), masked=np.full((1,), -7, np.int32),
-                   counts_to=np.full((p, el + 1), -7, np.int32), starts_to=np.full((p, tb + 1), -7, np.int32))
+                   counts_to=np.full((p, el + 1), -7, np.int32), starts_to=np.full((p, tb + 1), -7, np.int32),
+                   block_starts=np.full((p, tb), -7, np.int32), block_ends=np.full((p, tb), -7, np.int32))
         arrays = {name: HostArray(a) for name, a in got.items()}
         routing = _routing_device.constexprs(t, k, p, el)
         _dispatch_routing[(tb,)](HostArray(ids), *arrays.values(), T=t, K=k, P=p, EL=el, BT=bt, BK=pow2(k),
@@ -249,7 +259,9 @@ def dispatch_routing() -> list[dict]:
         equal = {name: bool(np.array_equal(arrays[name].array, want[name])) for name in want}
         equal.update(masked=int(arrays["masked"].array[0]) == int(want_masked),
                      counts_to=bool(np.array_equal(arrays["counts_to"].array, want["send_counts"])),
-                     starts_to=bool(np.array_equal(arrays["starts_to"].array, starts)))
+                     starts_to=bool(np.array_equal(arrays["starts_to"].array, starts)),
+                     block_starts=bool(np.array_equal(arrays["block_starts"].array, starts[:, :tb])),
+                     block_ends=bool(np.array_equal(arrays["block_ends"].array, starts[:, 1:])))
         checked.append(dict(gpus=p, tokens=t, top_k=k, local_experts=el, block_tokens=bt, case=case,
                             masked_entries=int(want_masked), equal=equal))
     return checked

@@ -18,9 +18,10 @@ made by XLA (dispatch_kernel).
      rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
      there; every program routes its first block, then waits for all P, so from then on every GPU
      knows where each source's entries land in its grouped output, and which staging rows each
-     source block fills. In the kernel that routes, only placers wait: its senders need only their
-     own blocks' staging rows, so they send at once, and program 0, whose counts take about as
-     long as a block's send, sends none;
+     source block fills. In the kernel that routes, only placers wait for every GPU's counts:
+     program 0 posts the counts alone (no block starts, no block of its own), and the senders,
+     which need only their own blocks' routing, send as soon as those counts are out, each writing
+     where its block's rows start and end on the peer before the block's flag;
   2. the programs split in two kinds, so that stores bound by NVLink and stores bound by HBM never
      wait behind each other in one SM (a warp stalled on a full NVLink queue stalls its local
      stores too). Senders (a fraction of the SMs) store every token block into this GPU's staging
@@ -170,13 +171,17 @@ def _block_routing(ids, slot, blk, T: tl.constexpr, K: tl.constexpr, P: tl.const
 
 @triton.jit
 def _sent_totals(ids, send_counts, masked, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
-                 BK: tl.constexpr, BP: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr, ROUTED: tl.constexpr):
+                 BK: tl.constexpr, BP: tl.constexpr, SCAN: tl.constexpr, BR: tl.constexpr, ROUTED: tl.constexpr,
+                 STARTS: tl.constexpr):
     """ROUTED: what this GPU sends, from ids (send_counts and masked written too): entries per
-    expert bin [BR], tokens per GPU [BP], route()'s `before` of every token [SCAN, BP]. Else zeros
-    (route()'s arrays are read instead: _counts_and_starts)."""
+    expert bin [BR], tokens per GPU [BP], and with STARTS route()'s `before` of every token
+    [SCAN, BP] (else zeros). Else zeros (route()'s arrays are read instead: _counts_and_starts)."""
     if ROUTED:
         per_bin, tokens_to = _routing_device.store_totals(ids, send_counts, masked, T, K, P, EL, SCAN, BK, BP, BR)
-        before_all = _routing_device.tokens_before_each(ids, T, K, P, EL, SCAN, BK, BP)
+        if STARTS:
+            before_all = _routing_device.tokens_before_each(ids, T, K, P, EL, SCAN, BK, BP)
+        else:
+            before_all = tl.zeros((SCAN, BP), dtype=tl.int32)
     else:
         per_bin = tl.zeros((BR,), dtype=tl.int32)
         tokens_to = tl.zeros((BP,), dtype=tl.int32)
@@ -219,11 +224,20 @@ def _entry_codes(meta, t, d, go, dest, code, K: tl.constexpr, P: tl.constexpr, B
 
 
 @triton.jit
-def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, stage_meta, stage_w, block_flags,
-                send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
+def _block_span(earlier, slots, d, BT: tl.constexpr, BP: tl.constexpr):
+    """Where a token block's rows start and end among the staging rows of this GPU on GPU d, from
+    its routing (earlier [BT, BP]: tokens before each that go to each GPU; slots: -1 where not)."""
+    ps = tl.arange(0, BP)
+    start = tl.sum(tl.where((tl.arange(0, BT) == 0)[:, None] & (ps == d)[None, :], earlier, 0))
+    return start, start + tl.sum(tl.where((ps == d)[None, :] & (slots >= 0), 1, 0))
+
+
+@triton.jit
+def _send_block(ctx, blk, x, slots, dest, code, earlier, meta, weights, route, stage_x, stage_meta, stage_w,
+                stage_starts, block_flags, send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
                 T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                 BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr,
-                FP8: tl.constexpr, ROUTED: tl.constexpr):
+                FP8: tl.constexpr, ROUTED: tl.constexpr, STARTS: tl.constexpr):
     """Token block `blk` into this GPU's staging area on every other GPU that owns one of its
     tokens' experts, then the block's flag there (release); for GIN peers into this GPU's send
     areas for their host instead (put later, whole): each token once per host, at its union row
@@ -231,7 +245,9 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
     (jaxgin.hosts), and per GPU d of that host the token's codes there and its staging row on d
     (-1: none) in send_meta / send_slot of d. Staged rows are SW elements wide: x's rows, or with
     FP8 their e4m3 values and scales (_fp8_device.store_quantized). Each column step of x is loaded
-    (and quantized) once and stored to every destination."""
+    (and quantized) once and stored to every destination. STARTS (NVLink peers only): also where
+    the block's rows start and end in this GPU's staging rows on the peer (earlier [BT, BP]: tokens
+    before each that go to each GPU), before the flag."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ROW_BYTES: tl.constexpr = SW * (stage_x.dtype.element_ty.primitive_bitwidth // 8)
     ROW_ALIGN: tl.constexpr = 16 if ROW_BYTES % 16 == 0 else ROW_BYTES & -ROW_BYTES  # bytes, a power of 2
@@ -297,6 +313,11 @@ def _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, s
     for d in range(P):
         if d != me:
             if gin_route(ctx, route, d, me, GIN) == 0:
+                if STARTS:
+                    there = tgl.peer_ptr(ctx, stage_starts, rank_of(route, d)) + (half * P + me) * (T + 1) + blk
+                    start, end = _block_span(earlier, slots, d, BT, BP)
+                    tl.store(there, start)
+                    tl.store(there + 1, end)
                 tgl.set_flag(ctx, block_flags + me * TB + blk, epoch + 1, rank_of(route, d))
 
 
@@ -601,9 +622,11 @@ def _dispatch(
     here when this GPU is their network entry (_forward_from_network); data_ready [P] flags by
     source; signals sig .. sig + 2P - 1. TRACE: records into trace (dispatch_routing_traced_kernel)."""
     TB: tl.constexpr = (T + BT - 1) // BT
-    # The routing kernel's senders start before the counts (they need only their own blocks'
-    # routing): place 0 computes and posts the counts and sends no block, places 1 .. NS - 1 send
-    # without waiting for any GPU's counts, and the first placer writes the count outputs.
+    # The routing kernel's senders start before the other GPUs' counts (they need only their own
+    # blocks' routing): place 0 computes and posts this GPU's counts alone and sends no block;
+    # places 1 .. NS - 1 wait for those to be out (so that they travel ahead of the rows), then
+    # send, and write where each of their blocks' rows start on each GPU before its flag; the first
+    # placer writes the count outputs.
     EARLY: tl.constexpr = ROUTED == 1 and NS > 1
     FIRST_SENDER: tl.constexpr = 1 if EARLY else 0
     WRITER: tl.constexpr = NS if EARLY else 0
@@ -623,7 +646,8 @@ def _dispatch(
 
     # 1. Counts and block starts first.
     if pid == 0:
-        per_bin, tokens_to, before_all = _sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, ROUTED)
+        per_bin, tokens_to, before_all = _sent_totals(ids, send_counts, masked, T, K, P, EL, BK, BP, SCAN, BR, ROUTED,
+                                                      not EARLY)
         for d in range(P):
             peer = rank_of(route, d)
             counts, starts = _counts_and_starts(d, send_counts, before, per_bin, tokens_to, before_all,
@@ -640,8 +664,9 @@ def _dispatch(
             else:
                 tl.store(tgl.peer_ptr(ctx, stage_counts, peer) + (half * P + me) * (EL + 1) + es, counts,
                          mask=es < EL + 1)
-                tl.store(tgl.peer_ptr(ctx, stage_starts, peer) + (half * P + me) * (T + 1) + bs, starts,
-                         mask=bs <= TB)
+                if not EARLY:
+                    tl.store(tgl.peer_ptr(ctx, stage_starts, peer) + (half * P + me) * (T + 1) + bs, starts,
+                             mask=bs <= TB)
                 tgl.set_flag(ctx, flags + me, epoch + 1, peer)
         if GIN:  # what GIN sources put arrives counted: raise their counts flags here
             for s in range(P):
@@ -656,6 +681,8 @@ def _dispatch(
     if pid >= NS * FIRST_SENDER:  # everyone, or with EARLY only the placers
         for source in range(P):
             tgl.wait_flag(ctx, flags + source, epoch + 1)
+    elif pid > 0:  # EARLY's senders: this GPU's counts are out
+        tgl.wait_flag(ctx, flags + me, epoch + 1)
     counted = now_ns(TRACE)
     counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
                      mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
@@ -667,9 +694,9 @@ def _dispatch(
     # 2. Senders: every token block to the other GPUs, in block order.
     if pid < NS:
         while blk < TB:
-            _send_block(ctx, blk, x, slots, dest, code, meta, weights, route, stage_x, stage_meta, stage_w,
-                        block_flags, send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
-                        T, H, K, P, BT, BH, BK, BP, GIN, SW, FP8, ROUTED)
+            _send_block(ctx, blk, x, slots, dest, code, first, meta, weights, route, stage_x, stage_meta, stage_w,
+                        stage_starts, block_flags, send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
+                        T, H, K, P, BT, BH, BK, BP, GIN, SW, FP8, ROUTED, EARLY)
             blk += SEND_STEP
             if blk < TB:
                 slots, dest, code, first = _block_routing(ids, slot, blk, T, K, P, EL, BT, BK, BP, SCAN, BR, ROUTED)
