@@ -622,11 +622,8 @@ def _dispatch(
     here when this GPU is their network entry (_forward_from_network); data_ready [P] flags by
     source; signals sig .. sig + 2P - 1. TRACE: records into trace (dispatch_routing_traced_kernel)."""
     TB: tl.constexpr = (T + BT - 1) // BT
-    # The routing kernel's senders start before the other GPUs' counts (they need only their own
-    # blocks' routing): place 0 computes and posts this GPU's counts alone and sends no block;
-    # places 1 .. NS - 1 wait for those to be out (so that they travel ahead of the rows), then
-    # send, and write where each of their blocks' rows start on each GPU before its flag; the first
-    # placer writes the count outputs.
+    # EARLY (the routing kernel, with senders; step 1 above): place 0 posts the counts alone,
+    # places 1 .. NS - 1 send once they are out, and the first placer writes the count outputs.
     EARLY: tl.constexpr = ROUTED == 1 and NS > 1
     FIRST_SENDER: tl.constexpr = 1 if EARLY else 0
     WRITER: tl.constexpr = NS if EARLY else 0
