@@ -1084,15 +1084,12 @@ class _LoweringState:
         self.options = types.SimpleNamespace(force_gin=False)
 
 
-@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
-def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
-    """What dispatch launches on GPUs at 64 tokens: in an NVLink-only job the kernel that routes
-    itself, with no relay areas; in a job with GIN peers route() then dispatch_kernel, given each
-    rank's host, route()'s slots' per-host unions (_routing.host_union along the axis's hosts) and
-    relay areas with a row of metadata per GPU of a host (2 here)."""
-    pytest.importorskip("triton")
+def _lowering_dispatch(monkeypatch, gin: bool):
+    """exchange.dispatch_routing_kernel lowered at 64 tokens on rank 1 of 4 (hosts of 2 GPUs), with
+    triton_call recording its launches [(kernel, args, out_shape, kw)] and returning zeros: (the
+    launches, a call of it taking its keyword arguments, the ids, the plan)."""
     from jaxgin import op_support
-    from jaxgin.moe import _kernels, _routing, exchange
+    from jaxgin.moe import _routing, exchange
 
     p, t, h, k, el = 4, 64, 256, 2, 2
     plan = _routing.Plan(("ep",), p, t, h, k, el, p * t * k, "bfloat16", _routing.LOW_LATENCY)
@@ -1101,14 +1098,32 @@ def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
     calls = []
 
     def fake_call(kernel, *args, out_shape, **kw):
-        calls.append((kernel, args, kw))
+        calls.append((kernel, args, out_shape, kw))
         return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
 
     monkeypatch.setattr(exchange, "triton_call", fake_call)
     ids = jax.random.randint(jax.random.key(3), (t, k), 0, p * el)
     x, w = jnp.ones((t, h), jnp.bfloat16), jnp.ones((t, k), jnp.float32)
-    exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan)
-    ((kernel, args, kw),) = calls
+
+    def dispatch(**kw):
+        return exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan, **kw)
+
+    return calls, dispatch, ids, plan
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
+    """What dispatch launches on GPUs at 64 tokens: in an NVLink-only job the kernel that routes
+    itself, with no relay areas; in a job with GIN peers route() then dispatch_kernel, given each
+    rank's host, route()'s slots' per-host unions (_routing.host_union along the axis's hosts) and
+    relay areas with a row of metadata per GPU of a host (2 here)."""
+    pytest.importorskip("triton")
+    from jaxgin.moe import _kernels, _routing
+
+    calls, dispatch, ids, plan = _lowering_dispatch(monkeypatch, gin)
+    p, t, k = plan.size, plan.tokens, plan.top_k
+    dispatch()
+    ((kernel, args, _, kw),) = calls
     assert kernel is (_kernels.dispatch_kernel if gin else _kernels.dispatch_routing_kernel)
     assert kw["GIN"] == int(gin) and kw["L"] == (2 if gin else 1)
     if not gin:
@@ -1129,29 +1144,16 @@ def test_dispatch_lowering_traced_returns_the_records_of_the_routing_kernel(monk
     record of 16 int32 per program as its last output, and returns it last; where XLA routes (a job
     with GIN peers) no kernel is traced, and the error says which one is."""
     pytest.importorskip("triton")
-    from jaxgin import op_support
-    from jaxgin.moe import _kernels, _routing, exchange
+    from jaxgin.moe import _kernels
 
-    p, t, h, k, el = 4, 64, 256, 2, 2
-    plan = _routing.Plan(("ep",), p, t, h, k, el, p * t * k, "bfloat16", _routing.LOW_LATENCY)
-    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
-    monkeypatch.setattr(exchange, "axis_route", lambda names: jnp.asarray([1, 0, 1, 2, 3], jnp.int32))
-    calls = []
-
-    def fake_call(kernel, *args, out_shape, **kw):
-        calls.append((kernel, out_shape, kw))
-        return [jnp.full(o.shape, 7, o.dtype) for o in out_shape]
-
-    monkeypatch.setattr(exchange, "triton_call", fake_call)
-    ids = jax.random.randint(jax.random.key(3), (t, k), 0, p * el)
-    x, w = jnp.ones((t, h), jnp.bfloat16), jnp.ones((t, k), jnp.float32)
+    calls, dispatch, _, _ = _lowering_dispatch(monkeypatch, gin)
     if gin:
         with pytest.raises(ValueError, match="only the kernel that routes is traced: up to 256 tokens per GPU"):
-            exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan, trace=True)
+            dispatch(trace=True)
         assert not calls
         return
-    outs = exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan, trace=True)
-    ((kernel, out_shape, kw),) = calls
+    outs = dispatch(trace=True)
+    ((kernel, _, out_shape, kw),) = calls
     assert kernel is _kernels.dispatch_routing_traced_kernel
     assert out_shape[-1].shape == (kw["grid"][0], 16) and out_shape[-1].dtype == jnp.int32
     assert len(outs) == 9 and outs[-1].shape == (kw["grid"][0], 16)
