@@ -11,10 +11,13 @@ kernel costs; on more, the shortest run is the nearest to a call that did not wa
 those figures.
 
 It also prints how many jaxgin handlers ran in each of the first calls (XLA recording its graphs
-runs them; a replayed graph does not), and with --host what XLA's threads did meanwhile.
+runs them; a replayed graph does not), and with --host what XLA's threads did meanwhile. With
+--trace-dispatch, the low-latency dispatch kernel's traced twin runs once more and each GPU's
+programs are summed up by when they reached each step (RECORD_WORDS).
 
     python tools/profile_moe.py [--tokens 128] [--fp8] [--host] [--out DIR]
     python tools/profile_moe.py --chains pair --blocks "2,1024,4,4;1,8192,8,4" --json FILE
+    python tools/profile_moe.py --chains pair --trace-dispatch --json FILE
 
 Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without them it says so
 and exits with status 4 or 3 (jaxgin.cli).
