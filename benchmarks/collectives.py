@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxgin
 from jaxgin import cli, sizes
-from timing import WARMUP_CALLS, best_seconds, best_seconds_threaded, device_step_seconds
+from timing import WARMUP_CALLS, best_seconds, best_seconds_threaded, device_step_seconds, handler_calls
 
 
 def chain_length(nbytes: int) -> int:
@@ -55,11 +55,6 @@ def _array(mesh, nbytes: int, n: int):
     count = nbytes // np.dtype(dtype).itemsize
     host = (np.arange(mesh.size * count) % 251).astype(dtype).reshape(mesh.size, count)
     return jax.device_put(host, NamedSharding(mesh, P("x")))
-
-
-def _handler_calls() -> int:
-    calls = jaxgin.runtime.current().backend_lib.ffi_calls()
-    return sum(calls.values())
 
 
 OPS = ("ppermute", "self_copy", "all_to_all", "put_wait", "put_wait_from")
@@ -221,12 +216,12 @@ def run(ops: list[str], max_bytes: int, repeats: int, donate: bool = False) -> d
                 return best_seconds(f, x, repeats=repeats) / steps
 
             t_xla = timed(xla_f)
-            calls_before = _handler_calls()
+            calls_before = handler_calls()
             t_ours = timed(ours_f)
-            timed_calls = _handler_calls() - calls_before
-            calls_before = _handler_calls()
+            timed_calls = handler_calls() - calls_before
+            calls_before = handler_calls()
             jax.block_until_ready(ours_f(x.copy() if donate else x))  # one more, after the timed runs
-            steady_calls = _handler_calls() - calls_before
+            steady_calls = handler_calls() - calls_before
             row = {
                 "op": op,
                 "bytes_per_device": nbytes,

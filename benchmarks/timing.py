@@ -27,6 +27,24 @@ def _warm_up(f, *args):
     return result
 
 
+
+def handler_calls() -> int:
+    """jaxgin's FFI handler runs so far in this process, all targets (a replayed graph runs none)."""
+    import jaxgin
+
+    return sum(jaxgin.runtime.current().backend_lib.ffi_calls().values())
+
+
+def handler_runs(f, *args, calls: int) -> list[int]:
+    """jaxgin's handler runs in each of `calls` calls of f, each waited for: XLA records its graphs
+    (running the handlers) in the first calls and replays them after."""
+    runs = []
+    for _ in range(calls):
+        before = handler_calls()
+        jax.block_until_ready(f(*args))
+        runs.append(handler_calls() - before)
+    return runs
+
 def best_seconds(f, *args, repeats: int) -> float:
     _warm_up(f, *args)
     best = float("inf")

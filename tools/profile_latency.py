@@ -28,9 +28,9 @@ from jaxgin import cli, sizes
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
-from collectives import _array, _handler_calls, make_ops
+from collectives import _array, make_ops
 from profile_moe import host_report, report
-from timing import device_events, device_windows, host_events
+from timing import device_events, device_windows, handler_calls, handler_runs, host_events
 
 STEPS = 50
 HANDLER_COUNT_CALLS = 6
@@ -61,20 +61,16 @@ def main() -> None:
                 return v[None]
 
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-            handler_calls = []  # jaxgin handlers run per call: XLA recording its graphs again
-            for _ in range(HANDLER_COUNT_CALLS):
-                before = _handler_calls()
-                jax.block_until_ready(f(x))
-                handler_calls.append(_handler_calls() - before)
+            runs = handler_runs(f, x, calls=HANDLER_COUNT_CALLS)
             where = out / f"{op}_{label}"
-            before = _handler_calls()
+            before = handler_calls()
             with jax.profiler.trace(str(where), create_perfetto_trace=True):
                 jax.block_until_ready(f(x))
             title = f"{op} ({label}), {args.bytes} B, {mesh.size} GPUs"
             events = device_events(where)
             report(title, events, STEPS)
-            print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {handler_calls}; "
-                  f"in the profiled one: {_handler_calls() - before}")
+            print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {runs}; "
+                  f"in the profiled one: {handler_calls() - before}")
             windows = device_windows(where)
             t0 = min(start for start, _ in windows.values())
             print("   each GPU's first start and last end, us from the earliest start: "

@@ -44,10 +44,11 @@ import jaxgin
 from jaxgin import cli
 from jaxgin.moe._routing import LOW_LATENCY_MAX_TOKENS
 
-# benchmarks/timing.py: after (the benchmarks' way of making each call wait for the previous one)
-# and the trace reading
+# benchmarks/timing.py: after and tied (the benchmarks' ways of making each call wait for the previous
+# one), the trace reading and the handler runs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timing import after, device_events, host_events, span_seconds, step_cycle_seconds, tied  # noqa: E402
+from timing import after, device_events, handler_runs, host_events, span_seconds, step_cycle_seconds  # noqa: E402
+from timing import tied  # noqa: E402
 
 STEPS = 8
 HANDLER_COUNT_CALLS = 4
@@ -76,11 +77,6 @@ def host_report(device: list[dict], host: list[dict]) -> None:
     for side, e in sorted(merged, key=lambda item: item[1]["ts"])[:60]:
         where = "GPU 0" if side == "gpu" else e["thread"][:24]
         print(f"   +{e['ts'] - start:9.1f} {e['dur']:8.1f} us  {where:24s} {e['name'][:80]}")
-
-
-def handler_count() -> int:
-    """jaxgin's FFI handler runs so far in this process (all targets)."""
-    return sum(jaxgin.runtime.current().backend_lib.ffi_calls().values())
 
 
 def kernel_figures(events: list[dict], calls: int) -> dict:
@@ -240,11 +236,7 @@ def main() -> None:
             # HLO op made each device event)
             f = jax.jit(jax.shard_map(bodies[name], mesh=mesh, in_specs=(spec,) * 3,
                                       out_specs=spec)).lower(x, ids, weights).compile()
-            handler_calls = []  # jaxgin handlers run per call: XLA recording its graphs again
-            for _ in range(HANDLER_COUNT_CALLS):  # the first loads every kernel
-                before = handler_count()
-                jax.block_until_ready(f(x, ids, weights))
-                handler_calls.append(handler_count() - before)
+            runs = handler_runs(f, x, ids, weights, calls=HANDLER_COUNT_CALLS)  # the first loads every kernel
             where = out / (setting or "default").replace(",", "_") / name
             where.mkdir(parents=True, exist_ok=True)
             (where / "optimized_hlo.txt").write_text(f.as_text())
@@ -252,7 +244,7 @@ def main() -> None:
                 jax.block_until_ready(f(x, ids, weights))
             events = device_events(where)
             report(f"{titles[name]}{' (fp8 dispatch)' if args.fp8 else ''}, {t} tokens/GPU, {n} GPUs", events, STEPS)
-            print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {handler_calls}")
+            print(f"   jaxgin handler calls in each of the first {HANDLER_COUNT_CALLS} calls: {runs}")
             if args.host:
                 host_report(events, host_events(where))
             row = dict(blocks=setting, chain=name, **kernel_figures(events, STEPS))
