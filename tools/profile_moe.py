@@ -12,7 +12,7 @@ those figures.
 
 It also prints how many jaxgin handlers ran in each of the first calls (XLA recording its graphs
 runs them; a replayed graph does not), and with --host what XLA's threads did meanwhile. With
---trace-dispatch, the low-latency dispatch kernel's traced twin runs once more and each GPU's
+--trace-dispatch, the dispatch kernel's traced twin runs once more (per setting) and each GPU's
 programs are summed up by when they reached each step (RECORD_WORDS).
 
     python tools/profile_moe.py [--tokens 128] [--fp8] [--host] [--out DIR]
@@ -111,14 +111,15 @@ def report(title: str, events: list[dict], calls: int) -> None:
         print(f"   +{e['ts'] - t0:8.1f} {e['dur']:8.1f} us  {e['name'][:100]}")
 
 
-# dispatch_routing_traced_kernel's record words (_kernels.py says what each one marks)
+# the traced dispatch kernels' record words (_kernels.dispatch_routing_traced_kernel says what each marks)
 RECORD_WORDS = ("start", "counts_posted", "routed", "counts_seen", "own_done", "zeroed", "placed", "end")
 
 
 def dispatch_records(mesh, x, ids, weights, experts: int, capacity: int, calls: int = 3) -> tuple[np.ndarray, int]:
-    """Every GPU's records of the low-latency dispatch kernel, traced ([GPUs, programs, 8] int64,
-    RECORD_WORDS, by place in the start order), from the last of `calls` calls; and how many of
-    the first places send (the rest place)."""
+    """Every GPU's records of the dispatch kernel, traced ([GPUs, programs, 8] int64, RECORD_WORDS,
+    by place in the start order), from the last of `calls` calls; and how many of the first places
+    send (the rest place). Up to LOW_LATENCY_MAX_TOKENS tokens the kernel that routes, above them
+    the one that reads XLA's routing."""
     from jaxgin import op_support
     from jaxgin.ffi import axes as axes_lib
     from jaxgin.moe import _routing, exchange
@@ -130,7 +131,8 @@ def dispatch_records(mesh, x, ids, weights, experts: int, capacity: int, calls: 
         plan = _routing.make_plan(exchange.DISPATCH, names, mesh.size, x, ids, experts, capacity, "auto")
         x, ids, w = op_support.same_varying(names, x, ids, w)
         state = op_support.kernel_state()
-        senders["NS"] = exchange._dispatch_launch(state, plan, False, routing=True)["NS"]
+        routing = plan.tokens <= LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
+        senders["NS"] = exchange._dispatch_launch(state, plan, False, routing=routing)["NS"]
         outs = exchange.dispatch_routing_kernel(state, x, w.astype(jnp.float32), ids.astype(jnp.int32), plan,
                                                 trace=True)
         return outs[0], outs[-1]
@@ -171,8 +173,8 @@ def main() -> None:
                         help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
     parser.add_argument("--json", default=None, help="write every setting's kernel figures to this file")
     parser.add_argument("--trace-dispatch", action="store_true",
-                        help="also the low-latency dispatch kernel traced: when each of its programs reached each "
-                             "step (RECORD_WORDS), summed up per GPU")
+                        help="also the dispatch kernel traced (per --blocks setting): when each of its programs "
+                             "reached each step (RECORD_WORDS), summed up per GPU")
     parser.add_argument("--host", action="store_true",
                         help="also what the host's threads did during each profiled chain (XLA's launches, "
                              "jaxgin's handlers), beside the GPU's events")
@@ -226,7 +228,7 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-moe-"))
     bodies = {"dispatch": dispatches, "combine": combines, "pair": pairs}
     titles = {"dispatch": "dispatch", "combine": "combine", "pair": "dispatch + combine"}
-    figures = []
+    figures, traces = [], []
     for setting in (args.blocks.split(";") if args.blocks else [None]):
         if setting:
             os.environ["JAXGIN_MOE_BLOCKS"] = setting
@@ -250,20 +252,20 @@ def main() -> None:
             row = dict(blocks=setting, chain=name, **kernel_figures(events, STEPS))
             print("   " + json.dumps(row), flush=True)
             figures.append(row)
-    traces = None
-    if args.trace_dispatch:
-        records, senders = dispatch_records(mesh, x, ids, weights, e, capacity)
-        traces = dict(senders=senders, gpus=[dispatch_trace_summary(r, senders) for r in records],
-                      gpu0_records=(records[0] - records[0, :, 0].min()).tolist())
-        print("\n== dispatch kernel traced (us from each GPU's first program start)")
-        for g, summary in enumerate(traces["gpus"]):
-            print(f"   GPU {g}: " + json.dumps(summary), flush=True)
+        if args.trace_dispatch:
+            records, senders = dispatch_records(mesh, x, ids, weights, e, capacity)
+            traces.append(dict(blocks=setting, senders=senders,
+                               gpus=[dispatch_trace_summary(r, senders) for r in records],
+                               gpu0_records=(records[0] - records[0, :, 0].min()).tolist()))
+            print("\n== dispatch kernel traced (us from each GPU's first program start)")
+            for g, summary in enumerate(traces[-1]["gpus"]):
+                print(f"   GPU {g}: " + json.dumps(summary), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(device=devices[0].device_kind, devices=n, jax=jax.__version__,
                                                    tokens=t, hidden=args.hidden, experts=e, top_k=k, fp8=args.fp8,
                                                    calls_per_chain=STEPS, figures=figures,
-                                                   dispatch_trace=traces), indent=1))
+                                                   dispatch_traces=traces), indent=1))
         print(f"wrote {args.json}")
     jaxgin.finalize()
     sys.stdout.flush()

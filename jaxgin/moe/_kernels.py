@@ -27,10 +27,11 @@ made by XLA (dispatch_kernel).
      stores too). Senders (a fraction of the SMs) store every token block into this GPU's staging
      area on every other GPU that owns one of its experts, in block order, and raise the block's
      flag there (release). Placers meanwhile put this GPU's own entries from x straight into their
-     grouped rows (no staging for this GPU's own tokens), zero the rows past the last kept entry,
-     then take the other GPUs' blocks as their flags come up: each received row is copied from
-     staging into the grouped output once per entry that landed here, with its positions and
-     weights for combine.
+     grouped rows (no staging for this GPU's own tokens) and zero the rows past the last kept
+     entry. Then every program, sender or placer, claims the other GPUs' blocks one at a time from
+     a counter, in the order they are sent, and places each once its flag is up: each received
+     row is copied from staging into the grouped output once per entry that landed here, with its
+     positions and weights for combine. Senders that finish first place most.
   With FP8 (dispatch(fp8=True)), senders stage each row as e4m3 values and scales
   (_fp8_device.quantize, store_quantized: fp8.packed_width(H) 16-bit words), placers dequantize
   staged rows into x's dtype as they place them (load_rows), and this GPU's own entries are
@@ -81,7 +82,8 @@ halves picked by a device-side call counter (state[CALLS]) that the last program
 advances; a GPU that starts call n + 1 has received a flag of every peer's call n, so every peer
 finished call n - 1 and no longer reads the half call n + 1 writes. Flags carry the call number, so
 they need no reset. dispatch: state[DISPATCH_STARTED] hands out places in the start order,
-state[DISPATCH_FINISHED] counts programs done, state[DISPATCH_PACKED] senders done packing (GIN).
+state[DISPATCH_FINISHED] counts programs done, state[DISPATCH_PACKED] senders done packing (GIN),
+state[DISPATCH_CLAIMED] hands out the other GPUs' blocks to place.
 combine: state[COMBINE_COMPLETED] items completed, state[COMBINE_CLAIMED] items claimed,
 state[COMBINE_FINISHED] programs done. Every counter is zero when a call starts (the last program
 to finish zeroes them), so calls of one configuration may run with different grids (modes,
@@ -97,10 +99,13 @@ from jaxgin.moe import _routing_device
 from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, host_place, host_size,
                                 network_entry, now_ns, rank_of, start_order, trace_word, wait_gin_source)
 
-# dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED].
+# dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED,
+# CLAIMED].
 DISPATCH_STARTED = tl.constexpr(1)
 DISPATCH_FINISHED = tl.constexpr(2)
 DISPATCH_PACKED = tl.constexpr(3)
+DISPATCH_CLAIMED = tl.constexpr(4)
+DISPATCH_STATE_WORDS = 5  # what exchange._buffers allocates
 # combine's: [CALLS, COMPLETED, CLAIMED, FINISHED, then with GIN FORWARD_CLAIMED and P words
 # FORWARDED by source] (finish_call zeroes COMPLETED onwards: FINISHED among them, already zero).
 COMBINE_COMPLETED = tl.constexpr(1)
@@ -108,7 +113,7 @@ COMBINE_CLAIMED = tl.constexpr(2)
 COMBINE_FINISHED = tl.constexpr(3)
 COMBINE_FORWARD_CLAIMED = tl.constexpr(4)
 COMBINE_FORWARDED = tl.constexpr(5)
-STATE_WORDS = 4  # what exchange._buffers allocates for each (combine with GIN: 2 + P more)
+COMBINE_STATE_WORDS = 4  # what exchange._buffers allocates (with GIN: 2 + P more)
 
 
 @triton.jit
@@ -462,48 +467,77 @@ def _no_rows_past(out_pos, out_w, source, blk, rows, T: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
-                 out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
+def _place_block(ctx, blk, s, me, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+                 out_x, out_pos, out_w, half, epoch, counts, rows_from,
                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
                  C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                  BE: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr, FP8: tl.constexpr):
-    """Dispatch step 2, placing: block `blk` of every other GPU, once its flag is up (for a source
-    on another host: once this host's network entry for it has placed all its rows here)."""
+    """Dispatch step 2, placing: token block `blk` of GPU s (not this one), once its flag is up (for
+    a source on another host: once this host's network entry for it has placed all its rows here)."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ks = tl.arange(0, BK)
     k_ok = ks < K
     hs = tl.arange(0, BH)
     ps = tl.arange(0, BP)
     es = tl.arange(0, BE)
-    for other in range(P - 1):
-        s = other + (other >= me).to(tl.int32)
-        if gin_route(ctx, route, s, me, GIN) != 0:
-            tgl.wait_flag(ctx, data_ready + s, epoch + 1)
+    if gin_route(ctx, route, s, me, GIN) != 0:
+        tgl.wait_flag(ctx, data_ready + s, epoch + 1)
+    else:
+        tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
+    starts = stage_starts + (half * P + s) * (T + 1) + blk
+    first = tl.load(starts, cache_modifier=".cg")
+    r = first + tl.arange(0, BT)
+    r_ok = r < tl.load(starts + 1, cache_modifier=".cg")
+    srow = (half * P + s) * T + r
+    present = r_ok[:, None] & k_ok[None, :]
+    codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
+    w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
+    pos = _positions(codes, _first_rows(counts, es, ps, s, EL), C, EL)
+    tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=present)
+    tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(pos >= 0, w, 0.0), mask=present)
+    _no_rows_past(out_pos, out_w, s, blk, tl.sum(tl.where(ps == s, rows_from, 0)), T, K, BT, BK)
+    for h0 in range(0, H, BH):
+        h = h0 + hs
+        h_ok = h < H
+        if FP8:
+            rows = fp8_rows.load_rows(stage_x, srow, h0, r_ok, out_x.dtype.element_ty, H, SW, BT, BH)
         else:
-            tgl.wait_flag(ctx, block_flags + s * TB + blk, epoch + 1)
-        starts = stage_starts + (half * P + s) * (T + 1) + blk
-        first = tl.load(starts, cache_modifier=".cg")
-        r = first + tl.arange(0, BT)
-        r_ok = r < tl.load(starts + 1, cache_modifier=".cg")
-        srow = (half * P + s) * T + r
-        present = r_ok[:, None] & k_ok[None, :]
-        codes = tl.load(stage_meta + srow[:, None] * K + ks[None, :], mask=present, other=-1, cache_modifier=".cg")
-        w = tl.load(stage_w + srow[:, None] * K + ks[None, :], mask=present, other=0.0, cache_modifier=".cg")
-        pos = _positions(codes, _first_rows(counts, es, ps, s, EL), C, EL)
-        tl.store(out_pos + (s * T + r)[:, None] * K + ks[None, :], pos, mask=present)
-        tl.store(out_w + (s * T + r)[:, None] * K + ks[None, :], tl.where(pos >= 0, w, 0.0), mask=present)
-        _no_rows_past(out_pos, out_w, s, blk, tl.sum(tl.where(ps == s, rows_from, 0)), T, K, BT, BK)
-        for h0 in range(0, H, BH):
-            h = h0 + hs
-            h_ok = h < H
-            if FP8:
-                rows = fp8_rows.load_rows(stage_x, srow, h0, r_ok, out_x.dtype.element_ty, H, SW, BT, BH)
-            else:
-                rows = tl.load(stage_x + srow[:, None].to(tl.int64) * SW + h[None, :],
-                               mask=r_ok[:, None] & h_ok[None, :], cache_modifier=".cg")
-            for k in tl.static_range(K):
-                pk = _column(pos, ks, k)
-                tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
+            rows = tl.load(stage_x + srow[:, None].to(tl.int64) * SW + h[None, :],
+                           mask=r_ok[:, None] & h_ok[None, :], cache_modifier=".cg")
+        for k in tl.static_range(K):
+            pk = _column(pos, ks, k)
+            tl.store(out_x + pk[:, None].to(tl.int64) * H + h[None, :], rows, mask=(pk >= 0)[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _received_counts(stage_counts, half, P: tl.constexpr, EL: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """Every GPU's counts for this one (once their flags are up): [BP, BE] entries by source and
+    local expert, then the source's rows in column EL; and the rows from each source [BP]."""
+    ps = tl.arange(0, BP)
+    es = tl.arange(0, BE)
+    counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
+                     mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
+    return counts, tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)
+
+
+@triton.jit
+def _place_claimed_blocks(ctx, state, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+                          out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
+                          T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
+                          C: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                          BE: tl.constexpr, GIN: tl.constexpr, SW: tl.constexpr, FP8: tl.constexpr):
+    """Dispatch step 2, placing, for every program once its own work is done: the other GPUs' token
+    blocks, claimed one at a time from state[DISPATCH_CLAIMED] in block order (the order senders
+    send them), so placers and senders that finish early share what is left."""
+    TB: tl.constexpr = (T + BT - 1) // BT
+    ITEMS: tl.constexpr = (P - 1) * TB
+    item = tl.atomic_add(state + DISPATCH_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+    while item < ITEMS:
+        other = item % (P - 1)
+        _place_block(ctx, item // (P - 1), other + (other >= me).to(tl.int32), me, route, stage_x, stage_meta,
+                     stage_w, stage_starts, block_flags, data_ready, out_x, out_pos, out_w, half, epoch, counts,
+                     rows_from, T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
+        item = tl.atomic_add(state + DISPATCH_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
 
 @triton.jit
@@ -528,6 +562,29 @@ def dispatch_kernel(
               send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
               out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, out_dropped,
               T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 0, 1, 1, 0)
+
+
+@triton.jit
+def dispatch_traced_kernel(
+    ctx, x, slot, before, meta, weights, send_counts, route, hslot, hrows, hosts,
+    stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+    send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+    send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
+    out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, trace,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, C: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+    BZ: tl.constexpr, BB: tl.constexpr, NS: tl.constexpr, XB: tl.constexpr, GIN: tl.constexpr,
+    SW: tl.constexpr, FP8: tl.constexpr, L: tl.constexpr,
+):
+    """dispatch_kernel that also writes dispatch_routing_traced_kernel's records into trace (its
+    "first block routed" word: the first block's routing loaded)."""
+    _dispatch(ctx, x, x, slot, before, meta, out_dropped, weights, send_counts, out_dropped, route,
+              hslot, hrows, hosts,
+              stage_x, stage_meta, stage_w, stage_counts, stage_starts, flags, block_flags, state,
+              send_x, send_meta, send_w, send_head, send_starts, data_ready, sig,
+              send_slot, send_n, relay_x, relay_meta, relay_w, relay_slot, relay_n,
+              out_x, out_pos, out_w, out_expert_counts, out_rows, out_dropped, trace,
+              T, H, K, P, EL, C, BT, BH, BK, BP, BE, BZ, BB, NS, XB, GIN, SW, FP8, L, 0, 1, 1, 1)
 
 
 @triton.jit
@@ -576,8 +633,8 @@ def dispatch_routing_traced_kernel(
     16]; tools/profile_moe.py --trace-dispatch: where the kernel's time goes). Words, by place in
     the start order (senders first), ns of the GPU's global timer: start, counts posted (place 0;
     else 0), first block routed, every GPU's counts seen, own work done (a sender: its blocks
-    sent; a placer: this GPU's entries placed), unused rows zeroed, other GPUs' blocks placed (a
-    sender: as own work), end."""
+    sent; a placer: this GPU's entries placed), unused rows zeroed (a sender: as own work), its
+    share of the other GPUs' blocks placed, end."""
     tl.static_assert(GIN == 0, "dispatch across hosts needs route()'s host unions: dispatch_kernel")
     _dispatch(ctx, x, ids, slot, before, meta, dest, weights, send_counts, masked, route,
               slot, slot, slot,  # no host unions: never read with GIN = 0
@@ -681,9 +738,7 @@ def _dispatch(
     elif pid > 0:  # EARLY's senders: this GPU's counts are out
         tgl.wait_flag(ctx, flags + me, epoch + 1)
     counted = now_ns(TRACE)
-    counts = tl.load(stage_counts + (half * P + ps[:, None]) * (EL + 1) + es[None, :],
-                     mask=(ps < P)[:, None] & (es < EL + 1)[None, :], other=0, cache_modifier=".cg")
-    rows_from = tl.sum(tl.where((es == EL)[None, :], counts, 0), axis=1)  # [BP]
+    counts, rows_from = _received_counts(stage_counts, half, P, EL, BP, BE)
     my_start = _first_rows(counts, es, ps, me, EL)
     my_rows = tl.sum(tl.where(ps == me, rows_from, 0))
     total = tl.sum(tl.where((es < EL)[None, :], counts, 0), axis=0)  # [BE] entries per local expert
@@ -708,9 +763,12 @@ def _dispatch(
             _forward_from_network(ctx, pid, route, hosts, stage_x, stage_meta, stage_w, data_ready, relay_x,
                                   relay_meta, relay_w, relay_slot, relay_n, sig, me, half, epoch,
                                   T, K, P, BT, BH, BK, BP, NS, SW, L)
-        placed = now_ns(TRACE)
+        if EARLY:  # these senders waited only for this GPU's counts; placing needs every GPU's
+            for source in range(P):
+                tgl.wait_flag(ctx, flags + source, epoch + 1)
+            counts, rows_from = _received_counts(stage_counts, half, P, EL, BP, BE)
     else:
-        # 3. Placers: this GPU's own entries, the unused rows, then other GPUs' blocks as they land.
+        # 3. Placers: this GPU's own entries, then the unused rows.
         q = pid - NS
         placers = nprog - NS
         while blk < TB:
@@ -733,11 +791,11 @@ def _dispatch(
                     tl.store(out_x + z[:, None].to(tl.int64) * H + h[None, :],
                              tl.zeros((BZ, BH), dtype=out_x.dtype.element_ty), mask=z_ok[:, None] & (h < H)[None, :])
         zeroed = now_ns(TRACE)
-        for blk in range(q, TB, placers):
-            _place_block(ctx, blk, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
-                         out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
-                         T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
-        placed = now_ns(TRACE)
+    if P > 1:  # 4. Everyone: the other GPUs' blocks as they land.
+        _place_claimed_blocks(ctx, state, route, stage_x, stage_meta, stage_w, stage_starts, block_flags, data_ready,
+                              out_x, out_pos, out_w, me, half, epoch, counts, rows_from,
+                              T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
+    placed = now_ns(TRACE)
     if pid == WRITER:
         base = tl.cumsum(total, axis=0) - total
         kept = tl.minimum(tl.maximum(C - base, 0), total)
@@ -753,7 +811,8 @@ def _dispatch(
         trace_word(trace, pid, 5, zeroed)
         trace_word(trace, pid, 6, placed)
         trace_word(trace, pid, 7, now_ns(TRACE))
-    finish_call(state, state + DISPATCH_FINISHED, epoch, nprog, state + DISPATCH_STARTED, 1)
+    # STARTED .. CLAIMED (FINISHED and PACKED are zero by then: rezeroed, harmless)
+    finish_call(state, state + DISPATCH_FINISHED, epoch, nprog, state + DISPATCH_STARTED, 4)
 
 
 @triton.jit

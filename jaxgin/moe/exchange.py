@@ -255,11 +255,11 @@ def _buffers(state, plan: Plan, fp8: bool = False):
             stage_w=sym((2, p, t, k), np.float32), stage_counts=sym((2, p, el + 1), np.int32),
             stage_starts=sym((2, p, t + 1), np.int32),
             dispatch_flags=sym((p,), np.int64), block_flags=sym((p, t), np.int64),
-            dispatch_state=sym((_kernels.STATE_WORDS,), np.int64),
+            dispatch_state=sym((_kernels.DISPATCH_STATE_WORDS,), np.int64),
         )
         if not fp8:
             buffers.update(back=sym((2, p, t, h), plan.dtype), combine_flags=sym((3 * p,), np.int64),
-                           combine_state=sym((_kernels.STATE_WORDS + (2 + p) * gin,), np.int64))
+                           combine_state=sym((_kernels.COMBINE_STATE_WORDS + (2 + p) * gin,), np.int64))
         if gin:
             buffers.update(
                 send_x=sym((2, p, t, sw), staged), send_meta=sym((2, p, t, k), np.int32),
@@ -352,10 +352,11 @@ def _dispatch_grid(state, plan: Plan, blocks: int, senders_per_8: int, counting:
     return senders + placers, senders
 
 
-def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool = False):
+def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool = False, trace: bool = False):
     """dispatch on GPUs along a routing made before (route()'s arrays); fp8: rows cross as e4m3
     values and scales, quantized as the kernel stages them and dequantized as it places them (the
-    result is fp8.rounded(x)'s rows)."""
+    result is fp8.rounded(x)'s rows); trace: also the records of _kernels.dispatch_traced_kernel,
+    int32 [programs, 16], last."""
     op_support.require_tritongin(DISPATCH)
     from jaxgin.moe import _kernels  # needs Triton (optional: GPU lowering only)
 
@@ -366,12 +367,14 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
         hosts, _, hslot, hrows = _host_unions(state, route, axis)
     else:
         hosts, hslot, hrows = (jnp.zeros((1,), jnp.int32),) * 3
+    records = [jax.core.ShapedArray((launch["grid"][0], 16), jnp.int32)] if trace else []
     outs = triton_call(
-        _kernels.dispatch_kernel, x, route.slot, route.before, route.meta, weights, route.send_counts,
-        axis, hslot, hrows, hosts, *buf, out_shape=_dispatch_outputs(plan, x.dtype), **launch,
+        _kernels.dispatch_traced_kernel if trace else _kernels.dispatch_kernel,
+        x, route.slot, route.before, route.meta, weights, route.send_counts,
+        axis, hslot, hrows, hosts, *buf, out_shape=[*_dispatch_outputs(plan, x.dtype), *records], **launch,
     )
-    grouped, positions, weights_out, counts, rows, dropped = outs
-    return grouped, positions, weights_out, counts, rows, dropped.reshape(())
+    grouped, positions, weights_out, counts, rows, dropped = outs[:6]
+    return grouped, positions, weights_out, counts, rows, dropped.reshape(()), *outs[6:]
 
 
 def _dispatch_outputs(plan: Plan, dtype) -> list:
@@ -413,16 +416,15 @@ def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool =
     """dispatch on GPUs from the ids: up to LOW_LATENCY_MAX_TOKENS tokens per GPU one kernel that
     routes as it goes (_kernels.dispatch_routing_kernel), above them XLA's route() then
     dispatch_kernel (routing in the kernel grows with the square of the tokens). Returns
-    dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries); with `trace` (the
-    routing kernel only) also its records, int32 [programs, 16] (dispatch_routing_traced_kernel)."""
+    dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries); with `trace` also the
+    kernel's records, int32 [programs, 16] (dispatch_routing_traced_kernel, dispatch_traced_kernel)."""
     routes_here = plan.tokens <= _routing.LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
-    if trace and not routes_here:
-        raise ValueError(f"{DISPATCH}: only the kernel that routes is traced: up to "
-                         f"{_routing.LOW_LATENCY_MAX_TOKENS} tokens per GPU, in a job without GIN peers")
     if not routes_here:
         # across hosts, dispatch needs route()'s slots for the per-host unions too
         route, masked = _routing.route(topk_ids, plan)
-        return (*dispatch_kernel(state, x, weights, route, plan, fp8), route, masked)
+        grouped, positions, weights_out, counts, rows, dropped, *records = dispatch_kernel(
+            state, x, weights, route, plan, fp8, trace)
+        return (grouped, positions, weights_out, counts, rows, dropped, route, masked, *records)
     op_support.require_tritongin(DISPATCH)
     from jaxgin.moe import _kernels, _routing_device  # need Triton (optional: GPU lowering only)
 
