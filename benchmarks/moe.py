@@ -18,9 +18,9 @@ latency) and 4096 (high throughput). Per token count, per GPU:
                                       dispatch sends remotely, for scale
   xla_gather_same_rows                XLA gathering `capacity` rows of x: the HBM writes of
                                       dispatch's output layout alone, for scale (one GPU too)
-  routing_only / routing_xla          dispatch's routing arithmetic alone: up to 256 tokens a Triton
-                                      kernel of its own (what dispatch does inside its kernel) / as
-                                      XLA's fusions
+  routing_only / routing_xla          dispatch's routing arithmetic alone: the routing kernels
+                                      (up to 256 tokens what dispatch does inside its kernel, above
+                                      what it runs before it) / as XLA's fusions
 Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and destination GPU) over
 the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
 
@@ -172,8 +172,9 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
 
         def pair_step(x, ids, w):
             """combine returns x's shape, so the next pair takes this one's output as its x with no op
-            between them; the ids are tied to it only where XLA routes (above the low-latency
-            tokens): the dispatch kernel routes below, and no XLA op reads the ids alone."""
+            between them; the ids are tied to it only where routing kernels run before the dispatch
+            kernel (above the low-latency tokens): the dispatch kernel routes below, and nothing else
+            reads the ids alone."""
             y = jg_pair(x, ids, w)
             return y, (tied(ids, y) if tokens > _routing.LOW_LATENCY_MAX_TOKENS else ids), w
 
@@ -234,15 +235,14 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
 
 
 def _route_only(ids, experts, size, capacity, xla=False):
-    """dispatch's routing arithmetic alone: the device functions dispatch routes with inside its
-    kernel up to 256 tokens, as one Triton kernel of their own (_routing_device.route_alone; XLA's
-    fusions above, as dispatch), or with xla=True XLA's fusions (_routing.route)."""
+    """dispatch's routing arithmetic alone: the device functions dispatch routes with (inside its
+    kernel up to 256 tokens), as kernels of their own (_routing_device.route_alone), or with xla=True
+    XLA's fusions (_routing.route)."""
     from jaxgin.moe import _routing_device
 
     plan = _routing.Plan(("ep",), size, ids.shape[0], 1, ids.shape[1], experts // size, capacity, "bfloat16",
                          _routing.HIGH_THROUGHPUT)
-    device = not xla and ids.shape[0] <= _routing.LOW_LATENCY_MAX_TOKENS
-    route, _ = (_routing_device.route_alone if device else _routing.route)(ids, plan)
+    route, _ = (_routing.route if xla else _routing_device.route_alone)(ids, plan)
     # every array whole (the barrier), as dispatch uses them: else XLA computes only what is read
     slot, before, meta, dest, counts = jax.lax.optimization_barrier(
         (route.slot, route.before, route.meta, route.dest, route.send_counts))

@@ -517,12 +517,14 @@ def test_the_kernels_fp8_rows_are_fp8s_rows_bit_for_bit():
 
 
 def test_the_routing_kernel_writes_routes_arrays_bit_for_bit():
-    """The routing kernel that GPUs run up to LOW_LATENCY_MAX_TOKENS tokens (_routing_device.py),
-    run by Triton's interpreter on this machine: every array equals _routing.route's, for one to
-    nineteen programs, one and two counting steps, blocks cut short, masked ids, one GPU, top_k 1 to 8."""
+    """The routing kernel GPUs run (_routing_device.py), run by Triton's interpreter on this machine:
+    every array equals _routing.route's, for one to 48 programs, counting the earlier tokens
+    themselves (one step) or from chunk counts (2 and 3 chunks, the last one whole or cut short),
+    blocks cut short, masked ids, one GPU, top_k 1 to 8."""
     checked = triton_interpreter_check("routing")
-    assert len(checked) == 7 and all(all(c["equal"].values()) for c in checked), checked
-    assert any(c["masked_entries"] > 0 for c in checked) and max(c["programs"] for c in checked) == 19, checked
+    assert len(checked) == 9 and all(all(c["equal"].values()) for c in checked), checked
+    assert any(c["masked_entries"] > 0 for c in checked) and max(c["programs"] for c in checked) == 48, checked
+    assert sorted(c["chunks"] for c in checked if c["chunks"]) == [2, 3, 3], checked
 
 
 def test_the_dispatch_kernels_own_routing_is_routes():
@@ -589,20 +591,28 @@ def test_the_traced_routing_dispatch_kernel_records_each_step(toolchain):
     assert len(re.findall(r"st\.global(?:\.\w+)*\.b64", traced.asm["ptx"])) >= 8
 
 
-@pytest.mark.parametrize("tokens, gpus, warps", [(128, 4, 4), (256, 8, 8)])
+@pytest.mark.parametrize("tokens, gpus, warps", [(128, 4, 4), (256, 8, 8), (4096, 2, 8)])
 def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
-    """Routing at DeepSeek-V3's low-latency shapes (top-8 of 256 experts; 128 tokens on 4 GPUs, and
-    the most the kernel takes, 256 on 8), with exchange's warps: plain arithmetic, no library calls,
-    no waits."""
+    """Routing at DeepSeek-V3's shapes (top-8 of 256 experts; 128 tokens on 4 GPUs, 256 on 8, the
+    most dispatch routes inside its kernel, and 4096 on 2, from chunk counts), with exchange's
+    warps: plain arithmetic, no library calls, no waits."""
     from jaxgin.moe import _routing_device
 
-    pointers = dict(ctx="*u8", ids="*i32", slot="*i32", before="*i32", meta="*i32", dest_out="*i32",
-                    send_counts="*i32", masked="*i32")
+    pointers = dict(ctx="*u8", ids="*i32", chunk_bins="*i32", chunk_tokens="*i32", slot="*i32", before="*i32",
+                    meta="*i32", dest_out="*i32", send_counts="*i32", masked="*i32")
+    launch = _routing_device.constexprs(tokens, 8, gpus, 256 // gpus)
+    chunked = tokens > _routing_device.SCAN_TOKENS
     assert _routing_device.num_warps(tokens) == warps
-    kernel = compile_for_sm90(_routing_device.route_kernel, pointers, num_warps=warps, num_stages=1,
-                              constexprs=_routing_device.constexprs(tokens, 8, gpus, 256 // gpus))
-    assert kernel.asm["cubin"][:4] == b"\x7fELF"
-    assert "jaxgin_tt_" not in kernel.asm["ptx"]  # plain arithmetic: nothing from the device library
+    kernels = [compile_for_sm90(_routing_device.route_kernel, pointers, num_warps=warps, num_stages=1,
+                                constexprs=dict(launch, CHUNKS=int(chunked)))]
+    if chunked:
+        kernels.append(compile_for_sm90(
+            _routing_device.chunk_counts_kernel, dict(ctx="*u8", ids="*i32", chunk_bins="*i32", chunk_tokens="*i32"),
+            num_warps=warps, num_stages=1, constexprs={name: launch[name] for name in ("T", "K", "P", "EL", "SCAN",
+                                                                                        "BK", "BP", "BE")}))
+    for kernel in kernels:
+        assert kernel.asm["cubin"][:4] == b"\x7fELF"
+        assert "jaxgin_tt_" not in kernel.asm["ptx"]  # plain arithmetic: nothing from the device library
 
 
 @pytest.mark.parametrize("gin", [0, 1], ids=["nvlink_only", "with_gin_paths"])
@@ -1086,10 +1096,12 @@ class _LoweringState:
 
 def _lowering_dispatch(monkeypatch, gin: bool):
     """exchange.dispatch_routing_kernel lowered at 64 tokens on rank 1 of 4 (hosts of 2 GPUs), with
-    triton_call recording its launches [(kernel, args, out_shape, kw)] and returning zeros: (the
-    launches, a call of it taking its keyword arguments, the ids, the plan)."""
+    triton_call recording its launches [(kernel, args, out_shape, kw)] and returning zeros, and the
+    routing kernels (_routing_device.route_alone) recording their calls [plan] and returning
+    route()'s arrays, which they equal (test_the_routing_kernel_writes_routes_arrays_bit_for_bit):
+    (the launches, a call of it taking its keyword arguments, the ids, the plan, the routings)."""
     from jaxgin import op_support
-    from jaxgin.moe import _routing, exchange
+    from jaxgin.moe import _routing, _routing_device, exchange
 
     p, t, h, k, el = 4, 64, 256, 2, 2
     plan = _routing.Plan(("ep",), p, t, h, k, el, p * t * k, "bfloat16", _routing.LOW_LATENCY)
@@ -1102,28 +1114,36 @@ def _lowering_dispatch(monkeypatch, gin: bool):
         return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
 
     monkeypatch.setattr(exchange, "triton_call", fake_call)
+    routed = []
+
+    def fake_route(topk_ids, plan):
+        routed.append(plan)
+        return _routing.route(topk_ids, plan)
+
+    monkeypatch.setattr(_routing_device, "route_alone", fake_route)
     ids = jax.random.randint(jax.random.key(3), (t, k), 0, p * el)
     x, w = jnp.ones((t, h), jnp.bfloat16), jnp.ones((t, k), jnp.float32)
 
     def dispatch(**kw):
         return exchange.dispatch_routing_kernel(_LoweringState(), x, w, ids, plan, **kw)
 
-    return calls, dispatch, ids, plan
+    return calls, dispatch, ids, plan, routed
 
 
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
 def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
     """What dispatch launches on GPUs at 64 tokens: in an NVLink-only job the kernel that routes
-    itself, with no relay areas; in a job with GIN peers route() then dispatch_kernel, given each
-    rank's host, route()'s slots' per-host unions (_routing.host_union along the axis's hosts) and
-    relay areas with a row of metadata per GPU of a host (2 here)."""
+    itself, with no relay areas; in a job with GIN peers the routing kernels then dispatch_kernel,
+    given each rank's host, route()'s slots' per-host unions (_routing.host_union along the axis's
+    hosts) and relay areas with a row of metadata per GPU of a host (2 here)."""
     pytest.importorskip("triton")
     from jaxgin.moe import _kernels, _routing
 
-    calls, dispatch, ids, plan = _lowering_dispatch(monkeypatch, gin)
+    calls, dispatch, ids, plan, routed = _lowering_dispatch(monkeypatch, gin)
     p, t, k = plan.size, plan.tokens, plan.top_k
     dispatch()
     ((kernel, args, _, kw),) = calls
+    assert routed == ([plan] if gin else [])
     assert kernel is (_kernels.dispatch_kernel if gin else _kernels.dispatch_routing_kernel)
     assert kw["GIN"] == int(gin) and kw["L"] == (2 if gin else 1)
     if not gin:
@@ -1146,7 +1166,7 @@ def test_dispatch_lowering_traced_returns_the_kernels_records(monkeypatch, gin):
     pytest.importorskip("triton")
     from jaxgin.moe import _kernels
 
-    calls, dispatch, _, _ = _lowering_dispatch(monkeypatch, gin)
+    calls, dispatch, _, _, _ = _lowering_dispatch(monkeypatch, gin)
     plain = dispatch()
     outs = dispatch(trace=True)
     (plain_kernel, plain_args, plain_shape, plain_kw), (kernel, args, out_shape, kw) = calls

@@ -160,9 +160,10 @@ def placement() -> list[dict]:
 
 def routing() -> list[dict]:
     """_routing_device.route_kernel against jaxgin.moe._routing.route, array by array: several
-    programs (each counting the earlier tokens itself, in one step up to 256 tokens and in two at
-    300), blocks cut short, masked ids, top_k that is not a power of two, one GPU, experts all on
-    one GPU."""
+    programs (each counting the earlier tokens itself, in one step up to 256 tokens; above, from
+    chunk_counts_kernel's counts of 256-token chunks, at 300 and 700 tokens, and at 768, whole
+    chunks only), blocks cut short, masked ids, top_k that is not a power of two, one GPU, experts
+    all on one GPU."""
     import jax.numpy as jnp
 
     from jaxgin.moe import _routing, _routing_device
@@ -170,7 +171,8 @@ def routing() -> list[dict]:
     checked = []
     for p, t, k, el, case, seed in ((4, 128, 8, 64, "random", 0), (4, 37, 3, 5, "masked", 1), (1, 9, 2, 3, "random", 2),
                                     (8, 50, 6, 4, "masked", 3), (2, 256, 8, 16, "one_gpu", 4), (3, 16, 1, 7, "random", 5),
-                                    (2, 300, 4, 8, "masked", 6)):
+                                    (2, 300, 4, 8, "masked", 6), (4, 700, 8, 16, "masked", 7),
+                                    (2, 768, 8, 128, "random", 8)):
         rng = np.random.default_rng(seed)
         low = -1 if case == "masked" else 0
         ids = rng.integers(low, p * el + (2 if case == "masked" else 0), size=(t, k)).astype(np.int32)
@@ -182,13 +184,23 @@ def routing() -> list[dict]:
                    meta=np.full((t, p, k), -7, np.int32), dest=np.full((t, k), -7, np.int32),
                    send_counts=np.full((p, el + 1), -7, np.int32), masked=np.full((1,), -7, np.int32))
         arrays = {name: HostArray(a) for name, a in got.items()}
+        launch = _routing_device.constexprs(t, k, p, el)
+        chunks = -(-t // launch["SCAN"])
+        chunk_bins = HostArray(np.full((chunks, launch["BE"]), -7, np.int32))
+        chunk_tokens = HostArray(np.full((chunks, launch["BP"]), -7, np.int32))
+        ctx = HostArray(np.zeros(1, np.uint8))
+        chunked = t > _routing_device.SCAN_TOKENS
+        if chunked:
+            _routing_device.chunk_counts_kernel[(chunks,)](
+                ctx, HostArray(ids), chunk_bins, chunk_tokens,
+                **{name: launch[name] for name in ("T", "K", "P", "EL", "SCAN", "BK", "BP", "BE")})
         _routing_device.route_kernel[_routing_device.grid(t)](
-            HostArray(np.zeros(1, np.uint8)), HostArray(ids), *arrays.values(), **_routing_device.constexprs(t, k, p, el))
+            ctx, HostArray(ids), chunk_bins, chunk_tokens, *arrays.values(), CHUNKS=int(chunked), **launch)
         equal = {name: bool(np.array_equal(arrays[name].array, np.asarray(getattr(want, name))))
                  for name in ("slot", "before", "meta", "dest", "send_counts")}
         equal["masked"] = int(arrays["masked"].array[0]) == int(want_masked)
         checked.append(dict(gpus=p, tokens=t, top_k=k, local_experts=el, case=case, programs=_routing_device.grid(t)[0],
-                            masked_entries=int(want_masked), equal=equal))
+                            chunks=chunks if chunked else 0, masked_entries=int(want_masked), equal=equal))
     return checked
 
 

@@ -211,7 +211,7 @@ def main() -> None:
 
     def pairs(x, ids, w):
         # as benchmarks/moe.py's pairs: combine's output is the next x, nothing runs between pairs
-        # (ids tied to it only where XLA routes)
+        # (ids tied to it only where the routing runs before the dispatch kernel)
         def step(_, carry):
             a, i = carry
             sent = dispatch(a, i, w)

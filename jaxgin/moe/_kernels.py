@@ -13,7 +13,7 @@ dispatch (routing arithmetic: _routing.py). Up to 256 tokens per GPU the kernel 
 (dispatch_routing_kernel, with _routing_device.py's functions): each program routes the token
 blocks it sends or places, counting the earlier tokens on its own (no program waits for another's
 routing), and program 0 the totals; above, and in jobs with GIN peers, it reads route()'s arrays
-made by XLA (dispatch_kernel).
+made by the routing kernels before it (dispatch_kernel; _routing_device.route_alone).
   1. counts first: program 0 writes this GPU's send counts, and where each of its token blocks'
      rows start in the staging area, into every GPU's counts area and raises this GPU's counts flag
      there; every program routes its first block, then waits for all P, so from then on every GPU

@@ -414,20 +414,21 @@ def _dispatch_launch(state, plan: Plan, fp8: bool, routing: bool = False) -> dic
 
 def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool = False, trace: bool = False):
     """dispatch on GPUs from the ids: up to LOW_LATENCY_MAX_TOKENS tokens per GPU one kernel that
-    routes as it goes (_kernels.dispatch_routing_kernel), above them XLA's route() then
-    dispatch_kernel (routing in the kernel grows with the square of the tokens). Returns
-    dispatch_kernel's arrays, then route()'s (SourceRoute, masked entries); with `trace` also the
-    kernel's records, int32 [programs, 16] (dispatch_routing_traced_kernel, dispatch_traced_kernel)."""
-    routes_here = plan.tokens <= _routing.LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
-    if not routes_here:
-        # across hosts, dispatch needs route()'s slots for the per-host unions too
-        route, masked = _routing.route(topk_ids, plan)
-        grouped, positions, weights_out, counts, rows, dropped, *records = dispatch_kernel(
-            state, x, weights, route, plan, fp8, trace)
-        return (grouped, positions, weights_out, counts, rows, dropped, route, masked, *records)
+    routes as it goes (_kernels.dispatch_routing_kernel); above them (routing inside the dispatch
+    kernel grows with the square of the tokens), and with GIN peers (their host unions need
+    route()'s slots), route()'s arrays from the routing kernels (_routing_device.route_alone) then
+    dispatch_kernel. Returns dispatch_kernel's arrays, then route()'s (SourceRoute, masked
+    entries); with `trace` also the kernel's records, int32 [programs, 16]
+    (dispatch_routing_traced_kernel, dispatch_traced_kernel)."""
     op_support.require_tritongin(DISPATCH)
     from jaxgin.moe import _kernels, _routing_device  # need Triton (optional: GPU lowering only)
 
+    routes_here = plan.tokens <= _routing.LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
+    if not routes_here:
+        route, masked = _routing_device.route_alone(topk_ids, plan)
+        grouped, positions, weights_out, counts, rows, dropped, *records = dispatch_kernel(
+            state, x, weights, route, plan, fp8, trace)
+        return (grouped, positions, weights_out, counts, rows, dropped, route, masked, *records)
     p, t, k, el = plan.size, plan.tokens, plan.top_k, plan.local_experts
     launch = _dispatch_launch(state, plan, fp8, routing=True)
     buf = launch.pop("buffers")
