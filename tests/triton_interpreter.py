@@ -161,7 +161,7 @@ def placement() -> list[dict]:
 def routing() -> list[dict]:
     """_routing_device.route_kernel against jaxgin.moe._routing.route, array by array: several
     programs (each counting the earlier tokens itself, in one step up to 256 tokens; above, from
-    chunk_counts_kernel's counts of 256-token chunks, at 300 and 700 tokens, and at 768, whole
+    chunk_counts_kernel's counts of 128-token chunks, at 300 and 700 tokens, and at 768, whole
     chunks only), blocks cut short, masked ids, top_k that is not a power of two, one GPU, experts
     all on one GPU."""
     import jax.numpy as jnp

@@ -9,9 +9,10 @@ also writes the totals (send_counts, masked entries). How a program counts the e
     up to _routing.LOW_LATENCY_MAX_TOKENS tokens per GPU (one SCAN step) dispatch routes with these
     functions inside its own kernel (_kernels.dispatch_routing_kernel: blocks of its own size, the
     totals by its program 0);
-  - above, from the counts of every whole chunk of SCAN tokens before its own, which a launch before
-    (chunk_counts_kernel) wrote, and its own chunk's earlier tokens itself: two launches, and work
-    that grows with the tokens (route_alone; dispatch's routing where it does not route itself).
+  - above, from the counts of every whole chunk of CHUNK_TOKENS tokens before its own, which a
+    launch before (chunk_counts_kernel) wrote, and its own chunk's earlier tokens itself: two
+    launches, and work that grows with the tokens (route_alone; dispatch's routing where it does
+    not route itself).
 """
 
 import jax
@@ -25,11 +26,13 @@ from jaxgin.triton_op import triton_call
 
 TOKENS_PER_PROGRAM = 16  # R
 SCAN_TOKENS = 256  # the most tokens one counting step of the earlier tokens takes
+CHUNK_TOKENS = 128  # above SCAN_TOKENS: the chunks counted apart (each program counts its own chunk's)
 
 
 def scan_tokens(tokens: int) -> int:
-    """SCAN for `tokens` tokens: a power of two, all of them in one step up to SCAN_TOKENS."""
-    return min(pow2(tokens), SCAN_TOKENS)
+    """SCAN for `tokens` tokens: a power of two, all of them in one step up to SCAN_TOKENS; above,
+    the chunk size."""
+    return pow2(tokens) if tokens <= SCAN_TOKENS else CHUNK_TOKENS
 
 
 def grid(tokens: int) -> tuple[int]:
