@@ -610,6 +610,10 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe_kernels", ["tools/profile_moe.py", "--tokens", "128", "--chains", "pair", "--blocks",
                          "2,1024,4,4;2,1024,8,4;2,2048,4,4;1,8192,8,4;2,4096,8,4;1,4096,8,4",
                          "--json", "{out}/moe_kernels.json"], 420, default=False, tail=12),
+    # high throughput: the routing kernels' and the dispatch and combine kernels' device times at
+    # 4096 tokens, and the dispatch kernel traced (when senders end, when the last block is placed)
+    Step("moe_ht_kernels", ["tools/profile_moe.py", "--tokens", "4096", "--chains", "dispatch,pair",
+                            "--trace-dispatch", "--json", "{out}/moe_ht_kernels.json"], 180, default=False, tail=12),
     # a jaxgin.triton_call of a kernel with nothing to do against an XLA fusion, per call in a chain
     Step("call_overhead", ["tools/call_overhead.py", "--out", "{out}"], 120, default=False, tail=10),
     # tl.histogram counted three ways against numpy (a masked count of a reshaped block miscounted on an H200)
