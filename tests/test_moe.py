@@ -1161,8 +1161,9 @@ def test_dispatch_lowering_across_hosts_sends_host_unions(monkeypatch, gin):
 @pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
 def test_dispatch_lowering_traced_returns_the_kernels_records(monkeypatch, gin):
     """trace=True (tools/profile_moe.py --trace-dispatch) launches the traced twin of the kernel that
-    would run (the routing kernel, or where XLA routes dispatch_kernel's) with a record of 16 int32
-    per program as its last output, and returns it last, after the untraced call's outputs."""
+    would run (the routing kernel, or dispatch_kernel where the routing kernels run before it) with a
+    record of 16 int32 per program as its last output, and returns it last, after the untraced
+    call's outputs."""
     pytest.importorskip("triton")
     from jaxgin.moe import _kernels
 

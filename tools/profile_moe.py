@@ -119,7 +119,7 @@ def dispatch_records(mesh, x, ids, weights, experts: int, capacity: int, calls: 
     """Every GPU's records of the dispatch kernel, traced ([GPUs, programs, 8] int64, RECORD_WORDS,
     by place in the start order), from the last of `calls` calls; and how many of the first places
     send (the rest place). Up to LOW_LATENCY_MAX_TOKENS tokens the kernel that routes, above them
-    the one that reads XLA's routing."""
+    the one that reads the routing kernels' arrays."""
     from jaxgin import op_support
     from jaxgin.ffi import axes as axes_lib
     from jaxgin.moe import _routing, exchange
@@ -131,8 +131,8 @@ def dispatch_records(mesh, x, ids, weights, experts: int, capacity: int, calls: 
         plan = _routing.make_plan(exchange.DISPATCH, names, mesh.size, x, ids, experts, capacity, "auto")
         x, ids, w = op_support.same_varying(names, x, ids, w)
         state = op_support.kernel_state()
-        routing = plan.tokens <= LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
-        senders["NS"] = exchange._dispatch_launch(state, plan, False, routing=routing)["NS"]
+        senders["NS"] = exchange._dispatch_launch(state, plan, False,
+                                                  routing=exchange.routes_in_kernel(state, plan))["NS"]
         outs = exchange.dispatch_routing_kernel(state, x, w.astype(jnp.float32), ids.astype(jnp.int32), plan,
                                                 trace=True)
         return outs[0], outs[-1]

@@ -412,6 +412,12 @@ def _dispatch_launch(state, plan: Plan, fp8: bool, routing: bool = False) -> dic
     )
 
 
+def routes_in_kernel(state, plan: Plan) -> bool:
+    """Whether dispatch on GPUs routes inside its own kernel (dispatch_routing_kernel): up to
+    LOW_LATENCY_MAX_TOKENS tokens per GPU, in a job without GIN peers."""
+    return plan.tokens <= _routing.LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
+
+
 def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool = False, trace: bool = False):
     """dispatch on GPUs from the ids: up to LOW_LATENCY_MAX_TOKENS tokens per GPU one kernel that
     routes as it goes (_kernels.dispatch_routing_kernel); above them (routing inside the dispatch
@@ -423,8 +429,7 @@ def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool =
     op_support.require_tritongin(DISPATCH)
     from jaxgin.moe import _kernels, _routing_device  # need Triton (optional: GPU lowering only)
 
-    routes_here = plan.tokens <= _routing.LOW_LATENCY_MAX_TOKENS and not op_support.gin_in_job(state)
-    if not routes_here:
+    if not routes_in_kernel(state, plan):
         route, masked = _routing_device.route_alone(topk_ids, plan)
         grouped, positions, weights_out, counts, rows, dropped, *records = dispatch_kernel(
             state, x, weights, route, plan, fp8, trace)
