@@ -88,40 +88,35 @@ def count_tokens_before(ids, limit, T: tl.constexpr, K: tl.constexpr, P: tl.cons
                         SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
     """Of tokens [0, limit): entries per expert bin [BE] (bin E: masked entries) and tokens per
     destination GPU [BP], counted SCAN tokens per step."""
-    E: tl.constexpr = P * EL
-    NS: tl.constexpr = SCAN * BK
-    ks = tl.arange(0, BK)
-    ps = tl.arange(0, BP)
-    ss = tl.arange(0, SCAN)
     per_bin = tl.zeros((BE,), dtype=tl.int32)
     tokens_to = tl.zeros((BP,), dtype=tl.int32)
     for t0 in range(0, T, SCAN):  # constant bounds (Triton 3.6's interpreter takes no tensor bound)
-        per_bin += tl.histogram(_flat_bins(ids, t0, limit, NS, K, E, BK), BE)
-        _, dest, present = _entries(ids, t0 + ss, t0 + ss < limit, ks, K, E, EL)
-        tokens_to += tl.sum(_goes(dest, present, ps), axis=0)
+        bins, to = _span_counts(ids, t0, limit, K, P, EL, SCAN, BK, BP, BE)
+        per_bin += bins
+        tokens_to += to
     return per_bin, tokens_to
 
 
 @triton.jit
-def chunk_counts(ids, chunk, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr,
-                 SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
-    """Of tokens [chunk * SCAN, (chunk + 1) * SCAN) (those past T masked): entries per expert bin
-    [BE] (bin E: masked entries) and tokens per destination GPU [BP]."""
+def _span_counts(ids, t0, limit, K: tl.constexpr, P: tl.constexpr, EL: tl.constexpr, SCAN: tl.constexpr,
+                 BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """Of tokens [t0, t0 + SCAN) before `limit`: entries per expert bin [BE] (bin E: masked
+    entries) and tokens per destination GPU [BP], in one counting step."""
     E: tl.constexpr = P * EL
     ss = tl.arange(0, SCAN)
-    t0 = chunk * SCAN
-    per_bin = tl.histogram(_flat_bins(ids, t0, T, SCAN * BK, K, E, BK), BE)
-    _, dest, present = _entries(ids, t0 + ss, t0 + ss < T, tl.arange(0, BK), K, E, EL)
+    per_bin = tl.histogram(_flat_bins(ids, t0, limit, SCAN * BK, K, E, BK), BE)
+    _, dest, present = _entries(ids, t0 + ss, t0 + ss < limit, tl.arange(0, BK), K, E, EL)
     return per_bin, tl.sum(_goes(dest, present, tl.arange(0, BP)), axis=0)
 
 
 @triton.jit
 def chunk_counts_kernel(ctx, ids, chunk_bins, chunk_tokens, T: tl.constexpr, K: tl.constexpr, P: tl.constexpr,
                         EL: tl.constexpr, SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
-    """Program c: chunk_counts of chunk c into chunk_bins [chunks, BE] and chunk_tokens [chunks, BP]
-    (chunks = ceil(T / SCAN)), which route_kernel reads with CHUNKS."""
+    """Program c: the counts of tokens [c * SCAN, (c + 1) * SCAN) (_span_counts) into chunk_bins
+    [chunks, BE] and chunk_tokens [chunks, BP] (chunks = ceil(T / SCAN)), which route_kernel reads
+    with CHUNKS."""
     c = tl.program_id(0)
-    per_bin, tokens_to = chunk_counts(ids, c, T, K, P, EL, SCAN, BK, BP, BE)
+    per_bin, tokens_to = _span_counts(ids, c * SCAN, T, K, P, EL, SCAN, BK, BP, BE)
     tl.store(chunk_bins + c * BE + tl.arange(0, BE), per_bin)
     tl.store(chunk_tokens + c * BP + tl.arange(0, BP), tokens_to)
 
@@ -131,7 +126,6 @@ def counts_from_chunks(ids, chunk_bins, chunk_tokens, limit, T: tl.constexpr, K:
                        EL: tl.constexpr, SCAN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
     """count_tokens_before(limit) from chunk_counts_kernel's rows: the whole chunks before `limit`
     summed, the tokens of its own chunk before it counted here."""
-    E: tl.constexpr = P * EL
     CHUNKS: tl.constexpr = (T + SCAN - 1) // SCAN
     ROWS: tl.constexpr = 16  # chunk rows summed per step
     whole = limit // SCAN
@@ -146,11 +140,8 @@ def counts_from_chunks(ids, chunk_bins, chunk_tokens, limit, T: tl.constexpr, K:
         per_bin += tl.sum(tl.load(chunk_bins + c[:, None] * BE + es[None, :], mask=before[:, None], other=0), axis=0)
         tokens_to += tl.sum(tl.load(chunk_tokens + c[:, None] * BP + ps[None, :], mask=before[:, None], other=0),
                             axis=0)
-    ss = tl.arange(0, SCAN)
-    t0 = whole * SCAN
-    per_bin += tl.histogram(_flat_bins(ids, t0, limit, SCAN * BK, K, E, BK), BE)
-    _, dest, present = _entries(ids, t0 + ss, t0 + ss < limit, tl.arange(0, BK), K, E, EL)
-    return per_bin, tokens_to + tl.sum(_goes(dest, present, ps), axis=0)
+    bins, to = _span_counts(ids, whole * SCAN, limit, K, P, EL, SCAN, BK, BP, BE)
+    return per_bin + bins, tokens_to + to
 
 
 @triton.jit
