@@ -157,6 +157,14 @@ def start_order(counter):
     program at a lower place has started (and holds an SM, or is done), so if programs only wait
     for lower places, and the lowest never wait, every wait ends (by induction over places, on
     every GPU at once), even while another kernel holds some of the SMs."""
+    return claim(counter)
+
+
+@triton.jit
+def claim(counter):
+    """The next number (0, 1, ...) handed out by `counter`, a word of the op's state that is zero
+    when a call starts (finish_call zeroes it): a place in the start order, or a work item that
+    programs share. Relaxed: only the number is handed out, no data with it."""
     return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
 

@@ -96,8 +96,8 @@ import triton.language as tl
 import jaxgin.triton_device.language as tgl
 from jaxgin.moe import _fp8_device as fp8_rows
 from jaxgin.moe import _routing_device
-from jaxgin.op_kernels import (arrivals_to_flag, call_position, finish_call, gin_route, host_place, host_size,
-                                network_entry, now_ns, rank_of, start_order, trace_word, wait_gin_source)
+from jaxgin.op_kernels import (arrivals_to_flag, call_position, claim, finish_call, gin_route, host_place,
+                                host_size, network_entry, now_ns, rank_of, start_order, trace_word, wait_gin_source)
 
 # dispatch's state, int64 words zeroed at first: [CALLS (jaxgin.op_kernels), STARTED, FINISHED, PACKED,
 # CLAIMED].
@@ -531,13 +531,13 @@ def _place_claimed_blocks(ctx, state, route, stage_x, stage_meta, stage_w, stage
     send them), so placers and senders that finish early share what is left."""
     TB: tl.constexpr = (T + BT - 1) // BT
     ITEMS: tl.constexpr = (P - 1) * TB
-    item = tl.atomic_add(state + DISPATCH_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+    item = claim(state + DISPATCH_CLAIMED)
     while item < ITEMS:
         other = item % (P - 1)
         _place_block(ctx, item // (P - 1), other + (other >= me).to(tl.int32), me, route, stage_x, stage_meta,
                      stage_w, stage_starts, block_flags, data_ready, out_x, out_pos, out_w, half, epoch, counts,
                      rows_from, T, H, K, P, EL, C, BT, BH, BK, BP, BE, GIN, SW, FP8)
-        item = tl.atomic_add(state + DISPATCH_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+        item = claim(state + DISPATCH_CLAIMED)
 
 
 @triton.jit
@@ -929,7 +929,7 @@ def combine_kernel(
     #    claim fails) and completes ITEMS items.
     ITEMS: tl.constexpr = P * TB
     mine = pid * 0
-    item = tl.atomic_add(state + COMBINE_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+    item = claim(state + COMBINE_CLAIMED)
     while item < ITEMS:
         s = item % P  # sources alternate, so NVLink stores and local ones interleave on every SM
         r = (item // P) * BT + tl.arange(0, BT)
@@ -957,7 +957,7 @@ def combine_kernel(
             tl.store(home + row[:, None] * H + h[None, :], acc.to(out.dtype.element_ty),
                      mask=r_ok[:, None] & h_ok[None, :])
         mine += 1
-        item = tl.atomic_add(state + COMBINE_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+        item = claim(state + COMBINE_CLAIMED)
 
     # 2. The program that completes the last item raises this GPU's flag on every NVLink GPU (its
     #    rows are in their return areas, its partials for other hosts' sources in send_back).
@@ -974,14 +974,14 @@ def combine_kernel(
         #     tokens and put them home, a block per claimed item (items of sources whose entry
         #     this GPU is not are skipped). The waits in it are for this host's GPUs' step 2 and
         #     for maps the sources posted first: neither waits for this step anywhere.
-        item = tl.atomic_add(state + COMBINE_FORWARD_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+        item = claim(state + COMBINE_FORWARD_CLAIMED)
         while item < ITEMS:
             s = item % P
             if gin_route(ctx, route, s, me, GIN) != 0:
                 if network_entry(route, hosts, s, me, P, BP) == me:
                     _forward_union_block(ctx, route, hosts, back, flags, send_back, send_union, map_recv, state, sig,
                                          s, item // P, me, half, epoch, T, H, P, BT, BH, BP, MW, XB, L)
-            item = tl.atomic_add(state + COMBINE_FORWARD_CLAIMED, 1, sem="relaxed", scope="gpu").to(tl.int32)
+            item = claim(state + COMBINE_FORWARD_CLAIMED)
         # Every forwarding item is claimed by now; the rows of each other host arrive from its
         # entry for this GPU (1 put each).
         if last:
