@@ -25,14 +25,16 @@ Effective bandwidth: bytes a GPU sends to other GPUs (one row per token and dest
 the time, next to the NVLink ceiling measured the same way (a peer-to-peer copy, GPU 0 -> 1).
 
 Timing: one jitted, unrolled fori_loop of STEPS calls (no loop control between calls), each
-call's input depending on the previous output and routing again (a pair's next x is its own
-output, with no op between the pairs); best of REPEATS runs / STEPS
+call's input depending on the previous output and routing again: a dispatch's next expert ids (a
+combine's next routing weights) are tied to its output by one small fusion, x (the rows) left as
+it is, and a pair's next x is its own output, with no op between the pairs; best of REPEATS runs / STEPS
 (times_us). Up to 256 tokens also a chain of 2 x STEPS: the difference per added call
 (per_call_us) and what is left of a run of STEPS (per_program_run_us: launching the program and
 waiting for it, spread over the calls in times_us; for combine also the dispatch feeding its chain).
 device_span_us: the first GPU's span per call of the STEPS chain in JAX's profiler, from its first
 kernel or copy to its last (the gaps between them included, the host's launch and wait not);
-every row but the ragged_* ones (--no-device-span: none). Before timing, combine(dispatch(x)) with
+every row but the ragged_* ones (--no-device-span: none), with that call's kernels and copies by
+name (device_events_per_call: count and us per call). Before timing, combine(dispatch(x)) with
 identity experts must give x back (the routing weights sum to 1) on both paths. Writes moe.json
 and moe.png.
 """
@@ -40,6 +42,7 @@ and moe.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -52,10 +55,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxgin
 from jaxgin import cli
 from jaxgin.moe import _routing
-from timing import after, best_seconds, device_span_seconds, tied
+from timing import best_seconds, device_event_totals, tied
 
 STEPS = 20
 SPEC = P("ep")
+ROUTED_RESULT = 1  # routed() chains return their ids
 
 
 def _sm(mesh, f, n_in):
@@ -119,19 +123,21 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
         fp8_exact = bool(np.array_equal(np.asarray(sm_x(True)(x, ids, weights)).view(np.uint16),
                                         np.asarray(sm_x(False)(rounded, ids, weights)).view(np.uint16)))
 
-    def chain(step, steps):
+    def chain(step, steps, result=0):
+        """`steps` calls of step, each fed the previous one's carry; returns carry element `result`."""
         def body(*args):
-            return jax.lax.fori_loop(0, steps, lambda _, a: step(*a), args, unroll=True)[0]
+            return jax.lax.fori_loop(0, steps, lambda _, a: step(*a), args, unroll=True)[result]
 
         return body
 
     def routed(op):
-        """A chain step that routes every call, as a layer does: the next call's expert ids come
-        after this call's output (else XLA computes the routing of loop-invariant ids once, before
-        the loop, and the chain times the op without it)."""
+        """A chain step that routes every call, as a layer does: the next call's expert ids are tied
+        to this call's output (else XLA computes the routing of loop-invariant ids once, before the
+        loop, and the chain times the op without it). x stays as it is: updating it would copy all
+        of x each call (XLA cannot update a buffer in place that the op still reads), so the chain
+        returns the ids (ROUTED_RESULT), which depend on every call."""
         def step(x, ids, w):
-            y = after(x, op(x, ids, w))
-            return y, after(ids, y), w
+            return x, tied(ids, op(x, ids, w)), w
 
         return step
 
@@ -143,23 +149,28 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
     def build(steps):
         """Every variant as a chain of `steps` calls: (program, number of inputs)."""
         variants = {}
-        variants["jaxgin_dispatch"] = (chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w).x), steps), 3)
+        variants["jaxgin_dispatch"] = (chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w).x), steps, ROUTED_RESULT), 3)
         # the same with fp8=True: e4m3 rows and a scale per 128 values (0.52x the bytes), quantizing
         # and dequantizing included
         if with_fp8:
             variants["jaxgin_dispatch_fp8"] = (
-                chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w, True).x), steps), 3)
-        variants["ragged_dispatch"] = (chain(routed(lambda x, ids, w: rg_dispatch(x, ids)[0]), steps), 3)
+                chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w, True).x), steps, ROUTED_RESULT), 3)
+        variants["ragged_dispatch"] = (chain(routed(lambda x, ids, w: rg_dispatch(x, ids)[0]), steps, ROUTED_RESULT), 3)
 
+        # Combine chains: the rows stay as dispatch made them and each call's routing weights are
+        # tied to the previous call's output (as routed(): no copy of the rows between calls).
         def jg_combine(x, ids, w):
             sent = jg_dispatch(x, ids, w)
-            body = lambda _, y: after(y, jaxgin.moe.combine(y, sent.handle))  # noqa: E731
-            return jax.lax.fori_loop(0, steps, body, after(sent.x, x), unroll=True)[:1]
+
+            def body(_, handle):
+                return dataclasses.replace(handle, weights=tied(handle.weights, jaxgin.moe.combine(sent.x, handle)))
+
+            return jax.lax.fori_loop(0, steps, body, sent.handle, unroll=True).weights
 
         def rg_combine(x, ids, w):
             rows, _, state = rg_dispatch(x, ids)
-            body = lambda _, y: after(y, jaxgin.moe.ragged.combine(y, w, state))  # noqa: E731
-            return jax.lax.fori_loop(0, steps, body, after(rows, x), unroll=True)[:1]
+            body = lambda _, v: tied(v, jaxgin.moe.ragged.combine(rows, v, state))  # noqa: E731
+            return jax.lax.fori_loop(0, steps, body, w, unroll=True)
 
         variants["jaxgin_combine"] = (jg_combine, 3)
         variants["ragged_combine"] = (rg_combine, 3)
@@ -180,19 +191,17 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
 
         variants["jaxgin_pair"] = (chain(pair_step, steps), 3)
         variants["xla_all_to_all_same_bytes"] = (
-            chain(lambda a: (after(a, jax.lax.all_to_all(a, "ep", 0, 0, tiled=True)),), steps), 1)
+            chain(lambda a: (jax.lax.all_to_all(a, "ep", 0, 0, tiled=True),), steps), 1)
 
-        # The barrier keeps the gathered rows whole in memory (else XLA would gather the one element
-        # after reads).
-        variants["xla_gather_same_rows"] = (
-            chain(lambda x, r: (after(x, jax.lax.optimization_barrier(jnp.take(x, r, axis=0))), r), steps), 2)
+        # tied() keeps the gathered rows whole in memory (else XLA would gather the one element it reads).
+        variants["xla_gather_same_rows"] = (chain(lambda x, r: (x, tied(r, jnp.take(x, r, axis=0))), steps, 1), 2)
 
         for name, xla in (("routing_only", False), ("routing_xla", True)):
             variants[name] = (chain(routed(lambda x, ids, w, xla=xla: _route_only(ids, experts, mesh.size, capacity,
-                                                                                  xla=xla)), steps), 3)
+                                                                                  xla=xla)), steps, ROUTED_RESULT), 3)
         return variants
 
-    times, per_call, fixed, span = {}, {}, {}, {}
+    times, per_call, fixed, span, events = {}, {}, {}, {}, {}
     # At low latency a chain twice as long tells the cost of a call apart from the cost of running
     # the program once (launching it, waiting for it), which best / STEPS spreads over the calls.
     lengths = (STEPS, 2 * STEPS) if tokens <= _routing.LOW_LATENCY_MAX_TOKENS else (STEPS,)
@@ -210,7 +219,10 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
             fixed[name] = total[STEPS] * 1e6 - STEPS * per_call[name]
             line += f"   per call {per_call[name]:7.1f} us, per program run {fixed[name]:7.1f} us"
         if device_span and not name.startswith("ragged_"):  # ragged chains: many small ops, long traces
-            span[name] = device_span_seconds(programs[STEPS], *args) / STEPS * 1e6
+            totals, timeline = device_event_totals(programs[STEPS], *args)
+            span[name] = max(start + duration for _, start, duration, _ in timeline) / STEPS
+            events[name] = {event[:80]: {"count": e["count"] / STEPS, "us": e["seconds"] / STEPS * 1e6}
+                            for event, e in sorted(totals.items(), key=lambda item: -item[1]["seconds"])}
             line += f"   device span {span[name]:7.1f} us"
         print(line, flush=True)
     # The combine loops include one dispatch (outside the loop): subtract it.
@@ -225,6 +237,7 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
         tokens=tokens, hidden=hidden, experts=experts, top_k=top_k, devices=n, capacity=capacity,
         dropped=int(np.asarray(dropped).sum()), roundtrip_rel_err=err, times_us=times,
         per_call_us=per_call or None, per_program_run_us=fixed or None, device_span_us=span or None,
+        device_events_per_call=events or None,
         dispatch_plus_combine_us=dict(jaxgin=jg, ragged=rg), speedup_vs_ragged=rg / jg,
         remote_bytes_per_gpu=remote_bytes,
         fp8=dict(exact_against_its_reference=fp8_exact,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -44,11 +45,10 @@ import jaxgin
 from jaxgin import cli
 from jaxgin.moe._routing import LOW_LATENCY_MAX_TOKENS
 
-# benchmarks/timing.py: after and tied (the benchmarks' ways of making each call wait for the previous
-# one), the trace reading and the handler runs
+# benchmarks/timing.py: tied (the benchmarks' way of making each call wait for the previous one), the
+# trace reading and the handler runs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timing import after, device_events, handler_runs, host_events, span_seconds, step_cycle_seconds  # noqa: E402
-from timing import tied  # noqa: E402
+from timing import device_events, handler_runs, host_events, span_seconds, step_cycle_seconds, tied  # noqa: E402
 
 STEPS = 8
 HANDLER_COUNT_CALLS = 4
@@ -199,15 +199,11 @@ def main() -> None:
     def dispatch(x, ids, w):
         return jaxgin.moe.dispatch(x, ids, w, num_experts=e, axis_name="ep", capacity=capacity, fp8=args.fp8)
 
-    # Each call's expert ids come after the previous call's output, so that every call routes, as
-    # in a layer (loop-invariant ids would be routed once, before the loop).
+    # Each call's expert ids are tied to the previous call's output, so that every call routes, as
+    # in a layer (loop-invariant ids would be routed once, before the loop); x stays as it is (an
+    # update would copy it each call), as in benchmarks/moe.py.
     def dispatches(x, ids, w):
-        def step(_, carry):
-            a, i = carry
-            y = after(a, dispatch(a, i, w).x)
-            return y, after(i, y)
-
-        return jax.lax.fori_loop(0, STEPS, step, (x, ids), unroll=True)[0]
+        return jax.lax.fori_loop(0, STEPS, lambda _, i: tied(i, dispatch(x, i, w).x), ids, unroll=True)
 
     def pairs(x, ids, w):
         # as benchmarks/moe.py's pairs: combine's output is the next x, nothing runs between pairs
@@ -222,8 +218,11 @@ def main() -> None:
 
     def combines(x, ids, w):
         sent = dispatch(x, ids, w)
-        return jax.lax.fori_loop(0, STEPS, lambda _, y: after(y, jaxgin.moe.combine(y, sent.handle)), sent.x,
-                                 unroll=True)[:t]
+
+        def step(_, handle):  # the rows stay; the next call's weights are tied to this call's output
+            return dataclasses.replace(handle, weights=tied(handle.weights, jaxgin.moe.combine(sent.x, handle)))
+
+        return jax.lax.fori_loop(0, STEPS, step, sent.handle, unroll=True).weights[0]
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-moe-"))
     bodies = {"dispatch": dispatches, "combine": combines, "pair": pairs}
