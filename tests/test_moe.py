@@ -426,6 +426,15 @@ def _dispatch_pointers(rows: str) -> dict:
                 out_pos="*i32", out_w="*fp32", out_expert_counts="*i32", out_rows="*i32", out_dropped="*i32")
 
 
+# dispatch_routing_kernel's runtime parameters, bfloat16 rows
+_ROUTING_DISPATCH_POINTERS = dict(
+    ctx="*u8", x="*bf16", ids="*i32", weights="*fp32", route="*i32", stage_x="*bf16", stage_meta="*i32",
+    stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64", block_flags="*i64", state="*i64",
+    send_x="*bf16", send_meta="*i32", send_w="*fp32", send_head="*i32", send_starts="*i32", data_ready="*i64",
+    sig="i32", **_relay_pointers("*bf16"), out_x="*bf16", out_pos="*i32", out_w="*fp32", out_expert_counts="*i32",
+    out_rows="*i32", out_dropped="*i32", slot="*i32", before="*i32", meta="*i32", dest="*i32", send_counts="*i32",
+    masked="*i32")
+
 # combine_kernel's runtime parameters, bfloat16 rows
 _COMBINE_POINTERS = dict(ctx="*u8", y="*bf16", weights="*fp32", pos="*i32", rows="*i32", slot="*i32", route="*i32",
                          hslot="*i32", hosts="*i32", union_map="*i32", back="*bf16", flags="*i64", state="*i64",
@@ -460,6 +469,36 @@ def test_moe_kernels_compile_and_link_for_sm90a(toolchain, gin):
     assert re.search(r"atom\.[a-z.]*sys", combine.asm["ptx"])
     if gin:
         assert re.search(r"atom\.[a-z.]*sys", dispatch.asm["ptx"])
+
+
+@pytest.mark.parametrize("tokens", [128, 4096], ids=["low_latency", "high_throughput"])
+def test_moe_kernels_compile_for_one_gpu(toolchain, tokens):
+    """A one-GPU job's kernels, at the mode's presets: dispatch has no senders (NS = 0; Triton 3.6's
+    lowering to LLVM failed on the sender code when NS was 0, so it is compiled out) and every axis
+    vector has one element. Low latency routes inside the dispatch kernel."""
+    from jaxgin.moe import _kernels, _routing, _routing_device
+    from jaxgin.moe.exchange import _BLOCKS, _COMBINE_BLOCKS
+    from jaxgin.op_support import pow2
+
+    mode = _routing.LOW_LATENCY if tokens <= _routing.LOW_LATENCY_MAX_TOKENS else _routing.HIGH_THROUGHPUT
+    bt, bh, warps, _ = _BLOCKS[mode]
+    capacity = tokens * 8 * 5 // 4
+    constexprs = dict(T=tokens, H=7168, K=8, P=1, EL=256, C=capacity, BT=bt, BH=bh, BK=8, BP=1, BE=512, BZ=16,
+                      BB=pow2(-(-tokens // bt) + 1), NS=0, XB=2, GIN=0, SW=7168, FP8=0, L=1)
+    if mode == _routing.LOW_LATENCY:
+        routing = _routing_device.constexprs(tokens, 8, 1, 256)
+        dispatch = compile_for_sm90(_kernels.dispatch_routing_kernel, _ROUTING_DISPATCH_POINTERS, num_warps=warps,
+                                    num_stages=1, constexprs=constexprs | dict(SCAN=routing["SCAN"], BR=routing["BE"]))
+    else:
+        dispatch = compile_for_sm90(_kernels.dispatch_kernel, _dispatch_pointers("*bf16"), num_warps=warps,
+                                    num_stages=1, constexprs=constexprs)
+    cbt, cbh, cwarps = _COMBINE_BLOCKS[mode]
+    combine = compile_for_sm90(_kernels.combine_kernel, _COMBINE_POINTERS, num_warps=cwarps, num_stages=1,
+                               constexprs=dict(T=tokens, H=7168, K=8, P=1, BT=cbt, BH=cbh, BK=8, BP=1, XB=2, GIN=0,
+                                               L=1, MW=1))
+    for kernel in (dispatch, combine):
+        assert kernel.asm["cubin"][:4] == b"\x7fELF"
+    _rows_stored_16_bytes_at_a_time(dispatch)
 
 
 def _rows_stored_16_bytes_at_a_time(kernel):
@@ -571,13 +610,7 @@ def test_the_traced_routing_dispatch_kernel_records_each_step(toolchain):
     steps; the untraced kernel reads no timer and writes no trace."""
     from jaxgin.moe import _kernels, _routing_device
 
-    pointers = dict(ctx="*u8", x="*bf16", ids="*i32", weights="*fp32", route="*i32", stage_x="*bf16",
-                    stage_meta="*i32", stage_w="*fp32", stage_counts="*i32", stage_starts="*i32", flags="*i64",
-                    block_flags="*i64", state="*i64", send_x="*bf16", send_meta="*i32", send_w="*fp32",
-                    send_head="*i32", send_starts="*i32", data_ready="*i64", sig="i32", **_relay_pointers("*bf16"),
-                    out_x="*bf16", out_pos="*i32", out_w="*fp32", out_expert_counts="*i32", out_rows="*i32",
-                    out_dropped="*i32", slot="*i32", before="*i32", meta="*i32", dest="*i32", send_counts="*i32",
-                    masked="*i32")
+    pointers = _ROUTING_DISPATCH_POINTERS
     routing = _routing_device.constexprs(128, 8, 2, 128)
     constexprs = dict(T=128, H=7168, K=8, P=2, EL=128, C=1280, BT=2, BH=4096, BK=8, BP=2, BE=256, BZ=16, BB=128,
                       NS=64, XB=2, GIN=0, SW=7168, FP8=0, L=1, SCAN=routing["SCAN"], BR=routing["BE"])

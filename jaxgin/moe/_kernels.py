@@ -744,7 +744,11 @@ def _dispatch(
     total = tl.sum(tl.where((es < EL)[None, :], counts, 0), axis=0)  # [BE] entries per local expert
 
     # 2. Senders: every token block to the other GPUs, in block order.
-    if pid < NS:
+    if NS > 0:
+        sending = pid < NS
+    else:
+        sending = False  # one GPU: no sender code (Triton 3.6 failed to compile it for NS = 0)
+    if sending:
         while blk < TB:
             _send_block(ctx, blk, x, slots, dest, code, first, meta, weights, route, stage_x, stage_meta, stage_w,
                         stage_starts, block_flags, send_x, send_meta, send_w, hslot, hosts, send_slot, me, half, epoch,
