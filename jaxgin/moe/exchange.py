@@ -203,12 +203,22 @@ def reference_sum_at_home(back, route: SourceRoute, plan: Plan):
 # throughput: larger blocks for fewer, longer stores, and 3/8 of the SMs sending (NVLink-bound)
 # while the rest place rows (HBM-bound), so neither kind of store waits behind the other.
 _BLOCKS = {_routing.LOW_LATENCY: (2, 4096, 8, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8, 3)}
+# combine's (tokens per block, hidden columns per step, warps), chosen apart from dispatch's by each
+# kernel's device time (docs/measurements.md).
+_COMBINE_BLOCKS = {_routing.LOW_LATENCY: (2, 4096, 8), _routing.HIGH_THROUGHPUT: (8, 1024, 8)}
 _ZERO_ROWS = 16
 
 
+def _combine_blocks(plan: Plan) -> tuple[int, int, int]:
+    """The mode's _COMBINE_BLOCKS preset; JAXGIN_MOE_BLOCKS overrides it as it does dispatch's."""
+    if settings.get("JAXGIN_MOE_BLOCKS"):
+        return _blocks(plan)[:3]
+    return _COMBINE_BLOCKS[plan.mode]
+
+
 def _blocks(plan: Plan) -> tuple[int, int, int, int]:
-    """The mode's _BLOCKS preset. JAXGIN_MOE_BLOCKS="bt,bh,warps,senders" overrides it
-    (benchmarks/moe.py --blocks compares settings with it)."""
+    """Dispatch's _BLOCKS preset for the mode. JAXGIN_MOE_BLOCKS="bt,bh,warps,senders" overrides it
+    and combine's (benchmarks/moe.py --blocks compares settings with it)."""
     override = settings.get("JAXGIN_MOE_BLOCKS")
     if override:
         try:
@@ -457,7 +467,7 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
     from jaxgin.moe import _kernels  # needs Triton (optional: GPU lowering only)
 
     p, t, h, k = plan.size, plan.tokens, plan.hidden, plan.top_k
-    bt, bh, warps, _ = _blocks(plan)
+    bt, bh, warps = _combine_blocks(plan)
     bh = min(bh, pow2(h))
     buf, gin = _buffers(state, plan)
     axis = axis_route(plan.names)
