@@ -204,8 +204,9 @@ def reference_sum_at_home(back, route: SourceRoute, plan: Plan):
 # while the rest place rows (HBM-bound), so neither kind of store waits behind the other.
 _BLOCKS = {_routing.LOW_LATENCY: (2, 4096, 8, 4), _routing.HIGH_THROUGHPUT: (8, 1024, 8, 3)}
 # combine's (tokens per block, hidden columns per step, warps), chosen apart from dispatch's by each
-# kernel's device time (docs/measurements.md).
-_COMBINE_BLOCKS = {_routing.LOW_LATENCY: (2, 4096, 8), _routing.HIGH_THROUGHPUT: (8, 1024, 8)}
+# kernel's device time: combine waits on its loads, so 16 warps keep more of them in flight, and
+# low latency takes a token per item so that even one GPU's items outnumber the SMs.
+_COMBINE_BLOCKS = {_routing.LOW_LATENCY: (1, 4096, 16), _routing.HIGH_THROUGHPUT: (8, 1024, 16)}
 _ZERO_ROWS = 16
 
 
