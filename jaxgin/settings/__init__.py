@@ -75,7 +75,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("JAXGIN_FUSED_AUTOTUNE", "bool", "1", "python",
             "0, false or no: the fused ops take their first tile candidate instead of timing them."),
     Setting("JAXGIN_MOE_BLOCKS", "str", None, "python",
-            "`tokens,hidden,warps,senders`: overrides the MoE dispatch/combine block preset (for tuning)."),
+            "`tokens,hidden,warps,senders`: overrides the MoE block presets for tuning: dispatch's, and "
+            "combine's first three (each kernel has its own preset)."),
     # The host transport (jaxgin/transport.py, csrc/transport/).
     Setting("JAXGIN_TRANSPORT_QUIET", "bool", None, "python",
             "Any non-empty value: no warning when GIN goes through the host transport."),
