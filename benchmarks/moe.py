@@ -149,13 +149,15 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
     def build(steps):
         """Every variant as a chain of `steps` calls: (program, number of inputs)."""
         variants = {}
-        variants["jaxgin_dispatch"] = (chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w).x), steps, ROUTED_RESULT), 3)
+        variants["jaxgin_dispatch"] = (
+            chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w).x), steps, ROUTED_RESULT), 3)
         # the same with fp8=True: e4m3 rows and a scale per 128 values (0.52x the bytes), quantizing
         # and dequantizing included
         if with_fp8:
             variants["jaxgin_dispatch_fp8"] = (
                 chain(routed(lambda x, ids, w: jg_dispatch(x, ids, w, True).x), steps, ROUTED_RESULT), 3)
-        variants["ragged_dispatch"] = (chain(routed(lambda x, ids, w: rg_dispatch(x, ids)[0]), steps, ROUTED_RESULT), 3)
+        variants["ragged_dispatch"] = (
+            chain(routed(lambda x, ids, w: rg_dispatch(x, ids)[0]), steps, ROUTED_RESULT), 3)
 
         # Combine chains: the rows stay as dispatch made them and each call's routing weights are
         # tied to the previous call's output (as routed(): no copy of the rows between calls).
