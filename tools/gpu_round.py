@@ -606,10 +606,14 @@ BENCHMARKS = {step.name: step for step in [
                         "2,1024,4,4;1,8192,8,4;1,4096,4,4;1,2048,4,4;2,4096,8,4", "--out", "{out}/moe_blocks"],
          480, default=False, tail=40),
     Step("moe_profile_fp8", ["tools/profile_moe.py", "--tokens", "128", "--fp8"], 150, default=False, tail=40),
-    # the same block shapes by their kernels' device times (median and shortest run over a chain of pairs)
+    # block shapes by their kernels' device times (median and shortest run over a chain of pairs; a
+    # setting applies to both kernels: 2,4096,8 is dispatch's preset, 1,4096,16 combine's)
     Step("moe_kernels", ["tools/profile_moe.py", "--tokens", "128", "--chains", "pair", "--blocks",
-                         "2,1024,4,4;2,1024,8,4;2,2048,4,4;1,8192,8,4;2,4096,8,4;1,4096,8,4",
+                         "2,4096,8,4;1,4096,16,4;1,4096,8,4;2,4096,16,4;1,2048,16,4",
                          "--json", "{out}/moe_kernels.json"], 420, default=False, tail=12),
+    Step("moe_ht_blocks", ["tools/profile_moe.py", "--tokens", "4096", "--chains", "dispatch,combine", "--blocks",
+                           "8,1024,8,3;8,1024,16,3;4,1024,8,3;8,512,16,3", "--json", "{out}/moe_ht_blocks.json"],
+         300, default=False, tail=12),
     # high throughput: the routing kernels' and the dispatch and combine kernels' device times at
     # 4096 tokens, and the dispatch kernel traced (when senders end, when the last block is placed)
     Step("moe_ht_kernels", ["tools/profile_moe.py", "--tokens", "4096", "--chains", "dispatch,pair",
