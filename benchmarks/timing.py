@@ -27,7 +27,6 @@ def _warm_up(f, *args):
     return result
 
 
-
 def handler_calls() -> int:
     """jaxgin's FFI handler runs so far in this process, all targets (a replayed graph runs none)."""
     import jaxgin
@@ -44,6 +43,7 @@ def handler_runs(f, *args, calls: int) -> list[int]:
         jax.block_until_ready(f(*args))
         runs.append(handler_calls() - before)
     return runs
+
 
 def best_seconds(f, *args, repeats: int) -> float:
     _warm_up(f, *args)

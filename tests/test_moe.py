@@ -641,8 +641,7 @@ def test_the_routing_kernel_compiles_for_sm90a(toolchain, tokens, gpus, warps):
     if chunked:
         kernels.append(compile_for_sm90(
             _routing_device.chunk_counts_kernel, dict(ctx="*u8", ids="*i32", chunk_bins="*i32", chunk_tokens="*i32"),
-            num_warps=warps, num_stages=1, constexprs={name: launch[name] for name in ("T", "K", "P", "EL", "SCAN",
-                                                                                        "BK", "BP", "BE")}))
+            num_warps=warps, num_stages=1, constexprs=_routing_device.chunk_constexprs(launch)))
     for kernel in kernels:
         assert kernel.asm["cubin"][:4] == b"\x7fELF"
         assert "jaxgin_tt_" not in kernel.asm["ptx"]  # plain arithmetic: nothing from the device library

@@ -193,7 +193,7 @@ def routing() -> list[dict]:
         if chunked:
             _routing_device.chunk_counts_kernel[(chunks,)](
                 ctx, HostArray(ids), chunk_bins, chunk_tokens,
-                **{name: launch[name] for name in ("T", "K", "P", "EL", "SCAN", "BK", "BP", "BE")})
+                **_routing_device.chunk_constexprs(launch))
         _routing_device.route_kernel[_routing_device.grid(t)](
             ctx, HostArray(ids), chunk_bins, chunk_tokens, *arrays.values(), CHUNKS=int(chunked), **launch)
         equal = {name: bool(np.array_equal(arrays[name].array, np.asarray(getattr(want, name))))

@@ -52,6 +52,11 @@ def constexprs(tokens: int, top_k: int, gpus: int, local_experts: int) -> dict:
                 BK=pow2(top_k), BP=pow2(gpus), BE=pow2(gpus * local_experts + 2))
 
 
+def chunk_constexprs(launch: dict) -> dict:
+    """chunk_counts_kernel's compile-time parameters, from route_kernel's (constexprs())."""
+    return {name: launch[name] for name in ("T", "K", "P", "EL", "SCAN", "BK", "BP", "BE")}
+
+
 @triton.jit
 def _entries(ids, t, t_ok, ks, K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr):
     """Entries of tokens t [n] (t_ok: real tokens): (bin [n, BK]: the expert id, E where it is
@@ -264,7 +269,7 @@ def route_alone(topk_ids, plan):
         chunk_bins, chunk_tokens = triton_call(
             chunk_counts_kernel, ids, grid=(chunks,),
             out_shape=[i32(chunks, launch["BE"]), i32(chunks, launch["BP"])], num_warps=num_warps(t), num_stages=1,
-            **{name: launch[name] for name in ("T", "K", "P", "EL", "SCAN", "BK", "BP", "BE")},
+            **chunk_constexprs(launch),
         )
     else:
         chunk_bins = chunk_tokens = ids  # not read
