@@ -1,8 +1,8 @@
 """The fused kernels' matmul against cuBLAS on one GPU: which Triton formulation and tile
 configuration comes closest, per shape.
 
-Variants (every one a jaxgin.triton_call kernel, timed inside one jit against XLA's x @ w, which
-calls cuBLAS, in the same process):
+Variants (every one a jaxgin.triton_call kernel, timed in a chain inside one jit against XLA's
+x @ w, which calls cuBLAS, in the same process; by the GPU's step cycle, the wall clock beside it):
 - pointer: the tile code the fused kernels run today (_kernels.matmul_kernel: one program per
   tile, operand tiles loaded through pointers);
 - tma: one program per tile, operand tiles loaded through tensor descriptors made on the device
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from timing import after, best_seconds  # noqa: E402  (benchmarks/timing.py)
+from timing import after, best_seconds, device_step_seconds  # noqa: E402  (benchmarks/timing.py)
 
 SHAPES = ((4096, 7168, 2048), (8192, 4096, 4096))
 CONFIGS = (  # block_m, block_n, block_k, num_stages, num_warps
@@ -88,11 +88,16 @@ def main() -> None:
                            WARP_SPECIALIZE=variant == "persistent_ws", **common)
 
     def timed(fn, x, w, repeats, src=None):
+        """(device, wall) seconds per call in a chain of `repeats`: the GPU's median step cycle in
+        one profiled run (its span per call where no kernel recurs once a step), and the host's
+        clock, best of 3. The wall clock moved by up to 40 % between runs on one H200; the device
+        time is the one to rank by."""
         @jax.jit
         def loop(x, w, src):
             return jax.lax.fori_loop(0, repeats, lambda _, x: after(x, fn(x, w, src)), x, unroll=True)
 
-        return best_seconds(loop, x, w, src, repeats=3) / repeats
+        cycle, per_step = device_step_seconds(loop, x, w, src, steps=repeats)
+        return (cycle if cycle is not None else per_step), best_seconds(loop, x, w, src, repeats=3) / repeats
 
     rows = []
     for m, k, n in shapes:
@@ -101,21 +106,25 @@ def main() -> None:
         w = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
         expected = jnp.dot(x, w, preferred_element_type=jnp.float32)
         src = jax.random.normal(keys[0], (m, n), jnp.bfloat16)  # what the copying variants copy
-        cublas = timed(lambda x, w, _: x @ w, x, w, args.repeats)
+        cublas, cublas_wall = timed(lambda x, w, _: x @ w, x, w, args.repeats)
         flops = 2 * m * n * k
-        print(f"{m}x{k}x{n} cuBLAS {cublas * 1e6:.1f} us ({flops / cublas / 1e12:.0f} TFLOP/s)", flush=True)
+        print(f"{m}x{k}x{n} cuBLAS {cublas * 1e6:.1f} us on the device ({flops / cublas / 1e12:.0f} TFLOP/s), "
+              f"{cublas_wall * 1e6:.1f} us wall", flush=True)
         for variant, cfg in itertools.product(args.variants.split(","), configs):
-            row = {"m": m, "k": k, "n": n, "variant": variant, "config": cfg, "cublas_us": cublas * 1e6}
+            row = {"m": m, "k": k, "n": n, "variant": variant, "config": cfg, "cublas_us": cublas * 1e6,
+                   "cublas_wall_us": cublas_wall * 1e6}
             try:
                 got = jax.jit(lambda x, w, src, cfg=cfg, variant=variant: call(variant, x, w, cfg, src, True))(x, w, src)
                 if variant.startswith("copying"):
                     got, row["copy_exact"] = got[0], bool(got[1])
                 row["max_rel_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - expected))
                                            / jnp.max(jnp.abs(expected)))
-                seconds = timed(lambda x, w, src, cfg=cfg, variant=variant: call(variant, x, w, cfg, src), x, w,
-                                args.repeats, src)
-                row.update(us=seconds * 1e6, vs_cublas=cublas / seconds)
+                seconds, wall = timed(lambda x, w, src, cfg=cfg, variant=variant: call(variant, x, w, cfg, src), x, w,
+                                      args.repeats, src)
+                row.update(us=seconds * 1e6, vs_cublas=cublas / seconds, wall_us=wall * 1e6,
+                           vs_cublas_wall=cublas_wall / wall)
                 print(f"  {variant:14s} {cfg}: {seconds * 1e6:7.1f} us  {cublas / seconds:.3f}x cuBLAS  "
+                      f"(wall {wall * 1e6:.1f} us, {cublas_wall / wall:.3f}x)  "
                       f"err {row['max_rel_err']:.2e}" + (f"  copy exact {row['copy_exact']}" if "copy_exact" in row
                                                           else ""), flush=True)
             except Exception as error:  # a configuration this GPU or this Triton cannot run
