@@ -13,6 +13,8 @@ x @ w, which calls cuBLAS, in the same process; by the GPU's step cycle, the wal
   pointer, with each program also copying one tile of another array in S slabs folded into its K
   loop (_kernels.matmul_copying_kernel; copying0: the whole tile after the loop, as
   matmul_all_to_all's copy-out does today); the copy is checked bit-exact.
+With --tuned FAMILIES, each shape also times the configuration jaxgin.fused's tuner picks from each
+named candidate family (what the fused ops would run at that shape; row "tuned_from").
 
 Needs one GPU. Writes triton-matmul.json into --out (default $OUT or .).
 """
@@ -51,6 +53,9 @@ def main() -> None:
                         help="comma-separated MxKxN, e.g. 1024x7168x2048 (default: the issue's two, SHAPES)")
     parser.add_argument("--configs", default="all",
                         help="comma-separated BMxBNxBK/STAGES/WARPS, e.g. 128x256x64/3/8 (default: all of CONFIGS)")
+    parser.add_argument("--tuned", default="",
+                        help="comma-separated candidate families of jaxgin.fused (wide_first, gather, matmul): "
+                             "also time the configuration the fused ops' tuner picks from each, per shape")
     args = parser.parse_args()
     configs = CONFIGS if args.configs == "all" else tuple(_config(c) for c in args.configs.split(","))
     shapes = SHAPES if args.shapes is None else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
@@ -60,7 +65,7 @@ def main() -> None:
 
     import jaxgin
     from jaxgin import op_support
-    from jaxgin.fused import _kernels
+    from jaxgin.fused import _common, _kernels
     from jaxgin.triton_op import OWN_KERNELS_FP_FUSION, triton_call
 
     jaxgin.initialize()
@@ -110,9 +115,13 @@ def main() -> None:
         flops = 2 * m * n * k
         print(f"{m}x{k}x{n} cuBLAS {cublas * 1e6:.1f} us on the device ({flops / cublas / 1e12:.0f} TFLOP/s), "
               f"{cublas_wall * 1e6:.1f} us wall", flush=True)
-        for variant, cfg in itertools.product(args.variants.split(","), configs):
+        runs = [(variant, cfg, None) for variant, cfg in itertools.product(args.variants.split(","), configs)]
+        for family in filter(None, args.tuned.split(",")):
+            t = _common.choose_tiles(jaxgin.runtime.current(), m, n, k, jnp.bfloat16, "tf32", None, family)
+            runs.append(("pointer", (t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps), family))
+        for variant, cfg, family in runs:
             row = {"m": m, "k": k, "n": n, "variant": variant, "config": cfg, "cublas_us": cublas * 1e6,
-                   "cublas_wall_us": cublas_wall * 1e6}
+                   "cublas_wall_us": cublas_wall * 1e6, **({"tuned_from": family} if family else {})}
             try:
                 got = jax.jit(lambda x, w, src, cfg=cfg, variant=variant: call(variant, x, w, cfg, src, True))(x, w, src)
                 if variant.startswith("copying"):
@@ -123,7 +132,8 @@ def main() -> None:
                                       args.repeats, src)
                 row.update(us=seconds * 1e6, vs_cublas=cublas / seconds, wall_us=wall * 1e6,
                            vs_cublas_wall=cublas_wall / wall)
-                print(f"  {variant:14s} {cfg}: {seconds * 1e6:7.1f} us  {cublas / seconds:.3f}x cuBLAS  "
+                print(f"  {variant if family is None else 'tuned ' + family:14s} {cfg}: {seconds * 1e6:7.1f} us  "
+                      f"{cublas / seconds:.3f}x cuBLAS  "
                       f"(wall {wall * 1e6:.1f} us, {cublas_wall / wall:.3f}x)  "
                       f"err {row['max_rel_err']:.2e}" + (f"  copy exact {row['copy_exact']}" if "copy_exact" in row
                                                           else ""), flush=True)

@@ -9,6 +9,7 @@ Also: jaxgin.axis_route against the mesh, and argument errors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -1224,7 +1225,40 @@ def test_gather_tuning_weighs_each_candidates_time_by_its_sender_waves(monkeypat
     assert _common.choose_tiles(state, 8192, 4096, 4096, jnp.bfloat16, "tf32", None, "gather", 16) == wide
     assert _common.choose_tiles(state, 4096, 2048, 7168, jnp.bfloat16, "tf32", None, "gather") == wide
     saved = json.loads((tmp_path / "fused-tiles.json").read_text())
-    assert sorted(k.rsplit("|", 1)[-1] for k in saved if "4096x2048" in k) == ["16 senders", "gather"]
+    among = "among " + _common.candidates_fingerprint(_common.GATHER_CANDIDATES[2])
+    assert all(k.endswith(among) for k in saved), saved
+    assert sorted(k.split("|")[-2] for k in saved if "4096x2048" in k) == ["16 senders", "gather"]
+
+
+def test_the_tuners_clock_kernel_stores_the_global_timer(toolchain):
+    """The tuner times candidates between two stamps of the GPU's global timer (ns); each stamp is
+    one 8-byte store of it."""
+    from jaxgin.fused import _kernels
+
+    kernel = compile_for_sm90(_kernels.clock_kernel, {"ctx": "*u8", "after": "*bf16", "stamp": "*i32"}, num_warps=1)
+    ptx = kernel.asm["ptx"]
+    assert "%globaltimer" in ptx and re.search(r"st\.global\.b64", ptx), ptx
+
+
+def test_a_choice_tuned_among_other_candidates_is_tuned_again(monkeypatch, tmp_path):
+    """The tile cache outlives a jaxgin upgrade: a choice saved while the candidate set was another
+    one (here, before the few-rows tiles) is not taken, and the new set is timed."""
+    from jaxgin.fused import _common
+
+    small = _common.SMALL_M_CANDIDATES[0]
+    old_set = tuple(c for c in _common.WIDE_FIRST_CANDIDATES[2] if c not in _common.SMALL_M_CANDIDATES)
+    stale = (f"H200|512x2048x7168|bfloat16|tf32|wide_first|among {_common.candidates_fingerprint(old_set)}")
+    (tmp_path / "fused-tiles.json").write_text(json.dumps({stale: dataclasses.asdict(old_set[1])}))
+    monkeypatch.setattr(_common, "_cache_file", lambda: tmp_path / "fused-tiles.json")
+    monkeypatch.setattr(_common, "_chosen", {})
+    monkeypatch.setattr(_common, "_tuning_enabled", lambda: True)
+    timed = []
+    monkeypatch.setattr(_common, "time_matmul", lambda c, *a, **kw: timed.append(c) or (0.5 if c == small else 1.0))
+    monkeypatch.setattr(_common.op_support, "outside_trace", lambda f: f())
+    state = types.SimpleNamespace(local_devices=[types.SimpleNamespace(device_kind="H200", core_count=132)])
+    assert _common.choose_tiles(state, 512, 2048, 7168, jnp.bfloat16, "tf32", None, "wide_first") == small
+    assert timed == list(_common.WIDE_FIRST_CANDIDATES[2])
+    assert len(json.loads((tmp_path / "fused-tiles.json").read_text())) == 2  # the stale entry is left alone
 
 
 def _ptxas_log_with_the_library(kernel) -> str:

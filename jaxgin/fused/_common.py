@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
+import zlib
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -43,6 +43,10 @@ class TileConfig:
 
 # Small candidate sets for H200-class GPUs (228 KiB of shared memory per SM); the first is the
 # default when tuning is off. 16-bit: wgmma-friendly 128-row tiles; float32 halves block_k.
+# Where M is small (K = 7168, N = 2048 on one H200), too few 128 x 128 tiles fill the GPU: 128 x 64
+# tiles in five stages were 0.95-0.97x cuBLAS at M = 512 (128 x 128 in three: 0.59x), and 128 x 128
+# tiles in five stages 0.97-1.00x at M = 1024 (three stages: 0.73x).
+SMALL_M_CANDIDATES = (TileConfig(128, 64, 64, 8, 4, 5), TileConfig(128, 128, 64, 8, 4, 5))
 CANDIDATES = {
     2: (
         TileConfig(128, 256, 64, 8, 8, 3),
@@ -50,6 +54,7 @@ CANDIDATES = {
         TileConfig(128, 256, 64, 8, 8, 4),
         TileConfig(64, 256, 64, 8, 4, 4),
         TileConfig(128, 128, 64, 8, 4, 4),
+        *SMALL_M_CANDIDATES,
     ),
     4: (
         TileConfig(128, 128, 32, 8, 8, 3),
@@ -293,15 +298,19 @@ def _cache_file() -> Path:
 # all_gather_matmul: the exchange configurations with 8 warps only (its senders copy num_warps
 # rows at a time, and at 4 warps the op was slower though the matmul alone was faster), and
 # 16-bit 128 x 256 tiles, 10 % faster end to end at 8192 x 4096 x 4096 once their wgmma were
-# pipelined (docs/measurements.md). The senders share the tiles' waves: see sender_waves.
-GATHER_CANDIDATES = {2: (*(t for t in EXCHANGE_CANDIDATES[2] if t.num_warps == 8), TileConfig(128, 256, 64, 8, 8, 4)),
+# pipelined (docs/measurements.md), and 128 x 64 tiles in five stages for few rows (as
+# SMALL_M_CANDIDATES, at 8 warps). The senders share the tiles' waves: see sender_waves.
+GATHER_CANDIDATES = {2: (*(t for t in EXCHANGE_CANDIDATES[2] if t.num_warps == 8), TileConfig(128, 256, 64, 8, 8, 4),
+                         TileConfig(128, 64, 64, 8, 8, 5)),
                      4: tuple(t for t in EXCHANGE_CANDIDATES[4] if t.num_warps == 8)}
 
 # matmul_all_to_all and matmul_reduce_scatter: 16-bit 128 x 256 tiles (one program per SM) first,
-# then the exchange configurations. Once their wgmma were no longer serialized, 128 x 256 was the
-# fastest at both of issue 44's shapes: matmul_all_to_all 1.12x / 1.14x XLA against 1.00-1.03x for
-# 128 x 128, the folded reduce-scatter 3 % / 11 % faster (docs/measurements.md).
-WIDE_FIRST_CANDIDATES = {2: (TileConfig(128, 256, 64, 8, 8, 4), *EXCHANGE_CANDIDATES[2]), 4: EXCHANGE_CANDIDATES[4]}
+# then the exchange configurations and those for few rows. Once their wgmma were no longer
+# serialized, 128 x 256 was the fastest at both of issue 44's shapes: matmul_all_to_all 1.12x /
+# 1.14x XLA against 1.00-1.03x for 128 x 128, the folded reduce-scatter 3 % / 11 % faster
+# (docs/measurements.md).
+WIDE_FIRST_CANDIDATES = {2: (TileConfig(128, 256, 64, 8, 8, 4), *EXCHANGE_CANDIDATES[2], *SMALL_M_CANDIDATES),
+                         4: EXCHANGE_CANDIDATES[4]}
 
 # Candidate sets by name: "matmul" (CANDIDATES), "gather" (GATHER_CANDIDATES), "wide_first"
 # (WIDE_FIRST_CANDIDATES).
@@ -338,7 +347,7 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
         return candidates[0]
     device = state.local_devices[0]
     key = (f"{device.device_kind}|{m}x{n}x{k}|{dtype.name}|{precision}" + ("" if family == "matmul" else f"|{family}")
-           + (f"|{senders} senders" if senders else ""))
+           + (f"|{senders} senders" if senders else "") + f"|among {candidates_fingerprint(candidates)}")
     if key in _chosen:
         return _chosen[key]
     sms = op_support.sm_count(device)
@@ -349,6 +358,11 @@ def choose_tiles(state, m: int, n: int, k: int, dtype, precision: str, tiles: Ti
     choice = _agreed(key, lambda: _tune(key, state, m, n, k, dtype, precision, candidates, scale))
     _chosen[key] = choice
     return choice
+
+
+def candidates_fingerprint(candidates) -> str:
+    """A short name for a candidate set: a choice cached among other candidates is not reused."""
+    return f"{zlib.crc32(repr(tuple(candidates)).encode()):08x}"
 
 
 def _agreed(key: str, tune) -> TileConfig:
@@ -400,25 +414,37 @@ def matmul(x, w, tiles: TileConfig, precision: str = "tf32"):
 
 
 def time_matmul(tiles: TileConfig, m, n, k, dtype, precision, *, device, repeats: int = 20) -> float:
-    """Seconds per call of the tile code alone on `device`, timed over one jitted loop."""
+    """Seconds per call of the tile code alone on `device`, by the GPU's own clock: a chain of
+    `repeats` calls between two stamps (_kernels.clock_kernel), the best of 3 runs. The host's wall
+    clock moved by up to 40 % between runs of such chains on one H200 and misranked configurations
+    (docs/measurements.md, thirty-sixth session); the device's time between the stamps does not
+    include the host's launches."""
+    from jaxgin.fused import _kernels  # needs Triton (optional: GPU lowering only)
+
     keys = jax.random.split(jax.random.key(0))
     x = jax.device_put(jax.random.normal(keys[0], (m, k), dtype), device)
     w = jax.device_put(jax.random.normal(keys[1], (k, n), dtype), device)
+    stamp = jax.core.ShapedArray((2,), jnp.int32)  # one int64: XLA outside x64 mode has no int64 arrays
 
     @jax.jit
-    def loop(x, w):
-        def body(_, acc):
-            return acc + matmul(x, w, tiles, precision)[0, 0].astype(jnp.float32)
+    def chain(x, w):
+        # Each call is ordered after the one before by an optimization barrier over x and its result:
+        # no copy and no work between the calls, only the order.
+        start = triton_call(_kernels.clock_kernel, x, grid=(1,), out_shape=stamp, num_warps=1)
+        x, _ = jax.lax.optimization_barrier((x, start))
+        for _ in range(repeats):
+            x, _ = jax.lax.optimization_barrier((x, matmul(x, w, tiles, precision)))
+        return start, triton_call(_kernels.clock_kernel, x, grid=(1,), out_shape=stamp, num_warps=1)
 
-        return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+    def run() -> float:
+        start, end = (np.asarray(s).view(np.int64)[0] for s in chain(x, w))
+        return (end - start) * 1e-9 / repeats
 
     try:
-        loop(x, w).block_until_ready()
-    except Exception:  # a configuration this GPU cannot run (shared memory, registers)
+        run()  # compiles, and fails for a configuration this GPU cannot run (shared memory, registers)
+    except Exception:
         return float("inf")
-    start = time.perf_counter()
-    loop(x, w).block_until_ready()
-    return (time.perf_counter() - start) / repeats
+    return min(run() for _ in range(3))
 
 
 def row_groups(tile_rows: int, limit: int = 32) -> tuple[int, int]:

@@ -40,6 +40,11 @@ from jaxgin.fused.all_gather_matmul import GIN_GROUPS
 from jaxgin.fused.matmul_reduce_scatter import reduce_in_order
 
 TILES = {2: TileConfig(128, 128, 64, 8, 8, 3), 4: TileConfig(64, 64, 32, 8, 4, 3)}
+# JAXGIN_TEST_FUSED_TILES=BMxBNxBK/STAGES/WARPS: the 16-bit cases on another tile configuration (a
+# GPU round checks a new candidate with the same cases).
+if os.environ.get("JAXGIN_TEST_FUSED_TILES"):
+    _shape, _stages, _warps = os.environ["JAXGIN_TEST_FUSED_TILES"].split("/")
+    TILES[2] = TileConfig(*map(int, _shape.split("x")), 8, int(_warps), int(_stages))
 LOOP_CALLS, FOLD_EVERY = by_tier(20, 200), 20
 
 
@@ -366,6 +371,18 @@ def _traffic(mesh, op, method, m, k, nn, dtype, split, concat, calls: int = 4) -
             "expected_puts": puts if method == "triton" else None}
 
 
+def tuning_clock(mesh) -> dict:
+    """What the tile tuner measures (_common.time_matmul, the GPU's clock between two stamps) on the
+    first GPU: one configuration at M = 512 and M = 4096 (K = 7168, N = 2048, bf16), and one whose
+    shared memory no GPU has."""
+    device = mesh.devices.flat[0]
+    tiles = TileConfig(128, 64, 64, 8, 4, 5)
+    seconds = {m: _common.time_matmul(tiles, m, 2048, 7168, jnp.bfloat16, "tf32", device=device) for m in (512, 4096)}
+    too_big = _common.time_matmul(TileConfig(128, 256, 128, 8, 8, 5), 512, 2048, 7168, jnp.bfloat16, "tf32",
+                                  device=device)
+    return {"devices": mesh.size, "seconds": {str(m): s for m, s in seconds.items()}, "too_big": too_big}
+
+
 if __name__ == "__main__":
     run_mesh_check({"check": check, "check_reduce_scatter": check_reduce_scatter,
-                    "check_triton_tiles": check_triton_tiles}[sys.argv[1]], "x")
+                    "check_triton_tiles": check_triton_tiles, "tuning_clock": tuning_clock}[sys.argv[1]], "x")

@@ -49,6 +49,18 @@ def test_fused_ops_single_process(world, command_buffers):
     _assert_cases(result, spot=spot)
 
 
+def test_tile_tuner_times_the_matmul_on_the_device():
+    """The tuner's figure is device time: eight times the rows take 3-20 times as long (the small
+    matmul fills fewer SMs), the large one runs at 100-2000 TFLOP/s (a clock read in other units
+    would not), and a configuration the GPU cannot run is never chosen (infinite time)."""
+    result = run_scenario(SCENARIOS, ["tuning_clock"], 1)
+    record("fused_tuning_clock_1gpu", result)
+    small, large = result["seconds"]["512"], result["seconds"]["4096"]
+    assert 0 < small and 3 < large / small < 20, result
+    assert 100e12 < 2 * 4096 * 7168 * 2048 / large < 2000e12, result
+    assert result["too_big"] == float("inf"), result
+
+
 @TWO_GPUS
 def test_fused_ops_process_per_gpu():
     results = run_processes(SCENARIOS, ["check"], GPUS, env=spot_env(False))
