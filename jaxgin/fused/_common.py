@@ -43,10 +43,11 @@ class TileConfig:
 
 # Small candidate sets for H200-class GPUs (228 KiB of shared memory per SM); the first is the
 # default when tuning is off. 16-bit: wgmma-friendly 128-row tiles; float32 halves block_k.
-# Where M is small (K = 7168, N = 2048 on one H200), too few 128 x 128 tiles fill the GPU: 128 x 64
-# tiles in five stages were 0.95-0.97x cuBLAS at M = 512 (128 x 128 in three: 0.59x), and 128 x 128
-# tiles in five stages 0.97-1.00x at M = 1024 (three stages: 0.73x).
-SMALL_M_CANDIDATES = (TileConfig(128, 64, 64, 8, 4, 5), TileConfig(128, 128, 64, 8, 4, 5))
+# Where M is small (K = 7168, N = 2048 on one H200), too few 128 x 128 tiles fill the GPU: in five
+# stages, 64 x 64 tiles were 0.91x cuBLAS at M = 256, 128 x 64 0.95-0.98x at M = 512 (128 x 128 in
+# three: 0.59x) and 128 x 128 0.97-1.00x at M = 1024 (three stages: 0.73x).
+SMALL_M_CANDIDATES = (TileConfig(128, 64, 64, 8, 4, 5), TileConfig(128, 128, 64, 8, 4, 5),
+                      TileConfig(64, 64, 64, 8, 4, 5))
 CANDIDATES = {
     2: (
         TileConfig(128, 256, 64, 8, 8, 3),
@@ -298,10 +299,10 @@ def _cache_file() -> Path:
 # all_gather_matmul: the exchange configurations with 8 warps only (its senders copy num_warps
 # rows at a time, and at 4 warps the op was slower though the matmul alone was faster), and
 # 16-bit 128 x 256 tiles, 10 % faster end to end at 8192 x 4096 x 4096 once their wgmma were
-# pipelined (docs/measurements.md), and 128 x 64 tiles in five stages for few rows (as
-# SMALL_M_CANDIDATES, at 8 warps). The senders share the tiles' waves: see sender_waves.
+# pipelined (docs/measurements.md), and for few rows 128 x 64 and 128 x 128 tiles in five stages
+# (as SMALL_M_CANDIDATES, at 8 warps). The senders share the tiles' waves: see sender_waves.
 GATHER_CANDIDATES = {2: (*(t for t in EXCHANGE_CANDIDATES[2] if t.num_warps == 8), TileConfig(128, 256, 64, 8, 8, 4),
-                         TileConfig(128, 64, 64, 8, 8, 5)),
+                         TileConfig(128, 64, 64, 8, 8, 5), TileConfig(128, 128, 64, 8, 8, 5)),
                      4: tuple(t for t in EXCHANGE_CANDIDATES[4] if t.num_warps == 8)}
 
 # matmul_all_to_all and matmul_reduce_scatter: 16-bit 128 x 256 tiles (one program per SM) first,
