@@ -28,9 +28,10 @@ backward is all_to_all then matmul, all_gather_matmul's needs the gathered x and
 matmul_reduce_scatter's the gathered cotangent for both matmuls), which is the other fusion
 pattern; they use jaxgin.all_to_all and XLA's collectives.
 
-Tile sizes (method="triton"; cuBLAS picks its own): the first call for a (GPU, shape, dtype) times a few configurations of the kernels'
-matmul alone and keeps the fastest (cached on disk next to the build cache; in a multi-process job
-process 0 tunes and the others use its choice, since the grid must agree on every GPU).
+Tile sizes (method="triton"; cuBLAS picks its own): the first call for a (GPU, shape, dtype) times
+a few configurations of the kernels' matmul alone by the GPU's clock and keeps the fastest (cached
+on disk next to the build cache; in a multi-process job process 0 tunes and the others use its
+choice, since the grid must agree on every GPU).
 JAXGIN_FUSED_AUTOTUNE=0 uses the first candidate; ``tiles=TileConfig(...)`` fixes one.
 
 Every mesh axis must be manual in the shard_map (the kernels find their peers' ranks from the
