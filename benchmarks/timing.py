@@ -166,6 +166,22 @@ def device_event_totals(f, *args) -> tuple[dict[str, dict], list[list]]:
     return _profiled_call(f, args, read)
 
 
+def host_event_totals(f, *args, top: int = 15) -> list[list]:
+    """The host's side of one call of f (after the warm-up calls): the `top` event names of the
+    host threads by summed duration, each [name, count, summed us] (nested events each count: a
+    launch inside XLA's thunk counts in both)."""
+    def read(where):
+        totals = {}
+        for e in host_events(where):
+            total = totals.setdefault(e["name"], [0, 0.0])
+            total[0] += 1
+            total[1] += e["dur"]
+        ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+        return [[name, count, round(us, 1)] for name, (count, us) in ranked]
+
+    return _profiled_call(f, args, read)
+
+
 def step_cycle_seconds(events: list[dict], steps: int) -> float | None:
     """The median time from one step's start to the next's on GPU 0 in a chain of `steps` dependent
     steps (`events`: device_events of one run), clocked by a kernel or copy that runs k times a step

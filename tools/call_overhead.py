@@ -4,13 +4,15 @@ of --repeats. What it shows is the fixed cost a call adds on the host and betwee
 launch, XLA's custom-call step, its command buffers as XLA_FLAGS set them), the floor under every
 jaxgin op at small sizes. Beside it, the GPU's span of one profiled run of each chain (first
 kernel start to last end) per call: where the wall clock per call is above it, the chain waits for
-the host. Also how many jaxgin handlers ran per call of the triton_call chain in its first calls:
-50 where XLA launches each call, 0 once XLA replays a recorded command buffer.
+the host; and what the host's threads spent that time on (the most costly event names of one
+profiled run). Also how many jaxgin handlers ran per call of the triton_call chain in its first
+calls: 50 where XLA launches each call, 0 once XLA replays a recorded command buffer.
 
     python tools/call_overhead.py [--repeats 20] [--out DIR]
 
 Writes DIR/call_overhead.json ({"device", "jax", "xla_flags", "steps", "us_per_call": {"xla_fusion",
-"triton_call"}, "device_us_per_call": the GPU's span per call, "triton_call_handler_runs":
+"triton_call"}, "device_us_per_call": the GPU's span per call, "host_events": per chain, [name,
+count, summed us] of its costliest host events, "triton_call_handler_runs":
 [runs in each of the first calls]}). Needs an NVIDIA GPU visible to JAX and Triton (pip install -e
 ".[cuda]"); without them it says so and exits with status 4 or 3 (jaxgin.cli).
 """
@@ -30,7 +32,7 @@ import jaxgin
 from jaxgin import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timing import best_seconds, device_step_seconds, handler_runs  # noqa: E402
+from timing import best_seconds, device_step_seconds, handler_runs, host_event_totals  # noqa: E402
 
 STEPS = 50
 
@@ -55,7 +57,7 @@ def measure(repeats: int) -> dict:
         "xla_fusion": lambda a: jax.lax.optimization_barrier(a * 3 + 1),
         "triton_call": lambda a: jaxgin.triton_call(kernel, a, grid=(1,), out_shape=a, N=16),
     }
-    times, device, runs = {}, {}, None
+    times, device, host, runs = {}, {}, {}, None
     for name, step in steps.items():
         chain = jax.jit(lambda a, step=step: jax.lax.fori_loop(0, STEPS, lambda _, v: step(v), a, unroll=True))
         if name == "triton_call":  # before the timing's warm-up calls: XLA records its graphs in the first
@@ -65,7 +67,10 @@ def measure(repeats: int) -> dict:
         _, per_step = device_step_seconds(chain, a, steps=STEPS)
         device[name] = per_step * 1e6
         print(f"  {name:12s} {times[name]:7.2f} us per call, {device[name]:.2f} us of the GPU's span", flush=True)
-    return times, device, runs
+        host[name] = host_event_totals(chain, a)
+        for event, count, us in host[name][:6]:
+            print(f"    host: {event[:70]:70s} x{count:<4d} {us:9.1f} us", flush=True)
+    return times, device, host, runs
 
 
 def main() -> None:
@@ -76,9 +81,10 @@ def main() -> None:
     cli.require_gpus(__file__, 1, "it times jaxgin.triton_call on it")
     cli.require(__file__, "triton", why="the kernel it calls", install='-e ".[cuda]"')
     cli.run(__file__, jaxgin.initialize)
-    times, device, runs = measure(args.repeats)
+    times, device, host, runs = measure(args.repeats)
     report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                  steps=STEPS, us_per_call=times, device_us_per_call=device, triton_call_handler_runs=runs)
+                  steps=STEPS, us_per_call=times, device_us_per_call=device, host_events=host,
+                  triton_call_handler_runs=runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "call_overhead.json").write_text(json.dumps(report, indent=1))
