@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax._src import ffi as jax_ffi  # ffi_call's own result types, for the pure call's primitive
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgin import op_support, runtime
@@ -153,16 +156,21 @@ def triton_call(
     num_stages: int = 3,
     enable_fp_fusion: bool | None = None,
     max_registers: int | None = None,
+    pure: bool = False,
     **constexprs,
 ):
     """Runs a ``@triton.jit`` kernel as one XLA op; returns its output(s) as jax arrays.
 
     ``num_warps``, ``num_stages`` and ``enable_fp_fusion`` are Triton's compile options of those
     names; ``enable_fp_fusion=None`` leaves FMA fusion to Triton's default. ``max_registers`` is
-    Triton's ``maxnreg``: the most registers per thread ptxas may give the kernel (None: no cap)."""
+    Triton's ``maxnreg``: the most registers per thread ptxas may give the kernel (None: no cap).
+    ``pure=True`` tells JAX that the call's outputs are all it does: JAX may then drop a call whose
+    outputs nothing uses, and a jitted function keeps JAX's fast dispatch path (a call with a side
+    effect, the default, sends every call of the function through JAX's Python path). XLA never
+    drops, merges or moves either kind."""
     call = lowered_call(kernel, args, grid=grid, out_shape=out_shape, num_warps=num_warps, num_stages=num_stages,
                         enable_fp_fusion=enable_fp_fusion, max_registers=max_registers, constexprs=constexprs)
-    return call.run(capture.target_for("jaxgin.triton_call", runtime.current()))
+    return call.run(capture.target_for("jaxgin.triton_call", runtime.current()), pure=pure)
 
 
 class LoweredCall:
@@ -174,7 +182,11 @@ class LoweredCall:
         self.operands, self.out_types, self.attributes = operands, out_types, attributes
         self.scratch, self.single, self.out_shape = scratch, single, out_shape
 
-    def run(self, target: str):
+    def run(self, target: str, pure: bool = False):
+        """The custom call of `target`: with a JAX side effect, or with `pure` as a primitive JAX
+        treats as pure (triton_call's `pure`). XLA sees a side-effecting custom call either way."""
+        if pure:
+            return self.results(pure_call_p.bind(*self.operands, call=self, target=target))
         call = jax.ffi.ffi_call(target, self.out_types, has_side_effect=True)
         return self.results(call(*self.operands, **self.attributes))
 
@@ -186,6 +198,38 @@ class LoweredCall:
         if self.single:
             return results[0]
         return tuple(results) if isinstance(self.out_shape, tuple) else list(results)  # shard_map's out_specs match it
+
+
+# triton_call(pure=True): the same custom call as jax.ffi.ffi_call makes, as a primitive with no JAX
+# effect. Any effect in a jitted function sends its every call through JAX's Python dispatch (one
+# H200: 151 us per call of a program holding one triton_call, 33 us for one XLA fusion).
+pure_call_p = Primitive("jaxgin_triton_call")
+pure_call_p.multiple_results = True
+
+
+@pure_call_p.def_abstract_eval
+def _pure_call_abstract(*operands, call, target):
+    results, _ = jax_ffi.ffi_call_abstract_eval(*operands, result_avals=jax_ffi._result_avals(call.out_types),
+                                                has_side_effect=False)
+    return results
+
+
+def _pure_call_lowering(ctx, *operands, call, target):
+    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **call.attributes)
+
+
+def _pure_call_refused(what: str):
+    def rule(*_, **__):
+        raise JaxginError(f"jaxgin.triton_call cannot be {what}: it runs one compiled kernel; "
+                          + ("loop over the batch instead" if what == "vmapped" else
+                             "wrap the call in jax.custom_vjp with a backward of its own"))
+
+    return rule
+
+
+mlir.register_lowering(pure_call_p, _pure_call_lowering)
+batching.primitive_batchers[pure_call_p] = _pure_call_refused("vmapped")
+ad.primitive_jvps[pure_call_p] = _pure_call_refused("differentiated")
 
 
 def lowered_call(kernel, args, *, grid, out_shape, num_warps: int, num_stages: int, enable_fp_fusion, max_registers,

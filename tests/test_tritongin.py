@@ -379,6 +379,38 @@ def test_triton_call_gives_global_scratch_as_a_hidden_result(monkeypatch):
     assert list(seen["attrs"]["params"])[-4:] == [tc.ParamKind.NULL_POINTER, 0, tc.ParamKind.NULL_POINTER, 0]
 
 
+def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypatch):
+    """triton_call(pure=True) is a primitive with no JAX effect: a jitted function holding it keeps
+    JAX's fast dispatch path (any effect sends every call through the Python path), and JAX drops it
+    where nothing uses its outputs, as it drops jaxgin's collectives. XLA still sees a side-effecting
+    custom call (never dropped, merged or moved), as for the default call, which JAX keeps."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgin import triton_op as tc
+    from jaxgin.errors import JaxginError
+
+    real_ffi_call = jax.ffi.ffi_call
+    _lowered_as_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(jax.ffi, "ffi_call", real_ffi_call)
+    src = jnp.arange(4096, dtype=jnp.float32)
+
+    def copy(pure):
+        return lambda s: tc.triton_call(plain_copy_ctx, s, grid=(8,), out_shape=s, enable_fp_fusion=True, BLOCK=512,
+                                        pure=pure)
+
+    assert not jax.make_jaxpr(copy(True))(src).effects
+    assert jax.make_jaxpr(copy(False))(src).effects
+    for pure in (True, False):
+        text = jax.jit(copy(pure)).lower(src).as_text()
+        (call,) = [line for line in text.splitlines() if "custom_call" in line]
+        assert "@jaxgin_triton_call(" in call and "has_side_effect = true" in call, call[:200]
+        unused = jax.jit(lambda s, pure=pure: (copy(pure)(s), s + 1)[1]).lower(src).as_text()
+        assert ("custom_call" in unused) == (not pure)
+    with pytest.raises(JaxginError, match="cannot be vmapped"):
+        jax.vmap(copy(True))(jnp.zeros((2, 4096), jnp.float32))
+
+
 @triton.jit
 def plain_copy_ctx(ctx, src, dst, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

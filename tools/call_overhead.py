@@ -1,23 +1,23 @@
-"""What one jaxgin.triton_call costs inside a jit, beside one XLA fusion: chains of STEPS
-dependent calls of a 16-element kernel (nothing for the GPU to do), wall clock per call, the best
-of --repeats. What it shows is the fixed cost a call adds on the host and between kernels (the
-launch, XLA's custom-call step, its command buffers as XLA_FLAGS set them), the floor under every
-jaxgin op at small sizes. Beside it, the GPU's span of one profiled run of each chain (first
-kernel start to last end) per call: where the wall clock per call is above it, the chain waits for
-the host; and what the host's threads spent that time on (the most costly event names of one
-profiled run, less the profiler's own). Also each step alone as a program called 500 times back to
-back: the host's cost of one call of a jitted function holding it. And how many jaxgin handlers ran
-per call of the triton_call chain in its first calls: 50 where XLA launches each call, 0 once XLA
-replays a recorded command buffer.
+"""What one jaxgin.triton_call costs inside a jit (with its JAX side effect, and with pure=True),
+beside one XLA fusion: chains of STEPS dependent calls of a 16-element kernel (nothing for the GPU
+to do), wall clock per call, the best of --repeats. What it shows is the fixed cost a call adds on
+the host and between kernels (the launch, XLA's custom-call step, its command buffers as XLA_FLAGS
+set them), the floor under every jaxgin op at small sizes. Beside it, the GPU's span of one
+profiled run of each chain (first kernel start to last end) per call: where the wall clock per
+call is above it, the chain waits for the host; and what the host's threads spent that time on
+(the most costly event names of one profiled run, less the profiler's own). Also each step alone
+as a program called 500 times back to back: the host's cost of one call of a jitted function
+holding it. And how many jaxgin handlers ran per call of the triton_call chain in its first calls:
+50 where XLA launches each call, 0 once XLA replays a recorded command buffer.
 
     python tools/call_overhead.py [--repeats 20] [--out DIR]
 
 Writes DIR/call_overhead.json ({"device", "jax", "xla_flags", "steps", "us_per_call": {"xla_fusion",
-"triton_call"}, "device_us_per_call": the GPU's span per call, "host_events": per chain, [name,
-count, summed us] of its costliest host events, "one_step_program_us_per_call": {"xla_fusion",
-"triton_call"}, "triton_call_handler_runs":
-[runs in each of the first calls]}). Needs an NVIDIA GPU visible to JAX and Triton (pip install -e
-".[cuda]"); without them it says so and exits with status 4 or 3 (jaxgin.cli).
+"triton_call", "triton_call_pure"}, "device_us_per_call": the GPU's span per call,
+"host_events": per chain, [name, count, summed us] of its costliest host events,
+"one_step_program_us_per_call": the same three, "triton_call_handler_runs": [runs in each of the
+first calls]}). Needs an NVIDIA GPU visible to JAX and Triton (pip install -e ".[cuda]"); without
+them it says so and exits with status 4 or 3 (jaxgin.cli).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def measure(repeats: int) -> dict:
         # the barrier keeps each step a fusion of its own (XLA fuses an elementwise chain into one)
         "xla_fusion": lambda a: jax.lax.optimization_barrier(a * 3 + 1),
         "triton_call": lambda a: jaxgin.triton_call(kernel, a, grid=(1,), out_shape=a, N=16),
+        # no JAX effect: the program keeps JAX's fast dispatch path (as jaxgin's own kernels do)
+        "triton_call_pure": lambda a: jaxgin.triton_call(kernel, a, grid=(1,), out_shape=a, N=16, pure=True),
     }
     times, device, host, dispatch, runs = {}, {}, {}, {}, None
     for name, step in steps.items():

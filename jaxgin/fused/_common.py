@@ -411,6 +411,7 @@ def matmul(x, w, tiles: TileConfig, precision: str = "tf32"):
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         M=m, N=n, K=k, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION=precision,
+        pure=True,
     )
 
 
@@ -431,11 +432,11 @@ def time_matmul(tiles: TileConfig, m, n, k, dtype, precision, *, device, repeats
     def chain(x, w):
         # Each call is ordered after the one before by an optimization barrier over x and its result:
         # no copy and no work between the calls, only the order.
-        start = triton_call(_kernels.clock_kernel, x, grid=(1,), out_shape=stamp, num_warps=1)
+        start = triton_call(_kernels.clock_kernel, x, grid=(1,), out_shape=stamp, num_warps=1, pure=True)
         x, _ = jax.lax.optimization_barrier((x, start))
         for _ in range(repeats):
             x, _ = jax.lax.optimization_barrier((x, matmul(x, w, tiles, precision)))
-        return start, triton_call(_kernels.clock_kernel, x, grid=(1,), out_shape=stamp, num_warps=1)
+        return start, triton_call(_kernels.clock_kernel, x, grid=(1,), out_shape=stamp, num_warps=1, pure=True)
 
     def run() -> float:
         start, end = (np.asarray(s).view(np.int64)[0] for s in chain(x, w))

@@ -134,6 +134,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, senders: int = SENDERS, trace: 
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         SEND_BM=send_rows(tiles.num_warps), SEND_BK=SEND_COLUMNS, GIN=int(gin), XB=np.dtype(dtype).itemsize,
         BP=op_support.pow2(size),
+        pure=True,
     )
 
 

@@ -176,6 +176,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, parts: int, interleave: bool, p
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         PARTS=parts, INTERLEAVE=interleave, PULL=pull, GIN=int(gin), COPIERS=copiers,
         XB=np.dtype(dtype).itemsize, COPY_SLABS=slabs, MOVERS=movers, MOVED=moved,
+        pure=True,
     )
 
 

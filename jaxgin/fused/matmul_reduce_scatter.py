@@ -178,6 +178,7 @@ def _triton(state, x, w, plan: _Plan, gin: bool, lag: int, wait_first: bool, fol
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m, PRECISION=precision,
         GIN=int(gin), XB=np.dtype(dtype).itemsize, LAG=min(lag, count), WAIT_FIRST=wait_first,
         REDUCE_SLABS=reduce_slabs(tiles.block_m, gin), FOLD=fold, PUSH=push,
+        pure=True,
     )
 
 

@@ -270,6 +270,7 @@ def route_alone(topk_ids, plan):
             chunk_counts_kernel, ids, grid=(chunks,),
             out_shape=[i32(chunks, launch["BE"]), i32(chunks, launch["BP"])], num_warps=num_warps(t), num_stages=1,
             **chunk_constexprs(launch),
+            pure=True,
         )
     else:
         chunk_bins = chunk_tokens = ids  # not read
@@ -277,5 +278,6 @@ def route_alone(topk_ids, plan):
         route_kernel, ids, chunk_bins, chunk_tokens, grid=grid(t),
         out_shape=[i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1)],
         num_warps=num_warps(t), num_stages=1, CHUNKS=int(chunked), **launch,
+        pure=True,
     )
     return SourceRoute(slot, before, meta, dest, send_counts), masked.reshape(())

@@ -383,6 +383,7 @@ def dispatch_kernel(state, x, weights, route: SourceRoute, plan: Plan, fp8: bool
         _kernels.dispatch_traced_kernel if trace else _kernels.dispatch_kernel,
         x, route.slot, route.before, route.meta, weights, route.send_counts,
         axis, hslot, hrows, hosts, *buf, out_shape=[*_dispatch_outputs(plan, x.dtype), *records], **launch,
+        pure=True,
     )
     grouped, positions, weights_out, counts, rows, dropped = outs[:6]
     return grouped, positions, weights_out, counts, rows, dropped.reshape(()), *outs[6:]
@@ -457,6 +458,7 @@ def dispatch_routing_kernel(state, x, weights, topk_ids, plan: Plan, fp8: bool =
                    i32(t, p), i32(t, p), i32(t, p, k), i32(t, k), i32(p, el + 1), i32(1),
                    *([i32(launch["grid"][0], 16)] if trace else [])],
         SCAN=routing["SCAN"], BR=routing["BE"], **launch,
+        pure=True,
     )
     grouped, positions, weights_out, counts, rows, dropped, slot, before, meta, dest, send_counts, masked = outs[:12]
     return (grouped, positions, weights_out, counts, rows, dropped.reshape(()),
@@ -486,6 +488,7 @@ def combine_kernel(state, y, weights, positions, rows, route: SourceRoute, plan:
         num_warps=warps, num_stages=1, enable_fp_fusion=OWN_KERNELS_FP_FUSION,
         T=t, H=h, K=k, P=p, BT=bt, BH=bh, BK=pow2(k), BP=pow2(p), XB=jnp.dtype(plan.dtype).itemsize, GIN=int(gin),
         L=per_host, MW=_map_words(plan, per_host),
+        pure=True,
     )
 
 
