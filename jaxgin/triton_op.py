@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax._src import core as jax_core  # as jax.ffi.ffi_call prepares its operands
 from jax._src import ffi as jax_ffi  # ffi_call's own result types, for the pure call's primitive
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -186,7 +187,10 @@ class LoweredCall:
         """The custom call of `target`: with a JAX side effect, or with `pure` as a primitive JAX
         treats as pure (triton_call's `pure`). XLA sees a side-effecting custom call either way."""
         if pure:
-            return self.results(pure_call_p.bind(*self.operands, call=self, target=target))
+            # as jax.ffi.ffi_call does: inside shard_map, operands that do not vary over a manual
+            # axis the others vary over are cast to vary (one varying type for the call's inputs)
+            operands = jax_core.auto_insert_reshard(*self.operands)
+            return self.results(pure_call_p.bind(*operands, call=self, target=target))
         call = jax.ffi.ffi_call(target, self.out_types, has_side_effect=True)
         return self.results(call(*self.operands, **self.attributes))
 

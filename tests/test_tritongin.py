@@ -386,6 +386,7 @@ def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypa
     custom call (never dropped, merged or moved), as for the default call, which JAX keeps."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from jaxgin import triton_op as tc
     from jaxgin.errors import JaxginError
@@ -409,6 +410,25 @@ def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypa
         assert ("custom_call" in unused) == (not pure)
     with pytest.raises(JaxginError, match="cannot be vmapped"):
         jax.vmap(copy(True))(jnp.zeros((2, 4096), jnp.float32))
+    # Inside shard_map, operands that vary over the axis and operands that do not (a replicated
+    # table) go to one call, as with jax.ffi.ffi_call.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    P = jax.sharding.PartitionSpec
+
+    def two_inputs(s, table, pure):
+        return tc.triton_call(plain_add_ctx, s, table, grid=(8,), out_shape=s, enable_fp_fusion=True, BLOCK=512,
+                              pure=pure)
+
+    for pure in (True, False):
+        mapped = jax.shard_map(lambda s, t, pure=pure: two_inputs(s, t, pure), mesh=mesh, in_specs=(P("x"), P()),
+                               out_specs=P("x"))
+        assert "custom_call" in jax.jit(mapped).lower(src, src).as_text()
+
+
+@triton.jit
+def plain_add_ctx(ctx, a, b, dst, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(a + offs) + tl.load(b + offs))
 
 
 @triton.jit
