@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax._src import core as jax_core  # as jax.ffi.ffi_call prepares its operands
+from jax._src import dispatch as jax_dispatch  # as ffi_call's primitive runs outside jit
 from jax._src import ffi as jax_ffi  # ffi_call's own result types, for the pure call's primitive
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -209,6 +210,7 @@ class LoweredCall:
 # H200: 151 us per call of a program holding one triton_call, 33 us for one XLA fusion).
 pure_call_p = Primitive("jaxgin_triton_call")
 pure_call_p.multiple_results = True
+jax_dispatch.simple_impl(pure_call_p)  # called outside jit, it is compiled as a program of its own
 
 
 @pure_call_p.def_abstract_eval

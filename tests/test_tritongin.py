@@ -423,12 +423,30 @@ def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypa
         mapped = jax.shard_map(lambda s, t, pure=pure: two_inputs(s, t, pure), mesh=mesh, in_specs=(P("x"), P()),
                                out_specs=P("x"))
         assert "custom_call" in jax.jit(mapped).lower(src, src).as_text()
+        # several outputs, one typed by the caller, as the MoE kernels have
+        both = jax.shard_map(lambda s, t, pure=pure: tc.triton_call(
+            plain_copy_twice_ctx, s, t, grid=(8,), out_shape=[s, jax.ShapeDtypeStruct(s.shape, s.dtype)],
+            enable_fp_fusion=True, BLOCK=512, pure=pure), mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+        first, second = jax.jit(both).trace(src, src).out_info
+        assert first.shape == second.shape == src.shape
+    # Called outside jit, a pure call is compiled as a program of its own, as the default call is
+    # (here, on CPU, XLA has no handler for the target: the error names it).
+    for pure in (True, False):
+        with pytest.raises(Exception, match="No FFI handler registered for jaxgin_triton_call"):
+            jax.block_until_ready(copy(pure)(src))
 
 
 @triton.jit
 def plain_add_ctx(ctx, a, b, dst, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(dst + offs, tl.load(a + offs) + tl.load(b + offs))
+
+
+@triton.jit
+def plain_copy_twice_ctx(ctx, a, b, dst, dst2, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(a + offs))
+    tl.store(dst2 + offs, tl.load(b + offs))
 
 
 @triton.jit
