@@ -383,7 +383,8 @@ def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypa
     """triton_call(pure=True) is a primitive with no JAX effect: a jitted function holding it keeps
     JAX's fast dispatch path (any effect sends every call through the Python path), and JAX drops it
     where nothing uses its outputs, as it drops jaxgin's collectives. XLA still sees a side-effecting
-    custom call (never dropped, merged or moved), as for the default call, which JAX keeps."""
+    custom call (never dropped, merged or moved), the same HLO as the default call's, which JAX
+    keeps. Inside shard_map and outside jit it behaves as the default call does."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -419,6 +420,7 @@ def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypa
         return tc.triton_call(plain_add_ctx, s, table, grid=(8,), out_shape=s, enable_fp_fusion=True, BLOCK=512,
                               pure=pure)
 
+    hlo = {}
     for pure in (True, False):
         mapped = jax.shard_map(lambda s, t, pure=pure: two_inputs(s, t, pure), mesh=mesh, in_specs=(P("x"), P()),
                                out_specs=P("x"))
@@ -429,6 +431,9 @@ def test_a_pure_call_has_no_jax_effect_and_stays_side_effecting_for_xla(monkeypa
             enable_fp_fusion=True, BLOCK=512, pure=pure), mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
         first, second = jax.jit(both).trace(src, src).out_info
         assert first.shape == second.shape == src.shape
+        hlo[pure] = jax.jit(both).lower(src, src).as_text(dialect="hlo")
+    # XLA gets the same program either way (instruction names aside): only JAX's view differs.
+    assert hlo[True].replace("jaxgin_triton_call.", "ffi_call.") == hlo[False]
     # Called outside jit, a pure call is compiled as a program of its own, as the default call is
     # (here, on CPU, XLA has no handler for the target: the error names it).
     for pure in (True, False):
