@@ -12,7 +12,8 @@ it, so that loads and stores masked against it stay 16-byte vectors.
 
 The kernel is compiled for the GPU when the program is traced, linked with the device library,
 and carried inside the program (a serialized executable keeps its kernel). The op is a
-side-effecting custom call, so XLA never drops or merges it, and it may be captured into CUDA
+side-effecting custom call, so XLA never drops or merges it (and, unless ``pure=True``, a side
+effect for JAX, which keeps it where nothing reads its outputs), and it may be captured into CUDA
 graphs: a kernel that needs values to differ between replays must keep them on the device (as
 ``tritongin.wait_arrivals`` does). Outputs are uninitialised until the kernel writes them.
 
