@@ -170,7 +170,7 @@ def triton_call(
     ``pure=True`` tells JAX that the call's outputs are all it does: JAX may then drop a call whose
     outputs nothing uses, and a jitted function keeps JAX's fast dispatch path (a call with a side
     effect, the default, sends every call of the function through JAX's Python path). XLA never
-    drops, merges or moves either kind."""
+    drops, merges or hoists either kind."""
     call = lowered_call(kernel, args, grid=grid, out_shape=out_shape, num_warps=num_warps, num_stages=num_stages,
                         enable_fp_fusion=enable_fp_fusion, max_registers=max_registers, constexprs=constexprs)
     return call.run(capture.target_for("jaxgin.triton_call", runtime.current()), pure=pure)
@@ -207,8 +207,8 @@ class LoweredCall:
 
 
 # triton_call(pure=True): the same custom call as jax.ffi.ffi_call makes, as a primitive with no JAX
-# effect. Any effect in a jitted function sends its every call through JAX's Python dispatch (one
-# H200: 151 us per call of a program holding one triton_call, 33 us for one XLA fusion).
+# effect: any effect in a jitted function sends its every call through JAX's Python dispatch
+# (docs/measurements.md, thirty-sixth session).
 pure_call_p = Primitive("jaxgin_triton_call")
 pure_call_p.multiple_results = True
 jax_dispatch.simple_impl(pure_call_p)  # called outside jit, it is compiled as a program of its own
