@@ -1396,3 +1396,40 @@ def test_all_to_all_movers_are_compiled_in_only_when_asked(toolchain, interleave
     log = _ptxas_log_with_the_library(moving)
     assert "C7509" not in log, log
     assert " 0 bytes spill stores" in log, log
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "all_gather_matmul", "matmul_reduce_scatter"])
+def test_fused_kernels_trace_as_pure_calls_inside_shard_map(monkeypatch, op, gin):
+    """The fused ops' Triton kernels are pure jaxgin.triton_calls (no JAX effect). Inside
+    shard_map they take the operands, which vary over the axis, beside the axis route, which does
+    not: they trace with one varying type for their inputs, as jax.ffi.ffi_call casts them (on
+    GPUs this failed when tracing before the cast: docs/measurements.md, thirty-sixth session).
+    Nothing is compiled: the kernel is a stand-in."""
+    import importlib
+
+    from jaxgin import op_support
+    from jaxgin import triton_op as tc
+    from jaxgin.triton_device import link
+
+    module = importlib.import_module(f"jaxgin.fused.{op}")
+    device = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(tc.runtime, "current", lambda: types.SimpleNamespace(
+        runtime=object(), local_devices=[device], generation=0, capture=(False, "a stand-in runtime")))
+    monkeypatch.setattr(link, "install", lambda: None)
+    compiled = types.SimpleNamespace(asm={"cubin": b"\x7fELF"}, metadata=types.SimpleNamespace(
+        name="stand_in", shared=0, num_warps=8, num_ctas=1, global_scratch_size=0))
+    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled)
+    monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))
+    monkeypatch.setattr(op_support, "sm_count", lambda device: 132)
+    size, m, k, n = 4, 512, 256, 384
+    plan = _plan_of(module, op, size, m, k, n, "triton")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    mapped = jax.shard_map(lambda x, w: module._kernel(_HeapOnlyState(), x, w, plan), mesh=mesh,
+                           in_specs=(P("x"), P("x")), out_specs=P("x"))
+    jaxpr = jax.make_jaxpr(mapped)(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16))
+    assert not jaxpr.effects
+    (shard,) = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "shard_map"]
+    assert [eqn.primitive.name for eqn in shard.params["jaxpr"].eqns].count("jaxgin_triton_call") == 1

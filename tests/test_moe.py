@@ -1208,3 +1208,54 @@ def test_dispatch_lowering_traced_returns_the_kernels_records(monkeypatch, gin):
     assert len(args) == len(plain_args) and kw == plain_kw and out_shape[:-1] == plain_shape
     assert out_shape[-1].shape == (kw["grid"][0], 16) and out_shape[-1].dtype == jnp.int32
     assert len(outs) == len(plain) + 1 and outs[-1].shape == (kw["grid"][0], 16)
+
+
+@pytest.mark.parametrize("gin", [False, True], ids=["nvlink_only_job", "job_with_gin_peers"])
+def test_moe_kernels_trace_as_pure_calls_inside_shard_map(monkeypatch, gin):
+    """The MoE kernels are pure jaxgin.triton_calls (no JAX effect, so a jitted MoE layer keeps
+    JAX's fast dispatch). Inside shard_map they take arrays that vary over the expert axis (the
+    rows, the ids) beside ones that do not (the axis route): they trace with one varying type for
+    their inputs, as jax.ffi.ffi_call casts them. On GPUs this failed when tracing before the cast
+    (docs/measurements.md, thirty-sixth session). Nothing is compiled: the kernels are stand-ins."""
+    import types
+
+    pytest.importorskip("triton")
+    from jaxgin import op_support
+    from jaxgin import triton_op as tc
+    from jaxgin.moe import _routing, exchange
+    from jaxgin.triton_device import link
+
+    device = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(tc.runtime, "current", lambda: types.SimpleNamespace(
+        runtime=object(), local_devices=[device], generation=0, capture=(False, "a stand-in runtime")))
+    monkeypatch.setattr(link, "install", lambda: None)
+    compiled = types.SimpleNamespace(asm={"cubin": b"\x7fELF"}, metadata=types.SimpleNamespace(
+        name="stand_in", shared=0, num_warps=4, num_ctas=1, global_scratch_size=0))
+    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled)
+    monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
+    monkeypatch.setattr(exchange, "axis_route", lambda names: jnp.asarray([1, 0, 1, 2, 3], jnp.int32))
+    p, t, h, k, el = 4, 64, 256, 2, 2
+    plan = _routing.Plan(("ep",), p, t, h, k, el, p * t * k, "bfloat16", _routing.LOW_LATENCY)
+    ids = jax.random.randint(jax.random.key(3), (t, k), 0, p * el)
+    x, w = jnp.ones((t, h), jnp.bfloat16), jnp.ones((t, k), jnp.float32)
+
+    def pair(x, w, ids):
+        state = _LoweringState()
+        grouped, positions, weights, _, rows, _, route, _ = exchange.dispatch_routing_kernel(state, x, w, ids, plan)
+        return exchange.combine_kernel(state, grouped, weights, positions, rows, route, plan)
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    mapped = jax.shard_map(pair, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep"))
+    jaxpr = jax.make_jaxpr(mapped)(x, w, ids)
+    assert not jaxpr.effects
+
+    def primitives(jaxpr):  # every equation's primitive, nested jaxprs (shard_map's, jit's) included
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from primitives(inner)
+
+    calls = [name for name in primitives(jaxpr.jaxpr) if name == "jaxgin_triton_call"]
+    assert len(calls) == (3 if gin else 2), calls  # with GIN peers the routing kernel runs first
