@@ -179,6 +179,23 @@ class FakeRuntime:
         return self.infos[i]
 
 
+def stand_in_kernels(monkeypatch, num_warps: int = 4) -> None:
+    """jaxgin.triton_call traced here as on an sm_90 GPU, every kernel a stand-in (nothing is
+    compiled or linked): enough for make_jaxpr of a program that calls jaxgin's Triton kernels."""
+    import types
+
+    from jaxgin import triton_op
+    from jaxgin.triton_device import link
+
+    device = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(triton_op.runtime, "current", lambda: types.SimpleNamespace(
+        runtime=object(), local_devices=[device], generation=0, capture=(False, "a stand-in runtime")))
+    monkeypatch.setattr(link, "install", lambda: None)
+    compiled = types.SimpleNamespace(asm={"cubin": b"\x7fELF"}, metadata=types.SimpleNamespace(
+        name="stand_in", shared=0, num_warps=num_warps, num_ctas=1, global_scratch_size=0))
+    monkeypatch.setattr(triton_op, "_compile", lambda *a, **k: compiled)
+
+
 def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, num_warps: int = 4,
                      num_stages: int = 3, max_registers: int | None = None):
     """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), through

@@ -27,7 +27,7 @@ import jaxgin
 from jaxgin.fused import TileConfig
 
 from conftest import (FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, registers_per_thread,
-                      triton_interpreter_check)
+                      stand_in_kernels, triton_interpreter_check)
 
 
 @pytest.fixture
@@ -1409,17 +1409,9 @@ def test_fused_kernels_trace_as_pure_calls_inside_shard_map(monkeypatch, op, gin
     import importlib
 
     from jaxgin import op_support
-    from jaxgin import triton_op as tc
-    from jaxgin.triton_device import link
 
     module = importlib.import_module(f"jaxgin.fused.{op}")
-    device = types.SimpleNamespace(compute_capability="9.0")
-    monkeypatch.setattr(tc.runtime, "current", lambda: types.SimpleNamespace(
-        runtime=object(), local_devices=[device], generation=0, capture=(False, "a stand-in runtime")))
-    monkeypatch.setattr(link, "install", lambda: None)
-    compiled = types.SimpleNamespace(asm={"cubin": b"\x7fELF"}, metadata=types.SimpleNamespace(
-        name="stand_in", shared=0, num_warps=8, num_ctas=1, global_scratch_size=0))
-    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled)
+    stand_in_kernels(monkeypatch, num_warps=8)
     monkeypatch.setenv("JAXGIN_FUSED_AUTOTUNE", "0")
     monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
     monkeypatch.setattr(module, "axis_route", lambda names: jnp.zeros((5,), jnp.int32))

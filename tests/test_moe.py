@@ -21,7 +21,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
-from conftest import FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, triton_interpreter_check
+from conftest import (FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, stand_in_kernels,
+                      triton_interpreter_check)
 
 SPEC = P("ep")
 
@@ -1217,21 +1218,11 @@ def test_moe_kernels_trace_as_pure_calls_inside_shard_map(monkeypatch, gin):
     rows, the ids) beside ones that do not (the axis route): they trace with one varying type for
     their inputs, as jax.ffi.ffi_call casts them. On GPUs this failed when tracing before the cast
     (docs/measurements.md, thirty-sixth session). Nothing is compiled: the kernels are stand-ins."""
-    import types
-
     pytest.importorskip("triton")
     from jaxgin import op_support
-    from jaxgin import triton_op as tc
     from jaxgin.moe import _routing, exchange
-    from jaxgin.triton_device import link
 
-    device = types.SimpleNamespace(compute_capability="9.0")
-    monkeypatch.setattr(tc.runtime, "current", lambda: types.SimpleNamespace(
-        runtime=object(), local_devices=[device], generation=0, capture=(False, "a stand-in runtime")))
-    monkeypatch.setattr(link, "install", lambda: None)
-    compiled = types.SimpleNamespace(asm={"cubin": b"\x7fELF"}, metadata=types.SimpleNamespace(
-        name="stand_in", shared=0, num_warps=4, num_ctas=1, global_scratch_size=0))
-    monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled)
+    stand_in_kernels(monkeypatch)
     monkeypatch.setattr(op_support, "gin_in_job", lambda state: gin)
     monkeypatch.setattr(exchange, "axis_route", lambda names: jnp.asarray([1, 0, 1, 2, 3], jnp.int32))
     p, t, h, k, el = 4, 64, 256, 2, 2
