@@ -179,18 +179,30 @@ class FakeRuntime:
         return self.infos[i]
 
 
-def stand_in_kernels(monkeypatch, num_warps: int = 4) -> None:
-    """jaxgin.triton_call traced here as on an sm_90 GPU, every kernel a stand-in (nothing is
-    compiled or linked): enough for make_jaxpr of a program that calls jaxgin's Triton kernels."""
+def sm90_runtime(monkeypatch) -> None:
+    """jaxgin.triton_call's view of the runtime, here as on an sm_90 GPU: a stand-in state (calls
+    not recorded into command buffers; generation 0, as the tests' stand-in op states, so their heap
+    buffers are live) and no device library link step."""
     import types
 
     from jaxgin import triton_op
     from jaxgin.triton_device import link
 
     device = types.SimpleNamespace(compute_capability="9.0")
-    monkeypatch.setattr(triton_op.runtime, "current", lambda: types.SimpleNamespace(
-        runtime=object(), local_devices=[device], generation=0, capture=(False, "a stand-in runtime")))
+    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=0,
+                                  capture=(False, "a stand-in runtime"), captured_lowered=False)
+    monkeypatch.setattr(triton_op.runtime, "current", lambda: state)
     monkeypatch.setattr(link, "install", lambda: None)
+
+
+def stand_in_kernels(monkeypatch, num_warps: int = 4) -> None:
+    """jaxgin.triton_call traced here as on an sm_90 GPU (sm90_runtime), every kernel a stand-in
+    (nothing is compiled): enough for make_jaxpr of a program that calls jaxgin's Triton kernels."""
+    import types
+
+    from jaxgin import triton_op
+
+    sm90_runtime(monkeypatch)
     compiled = types.SimpleNamespace(asm={"cubin": b"\x7fELF"}, metadata=types.SimpleNamespace(
         name="stand_in", shared=0, num_warps=num_warps, num_ctas=1, global_scratch_size=0))
     monkeypatch.setattr(triton_op, "_compile", lambda *a, **k: compiled)

@@ -23,7 +23,7 @@ from jaxgin import build  # noqa: E402
 from jaxgin.errors import JaxginError, ToolchainError  # noqa: E402
 from jaxgin.triton_device import link  # noqa: E402
 
-from conftest import compile_for_sm90  # noqa: E402
+from conftest import compile_for_sm90, sm90_runtime  # noqa: E402
 
 @pytest.fixture
 def fresh_triton_cache(tmp_path, monkeypatch):
@@ -299,20 +299,15 @@ def masked_copy(ctx, src, n, dst, BLOCK: tl.constexpr):
 
 
 def _lowered_as_on_a_gpu(monkeypatch) -> list:
-    """triton_call lowered here as on an sm_90 GPU: a stand-in runtime state, no device library
-    link step, an ffi_call that returns zeros. Returns the list each compiled kernel goes into."""
-    import types
-
+    """triton_call lowered here as on an sm_90 GPU (conftest.sm90_runtime: a stand-in runtime state,
+    no device library link step), an ffi_call that returns zeros. Returns the list each compiled
+    kernel goes into."""
     import jax
     import jax.numpy as jnp
 
     from jaxgin import triton_op as tc
 
-    device = types.SimpleNamespace(compute_capability="9.0")
-    state = types.SimpleNamespace(runtime=object(), local_devices=[device], generation=1, capture=(False, "a fake runtime"),
-                                  captured_lowered=False)
-    monkeypatch.setattr(tc.runtime, "current", lambda: state)
-    monkeypatch.setattr(link, "install", lambda: None)
+    sm90_runtime(monkeypatch)
     compiled = []
     real_compile = tc._compile
     monkeypatch.setattr(tc, "_compile", lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
