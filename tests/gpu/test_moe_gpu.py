@@ -58,7 +58,7 @@ def _assert_cases(result, ragged_baseline=True, spot=False):
             grads = case["grad_rel_err"]
             assert max(grads["x"], grads["logits"]) <= tolerance, case
             # bf16 weight gradients sum every row an expert took, rounded as the GEMM algorithm that
-            # XLA's autotuner picks for that compilation rounds (docs/measurements.md, 37th session)
+            # XLA's autotuner picks for that compilation rounds (docs/measurements.md, thirty-seventh session)
             assert max(grads["w1"], grads["w2"]) <= (tolerance if f32 else 5e-2), case
         else:
             assert case["dropped"] > 0, case  # the overflow case must overflow, and say so
