@@ -37,6 +37,11 @@ every row but the ragged_* ones (--no-device-span: none), with that call's kerne
 name (device_events_per_call: count and us per call). Before timing, combine(dispatch(x)) with
 identity experts must give x back (the routing weights sum to 1) on both paths. Writes moe.json
 and moe.png.
+
+--nccl-ep FILE: the nccl_ep.json that benchmarks/nccl_ep.py wrote earlier in the same round, at this
+run's hidden size, experts, top-k and GPU count (checked before anything is timed). Its slowest
+rank's pair goes beside the row of its token count as nccl_ep, with speedup_vs_nccl_ep: NCCL EP's
+pair_us over jaxgin_pair's time (`gpu_round.py bench nccl_ep moe_with_nccl_ep`).
 """
 
 from __future__ import annotations
@@ -249,6 +254,34 @@ def measure(mesh, tokens, hidden, experts, top_k, repeats, only=None, device_spa
     )
 
 
+def nccl_ep_anchor(path: Path, hidden: int, experts: int, top_k: int, devices: int) -> dict:
+    """NCCL EP's low-latency pair from benchmarks/nccl_ep.py's JSON, or ValueError naming what does
+    not match this run. Its slowest rank's figures: jaxgin's chain ends with its slowest GPU too."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--nccl-ep {path}: not readable as nccl_ep.py's JSON ({e})") from None
+    ours = dict(hidden=hidden, experts=experts, top_k=top_k, devices=devices)
+    wrong = [f"{key} {data.get(key)!r} (this run: {value})" for key, value in ours.items() if data.get(key) != value]
+    if wrong:
+        raise ValueError(f"--nccl-ep {path}: measured at other shapes: {'; '.join(wrong)}")
+    worst = data.get("worst") or {}
+    if not isinstance(data.get("tokens"), int) or not isinstance(worst.get("pair_us"), (int, float)):
+        raise ValueError(f"--nccl-ep {path}: no tokens or worst.pair_us (not written by benchmarks/nccl_ep.py?)")
+    return dict(tokens=data["tokens"], file=str(path), library=data.get("library"), nccl=data.get("nccl"),
+                device=data.get("device"),
+                **{key: worst.get(key) for key in ("pair_us", "pair_graph_us", "dispatch_us", "combine_us")})
+
+
+def with_nccl_ep(rows: list[dict], anchor: dict) -> None:
+    """The anchor beside every row of its token count, with NCCL EP's pair time over jaxgin's."""
+    for row in rows:
+        if row["tokens"] == anchor["tokens"]:
+            ours = row["times_us"].get("jaxgin_pair")
+            row["nccl_ep"] = anchor
+            row["speedup_vs_nccl_ep"] = anchor["pair_us"] / ours if ours else None
+
+
 def _route_only(ids, experts, size, capacity, xla=False):
     """dispatch's routing arithmetic alone: the device functions dispatch routes with (inside its
     kernel up to 256 tokens), as kernels of their own (_routing_device.route_alone), or with xla=True
@@ -301,11 +334,22 @@ def main() -> None:
                         help="skip the profiler's device span (device_span_us), wall clock only")
     parser.add_argument("--blocks", default=None,
                         help="semicolon-separated JAXGIN_MOE_BLOCKS settings 'tokens,hidden,warps,senders' to compare")
+    parser.add_argument("--nccl-ep", type=Path, default=None, metavar="FILE",
+                        help="nccl_ep.json of the same round: NCCL EP's pair beside jaxgin's (docstring)")
     args = parser.parse_args()
     cli.require_gpus(__file__, 1, "it times jaxgin.moe's kernels and XLA's ragged_all_to_all on them")
     cli.require(__file__, "triton", why="jaxgin.moe's kernels", install='-e ".[cuda]"')
     devices = jax.devices()
     tokens = [int(t) for t in args.tokens.split(",")]
+    anchor = None
+    if args.nccl_ep:
+        try:
+            anchor = nccl_ep_anchor(args.nccl_ep, args.hidden, args.experts, args.top_k, len(devices))
+        except ValueError as e:
+            parser.error(str(e))
+        if anchor["tokens"] not in tokens:
+            parser.error(f"--nccl-ep {args.nccl_ep}: measured at {anchor['tokens']} tokens, "
+                         f"not among --tokens {args.tokens}")
     # staging + return areas: 2 halves x devices x tokens x hidden x 2 bytes each
     need = 4 * len(devices) * max(tokens) * args.hidden * 2
     cli.run(__file__, jaxgin.initialize, heap_size=max(1 << 30, int(need * 1.25)))
@@ -323,6 +367,8 @@ def main() -> None:
             row = measure(mesh, t, args.hidden, args.experts, args.top_k, args.repeats, only, not args.no_device_span)
             row["blocks"] = setting
             report["results"].append(row)
+    if anchor:
+        with_nccl_ep(report["results"], anchor)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe.json").write_text(json.dumps(report, indent=1))

@@ -534,3 +534,41 @@ def test_a_traced_all_to_all_call_with_movers_keeps_their_records_apart():
     assert summary["span_us"] == 132.0 and summary["copy_out"]["wait_us_median"] == 8.5
     assert summary["sms_used"] == 3
     assert summary["movers"] == {"count": 2, "end_us": {"min": 90.0, "median": 115.0, "max": 140.0}}
+
+
+def _moe_bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe
+    finally:
+        sys.path.pop(0)
+    return moe
+
+
+def test_nccl_eps_pair_joins_the_moe_row_of_its_token_count(tmp_path):
+    """moe.py --nccl-ep: the committed nccl_ep.json (2 x H200, 128 tokens) beside jaxgin's rows, its
+    slowest rank's pair over jaxgin_pair; only the row of its token count gets it."""
+    moe = _moe_bench()
+    committed = ROOT / "benchmarks" / "results" / "2xh200" / "nccl_ep.json"
+    held = json.loads(committed.read_text())
+    anchor = moe.nccl_ep_anchor(committed, hidden=7168, experts=256, top_k=8, devices=2)
+    assert (anchor["tokens"], anchor["pair_us"]) == (128, held["worst"]["pair_us"])
+    assert anchor["pair_graph_us"] == held["worst"]["pair_graph_us"] and anchor["library"] == held["library"]
+    rows = [{"tokens": 128, "times_us": {"jaxgin_pair": 50.0}}, {"tokens": 4096, "times_us": {"jaxgin_pair": 400.0}},
+            {"tokens": 128, "times_us": {}}]
+    moe.with_nccl_ep(rows, anchor)
+    assert rows[0]["speedup_vs_nccl_ep"] == pytest.approx(held["worst"]["pair_us"] / 50.0)
+    assert rows[0]["nccl_ep"] is anchor and "nccl_ep" not in rows[1]
+    assert rows[2]["speedup_vs_nccl_ep"] is None  # no pair timed (--only without jaxgin_pair)
+
+
+def test_an_nccl_ep_file_of_other_shapes_is_refused_naming_them(tmp_path):
+    moe = _moe_bench()
+    committed = ROOT / "benchmarks" / "results" / "2xh200" / "nccl_ep.json"
+    with pytest.raises(ValueError, match=r"hidden 7168 \(this run: 4096\); devices 2 \(this run: 4\)"):
+        moe.nccl_ep_anchor(committed, hidden=4096, experts=256, top_k=8, devices=4)
+    with pytest.raises(ValueError, match="not readable"):
+        moe.nccl_ep_anchor(tmp_path / "absent.json", hidden=7168, experts=256, top_k=8, devices=2)
+    (tmp_path / "other.json").write_text(json.dumps({"hidden": 7168, "experts": 256, "top_k": 8, "devices": 2}))
+    with pytest.raises(ValueError, match="no tokens or worst.pair_us"):
+        moe.nccl_ep_anchor(tmp_path / "other.json", hidden=7168, experts=256, top_k=8, devices=2)

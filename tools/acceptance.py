@@ -37,7 +37,8 @@ WRITTEN_BY = {
     "collectives.json": "python3 tools/gpu_round.py bench collectives [benchmarks/collectives.py --out DIR]",
     "latency.json": "python3 tools/gpu_round.py bench latency [benchmarks/collectives.py --max-bytes 64KiB "
                     "--name latency]",
-    "moe.json": "python3 tools/gpu_round.py bench moe [benchmarks/moe.py --out DIR]",
+    "moe.json": "python3 tools/gpu_round.py bench moe [benchmarks/moe.py --out DIR; with NCCL EP's pair: "
+                "bench nccl_ep moe_with_nccl_ep]",
     "tritongin_bandwidth_2gpu.json": "python3 tools/gpu_round.py run -k test_peer_ptr_bandwidth "
                                      "[tests/gpu/test_tritongin_gpu.py records it]",
     "gpu-round.json": "python3 tools/gpu_round.py run [or start, then wait]",
@@ -294,8 +295,13 @@ def pair_at_128_tokens(data):
 
 
 def against_nccl_ep(data):
-    raise Missing("no NCCL EP pair: benchmarks/moe.py does not record that anchor, and nccl_ep.json "
-                  "(python3 tools/gpu_round.py bench nccl_ep) is another run, never mixed into one ratio")
+    row = moe_row(data, 128)
+    if not isinstance(row.get("nccl_ep"), dict):
+        raise Missing("no nccl_ep beside the 128-token row: NCCL EP's pair joins moe.json when moe.py runs "
+                      "after nccl_ep.py in one round (python3 tools/gpu_round.py bench nccl_ep moe_with_nccl_ep)")
+    value = number(row, "speedup_vs_nccl_ep", "the 128-token row")
+    return at_least(value, 1.5, f"NCCL EP's pair {row['nccl_ep'].get('pair_us')} us over jaxgin_pair's "
+                                f"{(row.get('times_us') or {}).get('jaxgin_pair')} us")
 
 
 def share_of_the_ceiling(part: str) -> Callable:

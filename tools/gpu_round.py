@@ -597,6 +597,9 @@ BENCHMARKS = {step.name: step for step in [
     Step("moe_one_gpu", ["benchmarks/moe.py", "--tokens", "4096", "--experts", "128", "--only",
                          "jaxgin_dispatch,jaxgin_combine,xla_gather_same_rows,routing_only", "--out", "{out}/moe_one_gpu"],
          300, default=False, tail=40),
+    # jaxgin's pair beside NCCL EP's of the same round: run after nccl_ep (`bench nccl_ep moe_with_nccl_ep`)
+    Step("moe_with_nccl_ep", ["benchmarks/moe.py", "--nccl-ep", "{out}/nccl_ep.json", "--out", "{out}"], 360,
+         gpus=2, default=False, tail=30),
     Step("moe_profile", ["tools/profile_moe.py", "--tokens", "128", "--out", "{out}/moe_profile"], 150, default=False,
          tail=40),  # times in its log; traces and optimized HLO in its folder
     # low latency: block shapes with fewer steps per program (each compiles for sm_90a without
