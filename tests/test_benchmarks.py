@@ -3,6 +3,7 @@ GPUs and how many, and exits with jaxgin.cli.EXIT_TOO_FEW_GPUS, before touching 
 devices for real work (no traceback)."""
 
 import ast
+import importlib
 import json
 import os
 import re
@@ -110,8 +111,6 @@ def test_the_copy_engine_programs_move_what_each_op_moves():
 def test_a_copy_engine_program_that_moves_wrong_bytes_is_reported(monkeypatch):
     """A wrong result from the child process gives no copy-engine figures and says which program
     was wrong; so does a child that fails."""
-    import importlib
-
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     collectives = importlib.import_module("collectives")
     rows = [{"op": "ppermute", "bytes_per_device": 1 << 24, "seconds": 1e-4, "equal": True},
@@ -291,14 +290,13 @@ def test_check_fp8_agrees_with_its_numpy_oracle_on_cpu(tmp_path):
         assert case["rounded_mismatches"] == case["dispatch_mismatches"] == 0, case
 
 
-def _timing_module():
-    """benchmarks/timing.py, imported as the benchmarks import it."""
+def _benchmark_module(name: str):
+    """benchmarks/NAME.py, imported as the benchmarks import each other (their folder on sys.path)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import timing
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return timing
 
 
 def _perfetto_trace(where: Path) -> None:
@@ -326,7 +324,7 @@ def _perfetto_trace(where: Path) -> None:
 def test_device_windows_give_each_gpus_first_start_and_last_end(tmp_path):
     """timing.device_windows: per GPU of the trace, its stream events' first start and last end
     (seconds on the trace's clock), the XLA-op line and the host left out."""
-    timing = _timing_module()
+    timing = _benchmark_module("timing")
     _perfetto_trace(tmp_path / "run")
     windows = timing.device_windows(tmp_path / "run")
     assert windows.keys() == {0, 1}
@@ -339,7 +337,7 @@ def test_device_span_reads_the_first_gpus_streams_only(tmp_path):
     """The benchmarks' device span (timing.device_events, span_seconds): GPU 0's stream events in
     start order, not its XLA-op line, GPU 1 or the host; the span from the first start to the
     latest end, in seconds; a trace without device events is an error, not a zero."""
-    timing = _timing_module()
+    timing = _benchmark_module("timing")
     _perfetto_trace(tmp_path / "run")
     events = timing.device_events(tmp_path / "run")
     assert [(e["name"], e["ts"]) for e in events] == [("dispatch_kernel", 100.0), ("route_kernel", 110.0),
@@ -355,7 +353,7 @@ def test_step_cycle_is_the_median_start_to_start_of_a_kernel_once_per_step():
     """timing.step_cycle_seconds: a chain's steady cost per step, clocked by the kernel that runs
     once a step (or every k-th start of one that runs k times), so one step's long wait and the
     run's prologue do not move it; a trace with nothing that recurs per step gives None."""
-    timing = _timing_module()
+    timing = _benchmark_module("timing")
     event = lambda name, ts: dict(name=name, ts=float(ts), dur=1.0)  # noqa: E731
     steps = 10
     events = [event("prologue", 0)]
@@ -536,19 +534,10 @@ def test_a_traced_all_to_all_call_with_movers_keeps_their_records_apart():
     assert summary["movers"] == {"count": 2, "end_us": {"min": 90.0, "median": 115.0, "max": 140.0}}
 
 
-def _moe_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import moe
-    finally:
-        sys.path.pop(0)
-    return moe
-
-
 def test_nccl_eps_pair_joins_the_moe_row_of_its_token_count(tmp_path):
     """moe.py --nccl-ep: the committed nccl_ep.json (2 x H200, 128 tokens) beside jaxgin's rows, its
     slowest rank's pair over jaxgin_pair; only the row of its token count gets it."""
-    moe = _moe_bench()
+    moe = _benchmark_module("moe")
     committed = ROOT / "benchmarks" / "results" / "2xh200" / "nccl_ep.json"
     held = json.loads(committed.read_text())
     anchor = moe.nccl_ep_anchor(committed, hidden=7168, experts=256, top_k=8, devices=2)
@@ -563,7 +552,7 @@ def test_nccl_eps_pair_joins_the_moe_row_of_its_token_count(tmp_path):
 
 
 def test_an_nccl_ep_file_of_other_shapes_is_refused_naming_them(tmp_path):
-    moe = _moe_bench()
+    moe = _benchmark_module("moe")
     committed = ROOT / "benchmarks" / "results" / "2xh200" / "nccl_ep.json"
     with pytest.raises(ValueError, match=r"hidden 7168 \(this run: 4096\); devices 2 \(this run: 4\)"):
         moe.nccl_ep_anchor(committed, hidden=4096, experts=256, top_k=8, devices=4)
