@@ -208,6 +208,17 @@ def stand_in_kernels(monkeypatch, num_warps: int = 4) -> None:
     monkeypatch.setattr(triton_op, "_compile", lambda *a, **k: compiled)
 
 
+def equations(jaxpr):
+    """Every equation of `jaxpr`, those of the jaxprs nested in its equations' parameters (shard_map's,
+    jit's, a ClosedJaxpr's) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from equations(inner)
+
+
 def compile_for_sm90(kernel, signature: dict, constexprs: dict | None = None, num_warps: int = 4,
                      num_stages: int = 3, max_registers: int | None = None):
     """`kernel` compiled by Triton for sm_90a on this machine (no GPU needed), through

@@ -26,8 +26,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxgin
 from jaxgin.fused import TileConfig
 
-from conftest import (FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, registers_per_thread,
-                      stand_in_kernels, triton_interpreter_check)
+from conftest import (FakeRuntime, compile_for_sm90, equations, gpu_scenario, memory_operations,
+                      registers_per_thread, stand_in_kernels, triton_interpreter_check)
 
 
 @pytest.fixture
@@ -1424,4 +1424,4 @@ def test_fused_kernels_trace_as_pure_calls_inside_shard_map(monkeypatch, op, gin
     jaxpr = jax.make_jaxpr(mapped)(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16))
     assert not jaxpr.effects
     (shard,) = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "shard_map"]
-    assert [eqn.primitive.name for eqn in shard.params["jaxpr"].eqns].count("jaxgin_triton_call") == 1
+    assert [eqn.primitive.name for eqn in equations(shard.params["jaxpr"])].count("jaxgin_triton_call") == 1

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxgin
 
-from conftest import (FakeRuntime, compile_for_sm90, gpu_scenario, memory_operations, stand_in_kernels,
+from conftest import (FakeRuntime, compile_for_sm90, equations, gpu_scenario, memory_operations, stand_in_kernels,
                       triton_interpreter_check)
 
 SPEC = P("ep")
@@ -1239,14 +1239,5 @@ def test_moe_kernels_trace_as_pure_calls_inside_shard_map(monkeypatch, gin):
     mapped = jax.shard_map(pair, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep"))
     jaxpr = jax.make_jaxpr(mapped)(x, w, ids)
     assert not jaxpr.effects
-
-    def primitives(jaxpr):  # every equation's primitive, nested jaxprs (shard_map's, jit's) included
-        for eqn in jaxpr.eqns:
-            yield eqn.primitive.name
-            for param in eqn.params.values():
-                inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr holds its Jaxpr
-                if hasattr(inner, "eqns"):
-                    yield from primitives(inner)
-
-    calls = [name for name in primitives(jaxpr.jaxpr) if name == "jaxgin_triton_call"]
+    calls = [eqn.primitive.name for eqn in equations(jaxpr.jaxpr) if eqn.primitive.name == "jaxgin_triton_call"]
     assert len(calls) == (3 if gin else 2), calls  # with GIN peers the routing kernel runs first

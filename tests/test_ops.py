@@ -21,6 +21,8 @@ import jaxgin
 from jaxgin import heap as heap_lib
 from jaxgin.errors import JaxginError, NotInitializedError
 
+from conftest import equations
+
 SIZES = [2, 4, 8]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8]
 
@@ -370,18 +372,7 @@ def test_ppermute_transpose_binds_the_inverse_permutation(init):
     perm = ((0, 1), (1, 2), (3, 0))
     fn = _global_op(mesh_of(4), lambda v: jaxgin.ppermute(v, "x", perm))
     jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(fn(x)))))(jnp.ones((8, 2)))
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "jaxgin_ppermute":
-                found.append(eqn.params["perm"])
-            for value in eqn.params.values():
-                inner = getattr(value, "jaxpr", value)
-                if hasattr(inner, "eqns"):
-                    walk(inner)
-
-    walk(jaxpr.jaxpr)
+    found = [eqn.params["perm"] for eqn in equations(jaxpr.jaxpr) if eqn.primitive.name == "jaxgin_ppermute"]
     assert perm in found and ((1, 0), (2, 1), (0, 3)) in found
 
 
